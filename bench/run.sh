@@ -1,0 +1,276 @@
+#!/usr/bin/env bash
+# Side-by-side benchmark: Pier vs nginx, HAProxy and OpenResty-style nginx + Lua, each in
+# front of the same nginx origin, one proxy at a time. See bench/README.md.
+#
+#   bench/run.sh                                   # everything, default settings
+#   PROXIES=nginx,haproxy DURATION=3 REPS=1 bench/run.sh
+set -euo pipefail
+
+BENCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$BENCH_DIR/.." && pwd)"
+
+# ---- knobs (environment) ----------------------------------------------------------------
+PROXIES="${PROXIES:-pier,nginx,haproxy,pier-lua,nginx-lua}"
+DURATION="${DURATION:-10}"          # seconds per wrk run
+CONNS="${CONNS-50,500}"             # wrk connection counts (empty: no load runs)
+PATHS="${PATHS-/hello,/4k.bin}"     # request paths (origin: /hello, /4k.bin, /100k.bin; empty: none)
+REPS="${REPS:-3}"                   # repetitions; proxies are interleaved within each
+THREADS="${THREADS:-2}"             # wrk threads
+IDLE_CONNS="${IDLE_CONNS:-10000}"   # idle keep-alive connections for the idle-RSS test (0 = skip)
+PIER_BIN="${PIER_BIN:-$ROOT/target/release/pier}"
+PIER_LUA_CONFIG="${PIER_LUA_CONFIG:-$ROOT/examples/lua-access.toml}"
+SKIP_INSTALL="${SKIP_INSTALL:-0}"   # 1 = never call apt-get
+SKIP_BUILD="${SKIP_BUILD:-0}"       # 1 = use $PIER_BIN as is
+OUT_DIR="${OUT_DIR:-$BENCH_DIR/out}"
+
+log() { printf '[bench %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+# ---- prerequisites ----------------------------------------------------------------------
+install_missing() {
+    local pkgs=()
+    command -v nginx >/dev/null || pkgs+=(nginx)
+    command -v haproxy >/dev/null || pkgs+=(haproxy)
+    command -v wrk >/dev/null || pkgs+=(wrk)
+    command -v ps >/dev/null || pkgs+=(procps)
+    command -v ss >/dev/null || pkgs+=(iproute2)
+    [ -e /usr/lib/nginx/modules/ngx_http_lua_module.so ] || pkgs+=(libnginx-mod-http-lua)
+    [ -e /usr/share/lua/5.1/resty/core.lua ] || pkgs+=(lua-resty-core)
+    command -v python3 >/dev/null || pkgs+=(python3)
+    if [ "${#pkgs[@]}" -gt 0 ]; then
+        [ "$SKIP_INSTALL" = 1 ] && die "missing packages: ${pkgs[*]} (SKIP_INSTALL=1)"
+        log "installing: ${pkgs[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq
+        apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >/dev/null
+    fi
+    # The Debian packages enable a system nginx on port 80; it is not ours, leave it alone.
+}
+
+has_proxy() { [[ ",$PROXIES," == *",$1,"* ]]; }
+drop_proxy() {
+    local p out=()
+    IFS=, read -ra list <<<"$PROXIES"
+    for p in "${list[@]}"; do [ "$p" = "$1" ] || out+=("$p"); done
+    PROXIES="$(IFS=,; echo "${out[*]}")"
+}
+
+SKIPPED=()   # "proxy: reason" lines, copied into the report
+
+build_pier() {
+    has_proxy pier || has_proxy pier-lua || return 0
+    if [ "$SKIP_BUILD" != 1 ]; then
+        log "building pier: cargo build --release -p pier"
+        if ! (cd "$ROOT" && cargo build --release -p pier) >"$RUN/cargo-build.log" 2>&1; then
+            tail -n 20 "$RUN/cargo-build.log" >&2
+            log "Pier does NOT build yet (cargo build --release -p pier failed; log: $RUN/cargo-build.log)."
+            log "Skipping the pier and pier-lua scenarios; the peers are still measured."
+            SKIPPED+=("pier, pier-lua: \`cargo build --release -p pier\` failed (binary not ready)")
+            drop_proxy pier; drop_proxy pier-lua
+            return 0
+        fi
+    fi
+    if [ ! -x "$PIER_BIN" ]; then
+        log "no Pier binary at $PIER_BIN; skipping pier and pier-lua"
+        SKIPPED+=("pier, pier-lua: no binary at $PIER_BIN")
+        drop_proxy pier; drop_proxy pier-lua
+        return 0
+    fi
+    if has_proxy pier-lua && [ ! -f "$PIER_LUA_CONFIG" ]; then
+        log "pier-lua: $PIER_LUA_CONFIG does not exist yet (Lua hooks not landed); skipping it"
+        SKIPPED+=("pier-lua: $(basename "$PIER_LUA_CONFIG") does not exist yet")
+        drop_proxy pier-lua
+    fi
+}
+
+# ---- process bookkeeping ----------------------------------------------------------------
+PIDS=()        # every process tree root this script started
+ORIGIN_PID=""
+PROXY_PID=""
+PROXY_PORT=""
+
+kill_tree() {   # TERM a process tree, wait (bounded), then KILL what is left
+    local root="$1" pids p i
+    pids="$(python3 "$BENCH_DIR/tool.py" tree "$root" 2>/dev/null || echo "$root")"
+    kill -TERM "$root" 2>/dev/null || true
+    for i in $(seq 1 50); do
+        kill -0 "$root" 2>/dev/null || break
+        sleep 0.1
+    done
+    for p in $pids; do kill -KILL "$p" 2>/dev/null || true; done
+    wait "$root" 2>/dev/null || true
+}
+
+cleanup() {
+    local rc=$? p
+    for p in "${PIDS[@]:-}"; do
+        [ -n "$p" ] && kill_tree "$p"
+    done
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+untrack() {
+    local p out=()
+    for p in "${PIDS[@]:-}"; do [ "$p" = "$1" ] || out+=("$p"); done
+    PIDS=("${out[@]:-}")
+}
+
+template() {   # template SRC DST PORT
+    sed -e "s/@PORT@/$3/g" -e "s/@ORIGIN@/${ORIGIN_PORT:-0}/g" "$1" >"$2"
+}
+
+prep_nginx_dir() {   # fresh prefix dir for one nginx instance
+    rm -rf "$1"; mkdir -p "$1/logs/tmp"; chmod -R 755 "$1"
+}
+
+# start_proxy NAME: sets PROXY_PID and PROXY_PORT, returns 1 (with a message) on failure
+start_proxy() {
+    local name="$1" dir="$RUN/$1" port
+    port="$(python3 "$BENCH_DIR/tool.py" port)"
+    PROXY_PORT="$port"
+    case "$name" in
+        nginx|nginx-lua)
+            local src="nginx-proxy"; [ "$name" = nginx-lua ] && src="nginx-lua"
+            prep_nginx_dir "$dir"
+            template "$BENCH_DIR/peers/$src/nginx.conf" "$dir/nginx.conf" "$port"
+            nginx -p "$dir/" -c nginx.conf -e "$dir/logs/error.log" >"$dir/stdout.log" 2>&1 &
+            ;;
+        haproxy)
+            rm -rf "$dir"; mkdir -p "$dir"
+            template "$BENCH_DIR/peers/haproxy/haproxy.cfg" "$dir/haproxy.cfg" "$port"
+            haproxy -db -f "$dir/haproxy.cfg" >"$dir/stdout.log" 2>&1 &
+            ;;
+        pier)
+            rm -rf "$dir"; mkdir -p "$dir"
+            template "$BENCH_DIR/peers/pier/pier.toml" "$dir/pier.toml" "$port"
+            "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
+            ;;
+        pier-lua)
+            rm -rf "$dir"; mkdir -p "$dir"
+            python3 "$BENCH_DIR/tool.py" pier-config "$PIER_LUA_CONFIG" "$dir/pier.toml"
+            PIER_LISTEN="127.0.0.1:$port" PIER_ORIGIN="127.0.0.1:$ORIGIN_PORT" \
+                "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
+            ;;
+        *) die "unknown proxy '$name' (known: pier, nginx, haproxy, pier-lua, nginx-lua)" ;;
+    esac
+    PROXY_PID=$!
+    PIDS+=("$PROXY_PID")
+    if ! python3 "$BENCH_DIR/tool.py" wait-port "$port" 15 --pid "$PROXY_PID" || ! kill -0 "$PROXY_PID" 2>/dev/null; then
+        log "$name did not start listening on 127.0.0.1:$port; its output:"
+        tail -n 20 "$dir/stdout.log" "$dir/logs/error.log" >&2 2>/dev/null || true
+        stop_proxy
+        return 1
+    fi
+    local lua=""; [[ "$name" == *-lua ]] && lua="--lua"
+    local why
+    if ! why="$(python3 "$BENCH_DIR/tool.py" check "$port" $lua 2>&1)"; then
+        log "$name failed its sanity check: $why"
+        stop_proxy
+        return 1
+    fi
+    if [ "$name" = nginx-lua ] && ! grep -q 'RESTYCORE_CHECK resty.core loaded=true' "$dir/logs/error.log"; then
+        log "nginx-lua: lua-resty-core is not loaded (see $dir/logs/error.log)"
+        stop_proxy
+        return 1
+    fi
+    return 0
+}
+
+stop_proxy() {
+    [ -n "$PROXY_PID" ] || return 0
+    kill_tree "$PROXY_PID"
+    untrack "$PROXY_PID"
+    PROXY_PID=""
+}
+
+# ---- main ---------------------------------------------------------------------------------
+install_missing
+
+mkdir -p "$OUT_DIR"
+chmod 755 "$OUT_DIR"
+RUN="$OUT_DIR/run-$(date -u +%Y%m%dT%H%M%SZ)"
+mkdir -p "$RUN"; chmod 755 "$RUN"
+RESULTS="$RUN/results.jsonl"
+: >"$RESULTS"
+log "run directory: $RUN"
+
+# 10,000 idle client connections (plus the proxy's own) need more than the default 1024.
+ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+log "open files limit: $(ulimit -n)"
+
+build_pier
+[ -n "$PROXIES" ] || die "nothing to benchmark (PROXIES is empty after skips)"
+IFS=, read -ra PROXY_LIST <<<"$PROXIES"
+IFS=, read -ra CONN_LIST <<<"$CONNS"
+IFS=, read -ra PATH_LIST <<<"$PATHS"
+
+# Origin: nginx, started once and shared by every proxy run.
+ORIGIN_PORT="$(python3 "$BENCH_DIR/tool.py" port)"
+prep_nginx_dir "$RUN/origin"
+mkdir -p "$RUN/origin/html"
+printf 'hello world\n' >"$RUN/origin/html/hello.txt"
+head -c 4096 /dev/urandom >"$RUN/origin/html/4k.bin"
+head -c 102400 /dev/urandom >"$RUN/origin/html/100k.bin"
+chmod -R 755 "$RUN/origin"
+template "$BENCH_DIR/peers/origin/nginx.conf" "$RUN/origin/nginx.conf" "$ORIGIN_PORT"
+nginx -p "$RUN/origin/" -c nginx.conf -e "$RUN/origin/logs/error.log" >"$RUN/origin/stdout.log" 2>&1 &
+ORIGIN_PID=$!
+PIDS+=("$ORIGIN_PID")
+python3 "$BENCH_DIR/tool.py" wait-port "$ORIGIN_PORT" 15 || {
+    cat "$RUN/origin/logs/error.log" >&2 || true; die "origin did not start"; }
+log "origin: nginx pid $ORIGIN_PID on 127.0.0.1:$ORIGIN_PORT"
+
+cat >"$RUN/settings.json" <<EOF
+{"proxies": "$PROXIES", "duration": $DURATION, "conns": "$CONNS", "paths": "$PATHS",
+ "reps": $REPS, "threads": $THREADS, "idle_conns": $IDLE_CONNS,
+ "date": "$(date -u +%Y-%m-%dT%H:%M:%SZ)", "nproc": $(nproc),
+ "kernel": "$(uname -r)",
+ "nginx": "$(nginx -v 2>&1 | sed 's/.*nginx\///')",
+ "haproxy": "$(haproxy -v | head -1 | awk '{print $3}')",
+ "pier": "$( [ -x "$PIER_BIN" ] && "$PIER_BIN" --version 2>/dev/null | head -1 || echo n/a)",
+ "pier_commit": "$(cd "$ROOT" && git rev-parse --short HEAD 2>/dev/null || echo none)"}
+EOF
+for s in "${SKIPPED[@]:-}"; do [ -n "$s" ] && echo "$s"; done >"$RUN/skipped.txt" || true
+
+FAILED_STARTS=0
+for rep in $(seq 1 "$REPS"); do
+    for path in "${PATH_LIST[@]}"; do
+        for c in "${CONN_LIST[@]}"; do
+            log "rep $rep/$REPS: $path, $c connections, ${DURATION}s each"
+            for proxy in "${PROXY_LIST[@]}"; do
+                if ! start_proxy "$proxy"; then
+                    FAILED_STARTS=$((FAILED_STARTS + 1))
+                    echo "{\"kind\":\"failed\",\"proxy\":\"$proxy\",\"path\":\"$path\",\"conns\":$c,\"rep\":$rep}" >>"$RESULTS"
+                    continue
+                fi
+                python3 "$BENCH_DIR/tool.py" measure --proxy "$proxy" --path "$path" \
+                    --out "$RESULTS" --pid "$PROXY_PID" --port "$PROXY_PORT" \
+                    --origin-pid "$ORIGIN_PID" --origin-port "$ORIGIN_PORT" --conns "$c" \
+                    --duration "$DURATION" --threads "$THREADS" --rep "$rep" \
+                    || log "$proxy: wrk run reported an error (kept in $RESULTS)"
+                stop_proxy
+            done
+        done
+    done
+    if [ "$IDLE_CONNS" -gt 0 ]; then
+        log "rep $rep/$REPS: RSS with $IDLE_CONNS idle keep-alive connections"
+        for proxy in "${PROXY_LIST[@]}"; do
+            if ! start_proxy "$proxy"; then
+                FAILED_STARTS=$((FAILED_STARTS + 1))
+                continue
+            fi
+            python3 "$BENCH_DIR/tool.py" idle --proxy "$proxy" --out "$RESULTS" \
+                --pid "$PROXY_PID" --port "$PROXY_PORT" --n "$IDLE_CONNS" --rep "$rep" \
+                || log "$proxy: idle-connection test failed"
+            stop_proxy
+        done
+    fi
+done
+
+python3 "$BENCH_DIR/report.py" "$RUN" | tee "$RUN/results.md"
+cp "$RUN/results.md" "$OUT_DIR/results.md"
+cp "$RESULTS" "$OUT_DIR/results.jsonl"
+log "report: $OUT_DIR/results.md (raw: $RESULTS)"
+[ "$FAILED_STARTS" -eq 0 ] || log "WARNING: $FAILED_STARTS proxy start(s) failed; see the logs under $RUN"

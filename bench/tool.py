@@ -1,0 +1,454 @@
+#!/usr/bin/env python3
+"""Measurement helpers for bench/run.sh (standard library only).
+
+Subcommands:
+  port                      print a free 127.0.0.1 TCP port below the ephemeral range
+  wait-port PORT SECS [--pid P]  wait until 127.0.0.1:PORT accepts TCP connections
+  check PORT [--lua]        sanity-check a proxy: GET /hello is 200 "hello world";
+                            with --lua also x-lua: 1 and 403 when X-Block is sent
+  tree PID                  print PID and all its descendants
+  stat PID                  print CPU seconds and RSS (KiB) of PID and all its descendants
+  measure ...               run wrk against a proxy and append one JSON result line
+  idle ...                  RSS of a proxy with N idle keep-alive client connections open
+  pier-config SRC DST       rewrite a Pier TOML config for the benchmark (2 workers,
+                            access log off, room for 20k connections)
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------- ports
+
+
+def free_port():
+    """A free port below the ephemeral range.
+
+    Ports from bind(0) come from the ephemeral range, which the benchmark's own
+    client and upstream connections churn through by the tens of thousands; a
+    proxy re-bound there per run could collide with one of them.
+    """
+    lo = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo = int(f.read().split()[0])
+    except OSError:
+        pass
+    lo = max(lo, 12000)
+    for _ in range(200):
+        port = random.randrange(10000, lo)
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+        finally:
+            s.close()
+    # Fall back to the kernel's choice.
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            s = f.read()
+        return s[s.rindex(")") + 2] != "Z"
+    except OSError:
+        return False
+
+
+def wait_port(port, secs, pid=None):
+    deadline = time.monotonic() + secs
+    while time.monotonic() < deadline:
+        if pid and not _alive(pid):
+            return False  # the server exited: no point waiting
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+# ---------------------------------------------------------------- http
+
+
+def http_get(port, path, headers=None, timeout=5.0):
+    """One request on a fresh connection; returns (status, headers dict, body)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=timeout) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def origin_accepts(port):
+    """The origin's stub_status `accepts` counter (includes this query's own connection)."""
+    _, _, body = http_get(port, "/__status")
+    m = re.search(rb"\n\s*(\d+)\s+(\d+)\s+(\d+)", body)
+    if not m:
+        raise RuntimeError(f"unexpected stub_status body: {body!r}")
+    return int(m.group(1))
+
+
+def check(port, lua):
+    ua = {"User-Agent": "pier-bench"}
+    st, hd, body = http_get(port, "/hello", ua)
+    if st != 200 or body != b"hello world\n":
+        return f"GET /hello -> {st} {body[:80]!r}, want 200 'hello world'"
+    st, _, body = http_get(port, "/4k.bin", ua)
+    if st != 200 or len(body) != 4096:
+        return f"GET /4k.bin -> {st}, {len(body)} bytes, want 200 and 4096 bytes"
+    if lua:
+        if hd.get("x-lua") != "1":
+            return f"GET /hello: response header x-lua is {hd.get('x-lua')!r}, want '1'"
+        st, _, _ = http_get(port, "/hello", {**ua, "X-Block": "1"})
+        if st != 403:
+            return f"GET /hello with X-Block -> {st}, want 403"
+    return None
+
+
+# ---------------------------------------------------------------- /proc
+
+
+def _children_map():
+    kids = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                s = f.read()
+        except OSError:
+            continue
+        ppid = int(s[s.rindex(")") + 2 :].split()[1])
+        kids.setdefault(ppid, []).append(int(d))
+    return kids
+
+
+def tree(pid):
+    """PID and all its descendants (nginx master + workers, etc.)."""
+    kids = _children_map()
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def stat(pid):
+    """(cpu_seconds, rss_kib, pss_kib, nprocs) summed over the process tree.
+
+    CPU is utime+stime of every live process plus cutime+cstime (children that
+    already exited and were reaped), so nothing a process tree burned is lost.
+    """
+    ticks = rss = pss = n = 0
+    for p in tree(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                s = f.read()
+            fields = s[s.rindex(")") + 2 :].split()
+            # fields[0] is state (field 3); utime is field 14 -> index 11.
+            ticks += sum(int(x) for x in fields[11:15])
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        rss += int(line.split()[1])
+            try:
+                with open(f"/proc/{p}/smaps_rollup") as f:
+                    for line in f:
+                        if line.startswith("Pss:"):
+                            pss += int(line.split()[1])
+            except OSError:
+                pass
+            n += 1
+        except (OSError, ValueError):
+            continue
+    return ticks / CLK_TCK, rss, pss, n
+
+
+# ---------------------------------------------------------------- wrk
+
+
+_UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}
+
+
+def _ms(v):
+    m = re.fullmatch(r"([\d.]+)(us|ms|s|m)", v)
+    return float(m.group(1)) * _UNITS[m.group(2)] if m else None
+
+
+def parse_wrk(text):
+    r = {"rps": None, "p50_ms": None, "p99_ms": None, "requests": None,
+         "socket_errors": 0, "non_2xx": 0}
+    m = re.search(r"Requests/sec:\s+([\d.]+)", text)
+    if m:
+        r["rps"] = float(m.group(1))
+    m = re.search(r"(\d+) requests in", text)
+    if m:
+        r["requests"] = int(m.group(1))
+    for pct, key in (("50", "p50_ms"), ("99", "p99_ms")):
+        m = re.search(rf"^\s+{pct}(?:\.000)?%\s+(\S+)", text, re.M)
+        if m:
+            r[key] = _ms(m.group(1))
+    m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    if m:
+        r["socket_errors"] = sum(int(x) for x in m.groups())
+    m = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    if m:
+        r["non_2xx"] = int(m.group(1))
+    return r
+
+
+def measure(a):
+    wrk = ["wrk", f"-t{a.threads}", f"-c{a.conns}", f"-d{a.duration}s", "--latency",
+           "--timeout", "10s", "-H", "User-Agent: pier-bench",
+           f"http://127.0.0.1:{a.port}{a.path}"]
+    acc0 = origin_accepts(a.origin_port)
+    cpu0, _, _, _ = stat(a.pid)
+    ocpu0, _, _, _ = stat(a.origin_pid)
+    t0 = time.monotonic()
+    p = subprocess.run(wrk, capture_output=True, text=True, timeout=a.duration + 60)
+    wall = time.monotonic() - t0
+    cpu1, rss, pss, nproc = stat(a.pid)
+    ocpu1, _, _, _ = stat(a.origin_pid)
+    acc1 = origin_accepts(a.origin_port)
+    r = parse_wrk(p.stdout)
+    cpu = cpu1 - cpu0
+    r.update({
+        "kind": "load", "proxy": a.proxy, "path": a.path, "conns": a.conns, "rep": a.rep,
+        "duration": a.duration, "wall_s": round(wall, 3),
+        "cpu_s": round(cpu, 3),
+        "req_per_cpu_s": (r["requests"] / cpu) if (r["requests"] and cpu > 0) else None,
+        # -1: the second stub_status query's own connection.
+        "upstream_conns": acc1 - acc0 - 1,
+        "origin_cpu_s": round(ocpu1 - ocpu0, 3),
+        "rss_kib": rss, "pss_kib": pss, "nprocs": nproc,
+        "wrk_rc": p.returncode,
+    })
+    if p.returncode != 0 or r["rps"] is None:
+        r["error"] = (p.stderr or p.stdout)[-400:]
+    with open(a.out, "a") as f:
+        f.write(json.dumps(r) + "\n")
+    upc = r["upstream_conns"]
+    print(f"  {a.proxy:9} {a.path:8} c={a.conns:<4} rps={r['rps'] or 0:>9.0f} "
+          f"p50={r['p50_ms'] or 0:.2f}ms p99={r['p99_ms'] or 0:.2f}ms cpu={cpu:.2f}s "
+          f"req/cpu-s={r['req_per_cpu_s'] or 0:>7.0f} upstream-conns={upc} "
+          f"rss={rss / 1024:.1f}MB errs={r['socket_errors']}+{r['non_2xx']}", flush=True)
+    return 0 if "error" not in r else 1
+
+
+# ---------------------------------------------------------------- idle connections
+
+
+async def _idle(port, n, path, parallel, hold_cb):
+    req = (f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: pier-bench-idle\r\n\r\n").encode()
+    sem = asyncio.Semaphore(parallel)
+    conns = []
+    failed = [0]
+
+    async def one_request(reader, writer):
+        writer.write(req)
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        m = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", head)
+        if not m:
+            raise RuntimeError("no content-length")
+        await reader.readexactly(int(m.group(1)))
+        return status
+
+    async def opener():
+        async with sem:
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection("127.0.0.1", port), 10)
+                st = await asyncio.wait_for(one_request(reader, writer), 10)
+                if st != 200:
+                    raise RuntimeError(f"status {st}")
+                conns.append((reader, writer))
+            except Exception:  # noqa: BLE001 - counted, reported as failures
+                failed[0] += 1
+
+    await asyncio.gather(*(opener() for _ in range(n)))
+    await asyncio.sleep(1.0)  # let the proxy settle (buffers freed, pools idle)
+    held = hold_cb()
+    # Prove the connections are still alive: a second request on a sample of them.
+    sample = random.sample(conns, min(200, len(conns)))
+    alive = 0
+
+    async def reuse(rw):
+        nonlocal alive
+        try:
+            if await asyncio.wait_for(one_request(*rw), 10) == 200:
+                alive += 1
+        except Exception:  # noqa: BLE001 - counted as not alive
+            pass
+
+    await asyncio.gather(*(reuse(rw) for rw in sample))
+    for _, w in conns:
+        w.close()
+    return len(conns), failed[0], len(sample), alive, held
+
+
+def idle(a):
+    _, rss0, pss0, _ = stat(a.pid)
+
+    def hold():
+        return stat(a.pid)
+
+    t0 = time.monotonic()
+    opened, failed, sampled, alive, held = asyncio.run(
+        asyncio.wait_for(_idle(a.port, a.n, a.path, a.parallel, hold), a.timeout))
+    _, rss1, pss1, nproc = held
+    r = {"kind": "idle", "proxy": a.proxy, "rep": a.rep, "target": a.n, "opened": opened,
+         "failed": failed, "reuse_sampled": sampled, "reuse_ok": alive,
+         "rss0_kib": rss0, "rss_kib": rss1, "pss0_kib": pss0, "pss_kib": pss1,
+         "nprocs": nproc, "secs": round(time.monotonic() - t0, 2)}
+    with open(a.out, "a") as f:
+        f.write(json.dumps(r) + "\n")
+    per = (rss1 - rss0) / opened if opened else 0
+    print(f"  {a.proxy:9} idle: {opened}/{a.n} open ({failed} failed), "
+          f"{alive}/{sampled} reusable; RSS {rss0 / 1024:.1f} -> {rss1 / 1024:.1f} MB "
+          f"(~{per:.1f} KiB per connection)", flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- pier config rewrite
+
+
+def _toml_key(k):
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
+
+
+def _toml_val(v):
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        # A JSON string is a valid TOML basic string (same escapes).
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_val(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_val(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def _is_table_array(v):
+    return isinstance(v, list) and v and all(isinstance(x, dict) for x in v)
+
+
+def toml_dump(d, prefix=()):
+    out = []
+    scalars = [(k, v) for k, v in d.items() if not isinstance(v, dict) and not _is_table_array(v)]
+    for k, v in scalars:
+        out.append(f"{_toml_key(k)} = {_toml_val(v)}")
+    for k, v in d.items():
+        path = prefix + (k,)
+        name = ".".join(_toml_key(x) for x in path)
+        if isinstance(v, dict):
+            out.append(f"\n[{name}]")
+            out.append(toml_dump(v, path))
+        elif _is_table_array(v):
+            for item in v:
+                out.append(f"\n[[{name}]]")
+                out.append(toml_dump(item, path))
+    return "\n".join(x for x in out if x != "")
+
+
+def pier_config(a):
+    import tomllib
+
+    with open(a.src, "rb") as f:
+        cfg = tomllib.load(f)
+    cfg.setdefault("server", {})["workers"] = 2
+    cfg.setdefault("log", {})["access"] = "off"
+    cfg.setdefault("limits", {})["max_connections"] = 20000
+    cfg.setdefault("timeouts", {})["client_idle"] = "65s"
+    with open(a.dst, "w") as f:
+        f.write(f"# Generated by bench/tool.py from {a.src}\n" + toml_dump(cfg) + "\n")
+    return 0
+
+
+# ---------------------------------------------------------------- main
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sp = ap.add_subparsers(dest="cmd", required=True)
+    sp.add_parser("port")
+    w = sp.add_parser("wait-port")
+    w.add_argument("port", type=int)
+    w.add_argument("secs", type=float)
+    w.add_argument("--pid", type=int, help="give up early when this process exits")
+    c = sp.add_parser("check")
+    c.add_argument("port", type=int)
+    c.add_argument("--lua", action="store_true")
+    t = sp.add_parser("tree")
+    t.add_argument("pid", type=int)
+    s = sp.add_parser("stat")
+    s.add_argument("pid", type=int)
+    m = sp.add_parser("measure")
+    for k in ("proxy", "path", "out"):
+        m.add_argument(f"--{k}", required=True)
+    for k in ("pid", "port", "origin-pid", "origin-port", "conns", "duration", "threads", "rep"):
+        m.add_argument(f"--{k}", type=int, required=True)
+    i = sp.add_parser("idle")
+    for k in ("proxy", "out"):
+        i.add_argument(f"--{k}", required=True)
+    for k in ("pid", "port", "n", "rep"):
+        i.add_argument(f"--{k}", type=int, required=True)
+    i.add_argument("--path", default="/hello")
+    i.add_argument("--parallel", type=int, default=200)
+    i.add_argument("--timeout", type=float, default=180)
+    p = sp.add_parser("pier-config")
+    p.add_argument("src")
+    p.add_argument("dst")
+    a = ap.parse_args()
+
+    if a.cmd == "port":
+        print(free_port())
+    elif a.cmd == "wait-port":
+        return 0 if wait_port(a.port, a.secs, a.pid) else 1
+    elif a.cmd == "check":
+        err = check(a.port, a.lua)
+        if err:
+            print(err)
+            return 1
+    elif a.cmd == "tree":
+        print(" ".join(str(p) for p in tree(a.pid)))
+    elif a.cmd == "stat":
+        cpu, rss, pss, n = stat(a.pid)
+        print(f"cpu_s={cpu:.2f} rss_kib={rss} pss_kib={pss} procs={n}")
+    elif a.cmd == "measure":
+        return measure(a)
+    elif a.cmd == "idle":
+        return idle(a)
+    elif a.cmd == "pier-config":
+        return pier_config(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
