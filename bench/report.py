@@ -99,7 +99,8 @@ def main():
         w(f"- **failed to start/check**: {r['proxy']} for {r['path']} at {r['conns']} conns (rep {r['rep']})")
     w("- cells are `median (min–max)` over repetitions; *req/CPU-s* = requests completed ÷ "
       "the proxy's own CPU seconds (utime+stime of all its processes); *upstream conns* = new "
-      "connections the origin accepted during the run (stub_status)")
+      "connections the origin accepted during the run (stub_status); *other CPU s* = CPU "
+      "time used during the run by anything but the proxy, the origin and wrk (noise)")
     w("")
 
     scenarios = []
@@ -116,8 +117,8 @@ def main():
         w("## Throughput, latency, CPU efficiency")
         w("")
         w("| scenario | proxy | req/s | p50 ms | p99 ms | proxy CPU s | **req/CPU-s** "
-          "| upstream conns opened | % of requests | RSS MB | errors |")
-        w("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| upstream conns opened | % of requests | RSS MB | errors | other CPU s |")
+        w("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for path, conns in scenarios:
             for p in proxies_in(load):
                 rs = runs(p, path, conns)
@@ -137,7 +138,8 @@ def main():
                   f"| {cell([r.get('upstream_conns') for r in rs], '{:.0f}')} "
                   f"| {cell(pct, '{:.2f}')} "
                   f"| {cell([r.get('rss_kib') for r in rs], '{:.1f}', 1 / 1024)} "
-                  f"| {err} |")
+                  f"| {err} "
+                  f"| {cell([r.get('other_cpu_s') for r in rs], '{:.1f}')} |")
         w("")
 
         have = set(proxies_in(load))

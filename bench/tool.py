@@ -20,6 +20,7 @@ import json
 import os
 import random
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -186,6 +187,14 @@ def stat(pid):
     return ticks / CLK_TCK, rss, pss, n
 
 
+def busy_seconds():
+    """CPU seconds all cores spent busy since boot (from /proc/stat), for the noise check."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal ...
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)) / CLK_TCK
+
+
 # ---------------------------------------------------------------- wrk
 
 
@@ -226,11 +235,17 @@ def measure(a):
     acc0 = origin_accepts(a.origin_port)
     cpu0, _, _, _ = stat(a.pid)
     ocpu0, _, _, _ = stat(a.origin_pid)
+    busy0 = busy_seconds()
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load0 = open("/proc/loadavg").read().split()[0]
     t0 = time.monotonic()
     p = subprocess.run(wrk, capture_output=True, text=True, timeout=a.duration + 60)
     wall = time.monotonic() - t0
     cpu1, rss, pss, nproc = stat(a.pid)
     ocpu1, _, _, _ = stat(a.origin_pid)
+    busy1 = busy_seconds()
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wrk_cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     acc1 = origin_accepts(a.origin_port)
     r = parse_wrk(p.stdout)
     cpu = cpu1 - cpu0
@@ -242,6 +257,11 @@ def measure(a):
         # -1: the second stub_status query's own connection.
         "upstream_conns": acc1 - acc0 - 1,
         "origin_cpu_s": round(ocpu1 - ocpu0, 3),
+        "wrk_cpu_s": round(wrk_cpu, 3),
+        # CPU that neither the proxy, the origin nor wrk used: other work on the machine
+        # (and this helper); large values mean a noisy run.
+        "other_cpu_s": round((busy1 - busy0) - cpu - (ocpu1 - ocpu0) - wrk_cpu, 3),
+        "loadavg_before": float(load0),
         "rss_kib": rss, "pss_kib": pss, "nprocs": nproc,
         "wrk_rc": p.returncode,
     })
@@ -253,7 +273,8 @@ def measure(a):
     print(f"  {a.proxy:9} {a.path:8} c={a.conns:<4} rps={r['rps'] or 0:>9.0f} "
           f"p50={r['p50_ms'] or 0:.2f}ms p99={r['p99_ms'] or 0:.2f}ms cpu={cpu:.2f}s "
           f"req/cpu-s={r['req_per_cpu_s'] or 0:>7.0f} upstream-conns={upc} "
-          f"rss={rss / 1024:.1f}MB errs={r['socket_errors']}+{r['non_2xx']}", flush=True)
+          f"rss={rss / 1024:.1f}MB errs={r['socket_errors']}+{r['non_2xx']} "
+          f"other-cpu={r['other_cpu_s']:.1f}s", flush=True)
     return 0 if "error" not in r else 1
 
 
