@@ -1,0 +1,17 @@
+//! HTTP/1 for Pier: heads with fixed-slot header maps (`headers`, `known`),
+//! the parser and its anti-smuggling checks (`head`), the validating chunked
+//! scanner (`chunked`), head serialisation (`write`) and the cached `Date`
+//! (`date`). Parsing is httparse's; what is Pier's own is the zero-allocation
+//! header storage and the framing policy.
+#![forbid(unsafe_code)]
+
+pub mod chunked;
+pub mod date;
+pub mod head;
+pub mod headers;
+pub mod known;
+pub mod write;
+
+pub use chunked::ChunkedScanner;
+pub use head::{remove_hop_by_hop, BodyLen, HeadLimits, Method, RequestHead, ResponseHead};
+pub use headers::Headers;

@@ -1,0 +1,172 @@
+//! JSON-lines access log.
+//!
+//! Each worker formats records into its own buffer (no `format!`, no
+//! allocation once the buffer has grown) and hands full buffers to one
+//! writer thread over a bounded channel. If the writer falls behind, buffers
+//! are dropped and counted rather than blocking a worker.
+
+use std::cell::RefCell;
+use std::io::Write;
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+
+const FLUSH_AT: usize = 32 * 1024;
+
+pub struct AccessRecord<'a> {
+    pub ts_ms: u64,
+    pub client: &'a [u8],
+    pub method: &'a [u8],
+    pub uri: &'a [u8],
+    pub host: &'a [u8],
+    pub status: u16,
+    pub bytes_sent: u64,
+    pub duration_us: u64,
+    pub route: &'a str,
+    pub upstream: &'a [u8],
+    pub reason: &'a str,
+}
+
+/// A sink shared by all workers; cheap to clone.
+#[derive(Clone)]
+pub struct AccessLog {
+    tx: Option<SyncSender<Vec<u8>>>,
+}
+
+thread_local! {
+    static BUF: RefCell<Vec<u8>> = RefCell::new(Vec::with_capacity(FLUSH_AT + 1024));
+}
+
+impl AccessLog {
+    pub fn off() -> Self {
+        AccessLog { tx: None }
+    }
+
+    /// Start the writer thread for `w` (stdout or a file).
+    pub fn start(mut w: Box<dyn Write + Send>) -> Self {
+        let (tx, rx) = sync_channel::<Vec<u8>>(64);
+        std::thread::Builder::new()
+            .name("pier-access-log".into())
+            .spawn(move || {
+                for buf in rx {
+                    let _ = w.write_all(&buf);
+                    let _ = w.flush();
+                }
+            })
+            .expect("spawn access log thread");
+        AccessLog { tx: Some(tx) }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.tx.is_some()
+    }
+
+    /// Append one record to this thread's buffer; returns the number of
+    /// bytes dropped if a full buffer could not be handed off.
+    pub fn log(&self, r: &AccessRecord<'_>) -> u64 {
+        if self.tx.is_none() {
+            return 0;
+        }
+        let full = BUF.with(|b| {
+            let mut b = b.borrow_mut();
+            write_record(&mut b, r);
+            b.len() >= FLUSH_AT
+        });
+        if full {
+            self.flush()
+        } else {
+            0
+        }
+    }
+
+    /// Hand this thread's buffer to the writer (workers call it every second).
+    pub fn flush(&self) -> u64 {
+        let Some(tx) = &self.tx else { return 0 };
+        BUF.with(|b| {
+            let mut b = b.borrow_mut();
+            if b.is_empty() {
+                return 0;
+            }
+            let out = std::mem::replace(&mut *b, Vec::with_capacity(FLUSH_AT + 1024));
+            let n = out.len() as u64;
+            match tx.try_send(out) {
+                Ok(()) => 0,
+                Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => n,
+            }
+        })
+    }
+}
+
+fn write_record(b: &mut Vec<u8>, r: &AccessRecord<'_>) {
+    let mut n = itoa::Buffer::new();
+    b.extend_from_slice(b"{\"ts_ms\":");
+    b.extend_from_slice(n.format(r.ts_ms).as_bytes());
+    b.extend_from_slice(b",\"client\":\"");
+    escape(b, r.client);
+    b.extend_from_slice(b"\",\"method\":\"");
+    escape(b, r.method);
+    b.extend_from_slice(b"\",\"uri\":\"");
+    escape(b, r.uri);
+    b.extend_from_slice(b"\",\"host\":\"");
+    escape(b, r.host);
+    b.extend_from_slice(b"\",\"status\":");
+    b.extend_from_slice(n.format(r.status).as_bytes());
+    b.extend_from_slice(b",\"bytes\":");
+    b.extend_from_slice(n.format(r.bytes_sent).as_bytes());
+    b.extend_from_slice(b",\"duration_us\":");
+    b.extend_from_slice(n.format(r.duration_us).as_bytes());
+    b.extend_from_slice(b",\"route\":\"");
+    escape(b, r.route.as_bytes());
+    b.extend_from_slice(b"\",\"upstream\":\"");
+    escape(b, r.upstream);
+    b.extend_from_slice(b"\",\"reason\":\"");
+    escape(b, r.reason.as_bytes());
+    b.extend_from_slice(b"\"}\n");
+}
+
+/// JSON string escaping; bytes that are not valid UTF-8 become \u00XX so
+/// every line stays valid JSON whatever a client sends.
+fn escape(out: &mut Vec<u8>, s: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for &c in s {
+        match c {
+            b'"' => out.extend_from_slice(b"\\\""),
+            b'\\' => out.extend_from_slice(b"\\\\"),
+            0x20..=0x7e => out.push(c),
+            _ => {
+                out.extend_from_slice(b"\\u00");
+                out.push(HEX[(c >> 4) as usize]);
+                out.push(HEX[(c & 15) as usize]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_are_json_lines() {
+        let mut b = Vec::new();
+        write_record(
+            &mut b,
+            &AccessRecord {
+                ts_ms: 1,
+                client: b"127.0.0.1",
+                method: b"GET",
+                uri: b"/a\"b\x01\xff",
+                host: b"h",
+                status: 200,
+                bytes_sent: 12,
+                duration_us: 5,
+                route: "r",
+                upstream: b"127.0.0.1:9000",
+                reason: "",
+            },
+        );
+        let s = String::from_utf8(b).unwrap();
+        assert_eq!(
+            s,
+            "{\"ts_ms\":1,\"client\":\"127.0.0.1\",\"method\":\"GET\",\"uri\":\"/a\\\"b\\u0001\\u00ff\",\"host\":\"h\",\"status\":200,\"bytes\":12,\"duration_us\":5,\"route\":\"r\",\"upstream\":\"127.0.0.1:9000\",\"reason\":\"\"}\n"
+        );
+    }
+}

@@ -1,0 +1,320 @@
+//! Counters sharded per worker thread.
+//!
+//! Each worker increments only its own cache-line-aligned shard, so the hot
+//! path is an uncontended relaxed atomic add; `/metrics` sums the shards.
+//! Routes get stable indices by name (kept across reloads so counters never
+//! reset), bounded by `MAX_ROUTES`; beyond that they share an overflow slot.
+
+use parking_lot::Mutex;
+use pier_error::Kind;
+use std::cell::Cell;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+
+pub const MAX_ROUTES: usize = 256;
+const OVERFLOW_ROUTE: usize = MAX_ROUTES - 1;
+/// Latency bucket upper bounds in microseconds.
+pub const BUCKETS_US: [u64; 14] = [
+    500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000,
+    2_500_000, 5_000_000, 10_000_000,
+];
+/// Extra local-response causes that are not `pier_error::Kind`s.
+pub const EXTRA_REASONS: [(&str, u16); 4] = [
+    ("rate-limited", 429),
+    ("concurrency-limited", 503),
+    ("upstream-limited", 503),
+    ("lua", 0),
+];
+
+thread_local! {
+    /// Which shard this thread writes; workers set it at start.
+    pub static WORKER_ID: Cell<usize> = const { Cell::new(0) };
+}
+
+#[repr(align(128))]
+struct Shard {
+    requests: Vec<[AtomicU64; 6]>,
+    local: [AtomicU64; Kind::ALL.len()],
+    extra: [AtomicU64; EXTRA_REASONS.len()],
+    pool_created: AtomicU64,
+    pool_reused: AtomicU64,
+    buckets: [AtomicU64; BUCKETS_US.len() + 1],
+    latency_sum_us: AtomicU64,
+    retries: AtomicU64,
+    refused_connections: AtomicU64,
+    log_dropped: AtomicU64,
+}
+
+impl Shard {
+    fn new() -> Self {
+        Shard {
+            requests: (0..MAX_ROUTES).map(|_| Default::default()).collect(),
+            local: std::array::from_fn(|_| AtomicU64::new(0)),
+            extra: Default::default(),
+            pool_created: AtomicU64::new(0),
+            pool_reused: AtomicU64::new(0),
+            buckets: Default::default(),
+            latency_sum_us: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+            refused_connections: AtomicU64::new(0),
+            log_dropped: AtomicU64::new(0),
+        }
+    }
+}
+
+pub struct Metrics {
+    shards: Vec<Shard>,
+    routes: Mutex<Vec<String>>,
+    pub active_connections: AtomicI64,
+    pub active_requests: AtomicI64,
+}
+
+macro_rules! sum {
+    ($self:ident, $f:ident) => {
+        $self.shards.iter().map(|s| s.$f.load(Relaxed)).sum::<u64>()
+    };
+}
+
+impl Metrics {
+    pub fn new(workers: usize) -> Self {
+        Metrics {
+            shards: (0..workers.max(1) + 1).map(|_| Shard::new()).collect(),
+            routes: Mutex::new(Vec::new()),
+            active_connections: AtomicI64::new(0),
+            active_requests: AtomicI64::new(0),
+        }
+    }
+
+    #[inline]
+    fn shard(&self) -> &Shard {
+        let id = WORKER_ID.with(|w| w.get());
+        &self.shards[id.min(self.shards.len() - 1)]
+    }
+
+    /// Stable index for a route name (config load time, not the hot path).
+    pub fn route_index(&self, name: &str) -> usize {
+        let mut r = self.routes.lock();
+        if let Some(i) = r.iter().position(|n| n == name) {
+            return i;
+        }
+        if r.len() < OVERFLOW_ROUTE {
+            r.push(name.to_string());
+            r.len() - 1
+        } else {
+            OVERFLOW_ROUTE
+        }
+    }
+
+    /// One finished request: its route, status and duration.
+    #[inline]
+    pub fn request(&self, route: usize, status: u16, dur_us: u64) {
+        let s = self.shard();
+        let class = (status / 100).min(5) as usize;
+        s.requests[route.min(OVERFLOW_ROUTE)][class].fetch_add(1, Relaxed);
+        let b = BUCKETS_US
+            .iter()
+            .position(|&ub| dur_us <= ub)
+            .unwrap_or(BUCKETS_US.len());
+        s.buckets[b].fetch_add(1, Relaxed);
+        s.latency_sum_us.fetch_add(dur_us, Relaxed);
+    }
+
+    #[inline]
+    pub fn local_response(&self, kind: Kind) {
+        self.shard().local[kind.index()].fetch_add(1, Relaxed);
+    }
+
+    /// Local responses not caused by a `Kind` (limits, Lua); index into `EXTRA_REASONS`.
+    #[inline]
+    pub fn local_extra(&self, idx: usize) {
+        self.shard().extra[idx].fetch_add(1, Relaxed);
+    }
+
+    #[inline]
+    pub fn pool(&self, reused: bool) {
+        let s = self.shard();
+        if reused {
+            s.pool_reused.fetch_add(1, Relaxed);
+        } else {
+            s.pool_created.fetch_add(1, Relaxed);
+        }
+    }
+
+    pub fn retry(&self) {
+        self.shard().retries.fetch_add(1, Relaxed);
+    }
+    pub fn refused_connection(&self) {
+        self.shard().refused_connections.fetch_add(1, Relaxed);
+    }
+    pub fn log_dropped(&self, n: u64) {
+        self.shard().log_dropped.fetch_add(n, Relaxed);
+    }
+
+    pub fn pool_created(&self) -> u64 {
+        sum!(self, pool_created)
+    }
+    pub fn pool_reused(&self) -> u64 {
+        sum!(self, pool_reused)
+    }
+    pub fn local_count(&self, kind: Kind) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.local[kind.index()].load(Relaxed))
+            .sum()
+    }
+
+    /// Prometheus text exposition (admin listener; not a hot path).
+    pub fn render(&self, out: &mut String) {
+        let routes = self.routes.lock().clone();
+        out.push_str("# HELP pier_requests_total Requests answered, by route and status class.\n# TYPE pier_requests_total counter\n");
+        const CLASSES: [&str; 6] = ["0xx", "1xx", "2xx", "3xx", "4xx", "5xx"];
+        for (ri, name) in routes
+            .iter()
+            .enumerate()
+            .chain(std::iter::once((OVERFLOW_ROUTE, &String::from("_other"))))
+        {
+            for (ci, c) in CLASSES.iter().enumerate() {
+                let v: u64 = self
+                    .shards
+                    .iter()
+                    .map(|s| s.requests[ri][ci].load(Relaxed))
+                    .sum();
+                if v > 0 {
+                    let _ = writeln!(
+                        out,
+                        "pier_requests_total{{route=\"{name}\",class=\"{c}\"}} {v}"
+                    );
+                }
+            }
+        }
+        out.push_str("# HELP pier_local_responses_total Responses Pier generated itself, by status and reason.\n# TYPE pier_local_responses_total counter\n");
+        for k in Kind::ALL {
+            let v = self.local_count(k);
+            let _ = writeln!(
+                out,
+                "pier_local_responses_total{{status=\"{}\",reason=\"{}\"}} {v}",
+                k.status(),
+                k.reason()
+            );
+        }
+        for (i, (reason, status)) in EXTRA_REASONS.iter().enumerate() {
+            let v: u64 = self.shards.iter().map(|s| s.extra[i].load(Relaxed)).sum();
+            if *status != 0 {
+                let _ = writeln!(
+                    out,
+                    "pier_local_responses_total{{status=\"{status}\",reason=\"{reason}\"}} {v}"
+                );
+            } else {
+                let _ = writeln!(
+                    out,
+                    "pier_local_responses_total{{status=\"any\",reason=\"{reason}\"}} {v}"
+                );
+            }
+        }
+        out.push_str("# HELP pier_errors_total Errors by reason (same counts as local responses, by reason only).\n# TYPE pier_errors_total counter\n");
+        for k in Kind::ALL {
+            let _ = writeln!(
+                out,
+                "pier_errors_total{{reason=\"{}\"}} {}",
+                k.reason(),
+                self.local_count(k)
+            );
+        }
+        let _ = writeln!(out, "# TYPE pier_upstream_connections_created_total counter\npier_upstream_connections_created_total {}", self.pool_created());
+        let _ = writeln!(out, "# TYPE pier_upstream_connections_reused_total counter\npier_upstream_connections_reused_total {}", self.pool_reused());
+        let _ = writeln!(
+            out,
+            "# TYPE pier_upstream_retries_total counter\npier_upstream_retries_total {}",
+            sum!(self, retries)
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE pier_refused_connections_total counter\npier_refused_connections_total {}",
+            sum!(self, refused_connections)
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE pier_access_log_dropped_total counter\npier_access_log_dropped_total {}",
+            sum!(self, log_dropped)
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE pier_active_connections gauge\npier_active_connections {}",
+            self.active_connections.load(Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE pier_active_requests gauge\npier_active_requests {}",
+            self.active_requests.load(Relaxed)
+        );
+        out.push_str("# HELP pier_request_duration_seconds Time from request head to last response byte.\n# TYPE pier_request_duration_seconds histogram\n");
+        let mut cum = 0u64;
+        for (i, ub) in BUCKETS_US.iter().enumerate() {
+            cum += self
+                .shards
+                .iter()
+                .map(|s| s.buckets[i].load(Relaxed))
+                .sum::<u64>();
+            let _ = writeln!(
+                out,
+                "pier_request_duration_seconds_bucket{{le=\"{}\"}} {cum}",
+                *ub as f64 / 1e6
+            );
+        }
+        cum += self
+            .shards
+            .iter()
+            .map(|s| s.buckets[BUCKETS_US.len()].load(Relaxed))
+            .sum::<u64>();
+        let _ = writeln!(
+            out,
+            "pier_request_duration_seconds_bucket{{le=\"+Inf\"}} {cum}"
+        );
+        let _ = writeln!(
+            out,
+            "pier_request_duration_seconds_sum {}",
+            sum!(self, latency_sum_us) as f64 / 1e6
+        );
+        let _ = writeln!(out, "pier_request_duration_seconds_count {cum}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_sum_across_shards() {
+        let m = std::sync::Arc::new(Metrics::new(2));
+        let r = m.route_index("api");
+        assert_eq!(m.route_index("api"), r);
+        let hs: Vec<_> = (0..3)
+            .map(|w| {
+                let m = m.clone();
+                std::thread::spawn(move || {
+                    WORKER_ID.with(|c| c.set(w));
+                    for _ in 0..1000 {
+                        m.request(r, 200, 700);
+                        m.pool(true);
+                    }
+                    m.local_response(Kind::UpstreamConnect);
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+        let mut s = String::new();
+        m.render(&mut s);
+        assert!(
+            s.contains("pier_requests_total{route=\"api\",class=\"2xx\"} 3000"),
+            "{s}"
+        );
+        assert!(s.contains("pier_upstream_connections_reused_total 3000"));
+        assert!(
+            s.contains("pier_local_responses_total{status=\"502\",reason=\"upstream-connect\"} 3")
+        );
+        assert!(s.contains("pier_request_duration_seconds_bucket{le=\"0.001\"} 3000"));
+        assert!(s.contains("pier_request_duration_seconds_count 3000"));
+    }
+}
