@@ -1,0 +1,251 @@
+//! An upstream group: its peers, how one is chosen, passive health and the
+//! retry budget.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use pier_config::{Balance, HashKey, Upstream};
+
+use crate::budget::RetryBudget;
+use crate::peer::{ActiveGuard, Peer};
+use crate::ring::{key_point, Ring};
+use crate::select::{self, Avail, Selector};
+
+/// Keeps a contended counter on its own cache line so that every core
+/// bumping it does not also invalidate the read-mostly fields next to it.
+#[derive(Debug)]
+#[repr(align(64))]
+struct Padded<T>(T);
+
+/// One upstream group, shared by every worker thread (`Arc<Group>`).
+#[derive(Debug)]
+pub struct Group {
+    name: String,
+    peers: Vec<Arc<Peer>>,
+    selector: Selector,
+    /// Round-robin / weighted schedule position.
+    counter: Padded<AtomicUsize>,
+    budget: RetryBudget,
+    max_fails: u32,
+    passive_recover_ms: u64,
+    /// With an active check, a down peer comes back only through it;
+    /// without, through a passive-recovery probe request.
+    active_check: bool,
+    cfg: Upstream,
+}
+
+impl Group {
+    pub fn new(cfg: &Upstream) -> Group {
+        let peers: Vec<Arc<Peer>> = cfg
+            .servers
+            .iter()
+            .map(|s| Arc::new(Peer::new(s.addr, s.weight)))
+            .collect();
+        let selector = match &cfg.balance {
+            Balance::RoundRobin => Selector::RoundRobin,
+            Balance::WeightedRoundRobin => Selector::Weighted(select::smooth_schedule(
+                &peers.iter().map(|p| p.weight).collect::<Vec<_>>(),
+            )),
+            Balance::LeastConn => Selector::LeastConn,
+            Balance::Random2 => Selector::Random2,
+            Balance::Hash(_) => Selector::Hash(Ring::new(
+                &peers.iter().map(|p| (p.addr, p.weight)).collect::<Vec<_>>(),
+            )),
+        };
+        Group {
+            name: cfg.name.clone(),
+            peers,
+            selector,
+            counter: Padded(AtomicUsize::new(0)),
+            budget: RetryBudget::new(cfg.retry_budget_ratio, cfg.retry_min_per_sec),
+            max_fails: cfg.max_fails,
+            passive_recover_ms: cfg.passive_recover.as_millis() as u64,
+            active_check: cfg.health_check.is_some(),
+            cfg: cfg.clone(),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn peers(&self) -> &[Arc<Peer>] {
+        &self.peers
+    }
+
+    /// The config this group was built from.
+    pub fn config(&self) -> &Upstream {
+        &self.cfg
+    }
+
+    /// Extra attempts after the first allowed per request (before the budget).
+    pub fn retries(&self) -> u32 {
+        self.cfg.retries
+    }
+
+    /// The key to extract for `Balance::Hash` (see [`crate::extract_hash_key`]).
+    pub fn hash_key(&self) -> Option<&HashKey> {
+        match &self.cfg.balance {
+            Balance::Hash(k) => Some(k),
+            _ => None,
+        }
+    }
+
+    /// Peers currently marked up.
+    pub fn healthy_count(&self) -> usize {
+        self.peers.iter().filter(|p| p.is_healthy()).count()
+    }
+
+    // === selection ===
+
+    /// Pick a healthy peer whose index is not in `tried`. `key` is used by
+    /// `Balance::Hash` only (`None` hashes to a stable default). `None` when
+    /// no peer can take the attempt: the caller answers 503.
+    ///
+    /// Reads the clock only when it meets a passively-downed peer.
+    pub fn select(&self, key: Option<&[u8]>, tried: &[usize]) -> Option<usize> {
+        self.pick(key, tried, &Cell::new(0))
+    }
+
+    /// [`Group::select`] with the caller's [`crate::clock_ms`] snapshot.
+    pub fn select_at(&self, key: Option<&[u8]>, tried: &[usize], now_ms: u64) -> Option<usize> {
+        self.pick(key, tried, &Cell::new(now_ms.max(1)))
+    }
+
+    fn pick(&self, key: Option<&[u8]>, tried: &[usize], now: &Cell<u64>) -> Option<usize> {
+        let n = self.peers.len();
+        if n == 0 {
+            return None;
+        }
+        let avail = |i: usize| self.avail(i, tried, now);
+        match &self.selector {
+            Selector::RoundRobin => select::round_robin(n, &self.counter.0, avail),
+            Selector::Weighted(schedule) => select::weighted(schedule, n, &self.counter.0, avail),
+            Selector::LeastConn => select::least_conn(&self.peers, avail),
+            Selector::Random2 => select::random_two(&self.peers, avail),
+            Selector::Hash(ring) => ring.walk(key_point(key), |i| avail(i) != Avail::No),
+        }
+    }
+
+    fn avail(&self, i: usize, tried: &[usize], now: &Cell<u64>) -> Avail {
+        if tried.contains(&i) {
+            return Avail::No;
+        }
+        let p = &self.peers[i];
+        if p.healthy.load(Ordering::Acquire) {
+            return Avail::Up;
+        }
+        if self.active_check || self.max_fails == 0 {
+            return Avail::No;
+        }
+        // Passively down without an active check: let one request through
+        // once the recovery delay has passed. Whoever wins the CAS on the
+        // deadline sends the probe; the new deadline bounds the wait if the
+        // probe's outcome is never reported.
+        let at = p.retry_at_ms.load(Ordering::Acquire);
+        if now.get() == 0 {
+            now.set(crate::clock_ms());
+        }
+        let t = now.get();
+        if t < at {
+            return Avail::No;
+        }
+        match p.retry_at_ms.compare_exchange(
+            at,
+            t.saturating_add(self.passive_recover_ms),
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        ) {
+            Ok(_) => {
+                p.probing.store(true, Ordering::Release);
+                Avail::Probe
+            }
+            Err(_) => Avail::No,
+        }
+    }
+
+    /// Count a request in flight on peer `idx` until the guard drops
+    /// (least_conn and random_two read it; metrics too). Panics on an index
+    /// that [`Group::select`] did not return.
+    pub fn begin(&self, idx: usize) -> ActiveGuard {
+        ActiveGuard::new(self.peers[idx].clone(), idx)
+    }
+
+    // === passive health ===
+
+    /// Report an attempt's outcome (`ok = false` for a connect failure,
+    /// timeout or protocol error). After `max_fails` consecutive failures the
+    /// peer is marked down; without an active check it is let through again
+    /// after `passive_recover` (one probe request: success marks it up,
+    /// failure keeps it down for another `passive_recover`).
+    /// `now_ms` is on the [`crate::clock_ms`] timeline.
+    pub fn report(&self, idx: usize, ok: bool, now_ms: u64) {
+        let Some(p) = self.peers.get(idx) else {
+            return;
+        };
+        if ok {
+            // Load first: the common case writes nothing to a shared line.
+            if p.consecutive_fails.load(Ordering::Relaxed) != 0 {
+                p.consecutive_fails.store(0, Ordering::Relaxed);
+            }
+            if p.probing.load(Ordering::Relaxed)
+                && p.probing.swap(false, Ordering::AcqRel)
+                && !p.healthy.swap(true, Ordering::AcqRel)
+            {
+                tracing::info!(upstream = %self.name, peer = %p.addr, "peer up: passive recovery probe succeeded");
+            }
+            return;
+        }
+        p.fails_total.fetch_add(1, Ordering::Relaxed);
+        if self.max_fails == 0 {
+            return;
+        }
+        let fails = p.consecutive_fails.fetch_add(1, Ordering::AcqRel) + 1;
+        if !self.active_check && p.probing.swap(false, Ordering::AcqRel) {
+            // The probe failed: stay down for another period.
+            p.retry_at_ms.store(
+                now_ms.saturating_add(self.passive_recover_ms),
+                Ordering::Release,
+            );
+            return;
+        }
+        if fails >= self.max_fails && p.healthy.load(Ordering::Acquire) {
+            if !self.active_check {
+                // Deadline first, so a selector never sees "down" with a
+                // stale deadline and probes at once.
+                p.retry_at_ms.store(
+                    now_ms.saturating_add(self.passive_recover_ms),
+                    Ordering::Release,
+                );
+            }
+            if p.healthy.swap(false, Ordering::AcqRel) {
+                tracing::warn!(upstream = %self.name, peer = %p.addr, fails, "peer down: consecutive failures reached max_fails");
+            }
+        }
+    }
+
+    // === retry budget ===
+
+    /// Count a request (call once per request, not per attempt).
+    pub fn on_request(&self) {
+        self.budget.on_request(crate::clock_ms());
+    }
+
+    pub fn on_request_at(&self, now_ms: u64) {
+        self.budget.on_request(now_ms);
+    }
+
+    /// May this request retry now? Counts the retry if so.
+    pub fn try_retry(&self) -> bool {
+        self.budget.try_retry(crate::clock_ms())
+    }
+
+    pub fn try_retry_at(&self, now_ms: u64) -> bool {
+        self.budget.try_retry(now_ms)
+    }
+
+    pub fn retry_budget(&self) -> &RetryBudget {
+        &self.budget
+    }
+}

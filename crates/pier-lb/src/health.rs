@@ -1,0 +1,272 @@
+//! Active health checks: one tokio task per peer of every group that has a
+//! `health_check`.
+
+use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pier_config::{HealthCheck, HealthKind};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::MissedTickBehavior;
+
+use crate::group::Group;
+
+/// Spawn the active health checkers on the current tokio runtime (panics
+/// outside one, as `tokio::spawn`). Each peer is checked at once and then
+/// every `interval`; `rise` consecutive good checks mark a down peer up,
+/// `fall` consecutive bad ones mark an up peer down, and each transition is
+/// logged. The tasks end when `shutdown` becomes true or its sender is
+/// dropped; the handles let a caller wait for that.
+pub fn spawn_health_checks(
+    groups: &[Arc<Group>],
+    shutdown: watch::Receiver<bool>,
+) -> Vec<JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    for group in groups {
+        let Some(hc) = &group.config().health_check else {
+            continue;
+        };
+        for idx in 0..group.peers().len() {
+            tasks.push(tokio::spawn(check_loop(
+                group.clone(),
+                idx,
+                hc.clone(),
+                shutdown.clone(),
+            )));
+        }
+    }
+    tasks
+}
+
+async fn check_loop(
+    group: Arc<Group>,
+    idx: usize,
+    hc: HealthCheck,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let peer = group.peers()[idx].clone();
+    let request = match &hc.kind {
+        HealthKind::Tcp => Vec::new(),
+        HealthKind::Http { path, host, .. } => http_request(path, host.as_deref(), peer.addr),
+    };
+    let rise = hc.rise.max(1);
+    let fall = hc.fall.max(1);
+    let mut tick = tokio::time::interval(hc.interval.max(Duration::from_millis(1)));
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let (mut oks, mut fails) = (0u32, 0u32);
+    let mut last_up = peer.is_healthy();
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        tokio::select! {
+            _ = tick.tick() => {}
+            r = shutdown.changed() => {
+                if r.is_err() {
+                    return;
+                }
+                continue;
+            }
+        }
+        let result = tokio::select! {
+            r = check(peer.addr, &hc.kind, &request, hc.timeout) => r,
+            _ = shutdown.changed() => continue,
+        };
+        let up = peer.is_healthy();
+        if last_up && !up {
+            // Marked down elsewhere (passive failures, admin): earn `rise`
+            // good checks from here.
+            oks = 0;
+        }
+        match result {
+            Ok(()) => {
+                oks = oks.saturating_add(1);
+                fails = 0;
+                if !up && oks >= rise {
+                    peer.consecutive_fails.store(0, Ordering::Relaxed);
+                    peer.healthy.store(true, Ordering::Release);
+                    tracing::info!(upstream = %group.name(), peer = %peer.addr, checks = oks, "peer up: active health check passed");
+                }
+            }
+            Err(e) => {
+                fails = fails.saturating_add(1);
+                oks = 0;
+                if up && fails >= fall {
+                    peer.healthy.store(false, Ordering::Release);
+                    tracing::info!(upstream = %group.name(), peer = %peer.addr, checks = fails, error = %e, "peer down: active health check failed");
+                } else {
+                    tracing::debug!(upstream = %group.name(), peer = %peer.addr, error = %e, "health check failed");
+                }
+            }
+        }
+        last_up = peer.is_healthy();
+    }
+}
+
+fn http_request(path: &str, host: Option<&str>, addr: SocketAddr) -> Vec<u8> {
+    let host = host.map_or_else(|| addr.to_string(), str::to_owned);
+    format!(
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nUser-Agent: pier-health\r\n\r\n"
+    )
+    .into_bytes()
+}
+
+/// Why a check failed (logged on transitions).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum CheckError {
+    Timeout,
+    Connect(io::ErrorKind),
+    Io(io::ErrorKind),
+    /// Closed or garbled before a status line.
+    BadResponse,
+    Status(u16),
+}
+
+impl fmt::Display for CheckError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CheckError::Timeout => f.write_str("timed out"),
+            CheckError::Connect(k) => write!(f, "connect: {k}"),
+            CheckError::Io(k) => write!(f, "i/o: {k}"),
+            CheckError::BadResponse => f.write_str("no valid HTTP status line"),
+            CheckError::Status(s) => write!(f, "status {s}"),
+        }
+    }
+}
+
+/// One check, all of it (connect, send, read the status line) within `timeout`.
+pub(crate) async fn check(
+    addr: SocketAddr,
+    kind: &HealthKind,
+    request: &[u8],
+    timeout: Duration,
+) -> Result<(), CheckError> {
+    let run = async {
+        let mut stream = TcpStream::connect(addr)
+            .await
+            .map_err(|e| CheckError::Connect(e.kind()))?;
+        let HealthKind::Http {
+            expect_min,
+            expect_max,
+            ..
+        } = kind
+        else {
+            return Ok(());
+        };
+        stream
+            .write_all(request)
+            .await
+            .map_err(|e| CheckError::Io(e.kind()))?;
+        let status = read_status(&mut stream).await?;
+        if (*expect_min..=*expect_max).contains(&status) {
+            Ok(())
+        } else {
+            Err(CheckError::Status(status))
+        }
+    };
+    tokio::time::timeout(timeout, run)
+        .await
+        .unwrap_or(Err(CheckError::Timeout))
+}
+
+/// Read until the end of the status line (bounded buffer) and parse it.
+async fn read_status(stream: &mut TcpStream) -> Result<u16, CheckError> {
+    let mut buf = [0u8; 256];
+    let mut len = 0;
+    loop {
+        if let Some(status) = parse_status_line(&buf[..len])? {
+            return Ok(status);
+        }
+        if len == buf.len() {
+            return Err(CheckError::BadResponse);
+        }
+        let n = stream
+            .read(&mut buf[len..])
+            .await
+            .map_err(|e| CheckError::Io(e.kind()))?;
+        if n == 0 {
+            return Err(CheckError::BadResponse);
+        }
+        len += n;
+    }
+}
+
+/// `Ok(None)` = need more bytes. Accepts `HTTP/1.x NNN[ reason]`; any
+/// three-digit code (100..=999) is a status, as a proxy must tolerate.
+pub(crate) fn parse_status_line(buf: &[u8]) -> Result<Option<u16>, CheckError> {
+    const PREFIX: &[u8] = b"HTTP/1.";
+    let have = buf.len().min(PREFIX.len());
+    if buf[..have] != PREFIX[..have] {
+        return Err(CheckError::BadResponse);
+    }
+    let Some(eol) = buf.iter().position(|&b| b == b'\n') else {
+        return Ok(None);
+    };
+    let line = &buf[..eol];
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    match line {
+        [_, _, _, _, _, _, _, minor, b' ', d0, d1, d2, rest @ ..]
+            if minor.is_ascii_digit()
+                && [d0, d1, d2].iter().all(|d| d.is_ascii_digit())
+                && (rest.is_empty() || rest[0] == b' ')
+                && *d0 != b'0' =>
+        {
+            Ok(Some(
+                u16::from(d0 - b'0') * 100 + u16::from(d1 - b'0') * 10 + u16::from(d2 - b'0'),
+            ))
+        }
+        _ => Err(CheckError::BadResponse),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_line_parsing() {
+        assert_eq!(parse_status_line(b"HTTP/1.1 200 OK\r\n"), Ok(Some(200)));
+        assert_eq!(parse_status_line(b"HTTP/1.0 503\r\n"), Ok(Some(503)));
+        assert_eq!(parse_status_line(b"HTTP/1.1 299 x\n"), Ok(Some(299)));
+        assert_eq!(parse_status_line(b"HTTP/1.1 999 odd\r\n"), Ok(Some(999)));
+        assert_eq!(parse_status_line(b"HTTP/1.1 20"), Ok(None));
+        assert_eq!(parse_status_line(b"HTT"), Ok(None));
+        assert_eq!(parse_status_line(b""), Ok(None));
+        assert_eq!(
+            parse_status_line(b"SSH-2.0-OpenSSH\r\n"),
+            Err(CheckError::BadResponse)
+        );
+        assert_eq!(
+            parse_status_line(b"HTTP/1.1 2000 OK\r\n"),
+            Err(CheckError::BadResponse)
+        );
+        assert_eq!(
+            parse_status_line(b"HTTP/1.1 abc\r\n"),
+            Err(CheckError::BadResponse)
+        );
+        assert_eq!(
+            parse_status_line(b"HTTP/1.1 099\r\n"),
+            Err(CheckError::BadResponse)
+        );
+    }
+
+    #[test]
+    fn request_bytes() {
+        let addr: SocketAddr = "[::1]:8080".parse().unwrap();
+        assert_eq!(
+            http_request("/hc", None, addr),
+            b"GET /hc HTTP/1.1\r\nHost: [::1]:8080\r\nConnection: close\r\nUser-Agent: pier-health\r\n\r\n"
+        );
+        assert!(
+            String::from_utf8(http_request("/", Some("svc.local"), addr))
+                .unwrap()
+                .contains("\r\nHost: svc.local\r\n")
+        );
+    }
+}

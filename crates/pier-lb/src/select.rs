@@ -1,0 +1,268 @@
+//! The selection algorithms. Each takes an `avail` callback that says
+//! whether a peer may take this attempt (healthy and not yet tried, or a
+//! down peer whose passive-recovery probe has just been claimed).
+
+use std::cell::Cell;
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use crate::peer::Peer;
+use crate::ring::Ring;
+
+/// Whether a peer can take the current attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Avail {
+    No,
+    Up,
+    /// Down, but the passive-recovery probe slot was claimed for this
+    /// attempt: the caller must use this peer (the slot is now spent).
+    Probe,
+}
+
+#[derive(Debug)]
+pub(crate) enum Selector {
+    RoundRobin,
+    /// Precomputed smooth-WRR schedule of peer indices.
+    Weighted(Vec<u32>),
+    LeastConn,
+    Random2,
+    Hash(Ring),
+}
+
+/// Longest weighted schedule; larger weight sums are scaled down to it.
+const MAX_SCHEDULE: u64 = 1 << 16;
+
+/// nginx's smooth weighted round robin, run once: every peer gains its
+/// weight, the richest is picked and pays the total. The result interleaves
+/// peers (5,1,1 gives a a b a c a a, not a a a a a b c) and has each peer
+/// exactly `weight` times per `sum(weights)` slots (weights reduced by their
+/// gcd first, so 100/200 is a 3-slot schedule).
+pub(crate) fn smooth_schedule(weights: &[u32]) -> Vec<u32> {
+    if weights.is_empty() {
+        return Vec::new();
+    }
+    let g = weights
+        .iter()
+        .fold(0u64, |g, &w| gcd(g, u64::from(w.max(1))));
+    let mut w: Vec<u64> = weights.iter().map(|&x| u64::from(x.max(1)) / g).collect();
+    let mut total: u64 = w.iter().sum();
+    if total > MAX_SCHEDULE {
+        for x in &mut w {
+            *x = (*x * MAX_SCHEDULE / total).max(1);
+        }
+        total = w.iter().sum();
+    }
+    let mut current = vec![0i64; w.len()];
+    let mut out = Vec::with_capacity(total as usize);
+    for _ in 0..total {
+        let mut best = 0;
+        for i in 0..w.len() {
+            current[i] += w[i] as i64;
+            if current[i] > current[best] {
+                best = i;
+            }
+        }
+        current[best] -= total as i64;
+        out.push(best as u32);
+    }
+    out
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+// === thread-local xorshift ===
+
+thread_local! {
+    // Seeded from std's per-thread random hasher keys: no lock, no syscall
+    // after the first use on a thread.
+    static RNG: Cell<u64> = Cell::new(RandomState::new().hash_one(0x5eed_u64) | 1);
+}
+
+/// xorshift64: a few cycles, good enough to spread load.
+pub(crate) fn rand_u64() -> u64 {
+    RNG.with(|c| {
+        let mut x = c.get();
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.set(x);
+        x
+    })
+}
+
+/// Uniform-enough value in `0..n` (n < 2^32) without a division.
+pub(crate) fn rand_below(n: usize) -> usize {
+    (((rand_u64() >> 32) * n as u64) >> 32) as usize
+}
+
+// === algorithms ===
+
+/// `a` carries less load than `b` (active / weight, compared without division).
+fn lighter(a: &Peer, b: &Peer) -> bool {
+    (a.active() as u64) * u64::from(b.weight) < (b.active() as u64) * u64::from(a.weight)
+}
+
+pub(crate) fn round_robin(
+    n: usize,
+    counter: &AtomicUsize,
+    mut avail: impl FnMut(usize) -> Avail,
+) -> Option<usize> {
+    let idx = counter.fetch_add(1, Ordering::Relaxed) % n;
+    if avail(idx) != Avail::No {
+        return Some(idx);
+    }
+    // Not "the next one": that would hand a down peer's whole share to its
+    // neighbour. Random re-draws spread it evenly over the rest.
+    for _ in 0..2 * n {
+        let idx = rand_below(n);
+        if avail(idx) != Avail::No {
+            return Some(idx);
+        }
+    }
+    (0..n)
+        .map(|i| (idx + 1 + i) % n)
+        .find(|&i| avail(i) != Avail::No)
+}
+
+pub(crate) fn weighted(
+    schedule: &[u32],
+    n: usize,
+    counter: &AtomicUsize,
+    mut avail: impl FnMut(usize) -> Avail,
+) -> Option<usize> {
+    let len = schedule.len();
+    let pos = counter.fetch_add(1, Ordering::Relaxed) % len;
+    let idx = schedule[pos] as usize;
+    if avail(idx) != Avail::No {
+        return Some(idx);
+    }
+    // Rejection sampling over the schedule keeps the remaining peers in
+    // proportion to their weights (walking on to the next slot would hand
+    // the skipped peer's share to whichever peer follows it).
+    for _ in 0..2 * n {
+        let idx = schedule[rand_below(len)] as usize;
+        if avail(idx) != Avail::No {
+            return Some(idx);
+        }
+    }
+    // Most peers are out: a bounded plain scan decides.
+    (0..n)
+        .map(|i| (idx + 1 + i) % n)
+        .find(|&i| avail(i) != Avail::No)
+}
+
+/// Least `active / weight`. Ties (an idle group has nothing but ties) are
+/// broken uniformly by reservoir sampling: a rotating start would give the
+/// share of a skipped peer to the one after it, and would need a counter
+/// every core writes to.
+pub(crate) fn least_conn(
+    peers: &[Arc<Peer>],
+    mut avail: impl FnMut(usize) -> Avail,
+) -> Option<usize> {
+    let mut best: Option<usize> = None;
+    let mut ties = 0usize;
+    for idx in 0..peers.len() {
+        match avail(idx) {
+            Avail::No => {}
+            Avail::Probe => return Some(idx),
+            Avail::Up => match best {
+                Some(b) if lighter(&peers[b], &peers[idx]) => {}
+                Some(b) if !lighter(&peers[idx], &peers[b]) => {
+                    // Equal load: keep each of the k tied peers with
+                    // probability 1/k.
+                    ties += 1;
+                    if rand_below(ties) == 0 {
+                        best = Some(idx);
+                    }
+                }
+                _ => {
+                    best = Some(idx);
+                    ties = 1;
+                }
+            },
+        }
+    }
+    best
+}
+
+/// Power of two random choices: pick two distinct peers at random and keep
+/// the less loaded one. Falls back to a least-conn scan when neither is
+/// available.
+pub(crate) fn random_two(
+    peers: &[Arc<Peer>],
+    mut avail: impl FnMut(usize) -> Avail,
+) -> Option<usize> {
+    let n = peers.len();
+    if n == 1 {
+        return (avail(0) != Avail::No).then_some(0);
+    }
+    let a = rand_below(n);
+    let mut b = rand_below(n - 1);
+    if b >= a {
+        b += 1;
+    }
+    let av = avail(a);
+    if av == Avail::Probe {
+        return Some(a);
+    }
+    let bv = avail(b);
+    match (av, bv) {
+        (_, Avail::Probe) => Some(b),
+        (Avail::Up, Avail::Up) => Some(if lighter(&peers[b], &peers[a]) { b } else { a }),
+        (Avail::Up, _) => Some(a),
+        (_, Avail::Up) => Some(b),
+        _ => least_conn(peers, avail),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smooth_schedule_interleaves() {
+        let s = smooth_schedule(&[5, 1, 1]);
+        assert_eq!(s, vec![0, 0, 1, 0, 2, 0, 0]);
+    }
+
+    #[test]
+    fn smooth_schedule_reduces_by_gcd_and_counts_weights() {
+        let s = smooth_schedule(&[100, 200, 300]);
+        assert_eq!(s.len(), 6);
+        let s = smooth_schedule(&[3, 7, 1, 4]);
+        assert_eq!(s.len(), 15);
+        for (i, w) in [3, 7, 1, 4].into_iter().enumerate() {
+            assert_eq!(s.iter().filter(|&&x| x as usize == i).count(), w);
+        }
+        // No peer with weight < total/2 appears twice in a row.
+        for win in s.windows(2) {
+            assert!(!(win[0] == win[1] && win[0] != 1), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn smooth_schedule_is_bounded() {
+        let s = smooth_schedule(&[1_000_000, 999_999, 3]);
+        assert!(s.len() as u64 <= MAX_SCHEDULE + 3);
+        assert!(s.contains(&2), "small weight still gets a slot");
+    }
+
+    #[test]
+    fn rand_below_covers_range() {
+        let mut seen = [0usize; 7];
+        for _ in 0..7_000 {
+            seen[rand_below(7)] += 1;
+        }
+        for c in seen {
+            assert!((700..1300).contains(&c), "{seen:?}");
+        }
+    }
+}
