@@ -1,0 +1,398 @@
+//! The file schema: what serde reads from the TOML file, before validation.
+//!
+//! Every struct denies unknown fields, so a typo is an error pointing at the
+//! key. Values that need checking beyond their TOML type are wrapped in
+//! [`Spanned`] so that `validate` can point at them too.
+//!
+//! Each top-level section (and each `[[listener]]`, `[[route]]` and
+//! `[upstream.NAME]` entry) is deserialized on its own, so a typo in one
+//! does not hide the errors in the others. Key reference: docs/config.md
+//! (a test checks that every field here is documented there).
+
+use std::fmt;
+use std::ops::Range;
+
+use serde::de::{DeserializeOwned, IntoDeserializer, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer};
+pub use toml::Spanned;
+use toml_edit::{ImDocument, Item};
+
+use crate::error::RawError;
+
+// === sections ===
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [server] table")]
+pub struct ServerSection {
+    pub workers: Option<Spanned<i64>>,
+    pub grace_period: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "an [admin] table")]
+pub struct AdminSection {
+    pub listen: Spanned<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [log] table")]
+pub struct LogSection {
+    pub access: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [limits] table")]
+pub struct LimitsSection {
+    pub max_header_bytes: Option<Spanned<SizeValue>>,
+    pub max_headers: Option<Spanned<i64>>,
+    pub max_uri_bytes: Option<Spanned<SizeValue>>,
+    pub max_body_bytes: Option<Spanned<SizeValue>>,
+    pub max_connections: Option<Spanned<i64>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [timeouts] table")]
+pub struct TimeoutsSection {
+    pub client_header: Option<Spanned<String>>,
+    pub client_idle: Option<Spanned<String>>,
+    pub upstream_connect: Option<Spanned<String>>,
+    pub upstream_response: Option<Spanned<String>>,
+    pub upstream_idle: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [security] table")]
+pub struct SecuritySection {
+    pub deny_origins: Option<Vec<Spanned<String>>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [demo] table")]
+pub struct DemoSection {
+    pub origin: Spanned<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [[listener]] table")]
+pub struct ListenerEntry {
+    pub name: Option<Spanned<String>>,
+    pub listen: Spanned<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [[route]] table")]
+pub struct RouteEntry {
+    pub name: Option<Spanned<String>>,
+    pub host: Option<Spanned<String>>,
+    /// Prefix match.
+    pub path: Option<Spanned<String>>,
+    pub exact: Option<Spanned<String>>,
+    pub regex: Option<Spanned<String>>,
+    pub upstream: Spanned<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "an [upstream.NAME] table")]
+pub struct UpstreamEntry {
+    pub servers: Spanned<Vec<Spanned<ServerSpec>>>,
+    pub balance: Option<Spanned<String>>,
+    pub hash_key: Option<Spanned<String>>,
+    pub max_fails: Option<Spanned<i64>>,
+    pub passive_recover: Option<Spanned<String>>,
+    pub retries: Option<Spanned<i64>>,
+    pub retry_budget: Option<Spanned<f64>>,
+    pub retry_min_per_sec: Option<Spanned<i64>>,
+    pub pool_idle_per_server: Option<Spanned<i64>>,
+    pub max_connections_per_server: Option<Spanned<i64>>,
+    pub health_check: Option<HealthCheckSection>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an [upstream.NAME.health_check] table"
+)]
+pub struct HealthCheckSection {
+    #[serde(rename = "type")]
+    pub kind: Option<Spanned<String>>,
+    pub path: Option<Spanned<String>>,
+    pub host: Option<Spanned<String>>,
+    pub expect: Option<Spanned<String>>,
+    pub interval: Option<Spanned<String>>,
+    pub timeout: Option<Spanned<String>>,
+    pub rise: Option<Spanned<i64>>,
+    pub fall: Option<Spanned<i64>>,
+}
+
+/// `{ addr = "...", weight = 3 }` form of an upstream server.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerTable {
+    pub addr: Spanned<String>,
+    pub weight: Option<Spanned<i64>>,
+}
+
+// === values with two spellings ===
+
+/// An upstream server: `"127.0.0.1:9000"` or `{ addr = "...", weight = 3 }`.
+#[derive(Debug)]
+pub enum ServerSpec {
+    Addr(String),
+    Table(ServerTable),
+}
+
+impl<'de> Deserialize<'de> for ServerSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ServerSpec;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an address \"IP:PORT\" or a table { addr = \"IP:PORT\", weight = N }")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ServerSpec, E> {
+                Ok(ServerSpec::Addr(v.to_string()))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<ServerSpec, A::Error> {
+                // Hand the same map to the derived impl: keeps spans and
+                // unknown-field checks.
+                ServerTable::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(ServerSpec::Table)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A size as written: an integer number of bytes or a string like "16k".
+#[derive(Debug, Clone)]
+pub enum SizeValue {
+    Int(i64),
+    Str(String),
+}
+
+impl<'de> Deserialize<'de> for SizeValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = SizeValue;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str(
+                    "a size: bytes as an integer, or a string like \"16k\", \"10m\", \"1g\"",
+                )
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<SizeValue, E> {
+                Ok(SizeValue::Int(v))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<SizeValue, E> {
+                Ok(SizeValue::Int(i64::try_from(v).unwrap_or(i64::MAX)))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<SizeValue, E> {
+                Ok(SizeValue::Str(v.to_string()))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+// === the whole file ===
+
+/// Top-level sections, in the order the docs present them.
+pub const SECTIONS: &[&str] = &[
+    "server", "admin", "log", "limits", "timeouts", "security", "demo", "listener", "route",
+    "upstream",
+];
+
+/// A `[upstream.NAME]` entry: its name (with the key's span) and its body,
+/// or None when the body had schema errors (already reported).
+#[derive(Debug)]
+pub struct NamedUpstream {
+    pub name: String,
+    pub span: Option<Range<usize>>,
+    pub entry: Option<UpstreamEntry>,
+}
+
+/// The file after deserialization; sections absent from the file are None.
+#[derive(Debug, Default)]
+pub struct RawFile {
+    pub server: Option<ServerSection>,
+    pub admin: Option<AdminSection>,
+    pub log: Option<LogSection>,
+    pub limits: Option<LimitsSection>,
+    pub timeouts: Option<TimeoutsSection>,
+    pub security: Option<SecuritySection>,
+    pub demo: Option<DemoSection>,
+    /// Entries that deserialized; `listener_count` counts all of them, so
+    /// that a broken entry does not also cause "no listener".
+    pub listeners: Vec<ListenerEntry>,
+    pub listener_count: usize,
+    pub routes: Vec<RouteEntry>,
+    pub upstreams: Vec<NamedUpstream>,
+}
+
+/// Parses the (already env-expanded) text. A TOML syntax error is fatal
+/// (`Err`); schema errors are collected per section and returned with
+/// whatever did deserialize.
+pub(crate) fn parse(text: &str) -> Result<(RawFile, Vec<RawError>), RawError> {
+    let doc = ImDocument::parse(text).map_err(|e| RawError::at(e.span(), syntax_message(&e)))?;
+    let root = doc.as_table();
+    let mut file = RawFile::default();
+    let mut errors = Vec::new();
+    for (key, item) in root.iter() {
+        let key_span = root.key(key).and_then(|k| k.span());
+        let span = item_span(item).or(key_span.clone());
+        match key {
+            "server" => file.server = section(item, span, &mut errors),
+            "admin" => file.admin = section(item, span, &mut errors),
+            "log" => file.log = section(item, span, &mut errors),
+            "limits" => file.limits = section(item, span, &mut errors),
+            "timeouts" => file.timeouts = section(item, span, &mut errors),
+            "security" => file.security = section(item, span, &mut errors),
+            "demo" => file.demo = section(item, span, &mut errors),
+            "listener" => {
+                let entries = array_entries(item, "listener", span, &mut errors);
+                file.listener_count = entries.len();
+                file.listeners = entries
+                    .into_iter()
+                    .filter_map(|(it, sp)| section(&it, sp, &mut errors))
+                    .collect();
+            }
+            "route" => {
+                file.routes = array_entries(item, "route", span, &mut errors)
+                    .into_iter()
+                    .filter_map(|(it, sp)| section(&it, sp, &mut errors))
+                    .collect();
+            }
+            "upstream" => {
+                let Some(table) = item.as_table_like() else {
+                    errors.push(RawError::at(
+                        span,
+                        "`upstream` must be a table of named upstreams: write [upstream.NAME]",
+                    ));
+                    continue;
+                };
+                for (name, body) in table.iter() {
+                    let name_span = table.get_key_value(name).and_then(|(k, _)| k.span());
+                    let body_span = item_span(body).or(name_span.clone());
+                    file.upstreams.push(NamedUpstream {
+                        name: name.to_string(),
+                        span: name_span,
+                        entry: section(body, body_span, &mut errors),
+                    });
+                }
+            }
+            other => errors.push(RawError::at(
+                key_span,
+                format!(
+                    "unknown section `{other}`, expected one of: {}",
+                    SECTIONS.join(", ")
+                ),
+            )),
+        }
+    }
+    Ok((file, errors))
+}
+
+/// toml_edit's messages start with a newline-separated block; keep them on one line.
+fn syntax_message(e: &toml_edit::TomlError) -> String {
+    let m = e.message().trim();
+    format!("TOML syntax error: {}", m.replace('\n', "; "))
+}
+
+fn item_span(item: &Item) -> Option<Range<usize>> {
+    match item {
+        Item::Table(t) => t.span(),
+        other => other.span(),
+    }
+}
+
+/// Deserializes one section or entry; on error records it and returns None.
+fn section<T: DeserializeOwned>(
+    item: &Item,
+    fallback: Option<Range<usize>>,
+    errors: &mut Vec<RawError>,
+) -> Option<T> {
+    let value = match item.clone().into_value() {
+        Ok(v) => v,
+        Err(_) => {
+            errors.push(RawError::at(fallback, "expected a value"));
+            return None;
+        }
+    };
+    match T::deserialize(value.into_deserializer()) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            let e: toml_edit::de::Error = e;
+            errors.push(RawError::at(e.span().or(fallback), e.message().trim()));
+            None
+        }
+    }
+}
+
+/// The tables of `[[name]]` (or `name = [{...}, ...]`), each with its span.
+fn array_entries(
+    item: &Item,
+    name: &str,
+    span: Option<Range<usize>>,
+    errors: &mut Vec<RawError>,
+) -> Vec<(Item, Option<Range<usize>>)> {
+    match item {
+        Item::ArrayOfTables(a) => a
+            .iter()
+            .map(|t| (Item::Table(t.clone()), t.span().or(span.clone())))
+            .collect(),
+        Item::Value(toml_edit::Value::Array(a)) => a
+            .iter()
+            .map(|v| (Item::Value(v.clone()), v.span().or(span.clone())))
+            .collect(),
+        _ => {
+            errors.push(RawError::at(
+                span,
+                format!("`{name}` must be an array of tables: write [[{name}]]"),
+            ));
+            Vec::new()
+        }
+    }
+}
+
+/// Field names of a schema struct, read from serde's derived impl itself
+/// (so the docs test cannot drift from the code).
+#[cfg(test)]
+pub fn fields_of<T: DeserializeOwned>() -> Vec<&'static str> {
+    struct Collector(Vec<&'static str>);
+    #[derive(Debug)]
+    struct Stop;
+    impl fmt::Display for Stop {
+        fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("stop")
+        }
+    }
+    impl std::error::Error for Stop {}
+    impl serde::de::Error for Stop {
+        fn custom<M: fmt::Display>(_: M) -> Self {
+            Stop
+        }
+    }
+    impl<'de> Deserializer<'de> for &mut Collector {
+        type Error = Stop;
+        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Stop> {
+            Err(Stop)
+        }
+        fn deserialize_struct<V: Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Stop> {
+            self.0.extend_from_slice(fields);
+            Err(Stop)
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string
+            bytes byte_buf option unit unit_struct newtype_struct seq tuple
+            tuple_struct map enum identifier ignored_any
+        }
+    }
+    let mut c = Collector(Vec::new());
+    let _ = T::deserialize(&mut c);
+    c.0
+}

@@ -1,0 +1,668 @@
+//! Schema -> model: fills defaults, parses units and addresses, checks
+//! cross-references. Every problem is recorded; nothing stops at the first.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::ops::Range;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::error::RawError;
+use crate::matchers::{compile_path_regex, parse_host};
+use crate::model::*;
+use crate::schema::*;
+use crate::units::{parse_duration, parse_size};
+
+// === defaults (one place; docs/config.md lists the same values) ===
+
+pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(30);
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_header_bytes: 16 * 1024,
+            max_headers: 100,
+            max_uri_bytes: 8 * 1024,
+            max_body_bytes: 0,
+            max_connections: 10_000,
+        }
+    }
+}
+
+impl Default for Timeouts {
+    fn default() -> Timeouts {
+        Timeouts {
+            client_header: Duration::from_secs(10),
+            client_idle: Duration::from_secs(60),
+            upstream_connect: Duration::from_secs(3),
+            upstream_response: Duration::from_secs(60),
+            upstream_idle: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Upstream {
+    /// An upstream with every setting at its documented default.
+    pub fn with_defaults(name: impl Into<String>, servers: Vec<UpstreamServer>) -> Upstream {
+        Upstream {
+            name: name.into(),
+            servers,
+            balance: Balance::RoundRobin,
+            health_check: None,
+            max_fails: 3,
+            passive_recover: Duration::from_secs(10),
+            retries: 1,
+            retry_budget_ratio: 0.2,
+            retry_min_per_sec: 10,
+            pool_idle_per_server: 256,
+            max_connections_per_server: 0,
+        }
+    }
+}
+
+impl HealthCheck {
+    pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(2);
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
+    pub const DEFAULT_RISE: u32 = 2;
+    pub const DEFAULT_FALL: u32 = 3;
+}
+
+/// Worker threads for `workers = 0`.
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+// === addresses ===
+
+/// "IP:PORT", "[IPv6]:PORT" or "localhost:PORT" (127.0.0.1; no DNS, so a
+/// listener never depends on the resolver).
+pub fn parse_listen_addr(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(a) = s.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    match s.rsplit_once(':') {
+        Some((host, port)) if host.eq_ignore_ascii_case("localhost") => port
+            .parse::<u16>()
+            .map(|p| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), p))
+            .map_err(|_| format!("invalid address {s:?}: bad port {port:?}")),
+        Some((host, _)) if !host.is_empty() && host.parse::<IpAddr>().is_err() => Err(format!(
+            "invalid address {s:?}: the host must be an IP address or \"localhost\" (write IPv6 as [::1]:8080)"
+        )),
+        _ => Err(format!(
+            "invalid address {s:?}: expected IP:PORT, e.g. \"127.0.0.1:8080\" or \"[::1]:8080\""
+        )),
+    }
+}
+
+/// Like [`parse_listen_addr`] but other host names are resolved (once, at
+/// load time, as nginx does); every address they resolve to becomes a server.
+fn resolve_upstream_addr(s: &str) -> Result<Vec<SocketAddr>, String> {
+    match parse_listen_addr(s) {
+        Ok(a) => Ok(vec![a]),
+        Err(e) => {
+            let Some((host, port)) = s.rsplit_once(':') else {
+                return Err(e);
+            };
+            if host.is_empty() || port.parse::<u16>().is_err() {
+                return Err(e);
+            }
+            let mut addrs: Vec<SocketAddr> = s
+                .to_socket_addrs()
+                .map_err(|err| format!("cannot resolve upstream server {s:?}: {err}"))?
+                .collect();
+            addrs.sort();
+            addrs.dedup();
+            if addrs.is_empty() {
+                return Err(format!("upstream server {s:?} resolved to no address"));
+            }
+            Ok(addrs)
+        }
+    }
+}
+
+// === the checker ===
+
+struct Check {
+    errors: Vec<RawError>,
+}
+
+type Span = Option<Range<usize>>;
+
+fn sp<T>(v: &Spanned<T>) -> Span {
+    Some(v.span())
+}
+
+impl Check {
+    fn err(&mut self, span: Span, msg: impl Into<String>) {
+        self.errors.push(RawError::at(span, msg));
+    }
+
+    fn duration(&mut self, v: &Option<Spanned<String>>, key: &str, default: Duration) -> Duration {
+        let Some(v) = v else { return default };
+        match parse_duration(v.get_ref()) {
+            Ok(d) if d.is_zero() => {
+                self.err(sp(v), format!("`{key}` must be greater than zero"));
+                default
+            }
+            Ok(d) => d,
+            Err(e) => {
+                self.err(sp(v), format!("`{key}`: {e}"));
+                default
+            }
+        }
+    }
+
+    fn int(
+        &mut self,
+        v: &Option<Spanned<i64>>,
+        key: &str,
+        default: u64,
+        min: u64,
+        max: u64,
+    ) -> u64 {
+        let Some(v) = v else { return default };
+        let n = *v.get_ref();
+        if n < min as i64 || n as u64 > max {
+            self.err(
+                sp(v),
+                format!("`{key}` must be between {min} and {max}, got {n}"),
+            );
+            return default;
+        }
+        n as u64
+    }
+
+    fn size(&mut self, v: &Option<Spanned<SizeValue>>, key: &str, default: u64, min: u64) -> u64 {
+        let Some(v) = v else { return default };
+        let n = match v.get_ref() {
+            SizeValue::Int(n) if *n < 0 => Err(format!("invalid size {n}: must not be negative")),
+            SizeValue::Int(n) => Ok(*n as u64),
+            SizeValue::Str(s) => parse_size(s),
+        };
+        match n {
+            Ok(n) if n < min => {
+                self.err(sp(v), format!("`{key}` must be at least {min} bytes"));
+                default
+            }
+            Ok(n) => n,
+            Err(e) => {
+                self.err(sp(v), format!("`{key}`: {e}"));
+                default
+            }
+        }
+    }
+
+    fn listen_addr(&mut self, v: &Spanned<String>, key: &str) -> Option<SocketAddr> {
+        match parse_listen_addr(v.get_ref()) {
+            Ok(a) => Some(a),
+            Err(e) => {
+                self.err(sp(v), format!("`{key}`: {e}"));
+                None
+            }
+        }
+    }
+}
+
+/// Validates the whole file. `errors` holds the schema errors already found;
+/// the result is Ok only if there are none at all.
+pub(crate) fn validate(file: RawFile, errors: Vec<RawError>) -> Result<Config, Vec<RawError>> {
+    let schema_failed = !errors.is_empty();
+    let mut c = Check { errors };
+
+    // [server]
+    let server = file.server.unwrap_or_default();
+    let workers = match c.int(&server.workers, "workers", 0, 0, 4096) {
+        0 => cores(),
+        n => n as usize,
+    };
+    let grace_period = c.duration(&server.grace_period, "grace_period", DEFAULT_GRACE_PERIOD);
+
+    // [admin], [demo]
+    let admin = file.admin.and_then(|a| c.listen_addr(&a.listen, "listen"));
+    let demo_origin = file.demo.and_then(|d| c.listen_addr(&d.origin, "origin"));
+
+    // [log]
+    let access_log = match file.log.and_then(|l| l.access) {
+        None => AccessLog::Off,
+        Some(v) => match v.get_ref().as_str() {
+            "off" => AccessLog::Off,
+            "stdout" => AccessLog::Stdout,
+            "" => {
+                c.err(
+                    sp(&v),
+                    "`access` must be \"off\", \"stdout\" or a file path",
+                );
+                AccessLog::Off
+            }
+            path => AccessLog::File(PathBuf::from(path)),
+        },
+    };
+
+    // [limits]
+    let l = file.limits.unwrap_or_default();
+    let d = Limits::default();
+    let limits = Limits {
+        max_header_bytes: c.size(
+            &l.max_header_bytes,
+            "max_header_bytes",
+            d.max_header_bytes as u64,
+            1024,
+        ) as usize,
+        max_headers: c.int(
+            &l.max_headers,
+            "max_headers",
+            d.max_headers as u64,
+            1,
+            10_000,
+        ) as usize,
+        max_uri_bytes: c.size(
+            &l.max_uri_bytes,
+            "max_uri_bytes",
+            d.max_uri_bytes as u64,
+            16,
+        ) as usize,
+        max_body_bytes: c.size(&l.max_body_bytes, "max_body_bytes", d.max_body_bytes, 0),
+        max_connections: c.int(
+            &l.max_connections,
+            "max_connections",
+            d.max_connections as u64,
+            1,
+            10_000_000,
+        ) as usize,
+    };
+
+    // [timeouts]
+    let t = file.timeouts.unwrap_or_default();
+    let d = Timeouts::default();
+    let timeouts = Timeouts {
+        client_header: c.duration(&t.client_header, "client_header", d.client_header),
+        client_idle: c.duration(&t.client_idle, "client_idle", d.client_idle),
+        upstream_connect: c.duration(&t.upstream_connect, "upstream_connect", d.upstream_connect),
+        upstream_response: c.duration(
+            &t.upstream_response,
+            "upstream_response",
+            d.upstream_response,
+        ),
+        upstream_idle: c.duration(&t.upstream_idle, "upstream_idle", d.upstream_idle),
+    };
+
+    // [security]
+    let mut deny_origins = Vec::new();
+    for v in file
+        .security
+        .and_then(|s| s.deny_origins)
+        .unwrap_or_default()
+    {
+        match Cidr::parse(v.get_ref()) {
+            Ok(cidr) => deny_origins.push(cidr),
+            Err(e) => c.err(sp(&v), format!("`deny_origins`: {e}")),
+        }
+    }
+
+    // [[listener]]
+    if file.listener_count == 0 {
+        c.err(
+            None,
+            "no listener: add a [[listener]] with `listen = \"127.0.0.1:8080\"`",
+        );
+    }
+    let mut listeners = Vec::new();
+    let mut listener_names: HashMap<String, Span> = HashMap::new();
+    for (i, l) in file.listeners.iter().enumerate() {
+        let name = unique_name(&mut c, &l.name, "listener", i, &mut listener_names);
+        if let Some(addr) = c.listen_addr(&l.listen, "listen") {
+            listeners.push(Listener { name, addr });
+        }
+    }
+
+    // [upstream.NAME]
+    let mut upstreams = BTreeMap::new();
+    for u in &file.upstreams {
+        if let Some(entry) = &u.entry {
+            if let Some(up) = upstream(&mut c, &u.name, u.span.clone(), entry, &deny_origins) {
+                upstreams.insert(u.name.clone(), up);
+            }
+        }
+    }
+
+    // [[route]]
+    let mut routes = Vec::new();
+    let mut route_names: HashMap<String, Span> = HashMap::new();
+    for (i, r) in file.routes.iter().enumerate() {
+        let name = unique_name(&mut c, &r.name, "route", i, &mut route_names);
+        // Names of upstreams whose body failed still count: the error there
+        // was reported already.
+        if !file
+            .upstreams
+            .iter()
+            .any(|u| &u.name == r.upstream.get_ref())
+        {
+            let known: Vec<&str> = file.upstreams.iter().map(|u| u.name.as_str()).collect();
+            c.err(
+                sp(&r.upstream),
+                format!(
+                    "route `{name}`: unknown upstream `{}` (defined: {})",
+                    r.upstream.get_ref(),
+                    if known.is_empty() {
+                        "none".to_string()
+                    } else {
+                        known.join(", ")
+                    }
+                ),
+            );
+        }
+        let host = match &r.host {
+            None => None,
+            Some(h) => parse_host(h.get_ref()).unwrap_or_else(|e| {
+                c.err(sp(h), e);
+                None
+            }),
+        };
+        let given: Vec<&Spanned<String>> = [&r.path, &r.exact, &r.regex]
+            .into_iter()
+            .flatten()
+            .collect();
+        if given.len() > 1 {
+            c.err(
+                sp(given[1]),
+                format!("route `{name}`: give at most one of `path`, `exact` and `regex`"),
+            );
+        }
+        let path = if let Some(p) = &r.path {
+            match p.get_ref().as_str() {
+                "/" => PathMatch::Any,
+                s if s.starts_with('/') => PathMatch::Prefix(s.to_string()),
+                _ => {
+                    c.err(sp(p), "`path` must start with `/`");
+                    PathMatch::Any
+                }
+            }
+        } else if let Some(p) = &r.exact {
+            if !p.get_ref().starts_with('/') {
+                c.err(sp(p), "`exact` must start with `/`");
+            }
+            PathMatch::Exact(p.get_ref().clone())
+        } else if let Some(p) = &r.regex {
+            compile_path_regex(p.get_ref()).unwrap_or_else(|e| {
+                c.err(sp(p), format!("`regex`: {e}"));
+                PathMatch::Any
+            })
+        } else {
+            PathMatch::Any
+        };
+        routes.push(Route {
+            name,
+            host,
+            path,
+            upstream: r.upstream.get_ref().clone(),
+        });
+    }
+
+    if !c.errors.is_empty() || schema_failed {
+        return Err(c.errors);
+    }
+    Ok(Config {
+        workers,
+        grace_period,
+        listeners,
+        admin,
+        routes,
+        upstreams,
+        limits,
+        timeouts,
+        access_log,
+        deny_origins,
+        demo_origin,
+    })
+}
+
+/// The entry's name, or "listener-3" style when absent; duplicates are errors.
+fn unique_name(
+    c: &mut Check,
+    name: &Option<Spanned<String>>,
+    kind: &str,
+    index: usize,
+    seen: &mut HashMap<String, Span>,
+) -> String {
+    let (value, span) = match name {
+        Some(n) => (n.get_ref().clone(), sp(n)),
+        None => (format!("{kind}-{}", index + 1), None),
+    };
+    if value.is_empty() {
+        c.err(span.clone(), format!("{kind} `name` must not be empty"));
+    }
+    if let Some(first) = seen.get(&value) {
+        let at = match first {
+            Some(_) => "earlier in the file".to_string(),
+            None => format!("the default name of {kind} entry {}", index),
+        };
+        c.err(
+            span.clone(),
+            format!("duplicate {kind} name `{value}` (also used {at})"),
+        );
+    } else {
+        seen.insert(value.clone(), span);
+    }
+    value
+}
+
+fn upstream(
+    c: &mut Check,
+    name: &str,
+    name_span: Span,
+    e: &UpstreamEntry,
+    deny: &[Cidr],
+) -> Option<Upstream> {
+    let mut servers = Vec::new();
+    if e.servers.get_ref().is_empty() {
+        c.err(
+            sp(&e.servers),
+            format!("upstream `{name}`: `servers` must not be empty"),
+        );
+    }
+    for s in e.servers.get_ref() {
+        let (addr_s, addr_span, weight) = match s.get_ref() {
+            ServerSpec::Addr(a) => (a.as_str(), sp(s), 1),
+            ServerSpec::Table(t) => (
+                t.addr.get_ref().as_str(),
+                sp(&t.addr),
+                c.int(&t.weight, "weight", 1, 1, 1000) as u32,
+            ),
+        };
+        match resolve_upstream_addr(addr_s) {
+            Ok(addrs) => {
+                for addr in addrs {
+                    if let Some(rule) = deny.iter().find(|r| r.contains(addr.ip())) {
+                        c.err(
+                            addr_span.clone(),
+                            format!("upstream `{name}`: server {addr} is in security.deny_origins ({rule})"),
+                        );
+                    }
+                    servers.push(UpstreamServer { addr, weight });
+                }
+            }
+            Err(msg) => c.err(addr_span, format!("upstream `{name}`: {msg}")),
+        }
+    }
+
+    let balance = match &e.balance {
+        None => Balance::RoundRobin,
+        Some(b) => match b.get_ref().as_str() {
+            "round_robin" => Balance::RoundRobin,
+            "weighted_round_robin" => Balance::WeightedRoundRobin,
+            "least_conn" => Balance::LeastConn,
+            "random_two" => Balance::Random2,
+            // The key is filled in below.
+            "hash" => Balance::Hash(HashKey::Path),
+            other => {
+                c.err(
+                    sp(b),
+                    format!(
+                        "unknown balance {other:?}: expected round_robin, weighted_round_robin, least_conn, random_two or hash"
+                    ),
+                );
+                Balance::RoundRobin
+            }
+        },
+    };
+    let balance = match (balance, &e.hash_key) {
+        (Balance::Hash(_), Some(k)) => match parse_hash_key(k.get_ref()) {
+            Ok(key) => Balance::Hash(key),
+            Err(msg) => {
+                c.err(sp(k), msg);
+                Balance::Hash(HashKey::Path)
+            }
+        },
+        (Balance::Hash(_), None) => {
+            c.err(
+                e.balance.as_ref().and_then(sp),
+                format!("upstream `{name}`: balance = \"hash\" needs a `hash_key` (header:NAME, cookie:NAME, client_ip or path)"),
+            );
+            Balance::Hash(HashKey::Path)
+        }
+        (b, Some(k)) => {
+            c.err(
+                sp(k),
+                format!("upstream `{name}`: `hash_key` is only used with balance = \"hash\""),
+            );
+            b
+        }
+        (b, None) => b,
+    };
+
+    let d = Upstream::with_defaults(name, Vec::new());
+    let health_check = e.health_check.as_ref().map(|h| health(c, name, h));
+    let retry_budget_ratio = match &e.retry_budget {
+        None => d.retry_budget_ratio,
+        Some(v) if (0.0..=1.0).contains(v.get_ref()) => *v.get_ref(),
+        Some(v) => {
+            c.err(
+                sp(v),
+                "`retry_budget` must be between 0.0 and 1.0 (a fraction of requests)",
+            );
+            d.retry_budget_ratio
+        }
+    };
+    let _ = name_span;
+    Some(Upstream {
+        name: name.to_string(),
+        servers,
+        balance,
+        health_check,
+        max_fails: c.int(&e.max_fails, "max_fails", d.max_fails.into(), 0, 1000) as u32,
+        passive_recover: c.duration(&e.passive_recover, "passive_recover", d.passive_recover),
+        retries: c.int(&e.retries, "retries", d.retries.into(), 0, 10) as u32,
+        retry_budget_ratio,
+        retry_min_per_sec: c.int(
+            &e.retry_min_per_sec,
+            "retry_min_per_sec",
+            d.retry_min_per_sec.into(),
+            0,
+            1_000_000,
+        ) as u32,
+        pool_idle_per_server: c.int(
+            &e.pool_idle_per_server,
+            "pool_idle_per_server",
+            d.pool_idle_per_server as u64,
+            0,
+            1_000_000,
+        ) as usize,
+        max_connections_per_server: c.int(
+            &e.max_connections_per_server,
+            "max_connections_per_server",
+            0,
+            0,
+            10_000_000,
+        ) as usize,
+    })
+}
+
+fn parse_hash_key(s: &str) -> Result<HashKey, String> {
+    let bad = || {
+        format!("invalid hash_key {s:?}: expected \"header:NAME\", \"cookie:NAME\", \"client_ip\" or \"path\"")
+    };
+    match s {
+        "client_ip" => Ok(HashKey::ClientIp),
+        "path" => Ok(HashKey::Path),
+        _ => match s.split_once(':') {
+            // Header names are case-insensitive: store them lower-cased.
+            Some(("header", n)) if is_token(n) => Ok(HashKey::Header(n.to_ascii_lowercase())),
+            Some(("cookie", n)) if is_token(n) => Ok(HashKey::Cookie(n.to_string())),
+            _ => Err(bad()),
+        },
+    }
+}
+
+/// An HTTP token (RFC 9110 tchar), the syntax of header and cookie names.
+fn is_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+fn health(c: &mut Check, name: &str, h: &HealthCheckSection) -> HealthCheck {
+    let kind = match h.kind.as_ref().map(|k| (k.get_ref().as_str(), sp(k))) {
+        None | Some(("http", _)) => {
+            let (expect_min, expect_max) = match &h.expect {
+                None => (200, 399),
+                Some(e) => parse_expect(e.get_ref()).unwrap_or_else(|msg| {
+                    c.err(sp(e), msg);
+                    (200, 399)
+                }),
+            };
+            let path = match &h.path {
+                None => "/".to_string(),
+                Some(p) if p.get_ref().starts_with('/') => p.get_ref().clone(),
+                Some(p) => {
+                    c.err(sp(p), "health check `path` must start with `/`");
+                    "/".to_string()
+                }
+            };
+            HealthKind::Http {
+                path,
+                host: h.host.as_ref().map(|v| v.get_ref().clone()),
+                expect_min,
+                expect_max,
+            }
+        }
+        Some(("tcp", _)) => {
+            for (key, v) in [("path", &h.path), ("host", &h.host), ("expect", &h.expect)] {
+                if let Some(v) = v {
+                    c.err(
+                        sp(v),
+                        format!("upstream `{name}`: `{key}` only applies to type = \"http\""),
+                    );
+                }
+            }
+            HealthKind::Tcp
+        }
+        Some((other, span)) => {
+            c.err(
+                span,
+                format!("unknown health check type {other:?}: expected \"http\" or \"tcp\""),
+            );
+            HealthKind::Tcp
+        }
+    };
+    HealthCheck {
+        kind,
+        interval: c.duration(&h.interval, "interval", HealthCheck::DEFAULT_INTERVAL),
+        timeout: c.duration(&h.timeout, "timeout", HealthCheck::DEFAULT_TIMEOUT),
+        rise: c.int(&h.rise, "rise", HealthCheck::DEFAULT_RISE.into(), 1, 1000) as u32,
+        fall: c.int(&h.fall, "fall", HealthCheck::DEFAULT_FALL.into(), 1, 1000) as u32,
+    }
+}
+
+/// "200", "200-399".
+fn parse_expect(s: &str) -> Result<(u16, u16), String> {
+    let bad = || {
+        format!("invalid expect {s:?}: expected a status or a range, e.g. \"200\" or \"200-399\"")
+    };
+    let (a, b) = s.split_once('-').unwrap_or((s, s));
+    let a: u16 = a.trim().parse().map_err(|_| bad())?;
+    let b: u16 = b.trim().parse().map_err(|_| bad())?;
+    if !(100..=999).contains(&a) || !(100..=999).contains(&b) || a > b {
+        return Err(bad());
+    }
+    Ok((a, b))
+}
