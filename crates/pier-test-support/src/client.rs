@@ -1,0 +1,527 @@
+//! Clients that show exactly what came over the wire: a raw TCP HTTP/1.1 client that
+//! keeps one socket across requests, and a `curl` wrapper.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::ws;
+
+/// Default read timeout of a [`RawConn`].
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest response head the client accepts.
+const MAX_HEAD: usize = 1 << 20;
+
+/// Receives a streamed body piece by piece.
+pub type BodySink<'a> = &'a mut dyn FnMut(&[u8]);
+
+/// One parsed response.
+#[derive(Debug, Clone, Default)]
+pub struct Response {
+    pub status: u16,
+    pub reason: String,
+    /// HTTP minor version (1 for HTTP/1.1).
+    pub minor_version: u8,
+    pub headers: Vec<(String, String)>,
+    /// The body, unless it was streamed to a sink.
+    pub body: Vec<u8>,
+    /// Body bytes received (also counted when streamed to a sink).
+    pub body_len: u64,
+    pub trailers: Vec<(String, String)>,
+    /// 1xx interim responses received before this one: status and headers.
+    pub interim: Vec<(u16, Vec<(String, String)>)>,
+    pub chunked: bool,
+    /// The body ran until the connection closed (no Content-Length, not chunked).
+    pub close_delimited: bool,
+}
+
+impl Response {
+    /// First value of a header (names compare case-insensitively).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        find(&self.headers, name)
+    }
+
+    /// Every value of a header, in order.
+    pub fn header_all(&self, name: &str) -> Vec<&str> {
+        self.headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+            .collect()
+    }
+
+    pub fn trailer(&self, name: &str) -> Option<&str> {
+        find(&self.trailers, name)
+    }
+
+    /// Whether a comma-separated header has a token, e.g. `connection: close`.
+    pub fn has_token(&self, name: &str, token: &str) -> bool {
+        self.header_all(name)
+            .iter()
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case(token))
+    }
+
+    pub fn body_str(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// The `x-pier-reason` header of a locally generated response.
+    pub fn pier_reason(&self) -> Option<&str> {
+        self.header("x-pier-reason")
+    }
+}
+
+fn find<'a>(list: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    list.iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.as_str())
+}
+
+/// A raw HTTP/1.1 client on one TCP connection.
+#[derive(Debug)]
+pub struct RawConn {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    eof: bool,
+}
+
+fn err(kind: io::ErrorKind, msg: impl Into<String>) -> io::Error {
+    io::Error::new(kind, msg.into())
+}
+
+impl RawConn {
+    /// Connects (10 s timeout) or panics.
+    pub fn connect(addr: SocketAddr) -> RawConn {
+        Self::try_connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"))
+    }
+
+    pub fn try_connect(addr: SocketAddr) -> io::Result<RawConn> {
+        let stream = TcpStream::connect_timeout(&addr, DEFAULT_TIMEOUT)?;
+        stream.set_read_timeout(Some(DEFAULT_TIMEOUT))?;
+        stream.set_write_timeout(Some(DEFAULT_TIMEOUT))?;
+        stream.set_nodelay(true)?;
+        Ok(RawConn {
+            stream,
+            buf: Vec::with_capacity(64 * 1024),
+            eof: false,
+        })
+    }
+
+    /// Sets the read and write timeout of each socket operation.
+    pub fn set_timeout(&mut self, t: Duration) {
+        let _ = self.stream.set_read_timeout(Some(t));
+        let _ = self.stream.set_write_timeout(Some(t));
+    }
+
+    /// The socket, e.g. to `try_clone` a writer for a concurrent upload.
+    pub fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    /// A second handle on the socket for writing from another thread.
+    pub fn writer(&self) -> TcpStream {
+        self.stream.try_clone().expect("clone socket")
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.stream.local_addr().expect("local addr")
+    }
+
+    /// Writes all bytes or panics.
+    pub fn send(&mut self, bytes: &[u8]) {
+        self.try_send(bytes).unwrap_or_else(|e| panic!("send: {e}"))
+    }
+
+    pub fn try_send(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.stream.write_all(bytes)?;
+        self.stream.flush()
+    }
+
+    /// Half-closes the write side (the server sees EOF).
+    pub fn shutdown_write(&self) {
+        let _ = self.stream.shutdown(Shutdown::Write);
+    }
+
+    /// Sends a request with `Host: pier.test`, the given headers, and a Content-Length body
+    /// when `body` is not empty, then reads the response.
+    pub fn request(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> io::Result<Response> {
+        let mut req = format!("{method} {path} HTTP/1.1\r\n");
+        if !headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("host")) {
+            req.push_str("host: pier.test\r\n");
+        }
+        for (n, v) in headers {
+            req.push_str(&format!("{n}: {v}\r\n"));
+        }
+        if !body.is_empty() {
+            req.push_str(&format!("content-length: {}\r\n", body.len()));
+        }
+        req.push_str("\r\n");
+        let mut bytes = req.into_bytes();
+        bytes.extend_from_slice(body);
+        self.try_send(&bytes)?;
+        if method.eq_ignore_ascii_case("HEAD") {
+            self.read_response_no_body()
+        } else {
+            self.read_response()
+        }
+    }
+
+    /// `GET path` on this connection.
+    pub fn get(&mut self, path: &str) -> io::Result<Response> {
+        self.request("GET", path, &[], b"")
+    }
+
+    /// Reads one response (skipping and recording 1xx interim ones).
+    pub fn read_response(&mut self) -> io::Result<Response> {
+        self.read_response_with(false, None)
+    }
+
+    /// Reads the response to a HEAD request: never a body.
+    pub fn read_response_no_body(&mut self) -> io::Result<Response> {
+        self.read_response_with(true, None)
+    }
+
+    /// Reads a response, passing the body to `sink` piece by piece instead of keeping it.
+    pub fn read_response_streaming(&mut self, sink: &mut dyn FnMut(&[u8])) -> io::Result<Response> {
+        self.read_response_with(false, Some(sink))
+    }
+
+    /// Reads a response. Errors: `UnexpectedEof` when the connection closed before or
+    /// inside the response (the message says which), `TimedOut`/`WouldBlock` on timeout,
+    /// `InvalidData` on a malformed response.
+    pub fn read_response_with(
+        &mut self,
+        no_body: bool,
+        mut sink: Option<BodySink<'_>>,
+    ) -> io::Result<Response> {
+        let mut interim = Vec::new();
+        loop {
+            let mut resp = self.read_head()?;
+            if (100..200).contains(&resp.status) && resp.status != 101 {
+                interim.push((resp.status, resp.headers));
+                continue;
+            }
+            resp.interim = interim;
+            if no_body || resp.status == 101 || resp.status == 204 || resp.status == 304 {
+                return Ok(resp);
+            }
+            let te_chunked = resp
+                .header_all("transfer-encoding")
+                .iter()
+                .flat_map(|v| v.split(','))
+                .next_back()
+                .is_some_and(|t| t.trim().eq_ignore_ascii_case("chunked"));
+            let mut keep = |resp: &mut Response, piece: &[u8]| {
+                resp.body_len += piece.len() as u64;
+                match sink.as_mut() {
+                    Some(s) => s(piece),
+                    None => resp.body.extend_from_slice(piece),
+                }
+            };
+            if te_chunked {
+                resp.chunked = true;
+                self.read_chunked(&mut resp, &mut keep)?;
+            } else if let Some(cl) = resp.header("content-length") {
+                let cl: u64 = cl.trim().parse().map_err(|_| {
+                    err(
+                        io::ErrorKind::InvalidData,
+                        format!("bad content-length {cl:?}"),
+                    )
+                })?;
+                let mut left = cl;
+                while left > 0 {
+                    if self.buf.is_empty() && self.fill()? == 0 {
+                        return Err(err(
+                            io::ErrorKind::UnexpectedEof,
+                            format!(
+                                "connection closed inside the body: got {} of {cl} bytes (status {})",
+                                cl - left,
+                                resp.status
+                            ),
+                        ));
+                    }
+                    let n = (self.buf.len() as u64).min(left) as usize;
+                    let piece: Vec<u8> = self.buf.drain(..n).collect();
+                    keep(&mut resp, &piece);
+                    left -= n as u64;
+                }
+            } else {
+                resp.close_delimited = true;
+                loop {
+                    if self.buf.is_empty() && self.fill()? == 0 {
+                        break;
+                    }
+                    let piece = std::mem::take(&mut self.buf);
+                    keep(&mut resp, &piece);
+                }
+            }
+            return Ok(resp);
+        }
+    }
+
+    fn read_chunked(
+        &mut self,
+        resp: &mut Response,
+        keep: &mut dyn FnMut(&mut Response, &[u8]),
+    ) -> io::Result<()> {
+        loop {
+            let line = self.read_line()?;
+            let size = line.split(|b| *b == b';').next().unwrap_or(&[]);
+            let size = std::str::from_utf8(size)
+                .ok()
+                .and_then(|s| u64::from_str_radix(s.trim(), 16).ok())
+                .ok_or_else(|| {
+                    err(
+                        io::ErrorKind::InvalidData,
+                        format!("bad chunk size line {:?}", String::from_utf8_lossy(&line)),
+                    )
+                })?;
+            if size == 0 {
+                loop {
+                    let t = self.read_line()?;
+                    if t.is_empty() {
+                        return Ok(());
+                    }
+                    let t = String::from_utf8_lossy(&t).into_owned();
+                    let (n, v) = t.split_once(':').ok_or_else(|| {
+                        err(io::ErrorKind::InvalidData, format!("bad trailer {t:?}"))
+                    })?;
+                    resp.trailers
+                        .push((n.trim().to_string(), v.trim().to_string()));
+                }
+            }
+            let mut left = size;
+            while left > 0 {
+                if self.buf.is_empty() && self.fill()? == 0 {
+                    return Err(err(
+                        io::ErrorKind::UnexpectedEof,
+                        "connection closed inside a chunk",
+                    ));
+                }
+                let n = (self.buf.len() as u64).min(left) as usize;
+                let piece: Vec<u8> = self.buf.drain(..n).collect();
+                keep(resp, &piece);
+                left -= n as u64;
+            }
+            if !self.read_line()?.is_empty() {
+                return Err(err(
+                    io::ErrorKind::InvalidData,
+                    "chunk data not followed by CRLF",
+                ));
+            }
+        }
+    }
+
+    fn read_head(&mut self) -> io::Result<Response> {
+        loop {
+            if !self.buf.is_empty() {
+                let mut hdrs = [httparse::EMPTY_HEADER; 256];
+                let mut r = httparse::Response::new(&mut hdrs);
+                match r.parse(&self.buf) {
+                    Ok(httparse::Status::Complete(n)) => {
+                        let resp = Response {
+                            status: r.code.unwrap_or(0),
+                            reason: r.reason.unwrap_or("").to_string(),
+                            minor_version: r.version.unwrap_or(1),
+                            headers: r
+                                .headers
+                                .iter()
+                                .map(|h| {
+                                    (
+                                        h.name.to_string(),
+                                        String::from_utf8_lossy(h.value).into_owned(),
+                                    )
+                                })
+                                .collect(),
+                            ..Response::default()
+                        };
+                        self.buf.drain(..n);
+                        return Ok(resp);
+                    }
+                    Ok(httparse::Status::Partial) => {}
+                    Err(e) => {
+                        return Err(err(
+                            io::ErrorKind::InvalidData,
+                            format!(
+                                "bad response head ({e}): {:?}",
+                                String::from_utf8_lossy(&self.buf[..self.buf.len().min(200)])
+                            ),
+                        ))
+                    }
+                }
+            }
+            if self.buf.len() > MAX_HEAD {
+                return Err(err(io::ErrorKind::InvalidData, "response head too large"));
+            }
+            if self.fill()? == 0 {
+                let msg = if self.buf.is_empty() {
+                    "connection closed before a response".to_string()
+                } else {
+                    format!(
+                        "connection closed inside a response head: {:?}",
+                        String::from_utf8_lossy(&self.buf)
+                    )
+                };
+                return Err(err(io::ErrorKind::UnexpectedEof, msg));
+            }
+        }
+    }
+
+    fn read_line(&mut self) -> io::Result<Vec<u8>> {
+        loop {
+            if let Some(i) = self.buf.windows(2).position(|w| w == b"\r\n") {
+                let line = self.buf[..i].to_vec();
+                self.buf.drain(..i + 2);
+                return Ok(line);
+            }
+            if self.buf.len() > 64 * 1024 {
+                return Err(err(io::ErrorKind::InvalidData, "line too long"));
+            }
+            if self.fill()? == 0 {
+                return Err(err(
+                    io::ErrorKind::UnexpectedEof,
+                    "connection closed inside a line",
+                ));
+            }
+        }
+    }
+
+    /// Reads more bytes into the buffer; 0 at EOF. A reset counts as EOF.
+    fn fill(&mut self) -> io::Result<usize> {
+        if self.eof {
+            return Ok(0);
+        }
+        let mut tmp = [0u8; 64 * 1024];
+        let n = match self.stream.read(&mut tmp) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => 0,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return self.fill(),
+            Err(e) => return Err(e),
+        };
+        if n == 0 {
+            self.eof = true;
+        }
+        self.buf.extend_from_slice(&tmp[..n]);
+        Ok(n)
+    }
+
+    /// Waits up to `timeout` for the peer to close the connection (EOF or reset), and
+    /// says whether it did. Bytes received meanwhile are kept in the buffer.
+    pub fn is_closed(&mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let old = self.stream.read_timeout().ok().flatten();
+        let mut closed = false;
+        for _ in 0..10_000 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let _ = self
+                .stream
+                .set_read_timeout(Some(left.max(Duration::from_millis(1))));
+            match self.fill() {
+                Ok(0) => {
+                    closed = true;
+                    break;
+                }
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        let _ = self.stream.set_read_timeout(old);
+        closed
+    }
+
+    /// Bytes received but not consumed by a parsed response.
+    pub fn buffered(&self) -> &[u8] {
+        &self.buf
+    }
+
+    /// Reads one WebSocket frame.
+    pub fn read_ws_frame(&mut self) -> io::Result<ws::Frame> {
+        loop {
+            match ws::decode_frame(&self.buf, 64 << 20) {
+                Ok(Some((f, used))) => {
+                    self.buf.drain(..used);
+                    return Ok(f);
+                }
+                Ok(None) => {
+                    if self.fill()? == 0 {
+                        return Err(err(
+                            io::ErrorKind::UnexpectedEof,
+                            "closed inside a ws frame",
+                        ));
+                    }
+                }
+                Err(e) => return Err(err(io::ErrorKind::InvalidData, e)),
+            }
+        }
+    }
+}
+
+/// `GET path` on a new connection; panics on an I/O error.
+pub fn get(addr: SocketAddr, path: &str) -> Response {
+    try_get(addr, path).unwrap_or_else(|e| panic!("GET {path} via {addr}: {e}"))
+}
+
+/// `GET path` on a new connection.
+pub fn try_get(addr: SocketAddr, path: &str) -> io::Result<Response> {
+    RawConn::try_connect(addr)?.get(path)
+}
+
+/// Runs a command with its output captured, killing it after `timeout`.
+pub fn run_with_timeout(cmd: &mut Command, timeout: Duration) -> Output {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
+    // Drained on threads so a full pipe never blocks the child.
+    let mut out = child.stdout.take().expect("stdout");
+    let mut errp = child.stderr.take().expect("stderr");
+    let t_out = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = out.read_to_end(&mut v);
+        v
+    });
+    let t_err = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = errp.read_to_end(&mut v);
+        v
+    });
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            break s;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            break child.wait().expect("wait");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Output {
+        status,
+        stdout: t_out.join().unwrap_or_default(),
+        stderr: t_err.join().unwrap_or_default(),
+    }
+}
+
+/// Runs `curl -sS --max-time 30 ARGS…` (killed after 40 s).
+pub fn curl(args: &[&str]) -> Output {
+    run_with_timeout(
+        Command::new("curl")
+            .args(["-sS", "--max-time", "30"])
+            .args(args),
+        Duration::from_secs(40),
+    )
+}

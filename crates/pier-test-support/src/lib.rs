@@ -1,0 +1,52 @@
+//! Test support for Pier's end-to-end tests (dev-dependency only).
+//!
+//! - [`Origin`]: a real HTTP/1.1 origin on `127.0.0.1:0`, handwritten on raw sockets so
+//!   it can misbehave on purpose (die mid-body, trickle, stall, echo the head it got).
+//! - [`RawConn`], [`get`], [`curl`]: clients that show exactly what came over the wire.
+//! - [`PierProcess`]: runs the `pier` binary on a config and waits for its ready file.
+//!
+//! Every wait here is bounded; every address is on port 0.
+#![forbid(unsafe_code)]
+
+mod client;
+mod origin;
+mod process;
+pub mod ws;
+
+pub use client::{curl, get, run_with_timeout, try_get, BodySink, RawConn, Response};
+pub use origin::Origin;
+pub use process::{parse_metric_line, rss_kib, MetricSample, PierProcess};
+
+/// Signal numbers for [`PierProcess::signal`], so tests need no `libc` of their own.
+pub mod sig {
+    pub use libc::{SIGHUP, SIGINT, SIGKILL, SIGTERM};
+}
+
+/// The deterministic byte at `offset` of every pattern body (`/bytes/N`, `/chunked/N`).
+/// 251 is prime so the pattern does not line up with power-of-two buffer sizes.
+#[inline]
+pub fn pattern_byte(offset: u64) -> u8 {
+    (offset % 251) as u8
+}
+
+/// `len` pattern bytes starting at `offset`.
+pub fn pattern(offset: u64, len: usize) -> Vec<u8> {
+    (0..len as u64).map(|i| pattern_byte(offset + i)).collect()
+}
+
+/// Whether `data` equals the pattern starting at `offset`.
+pub fn is_pattern(offset: u64, data: &[u8]) -> bool {
+    data.iter()
+        .enumerate()
+        .all(|(i, &b)| b == pattern_byte(offset + i as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn pattern_is_consistent() {
+        let p = super::pattern(1000, 600);
+        assert!(super::is_pattern(1000, &p));
+        assert!(!super::is_pattern(1001, &p));
+    }
+}
