@@ -8,15 +8,9 @@ use std::sync::Arc;
 use pier_config::{Balance, HashKey, Upstream};
 
 use crate::budget::RetryBudget;
-use crate::peer::{ActiveGuard, Peer};
+use crate::peer::{ActiveGuard, CachePadded, Peer};
 use crate::ring::{key_point, Ring};
 use crate::select::{self, Avail, Selector};
-
-/// Keeps a contended counter on its own cache line so that every core
-/// bumping it does not also invalidate the read-mostly fields next to it.
-#[derive(Debug)]
-#[repr(align(64))]
-struct Padded<T>(T);
 
 /// One upstream group, shared by every worker thread (`Arc<Group>`).
 #[derive(Debug)]
@@ -25,7 +19,7 @@ pub struct Group {
     peers: Vec<Arc<Peer>>,
     selector: Selector,
     /// Round-robin / weighted schedule position.
-    counter: Padded<AtomicUsize>,
+    counter: CachePadded<AtomicUsize>,
     budget: RetryBudget,
     max_fails: u32,
     passive_recover_ms: u64,
@@ -48,7 +42,11 @@ impl Group {
                 &peers.iter().map(|p| p.weight).collect::<Vec<_>>(),
             )),
             Balance::LeastConn => Selector::LeastConn,
-            Balance::Random2 => Selector::Random2,
+            Balance::Random2 => {
+                let weights: Vec<u32> = peers.iter().map(|p| p.weight).collect();
+                let uniform = weights.windows(2).all(|w| w[0] == w[1]);
+                Selector::Random2((!uniform).then(|| select::smooth_schedule(&weights)))
+            }
             Balance::Hash(_) => Selector::Hash(Ring::new(
                 &peers.iter().map(|p| (p.addr, p.weight)).collect::<Vec<_>>(),
             )),
@@ -57,7 +55,7 @@ impl Group {
             name: cfg.name.clone(),
             peers,
             selector,
-            counter: Padded(AtomicUsize::new(0)),
+            counter: CachePadded(AtomicUsize::new(0)),
             budget: RetryBudget::new(cfg.retry_budget_ratio, cfg.retry_min_per_sec),
             max_fails: cfg.max_fails,
             passive_recover_ms: cfg.passive_recover.as_millis() as u64,
@@ -123,7 +121,9 @@ impl Group {
             Selector::RoundRobin => select::round_robin(n, &self.counter.0, avail),
             Selector::Weighted(schedule) => select::weighted(schedule, n, &self.counter.0, avail),
             Selector::LeastConn => select::least_conn(&self.peers, avail),
-            Selector::Random2 => select::random_two(&self.peers, avail),
+            Selector::Random2(schedule) => {
+                select::random_two(&self.peers, schedule.as_deref(), avail)
+            }
             Selector::Hash(ring) => ring.walk(key_point(key), |i| avail(i) != Avail::No),
         }
     }

@@ -4,6 +4,19 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+/// Keeps a counter every core writes on its own cache line, so those
+/// writes do not invalidate the read-mostly fields next to it.
+#[derive(Debug, Default)]
+#[repr(align(64))]
+pub(crate) struct CachePadded<T>(pub(crate) T);
+
+impl<T> std::ops::Deref for CachePadded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 /// An upstream server of a [`crate::Group`].
 ///
 /// Every field that changes at run time is an atomic: all worker threads
@@ -16,7 +29,9 @@ pub struct Peer {
     /// Up/down as seen by the balancer (active checks and passive failures).
     pub(crate) healthy: AtomicBool,
     /// Requests currently in flight to this peer (see [`ActiveGuard`]).
-    pub(crate) active: AtomicUsize,
+    /// Padded: written by every request, while `healthy` is read by every
+    /// selection.
+    pub(crate) active: CachePadded<AtomicUsize>,
     /// Consecutive failed attempts reported by the proxy (passive health).
     pub(crate) consecutive_fails: AtomicU32,
     /// Passive recovery without an active check: the clock_ms time after
@@ -34,7 +49,7 @@ impl Peer {
             addr,
             weight: weight.max(1),
             healthy: AtomicBool::new(true),
-            active: AtomicUsize::new(0),
+            active: CachePadded(AtomicUsize::new(0)),
             consecutive_fails: AtomicU32::new(0),
             retry_at_ms: AtomicU64::new(0),
             probing: AtomicBool::new(false),

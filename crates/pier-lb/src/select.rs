@@ -27,7 +27,8 @@ pub(crate) enum Selector {
     /// Precomputed smooth-WRR schedule of peer indices.
     Weighted(Vec<u32>),
     LeastConn,
-    Random2,
+    /// With a weight schedule to draw from when weights differ.
+    Random2(Option<Vec<u32>>),
     Hash(Ring),
 }
 
@@ -160,54 +161,74 @@ pub(crate) fn weighted(
 }
 
 /// Least `active / weight`. Ties (an idle group has nothing but ties) are
-/// broken uniformly by reservoir sampling: a rotating start would give the
-/// share of a skipped peer to the one after it, and would need a counter
-/// every core writes to.
+/// broken by weighted reservoir sampling, so an idle group still spreads by
+/// weight (as nginx breaks ties by weighted round robin). A rotating start
+/// instead would give a skipped peer's share to the one after it, and need
+/// a counter every core writes to.
 pub(crate) fn least_conn(
     peers: &[Arc<Peer>],
     mut avail: impl FnMut(usize) -> Avail,
 ) -> Option<usize> {
     let mut best: Option<usize> = None;
-    let mut ties = 0usize;
+    let mut tie_weight = 0usize;
     for idx in 0..peers.len() {
         match avail(idx) {
             Avail::No => {}
             Avail::Probe => return Some(idx),
-            Avail::Up => match best {
-                Some(b) if lighter(&peers[b], &peers[idx]) => {}
-                Some(b) if !lighter(&peers[idx], &peers[b]) => {
-                    // Equal load: keep each of the k tied peers with
-                    // probability 1/k.
-                    ties += 1;
-                    if rand_below(ties) == 0 {
+            Avail::Up => {
+                let w = peers[idx].weight as usize;
+                match best {
+                    Some(b) if lighter(&peers[b], &peers[idx]) => {}
+                    Some(b) if !lighter(&peers[idx], &peers[b]) => {
+                        // Equal load: after k ties each is kept with
+                        // probability weight / (sum of their weights).
+                        tie_weight += w;
+                        if rand_below(tie_weight) < w {
+                            best = Some(idx);
+                        }
+                    }
+                    _ => {
                         best = Some(idx);
+                        tie_weight = w;
                     }
                 }
-                _ => {
-                    best = Some(idx);
-                    ties = 1;
-                }
-            },
+            }
         }
     }
     best
 }
 
-/// Power of two random choices: pick two distinct peers at random and keep
-/// the less loaded one. Falls back to a least-conn scan when neither is
-/// available.
+/// Power of two random choices: draw two distinct peers (in proportion to
+/// weight when the group has a `schedule`, i.e. unequal weights) and keep
+/// the one with less `active / weight`. Falls back to a least-conn scan
+/// when neither can take the attempt.
 pub(crate) fn random_two(
     peers: &[Arc<Peer>],
+    schedule: Option<&[u32]>,
     mut avail: impl FnMut(usize) -> Avail,
 ) -> Option<usize> {
     let n = peers.len();
     if n == 1 {
         return (avail(0) != Avail::No).then_some(0);
     }
-    let a = rand_below(n);
-    let mut b = rand_below(n - 1);
-    if b >= a {
-        b += 1;
+    let draw = || match schedule {
+        Some(s) => s[rand_below(s.len())] as usize,
+        None => rand_below(n),
+    };
+    let a = draw();
+    let mut b = draw();
+    // A heavy peer is often drawn twice; a few re-draws, then any other.
+    for _ in 0..3 {
+        if b != a {
+            break;
+        }
+        b = draw();
+    }
+    if b == a {
+        b = rand_below(n - 1);
+        if b >= a {
+            b += 1;
+        }
     }
     let av = avail(a);
     if av == Avail::Probe {

@@ -106,8 +106,18 @@ fn least_conn_is_weight_aware() {
     // 1/1 vs 2/3: the heavier peer still has room.
     assert_eq!(g.select(None, &[]), Some(1));
     let _b = g.begin(1);
-    // 1/1 vs 3/3: a tie, broken at random.
-    assert_near(&counts(&g, 4_000, &[]), &[2_000, 2_000]);
+    // 1/1 vs 3/3: a tie, broken at random by weight.
+    assert_near(&counts(&g, 4_000, &[]), &[1_000, 3_000]);
+}
+
+#[test]
+fn idle_least_conn_and_random_two_spread_by_weight() {
+    for balance in [Balance::LeastConn, Balance::Random2] {
+        let g = Group::new(&upstream(balance, &[1, 3]));
+        assert_near(&counts(&g, 8_000, &[]), &[2_000, 6_000]);
+    }
+    let g = Group::new(&upstream(Balance::LeastConn, &[1, 1, 2]));
+    assert_near(&counts(&g, 8_000, &[]), &[2_000, 2_000, 4_000]);
 }
 
 #[test]
