@@ -179,6 +179,11 @@ impl RawConn {
         self.request("GET", path, &[], b"")
     }
 
+    /// Reads one response head, whatever its status (a 1xx too), and no body.
+    pub fn read_head_only(&mut self) -> io::Result<Response> {
+        self.read_head()
+    }
+
     /// Reads one response (skipping and recording 1xx interim ones).
     pub fn read_response(&mut self) -> io::Result<Response> {
         self.read_response_with(false, None)

@@ -15,7 +15,7 @@ pub mod ws;
 
 pub use client::{curl, get, run_with_timeout, try_get, BodySink, RawConn, Response};
 pub use origin::Origin;
-pub use process::{parse_metric_line, rss_kib, MetricSample, PierProcess};
+pub use process::{parse_metric_line, rss_kib, MetricSample, PierProcess, TempDir};
 
 /// Signal numbers for [`PierProcess::signal`], so tests need no `libc` of their own.
 pub mod sig {

@@ -47,26 +47,60 @@ fn parse_ready(text: &str) -> Option<Ready> {
 #[derive(Debug)]
 pub struct PierProcess {
     child: Child,
-    dir: PathBuf,
+    dir: TempDir,
     config_path: PathBuf,
     ready_path: PathBuf,
     ready: Ready,
     exited: Option<ExitStatus>,
 }
 
-fn fresh_dir() -> PathBuf {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    let dir = std::env::temp_dir().join(format!(
-        "pier-test-{}-{}-{nanos}",
-        std::process::id(),
-        DIR_SEQ.fetch_add(1, Ordering::SeqCst)
-    ));
-    let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir).expect("create temp dir");
-    dir
+/// A fresh directory under the system temp dir, removed on drop (kept when the
+/// environment has `PIER_TEST_KEEP`, to look at after a failure).
+#[derive(Debug)]
+pub struct TempDir {
+    path: PathBuf,
+}
+
+impl TempDir {
+    pub fn new() -> TempDir {
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let path = std::env::temp_dir().join(format!(
+            "pier-test-{}-{}-{nanos}",
+            std::process::id(),
+            DIR_SEQ.fetch_add(1, Ordering::SeqCst)
+        ));
+        let _ = fs::remove_dir_all(&path);
+        fs::create_dir_all(&path).expect("create temp dir");
+        TempDir { path }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Writes a file in the directory and returns its path.
+    pub fn write(&self, name: &str, contents: &str) -> PathBuf {
+        let p = self.path.join(name);
+        fs::write(&p, contents).expect("write temp file");
+        p
+    }
+}
+
+impl Default for TempDir {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if std::env::var_os("PIER_TEST_KEEP").is_none() {
+            let _ = fs::remove_dir_all(&self.path);
+        }
+    }
 }
 
 impl PierProcess {
@@ -90,16 +124,16 @@ impl PierProcess {
         config_toml: Option<&str>,
         args: &[&str],
     ) -> Result<PierProcess, String> {
-        let dir = fresh_dir();
-        let config_path = dir.join("pier.toml");
+        let dir = TempDir::new();
+        let config_path = dir.path().join("pier.toml");
         if let Some(text) = config_toml {
             fs::write(&config_path, text).expect("write config");
         }
-        let ready_path = dir.join("ready.json");
+        let ready_path = dir.path().join("ready.json");
         let cfg = config_path.to_string_lossy().into_owned();
         let args: Vec<String> = args.iter().map(|a| a.replace("{config}", &cfg)).collect();
-        let stdout = fs::File::create(dir.join("stdout.log")).expect("stdout file");
-        let stderr = fs::File::create(dir.join("stderr.log")).expect("stderr file");
+        let stdout = fs::File::create(dir.path().join("stdout.log")).expect("stdout file");
+        let stderr = fs::File::create(dir.path().join("stderr.log")).expect("stderr file");
         let child = Command::new(bin_path)
             .args(&args)
             .env("PIER_READY_FILE", &ready_path)
@@ -178,7 +212,7 @@ impl PierProcess {
     }
 
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.dir.path()
     }
 
     pub fn config_path(&self) -> &Path {
@@ -198,7 +232,7 @@ impl PierProcess {
 
     /// Replaces the config file atomically (write then rename), as an operator would.
     pub fn rewrite_config(&self, new_text: &str) {
-        let tmp = self.dir.join("pier.toml.tmp");
+        let tmp = self.dir.path().join("pier.toml.tmp");
         fs::write(&tmp, new_text).expect("write config");
         fs::rename(&tmp, &self.config_path).expect("rename config");
     }
@@ -257,8 +291,8 @@ impl PierProcess {
 
     /// Pier's stdout and stderr so far.
     pub fn logs(&self) -> String {
-        let out = fs::read_to_string(self.dir.join("stdout.log")).unwrap_or_default();
-        let err = fs::read_to_string(self.dir.join("stderr.log")).unwrap_or_default();
+        let out = fs::read_to_string(self.dir.path().join("stdout.log")).unwrap_or_default();
+        let err = fs::read_to_string(self.dir.path().join("stderr.log")).unwrap_or_default();
         format!("--- pier stdout ---\n{out}--- pier stderr ---\n{err}--- end ---")
     }
 
@@ -321,9 +355,7 @@ impl Drop for PierProcess {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
-        if std::env::var_os("PIER_TEST_KEEP").is_none() {
-            let _ = fs::remove_dir_all(&self.dir);
-        }
+        // The temp dir is removed when `self.dir` drops, after the child is gone.
     }
 }
 
