@@ -1,0 +1,171 @@
+-- The global `pier` table.
+local ffi = require "ffi"
+local base = require "pier.base"
+
+local api, native, masks, fail, check = base.api, base.native, base.masks, base.fail, base.check
+local ptr, len, int = base.ptr, base.len, base.int
+local ffi_string, type, tostring, tonumber, select, concat =
+  ffi.string, type, tostring, tonumber, select, table.concat
+local co_yield, getinfo = coroutine.yield, debug.getinfo
+
+local pier = {
+  req = require "pier.req",
+  resp = require "pier.resp",
+  var = require "pier.var",
+  shared = require "pier.shared",
+  -- pier.exit(pier.OK) ends the hook and goes on; log levels as nginx's.
+  OK = 0, ERROR = -1,
+  HTTP_OK = 200, HTTP_MOVED_PERMANENTLY = 301, HTTP_MOVED_TEMPORARILY = 302,
+  HTTP_BAD_REQUEST = 400, HTTP_UNAUTHORIZED = 401, HTTP_FORBIDDEN = 403,
+  HTTP_NOT_FOUND = 404, HTTP_TOO_MANY_REQUESTS = 429,
+  HTTP_INTERNAL_SERVER_ERROR = 500, HTTP_BAD_GATEWAY = 502,
+  HTTP_SERVICE_UNAVAILABLE = 503,
+  STDERR = 2, EMERG = 1, ALERT = 2, CRIT = 3, ERR = 4, WARN = 5, NOTICE = 6, INFO = 7, DEBUG = 8,
+}
+
+function pier.get_phase()
+  return base.phase_name()
+end
+
+-- Seconds since the epoch (ms precision) from the request's clock snapshot.
+function pier.now()
+  return api.now()
+end
+
+-- pier.exit(status[, body]): respond now (status >= 100) or, with 0, end
+-- the hook and go on. Never returns: the hook's coroutine is abandoned.
+function pier.exit(status, body)
+  local s = tonumber(status)
+  if not s then error("bad argument #1 to pier.exit (number expected)", 2) end
+  local rc
+  if body ~= nil then
+    body = base.tostr(body)
+    rc = api.exit(s, body, #body, 1)
+  else
+    rc = api.exit(s, nil, 0, 0)
+  end
+  if rc < 0 then fail(rc, "pier.exit") end
+  co_yield()
+end
+
+function pier.redirect(uri, status)
+  if type(uri) ~= "string" then error("bad argument #1 to pier.redirect (string expected)", 2) end
+  local rc = api.redirect(uri, #uri, tonumber(status) or 302)
+  if rc < 0 then fail(rc, "pier.redirect") end
+  co_yield()
+end
+
+local function flatten(out, n, v)
+  local t = type(v)
+  if t == "table" then
+    for i = 1, #v do n = flatten(out, n, v[i]) end
+    return n
+  end
+  n = n + 1
+  out[n] = t == "string" and v or tostring(v)
+  return n
+end
+
+local function emit(what, nl, ...)
+  local out, n = {}, 0
+  for i = 1, select("#", ...) do n = flatten(out, n, (select(i, ...))) end
+  if nl then n = n + 1; out[n] = "\n" end
+  local s = concat(out)
+  return api.say(s, #s)
+end
+
+-- Buffers body output; the response is sent when the hook ends.
+function pier.say(...)
+  local rc = emit("pier.say", true, ...)
+  if rc < 0 then fail(rc, "pier.say") end
+end
+
+function pier.print(...)
+  local rc = emit("pier.print", false, ...)
+  if rc < 0 then fail(rc, "pier.print") end
+end
+
+function pier.log(level, ...)
+  local parts = {}
+  for i = 1, select("#", ...) do parts[i] = tostring((select(i, ...))) end
+  local msg = concat(parts)
+  local info = getinfo(2, "Sl")
+  if info then msg = info.short_src .. ":" .. info.currentline .. ": " .. msg end
+  api.log(tonumber(level) or 4, msg, #msg)
+end
+
+function pier.sleep(seconds)
+  check(masks.yield, "pier.sleep")
+  return native.sleep(tonumber(seconds) or -1)
+end
+
+pier.timer = {
+  -- pier.timer.at(delay, fn, ...): fn(premature, ...) in its own coroutine.
+  at = function(delay, fn, ...)
+    check(masks.timer, "pier.timer.at")
+    if type(fn) ~= "function" then error("bad argument #2 to pier.timer.at (function expected)", 2) end
+    return native.timer_at(tonumber(delay) or -1, fn, ...)
+  end,
+  every = function(interval, fn, ...)
+    check(masks.timer, "pier.timer.every")
+    if type(fn) ~= "function" then error("bad argument #2 to pier.timer.every (function expected)", 2) end
+    return native.timer_every(tonumber(interval) or -1, fn, ...)
+  end,
+  running_count = function() return native.timer_count() end,
+}
+
+pier.balancer = {
+  set_peer = function(ip, port)
+    ip = tostring(ip)
+    local rc = api.balancer_set_peer(ip, #ip, tonumber(port) or -1)
+    if rc < 0 then fail(rc, "pier.balancer.set_peer") end
+  end,
+  set_retries = function(n)
+    local rc = api.balancer_set_retries(tonumber(n) or -1)
+    if rc < 0 then fail(rc, "pier.balancer.set_retries") end
+  end,
+}
+
+-- body_filter: pier.arg[1] is the chunk (assign to replace), pier.arg[2] eof.
+pier.arg = setmetatable({}, {
+  __index = function(_, i)
+    local rc = api.body_chunk(ptr, len, int)
+    if rc < 0 then fail(rc, "pier.arg") end
+    if i == 1 then return ffi_string(ptr[0], len[0]) end
+    if i == 2 then return int[0] ~= 0 end
+    return nil
+  end,
+  __newindex = function(_, i, v)
+    if i ~= 1 then error("only pier.arg[1] can be assigned", 2) end
+    if v == nil then v = "" end
+    v = base.tostr(v)
+    local rc = api.body_set_chunk(v, #v)
+    if rc < 0 then fail(rc, "pier.arg") end
+  end,
+})
+
+-- pier.ctx: a table per request, created on first use. Lua keeps the tables
+-- in `ctxs`; Rust keeps each request's slot number (released with it).
+local ctxs = {}
+setmetatable(pier, {
+  __index = function(_, k)
+    if k ~= "ctx" then return nil end
+    local ref = api.ctx_ref()
+    if ref > 0 then return ctxs[ref] end
+    if ref == -1 then ref = api.ctx_new_ref() end
+    if ref < 0 then fail(ref, "pier.ctx") end
+    local t = {}
+    ctxs[ref] = t
+    return t
+  end,
+  __newindex = function(t, k, v)
+    if k ~= "ctx" then return rawset(t, k, v) end
+    if type(v) ~= "table" then error("pier.ctx must be a table", 2) end
+    local ref = api.ctx_ref()
+    if ref == -1 then ref = api.ctx_new_ref() end
+    if ref < 0 then fail(ref, "pier.ctx") end
+    ctxs[ref] = v
+  end,
+})
+
+return pier

@@ -1,0 +1,69 @@
+-- pier.resp: the response status and headers (headers set before the
+-- response exists apply to it when it comes).
+local ffi = require "ffi"
+local base = require "pier.base"
+
+local api, ptr, len, pairs_out = base.api, base.ptr, base.len, base.pairs
+local fail, tostr, pairs_table = base.fail, base.tostr, base.pairs_table
+local ffi_string, type, tostring, tonumber = ffi.string, type, tostring, tonumber
+
+local resp = {}
+
+function resp.get_status()
+  local rc = api.resp_status()
+  if rc < 0 then fail(rc, "pier.resp.get_status") end
+  return rc
+end
+
+function resp.set_status(status)
+  local rc = api.resp_set_status(tonumber(status) or -1)
+  if rc < 0 then fail(rc, "pier.resp.set_status") end
+end
+
+function resp.get_header(name)
+  if type(name) ~= "string" then name = tostring(name) end
+  local rc = api.resp_header(name, #name, ptr, len)
+  if rc == 1 then return ffi_string(ptr[0], len[0]) end
+  if rc < 0 then fail(rc, "pier.resp.get_header") end
+  return nil
+end
+
+function resp.get_headers()
+  local n = api.resp_headers(pairs_out)
+  if n < 0 then fail(n, "pier.resp.get_headers") end
+  return pairs_table(pairs_out[0], n)
+end
+
+local function set(name, value, mode)
+  if type(name) ~= "string" then name = tostring(name) end
+  if value == nil then
+    return api.resp_set_header(name, #name, nil, 0, 2)
+  elseif type(value) == "table" then
+    local rc = api.resp_set_header(name, #name, nil, 0, 2)
+    for i = 1, #value do
+      if rc < 0 then return rc end
+      local v = tostr(value[i])
+      rc = api.resp_set_header(name, #name, v, #v, 1)
+    end
+    return rc
+  end
+  value = tostr(value)
+  return api.resp_set_header(name, #name, value, #value, mode)
+end
+
+function resp.set_header(name, value)
+  local rc = set(name, value, 0)
+  if rc < 0 then fail(rc, "pier.resp.set_header") end
+end
+
+function resp.add_header(name, value)
+  local rc = set(name, value, 1)
+  if rc < 0 then fail(rc, "pier.resp.add_header") end
+end
+
+function resp.clear_header(name)
+  local rc = set(name, nil, 2)
+  if rc < 0 then fail(rc, "pier.resp.clear_header") end
+end
+
+return resp

@@ -1,0 +1,90 @@
+//! The request a Lua hook is running for, published in a thread-local.
+//!
+//! Rust sets it immediately before each resume of a hook's coroutine and
+//! restores the previous value right after ([`Scope`]), so the `extern "C"`
+//! API functions find the request without Lua ever holding a pointer to it.
+//! Outside a resume it is empty and every request API reports "disabled".
+
+use std::cell::Cell;
+use std::ptr::NonNull;
+
+use bytes::BytesMut;
+
+use crate::engine::{Inner, RequestCtx};
+use crate::phase::Phase;
+use crate::view::HttpView;
+
+/// `dyn HttpView` with its lifetime erased: only dereferenced while a
+/// [`Scope`] created from a live `&mut` is in place.
+pub(crate) type ViewPtr = NonNull<dyn HttpView + 'static>;
+
+#[derive(Clone, Copy)]
+pub(crate) struct Current {
+    pub phase: Option<Phase>,
+    pub view: Option<ViewPtr>,
+    pub ctx: Option<NonNull<RequestCtx>>,
+    pub engine: Option<NonNull<Inner>>,
+    /// The body chunk in `body_filter`, with its eof flag.
+    pub chunk: Option<NonNull<BytesMut>>,
+    pub eof: bool,
+}
+
+impl Current {
+    pub const NONE: Current = Current {
+        phase: None,
+        view: None,
+        ctx: None,
+        engine: None,
+        chunk: None,
+        eof: false,
+    };
+
+    /// Whether the current phase is in `mask` (see [`crate::phase::mask`]).
+    #[inline(always)]
+    pub fn allows(&self, mask: u32) -> bool {
+        match self.phase {
+            Some(p) => mask & p.bit() != 0,
+            None => false,
+        }
+    }
+}
+
+thread_local! {
+    static CURRENT: Cell<Current> = const { Cell::new(Current::NONE) };
+}
+
+#[inline(always)]
+pub(crate) fn get() -> Current {
+    CURRENT.with(Cell::get)
+}
+
+/// Erases the borrow's lifetime so the pointer can sit in the thread-local.
+pub(crate) fn view_ptr(view: &mut dyn HttpView) -> ViewPtr {
+    let p: NonNull<dyn HttpView + '_> = NonNull::from(view);
+    // SAFETY: only the trait object's lifetime bound changes (same layout);
+    // the pointer is dereferenced only while a `Scope` holding it is alive,
+    // and every `Scope` is created and dropped inside a call that holds the
+    // original `&mut` borrow.
+    unsafe { std::mem::transmute::<NonNull<dyn HttpView + '_>, ViewPtr>(p) }
+}
+
+/// Publishes `cur` until dropped, then restores what was there (so nested
+/// scopes, e.g. a timer started from a hook, unwind correctly).
+pub(crate) struct Scope {
+    prev: Current,
+}
+
+impl Scope {
+    #[inline]
+    pub fn enter(cur: Current) -> Scope {
+        let prev = CURRENT.with(|c| c.replace(cur));
+        Scope { prev }
+    }
+}
+
+impl Drop for Scope {
+    #[inline]
+    fn drop(&mut self) {
+        CURRENT.with(|c| c.set(self.prev));
+    }
+}

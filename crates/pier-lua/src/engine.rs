@@ -1,0 +1,429 @@
+//! One Lua state per worker thread and the running of hooks on it.
+
+use std::cell::{Cell, RefCell};
+use std::future::Future;
+use std::pin::Pin;
+use std::ptr::NonNull;
+use std::rc::{Rc, Weak};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use mlua::{Function, Lua, LuaOptions, StdLib};
+use pier_shdict::Registry;
+
+use crate::current::{self, Current, Scope};
+use crate::error::LuaError;
+use crate::phase::Phase;
+use crate::setup::LuaSetup;
+use crate::view::HttpView;
+use crate::{modules, BalancerChoice, Flow};
+
+// === RequestCtx ===
+
+/// Per-request Lua state kept by the proxy from `access` to `log`: the slot
+/// of the `pier.ctx` table (created on first use, released on drop) and the
+/// flow a hook asked for. `!Send`: it belongs to the engine's thread.
+pub struct RequestCtx {
+    /// Slot of this request's `pier.ctx` table in the Lua-side slot array (-1: none).
+    pub(crate) ctx_ref: i32,
+    pub(crate) slots: Option<Rc<CtxSlots>>,
+    pub(crate) exit: Option<u16>,
+    pub(crate) location: Option<Vec<u8>>,
+    /// `pier.say` output, or the body given to `pier.exit`.
+    pub(crate) body: Vec<u8>,
+    pub(crate) peer: Option<std::net::SocketAddr>,
+    pub(crate) retries: Option<u32>,
+}
+
+impl RequestCtx {
+    pub fn new() -> Self {
+        RequestCtx {
+            ctx_ref: -1,
+            slots: None,
+            exit: None,
+            location: None,
+            body: Vec::new(),
+            peer: None,
+            retries: None,
+        }
+    }
+}
+
+impl Default for RequestCtx {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for RequestCtx {
+    fn drop(&mut self) {
+        if let Some(slots) = self.slots.take() {
+            slots.release(self.ctx_ref);
+        }
+    }
+}
+
+/// Allocator of `pier.ctx` slots. A released slot keeps its old table until
+/// reused (it is then overwritten), so at most "peak concurrent requests"
+/// tables are retained.
+#[derive(Default)]
+pub(crate) struct CtxSlots {
+    free: RefCell<Vec<i32>>,
+    next: Cell<i32>,
+}
+
+impl CtxSlots {
+    pub fn alloc(&self) -> i32 {
+        self.free.borrow_mut().pop().unwrap_or_else(|| {
+            let n = self.next.get() + 1;
+            self.next.set(n);
+            n
+        })
+    }
+
+    fn release(&self, r: i32) {
+        if r > 0 {
+            self.free.borrow_mut().push(r);
+        }
+    }
+
+    /// Slots ever handed out (for tests and metrics).
+    pub fn high_water(&self) -> i32 {
+        self.next.get()
+    }
+}
+
+// === engine ===
+
+/// What the `extern "C"` functions and the natives reach through
+/// [`Current::engine`].
+pub(crate) struct Inner {
+    pub lua: Lua,
+    pub shared: Arc<Registry>,
+    pub ctx_slots: Rc<CtxSlots>,
+    /// `[route][phase slot]` compiled hooks.
+    hooks: Vec<[Option<Function>; 7]>,
+    pub timers: crate::io::Timers,
+    memory_limit: usize,
+}
+
+/// A per-thread LuaJIT state running the hooks of one [`LuaSetup`].
+/// `!Send`: create one on each worker thread.
+pub struct LuaEngine {
+    inner: Rc<Inner>,
+}
+
+impl LuaEngine {
+    /// Creates the state: loads the standard libraries (with `ffi` and
+    /// `jit`), the embedded `pier.*` modules, compiles every hook, then runs
+    /// `init` and `init_worker`. Timers started there begin when the engine
+    /// is first used inside the thread's `LocalSet` (or at
+    /// [`start_timers`](Self::start_timers)).
+    pub fn new(setup: Arc<LuaSetup>, shared: Arc<Registry>) -> Result<Self, LuaError> {
+        let err = |e| LuaError::lua(None, e);
+        // SAFETY: `ffi` and `debug` are "unsafe" libraries for mlua: Lua code
+        // can corrupt memory with them. Hook code is the operator's own
+        // configuration, trusted like nginx.conf, and FFI is the point.
+        let lua = unsafe { Lua::unsafe_new_with(StdLib::ALL, LuaOptions::default()) };
+        let weak_slot: Rc<RefCell<Weak<Inner>>> = Rc::default();
+        modules::bootstrap(&lua, &setup, weak_slot.clone()).map_err(err)?;
+
+        let mut hooks = Vec::with_capacity(setup.routes.len());
+        for (i, r) in setup.routes.iter().enumerate() {
+            let mut slots: [Option<Function>; 7] = Default::default();
+            for (slot, phase) in Phase::ROUTE.into_iter().enumerate() {
+                if let Some(src) = r.get(phase) {
+                    slots[slot] = Some(compile(&lua, src, Some(phase)).map_err(|e| {
+                        LuaError::new(Some(phase), format!("route {i}: {}", e.message))
+                    })?);
+                }
+            }
+            hooks.push(slots);
+        }
+        let inner = Rc::new(Inner {
+            lua,
+            shared,
+            ctx_slots: Rc::default(),
+            hooks,
+            timers: crate::io::Timers::default(),
+            memory_limit: setup.memory_limit,
+        });
+        *weak_slot.borrow_mut() = Rc::downgrade(&inner);
+        let engine = LuaEngine { inner };
+
+        for (phase, src) in [
+            (Phase::Init, &setup.init),
+            (Phase::InitWorker, &setup.init_worker),
+        ] {
+            if let Some(src) = src {
+                let f = compile(&engine.inner.lua, src, Some(phase))?;
+                engine.run_sync(phase, &f, Current::NONE)?;
+            }
+        }
+        if setup.memory_limit > 0 {
+            // LuaJIT 2.1 with GC64 accepts mlua's allocator, so the limit is
+            // enforced on every allocation ("not enough memory" in the hook).
+            engine
+                .inner
+                .lua
+                .set_memory_limit(setup.memory_limit)
+                .map_err(err)?;
+        }
+        Ok(engine)
+    }
+
+    /// The Lua state (for tests and embedding).
+    pub fn lua(&self) -> &Lua {
+        &self.inner.lua
+    }
+
+    /// Whether `route` has a hook for `phase`: the proxy skips all Lua work
+    /// otherwise.
+    #[inline]
+    pub fn has_hook(&self, route: usize, phase: Phase) -> bool {
+        self.hook(route, phase).is_some()
+    }
+
+    fn hook(&self, route: usize, phase: Phase) -> Option<&Function> {
+        let slot = phase.route_slot()?;
+        self.inner.hooks.get(route)?[slot].as_ref()
+    }
+
+    /// Spawns the timers created during `init_worker` (needs the thread's
+    /// `LocalSet`). Also done at the start of every async hook.
+    pub fn start_timers(&self) {
+        self.inner.timers.start_pending();
+    }
+
+    /// Bytes of Lua heap in use.
+    pub fn used_memory(&self) -> usize {
+        self.inner.lua.used_memory()
+    }
+
+    /// `pier.ctx` slots handed out so far (bounded by peak concurrency).
+    pub fn ctx_slots_high_water(&self) -> i32 {
+        self.inner.ctx_slots.high_water()
+    }
+
+    fn cur(&self, phase: Phase, view: &mut dyn HttpView, ctx: &mut RequestCtx) -> Current {
+        Current {
+            phase: Some(phase),
+            view: Some(current::view_ptr(view)),
+            ctx: Some(NonNull::from(ctx)),
+            engine: Some(NonNull::from(&*self.inner)),
+            chunk: None,
+            eof: false,
+        }
+    }
+
+    /// Runs `f` to completion on the main thread (no yielding), with `cur` published.
+    fn run_sync(&self, phase: Phase, f: &Function, mut cur: Current) -> Result<(), LuaError> {
+        cur.phase = Some(phase);
+        cur.engine = Some(NonNull::from(&*self.inner));
+        let r = {
+            let _scope = Scope::enter(cur);
+            f.call::<()>(())
+        };
+        self.after_hook();
+        r.map_err(|e| LuaError::lua(Some(phase), e))
+    }
+
+    /// Runs the hook in a new coroutine, publishing the request around every
+    /// resume; stops early when the hook called `pier.exit`/`pier.redirect`.
+    async fn run_async(
+        &self,
+        route: usize,
+        phase: Phase,
+        view: &mut dyn HttpView,
+        ctx: &mut RequestCtx,
+    ) -> Result<bool, LuaError> {
+        let Some(f) = self.hook(route, phase) else {
+            return Ok(false);
+        };
+        self.inner.timers.start_pending();
+        let err = |e| LuaError::lua(Some(phase), e);
+        let thread = self.inner.lua.create_thread(f.clone()).map_err(err)?;
+        let fut = thread.into_async::<()>(()).map_err(err)?;
+        let cur = self.cur(phase, view, ctx);
+        let r = Hooked { fut, cur }.await;
+        self.after_hook();
+        r.map_err(err)?;
+        Ok(true)
+    }
+
+    fn after_hook(&self) {
+        if self.inner.memory_limit > 0
+            && self.inner.lua.used_memory() > self.inner.memory_limit / 10 * 9
+        {
+            // Close to the limit: collect now rather than fail the next hook.
+            let _ = self.inner.lua.gc_collect();
+        }
+    }
+
+    // === phases ===
+
+    /// `access`: may rewrite the request, respond or redirect.
+    pub async fn access(
+        &self,
+        route: usize,
+        req: &mut dyn HttpView,
+        ctx: &mut RequestCtx,
+    ) -> Result<Flow, LuaError> {
+        if !self.run_async(route, Phase::Access, req, ctx).await? {
+            return Ok(Flow::Continue);
+        }
+        Ok(take_flow(Phase::Access, req, ctx))
+    }
+
+    /// `content`: the hook produces the response (`pier.say`, `pier.exit`).
+    /// Without a content hook, `Flow::Continue` (proxy as usual).
+    pub async fn content(
+        &self,
+        route: usize,
+        req: &mut dyn HttpView,
+        ctx: &mut RequestCtx,
+    ) -> Result<Flow, LuaError> {
+        if !self.run_async(route, Phase::Content, req, ctx).await? {
+            return Ok(Flow::Continue);
+        }
+        Ok(take_flow(Phase::Content, req, ctx))
+    }
+
+    /// `balancer`: `pier.balancer.set_peer` / `set_retries`.
+    pub async fn balancer(
+        &self,
+        route: usize,
+        req: &mut dyn HttpView,
+        ctx: &mut RequestCtx,
+    ) -> Result<BalancerChoice, LuaError> {
+        self.run_async(route, Phase::Balancer, req, ctx).await?;
+        Ok(BalancerChoice {
+            peer: ctx.peer.take(),
+            retries: ctx.retries.take(),
+        })
+    }
+
+    /// `upstream_request`: edit the request to the origin; may respond.
+    pub async fn upstream_request(
+        &self,
+        route: usize,
+        req: &mut dyn HttpView,
+        ctx: &mut RequestCtx,
+    ) -> Result<Flow, LuaError> {
+        if !self
+            .run_async(route, Phase::UpstreamRequest, req, ctx)
+            .await?
+        {
+            return Ok(Flow::Continue);
+        }
+        Ok(take_flow(Phase::UpstreamRequest, req, ctx))
+    }
+
+    /// `header_filter`: response status and headers. Does not yield.
+    pub fn header_filter(
+        &self,
+        route: usize,
+        req: &mut dyn HttpView,
+        ctx: &mut RequestCtx,
+    ) -> Result<(), LuaError> {
+        let Some(f) = self.hook(route, Phase::HeaderFilter) else {
+            return Ok(());
+        };
+        let cur = self.cur(Phase::HeaderFilter, req, ctx);
+        self.run_sync(Phase::HeaderFilter, f, cur)
+    }
+
+    /// `body_filter`: `pier.arg[1]` is `chunk` (assign to replace it),
+    /// `pier.arg[2]` is `eof`. Does not yield.
+    pub fn body_filter(
+        &self,
+        route: usize,
+        req: &mut dyn HttpView,
+        ctx: &mut RequestCtx,
+        chunk: &mut BytesMut,
+        eof: bool,
+    ) -> Result<(), LuaError> {
+        let Some(f) = self.hook(route, Phase::BodyFilter) else {
+            return Ok(());
+        };
+        let mut cur = self.cur(Phase::BodyFilter, req, ctx);
+        cur.chunk = Some(NonNull::from(chunk));
+        cur.eof = eof;
+        self.run_sync(Phase::BodyFilter, f, cur)
+    }
+
+    /// `log`: after the response. Errors are logged, not returned; do I/O
+    /// from here with `pier.timer.at(0, ...)`.
+    pub fn log(&self, route: usize, req: &mut dyn HttpView, ctx: &mut RequestCtx) {
+        let Some(f) = self.hook(route, Phase::Log) else {
+            return;
+        };
+        let cur = self.cur(Phase::Log, req, ctx);
+        if let Err(e) = self.run_sync(Phase::Log, f, cur) {
+            tracing::error!(target: "pier::lua", route, "{e}");
+        }
+    }
+}
+
+fn take_flow(phase: Phase, view: &mut dyn HttpView, ctx: &mut RequestCtx) -> Flow {
+    let exit = ctx.exit.take();
+    let location = ctx.location.take();
+    let respond =
+        matches!(exit, Some(s) if s >= 100) || phase == Phase::Content || !ctx.body.is_empty();
+    if !respond {
+        return Flow::Continue;
+    }
+    let status = match exit {
+        Some(s) if s >= 100 => s,
+        _ => match view.status() {
+            s @ 100..=599 => s,
+            _ => 200,
+        },
+    };
+    let headers = location
+        .map(|l| vec![(b"location".to_vec(), l)])
+        .unwrap_or_default();
+    Flow::Respond {
+        status,
+        headers,
+        body: Bytes::from(std::mem::take(&mut ctx.body)),
+    }
+}
+
+/// Compiles a source into a function (errors carry the chunk name).
+pub(crate) fn compile(
+    lua: &Lua,
+    src: &crate::Source,
+    phase: Option<Phase>,
+) -> Result<Function, LuaError> {
+    let (code, name) = src.load().map_err(|e| LuaError::new(phase, e))?;
+    lua.load(code)
+        .set_name(name)
+        .into_function()
+        .map_err(|e| LuaError::lua(phase, e))
+}
+
+/// Publishes `cur` around every poll of a hook's coroutine, and ends the
+/// hook once it asked to exit (the coroutine stays suspended and is
+/// collected, as OpenResty's `ngx.exit`).
+pub(crate) struct Hooked<F> {
+    pub fut: F,
+    pub cur: Current,
+}
+
+impl<F: Future<Output = mlua::Result<()>> + Unpin> Future for Hooked<F> {
+    type Output = mlua::Result<()>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let _scope = Scope::enter(self.cur);
+        match Pin::new(&mut self.fut).poll(cx) {
+            Poll::Ready(r) => Poll::Ready(r),
+            Poll::Pending => match self.cur.ctx {
+                // SAFETY: published only while the hook call holds the `&mut`.
+                Some(ctx) if unsafe { ctx.as_ref() }.exit.is_some() => Poll::Ready(Ok(())),
+                _ => Poll::Pending,
+            },
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! Phase, time, logging, `pier.ctx`, the flow calls (`exit`, `redirect`,
+//! `say`), the body chunk and the balancer choice.
+
+use std::net::{IpAddr, SocketAddr};
+use std::os::raw::{c_char, c_int};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use super::{arg, guard, out, put, OutLen, OutPtr, E_INVAL, E_PHASE};
+use crate::current::{self, Current};
+use crate::engine::RequestCtx;
+use crate::phase::mask;
+
+pub(super) extern "C" fn phase() -> c_int {
+    current::get().phase.map_or(-1, |p| p as c_int)
+}
+
+pub(super) extern "C" fn phase_allowed(m: u32) -> c_int {
+    c_int::from(current::get().allows(m))
+}
+
+/// Seconds since the epoch, millisecond precision, from the request's clock
+/// snapshot (wall clock outside a request).
+pub(super) extern "C" fn now() -> f64 {
+    let ns = current::get()
+        .view
+        // SAFETY: see `with_view`; `now_ns` takes `&self`.
+        .and_then(|v| catch_unwind(AssertUnwindSafe(|| unsafe { v.as_ref() }.now_ns())).ok())
+        .unwrap_or_else(wall_ns);
+    (ns / 1_000_000) as f64 / 1000.0
+}
+
+pub(crate) fn wall_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// `pier.log(level, msg)`: levels as nginx (4 err, 5 warn, 6 notice, 7 info, 8 debug).
+pub(super) extern "C" fn log(level: c_int, p: *const c_char, n: usize) -> c_int {
+    let msg = String::from_utf8_lossy(arg(p, n));
+    let phase = current::get().phase.map_or("none", |p| p.name());
+    guard(|| {
+        match level {
+            ..=4 => tracing::error!(target: "pier::lua", phase, "{msg}"),
+            5 => tracing::warn!(target: "pier::lua", phase, "{msg}"),
+            6 | 7 => tracing::info!(target: "pier::lua", phase, "{msg}"),
+            _ => tracing::debug!(target: "pier::lua", phase, "{msg}"),
+        }
+        0
+    })
+}
+
+/// Runs `f` on the current request's [`RequestCtx`] if the phase is in `m`.
+#[inline(always)]
+fn with_ctx(m: u32, f: impl FnOnce(&mut RequestCtx, &Current) -> c_int) -> c_int {
+    let cur = current::get();
+    if !cur.allows(m) {
+        return E_PHASE;
+    }
+    let Some(mut ctx) = cur.ctx else {
+        return E_PHASE;
+    };
+    // SAFETY: like the view, the ctx pointer is published only while the
+    // hook call holding its `&mut RequestCtx` is being polled.
+    guard(|| f(unsafe { ctx.as_mut() }, &cur))
+}
+
+/// The registry slot of this request's `pier.ctx` table, -1 if none yet.
+pub(super) extern "C" fn ctx_ref() -> c_int {
+    with_ctx(mask::CTX, |c, _| c.ctx_ref)
+}
+
+/// Allocates a slot for this request's `pier.ctx` table (the Lua side
+/// stores the table at that index of its slot array).
+pub(super) extern "C" fn ctx_new_ref() -> c_int {
+    with_ctx(mask::CTX, |c, cur| {
+        let Some(engine) = cur.engine else {
+            return E_PHASE;
+        };
+        // SAFETY: the engine outlives every hook call it runs.
+        let engine = unsafe { engine.as_ref() };
+        c.ctx_ref = engine.ctx_slots.alloc();
+        c.slots = Some(engine.ctx_slots.clone());
+        c.ctx_ref
+    })
+}
+
+/// `pier.exit(status[, body])`: 0 ends the hook and continues; 100..=599
+/// answers. The wrapper yields right after, and the engine stops the hook.
+pub(super) extern "C" fn exit(
+    status: c_int,
+    body: *const c_char,
+    blen: usize,
+    has_body: c_int,
+) -> c_int {
+    if status != 0 && !(100..=599).contains(&status) {
+        return E_INVAL;
+    }
+    let body = arg(body, blen);
+    with_ctx(mask::EXIT, |c, _| {
+        c.exit = Some(status as u16);
+        if has_body != 0 {
+            c.body.clear();
+            c.body.extend_from_slice(body);
+        }
+        0
+    })
+}
+
+pub(super) extern "C" fn redirect(uri: *const c_char, n: usize, status: c_int) -> c_int {
+    let uri = arg(uri, n);
+    if uri.is_empty() || !super::valid_value(uri) || !matches!(status, 301 | 302 | 303 | 307 | 308)
+    {
+        return E_INVAL;
+    }
+    with_ctx(mask::EXIT, |c, _| {
+        c.exit = Some(status as u16);
+        c.location = Some(uri.to_vec());
+        0
+    })
+}
+
+pub(super) extern "C" fn say(p: *const c_char, n: usize) -> c_int {
+    let s = arg(p, n);
+    with_ctx(mask::SAY, |c, _| {
+        c.body.extend_from_slice(s);
+        0
+    })
+}
+
+fn chunk(cur: &Current) -> Option<NonNull<bytes::BytesMut>> {
+    if cur.allows(mask::BODY) {
+        cur.chunk
+    } else {
+        None
+    }
+}
+
+/// The current body chunk and its eof flag (`pier.arg[1]`, `pier.arg[2]`).
+pub(super) extern "C" fn body_chunk(p: OutPtr, n: OutLen, eof: *mut c_int) -> c_int {
+    let cur = current::get();
+    let Some(ch) = chunk(&cur) else {
+        return E_PHASE;
+    };
+    // SAFETY: published by `body_filter` for the duration of the hook call.
+    out(unsafe { ch.as_ref() }, p, n);
+    put(eof, c_int::from(cur.eof));
+    0
+}
+
+/// Replaces the current body chunk (`pier.arg[1] = s`).
+pub(super) extern "C" fn body_set_chunk(p: *const c_char, n: usize) -> c_int {
+    let cur = current::get();
+    let Some(mut ch) = chunk(&cur) else {
+        return E_PHASE;
+    };
+    let s = arg(p, n);
+    guard(|| {
+        // SAFETY: as in `body_chunk`; `s` is a Lua string, not the chunk.
+        let ch = unsafe { ch.as_mut() };
+        ch.clear();
+        ch.extend_from_slice(s);
+        0
+    })
+}
+
+/// `pier.balancer.set_peer(ip, port)`: an IP literal (no DNS here).
+pub(super) extern "C" fn balancer_set_peer(p: *const c_char, n: usize, port: c_int) -> c_int {
+    let Ok(port) = u16::try_from(port) else {
+        return E_INVAL;
+    };
+    let Some(ip) = std::str::from_utf8(arg(p, n))
+        .ok()
+        .and_then(|s| s.parse::<IpAddr>().ok())
+    else {
+        return E_INVAL;
+    };
+    with_ctx(mask::BALANCER, |c, _| {
+        c.peer = Some(SocketAddr::new(ip, port));
+        0
+    })
+}
+
+pub(super) extern "C" fn balancer_set_retries(n: c_int) -> c_int {
+    let Ok(n) = u32::try_from(n) else {
+        return E_INVAL;
+    };
+    with_ctx(mask::BALANCER, |c, _| {
+        c.retries = Some(n);
+        0
+    })
+}

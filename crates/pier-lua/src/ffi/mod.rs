@@ -1,0 +1,281 @@
+//! The `extern "C"` functions behind the hot `pier.*` calls.
+//!
+//! Lua reaches them through one `#[repr(C)]` table of function pointers,
+//! [`PierApi`], whose address the bootstrap receives once as a number and
+//! casts with `ffi.cast("const pier_api_t*", addr)` (see `lua/pier/base.lua`
+//! for the matching C declaration — keep the two in the same order). This is
+//! linker-proof (no `--export-dynamic`, nothing for the linker to drop) and
+//! calls through these pointers are compiled by the JIT like `ffi.C` calls.
+//!
+//! Conventions, for every function:
+//! * no request pointer: the request comes from [`crate::current`];
+//! * strings in as `(ptr, len)`, strings out through `(*ptr, *len)`
+//!   out-parameters pointing into the request or a per-thread scratch buffer,
+//!   valid until the next API call (the Lua wrapper copies with `ffi.string`);
+//! * an `int` status: `>= 0` success, [`E_PHASE`] when the call is not
+//!   allowed in the current phase, [`E_INVAL`] for a bad argument,
+//!   [`E_INTERNAL`] if Rust panicked (caught: nothing unwinds into Lua);
+//! * structs only by pointer.
+
+mod ctx;
+mod req;
+mod resp;
+mod shdict;
+
+use std::cell::RefCell;
+use std::os::raw::{c_char, c_int};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use crate::current::{self, Current};
+use crate::view::HttpView;
+
+/// Not allowed in the current phase (or no request is running).
+pub const E_PHASE: c_int = -2;
+/// Bad argument (e.g. a header value with CR/LF).
+pub const E_INVAL: c_int = -3;
+/// Rust panicked; the panic was caught at the boundary.
+pub const E_INTERNAL: c_int = -4;
+/// Shared dict: no memory.
+pub const E_NOMEM: c_int = -5;
+/// Shared dict: the key exists (`add`) / not found (`replace`, `incr`).
+pub const E_EXISTS: c_int = -6;
+pub const E_NOTFOUND: c_int = -7;
+/// Shared dict: `incr` on a non-number.
+pub const E_NAN: c_int = -8;
+
+/// A key/value pair handed to Lua in bulk (`get_headers`, `get_uri_args`).
+/// `vlen < 0` means "no value" (a query arg without `=`, i.e. `true`).
+#[repr(C)]
+pub struct PierPair {
+    pub k: *const c_char,
+    pub klen: usize,
+    pub v: *const c_char,
+    pub vlen: isize,
+}
+
+/// Out-parameter types, spelled as in the C declarations.
+pub type OutPtr = *mut *const c_char;
+pub type OutLen = *mut usize;
+
+/// The API table. Field order and types must match `pier_api_t` in
+/// `lua/pier/base.lua`.
+#[repr(C)]
+pub struct PierApi {
+    pub phase: extern "C" fn() -> c_int,
+    pub phase_allowed: extern "C" fn(u32) -> c_int,
+    pub now: extern "C" fn() -> f64,
+    pub log: extern "C" fn(c_int, *const c_char, usize) -> c_int,
+    // request
+    pub req_method: extern "C" fn(OutPtr, OutLen) -> c_int,
+    pub req_uri: extern "C" fn(OutPtr, OutLen) -> c_int,
+    pub req_path: extern "C" fn(OutPtr, OutLen) -> c_int,
+    pub req_set_path: extern "C" fn(*const c_char, usize) -> c_int,
+    pub req_set_args: extern "C" fn(*const c_char, usize) -> c_int,
+    pub req_args: extern "C" fn(*mut *const PierPair) -> c_int,
+    pub req_header: extern "C" fn(*const c_char, usize, OutPtr, OutLen) -> c_int,
+    pub req_headers: extern "C" fn(*mut *const PierPair) -> c_int,
+    pub req_set_header: extern "C" fn(*const c_char, usize, *const c_char, usize, c_int) -> c_int,
+    pub var: extern "C" fn(*const c_char, usize, OutPtr, OutLen) -> c_int,
+    // response
+    pub resp_status: extern "C" fn() -> c_int,
+    pub resp_set_status: extern "C" fn(c_int) -> c_int,
+    pub resp_header: extern "C" fn(*const c_char, usize, OutPtr, OutLen) -> c_int,
+    pub resp_headers: extern "C" fn(*mut *const PierPair) -> c_int,
+    pub resp_set_header: extern "C" fn(*const c_char, usize, *const c_char, usize, c_int) -> c_int,
+    // per-request state and flow
+    pub ctx_ref: extern "C" fn() -> c_int,
+    pub ctx_new_ref: extern "C" fn() -> c_int,
+    pub exit: extern "C" fn(c_int, *const c_char, usize, c_int) -> c_int,
+    pub redirect: extern "C" fn(*const c_char, usize, c_int) -> c_int,
+    pub say: extern "C" fn(*const c_char, usize) -> c_int,
+    pub body_chunk: extern "C" fn(OutPtr, OutLen, *mut c_int) -> c_int,
+    pub body_set_chunk: extern "C" fn(*const c_char, usize) -> c_int,
+    pub balancer_set_peer: extern "C" fn(*const c_char, usize, c_int) -> c_int,
+    pub balancer_set_retries: extern "C" fn(c_int) -> c_int,
+    // shared dicts
+    pub shdict_index: extern "C" fn(*const c_char, usize) -> c_int,
+    pub shdict_get: extern "C" fn(
+        c_int,
+        *const c_char,
+        usize,
+        c_int,
+        OutPtr,
+        OutLen,
+        *mut f64,
+        *mut u32,
+    ) -> c_int,
+    pub shdict_store: extern "C" fn(
+        c_int,
+        c_int,
+        *const c_char,
+        usize,
+        c_int,
+        *const c_char,
+        usize,
+        f64,
+        f64,
+        u32,
+    ) -> c_int,
+    pub shdict_incr:
+        extern "C" fn(c_int, *const c_char, usize, f64, f64, c_int, f64, *mut f64) -> c_int,
+    pub shdict_delete: extern "C" fn(c_int, *const c_char, usize) -> c_int,
+    pub shdict_ttl: extern "C" fn(c_int, *const c_char, usize, *mut f64) -> c_int,
+    pub shdict_expire: extern "C" fn(c_int, *const c_char, usize, f64) -> c_int,
+    pub shdict_flush_all: extern "C" fn(c_int) -> c_int,
+    pub shdict_flush_expired: extern "C" fn(c_int, c_int) -> c_int,
+    pub shdict_keys: extern "C" fn(c_int, c_int, *mut *const PierPair) -> c_int,
+    pub shdict_capacity: extern "C" fn(c_int, *mut f64, *mut f64) -> c_int,
+}
+
+/// The one API table; its address is what Lua casts.
+pub static API: PierApi = PierApi {
+    phase: ctx::phase,
+    phase_allowed: ctx::phase_allowed,
+    now: ctx::now,
+    log: ctx::log,
+    req_method: req::method,
+    req_uri: req::uri,
+    req_path: req::path,
+    req_set_path: req::set_path,
+    req_set_args: req::set_args,
+    req_args: req::args,
+    req_header: req::header,
+    req_headers: req::headers,
+    req_set_header: req::set_header,
+    var: req::var,
+    resp_status: resp::status,
+    resp_set_status: resp::set_status,
+    resp_header: resp::header,
+    resp_headers: resp::headers,
+    resp_set_header: resp::set_header,
+    ctx_ref: ctx::ctx_ref,
+    ctx_new_ref: ctx::ctx_new_ref,
+    exit: ctx::exit,
+    redirect: ctx::redirect,
+    say: ctx::say,
+    body_chunk: ctx::body_chunk,
+    body_set_chunk: ctx::body_set_chunk,
+    balancer_set_peer: ctx::balancer_set_peer,
+    balancer_set_retries: ctx::balancer_set_retries,
+    shdict_index: shdict::index,
+    shdict_get: shdict::get,
+    shdict_store: shdict::store,
+    shdict_incr: shdict::incr,
+    shdict_delete: shdict::delete,
+    shdict_ttl: shdict::ttl,
+    shdict_expire: shdict::expire,
+    shdict_flush_all: shdict::flush_all,
+    shdict_flush_expired: shdict::flush_expired,
+    shdict_keys: shdict::keys,
+    shdict_capacity: shdict::capacity,
+};
+
+/// The address Lua casts to `const pier_api_t*` (fits a double: user-space
+/// addresses are below 2^47).
+pub fn api_addr() -> usize {
+    &API as *const PierApi as usize
+}
+
+// === helpers shared by the ffi modules ===
+
+/// Runs `f`, turning a panic into [`E_INTERNAL`] so nothing unwinds into Lua.
+#[inline(always)]
+pub(crate) fn guard(f: impl FnOnce() -> c_int) -> c_int {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or(E_INTERNAL)
+}
+
+/// Runs `f` on the current request if the phase is in `mask`.
+#[inline(always)]
+pub(crate) fn with_view(mask: u32, f: impl FnOnce(&mut dyn HttpView, &Current) -> c_int) -> c_int {
+    let cur = current::get();
+    if !cur.allows(mask) {
+        return E_PHASE;
+    }
+    let Some(mut view) = cur.view else {
+        return E_PHASE;
+    };
+    // SAFETY: the view pointer is only published (by a `current::Scope`)
+    // while the `&mut dyn HttpView` it came from is borrowed by the running
+    // hook call, and nothing else touches the view during this FFI call.
+    guard(|| f(unsafe { view.as_mut() }, &cur))
+}
+
+/// The bytes of a `(ptr, len)` argument from Lua.
+#[inline(always)]
+pub(crate) fn arg<'a>(p: *const c_char, n: usize) -> &'a [u8] {
+    if p.is_null() || n == 0 {
+        return &[];
+    }
+    // SAFETY: Lua passes a string (or cdata buffer) pointer with its exact
+    // length; it stays alive for the duration of the call.
+    unsafe { std::slice::from_raw_parts(p.cast::<u8>(), n) }
+}
+
+/// Writes a string result to the out-parameters.
+#[inline(always)]
+pub(crate) fn out(s: &[u8], p: OutPtr, n: OutLen) {
+    if p.is_null() || n.is_null() {
+        return;
+    }
+    // SAFETY: the wrappers pass `ffi.new` one-element arrays, never NULL
+    // (checked above), valid for writes.
+    unsafe {
+        *p = s.as_ptr().cast();
+        *n = s.len();
+    }
+}
+
+/// Writes a value to an out-parameter if it is not NULL.
+#[inline(always)]
+pub(crate) fn put<T>(p: *mut T, v: T) {
+    if !p.is_null() {
+        // SAFETY: a non-NULL out-parameter from an `ffi.new` array.
+        unsafe { *p = v }
+    }
+}
+
+/// Per-thread buffers for results that are not slices of the request:
+/// `bytes` holds copied/lowercased/decoded text, `pairs` the bulk results.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    pub bytes: Vec<u8>,
+    pub spans: Vec<(usize, usize, usize, isize)>,
+    pub pairs: Vec<PierPair>,
+}
+
+thread_local! {
+    pub(crate) static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+impl Scratch {
+    /// Turns `spans` (offsets into `bytes`) into `pairs` and publishes them.
+    pub(crate) fn publish(&mut self, outp: *mut *const PierPair) -> c_int {
+        self.pairs.clear();
+        let base = self.bytes.as_ptr();
+        for &(k, kl, v, vl) in &self.spans {
+            // SAFETY (pointer arithmetic): offsets were taken from `bytes`
+            // while filling it and `bytes` is not modified afterwards.
+            self.pairs.push(PierPair {
+                k: base.wrapping_add(k).cast(),
+                klen: kl,
+                v: base.wrapping_add(v).cast(),
+                vlen: vl,
+            });
+        }
+        put(outp, self.pairs.as_ptr());
+        c_int::try_from(self.pairs.len()).unwrap_or(c_int::MAX)
+    }
+}
+
+/// A header name: an HTTP token.
+pub(crate) fn valid_name(name: &[u8]) -> bool {
+    !name.is_empty()
+        && name
+            .iter()
+            .all(|&c| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c))
+}
+
+/// A header value: no CR, LF or NUL (header injection).
+pub(crate) fn valid_value(v: &[u8]) -> bool {
+    !v.iter().any(|&c| c == b'\r' || c == b'\n' || c == 0)
+}

@@ -1,0 +1,144 @@
+//! The yielding side of the API (mlua async functions, not hot paths):
+//! `pier.sleep`, `pier.timer`, and (in submodules) cosockets and the HTTP
+//! client. All run on the engine's thread; nothing here blocks it.
+
+use std::cell::{Cell, RefCell};
+use std::ptr::NonNull;
+use std::rc::{Rc, Weak};
+use std::time::Duration;
+
+use mlua::{Function, Lua, MultiValue, Table, Value};
+
+use crate::current::{self, Current};
+use crate::engine::{Hooked, Inner};
+use crate::phase::Phase;
+
+/// Timers alive at once per engine (as `lua_max_running_timers` + pending).
+pub const MAX_TIMERS: usize = 4096;
+
+/// The engine's timers: those created before the thread's `LocalSet` runs
+/// (in `init_worker`) wait in `pending`.
+#[derive(Default)]
+pub(crate) struct Timers {
+    pending: RefCell<Vec<TimerJob>>,
+    count: Rc<Cell<usize>>,
+}
+
+impl Timers {
+    pub fn start_pending(&self) {
+        if self.pending.borrow().is_empty() {
+            return;
+        }
+        for job in self.pending.take() {
+            tokio::task::spawn_local(job.run());
+        }
+    }
+}
+
+struct TimerJob {
+    engine: Weak<Inner>,
+    delay: Duration,
+    every: bool,
+    func: Function,
+    args: MultiValue,
+    count: Rc<Cell<usize>>,
+}
+
+impl TimerJob {
+    async fn run(self) {
+        loop {
+            tokio::time::sleep(self.delay).await;
+            // The engine was dropped (config reload): the timer ends.
+            let Some(inner) = self.engine.upgrade() else {
+                break;
+            };
+            let r = self.fire(&inner).await;
+            if let Err(e) = r {
+                tracing::error!(target: "pier::lua", "lua timer failed: {}", crate::error::describe(&e));
+            }
+            if !self.every {
+                break;
+            }
+        }
+        self.count.set(self.count.get() - 1);
+    }
+
+    async fn fire(&self, inner: &Rc<Inner>) -> mlua::Result<()> {
+        let thread = inner.lua.create_thread(self.func.clone())?;
+        // OpenResty passes `premature` first; it is always false here.
+        let mut args = MultiValue::with_capacity(self.args.len() + 1);
+        args.push_back(Value::Boolean(false));
+        args.extend(self.args.iter().cloned());
+        let fut = thread.into_async::<()>(args)?;
+        let cur = Current {
+            phase: Some(Phase::Timer),
+            engine: Some(NonNull::from(&**inner)),
+            ..Current::NONE
+        };
+        Hooked { fut, cur }.await
+    }
+}
+
+fn timer_native(
+    lua: &Lua,
+    engine: Rc<RefCell<Weak<Inner>>>,
+    every: bool,
+) -> mlua::Result<Function> {
+    lua.create_function(move |_, (delay, func, args): (f64, Function, MultiValue)| {
+        if !delay.is_finite() || delay < 0.0 || (every && delay <= 0.0) {
+            return Ok((None, Some("bad delay")));
+        }
+        let Some(inner) = engine.borrow().upgrade() else {
+            return Ok((None, Some("engine gone")));
+        };
+        let count = inner.timers.count.clone();
+        if count.get() >= MAX_TIMERS {
+            return Ok((None, Some("too many pending timers")));
+        }
+        count.set(count.get() + 1);
+        let job = TimerJob {
+            engine: Rc::downgrade(&inner),
+            delay: Duration::from_secs_f64(delay),
+            every,
+            func,
+            args,
+            count,
+        };
+        if current::get().phase == Some(Phase::InitWorker) {
+            inner.timers.pending.borrow_mut().push(job);
+        } else {
+            tokio::task::spawn_local(job.run());
+        }
+        Ok((Some(true), None))
+    })
+}
+
+/// Adds the yielding natives to the `pier.native` table.
+pub(crate) fn register(
+    lua: &Lua,
+    natives: &Table,
+    engine: Rc<RefCell<Weak<Inner>>>,
+) -> mlua::Result<()> {
+    natives.set(
+        "sleep",
+        lua.create_async_function(|_, secs: f64| async move {
+            if !secs.is_finite() || secs < 0.0 {
+                return Err(mlua::Error::runtime("bad argument #1 to pier.sleep"));
+            }
+            tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+            Ok(())
+        })?,
+    )?;
+    natives.set("timer_at", timer_native(lua, engine.clone(), false)?)?;
+    natives.set("timer_every", timer_native(lua, engine.clone(), true)?)?;
+    natives.set(
+        "timer_count",
+        lua.create_function(move |_, ()| {
+            Ok(engine
+                .borrow()
+                .upgrade()
+                .map_or(0, |i| i.timers.count.get()))
+        })?,
+    )?;
+    Ok(())
+}

@@ -1,0 +1,58 @@
+//! The proxy's side of the contract: one request/response as the hooks see it.
+
+use std::net::SocketAddr;
+
+/// A request (and, from `header_filter` on, its response) as seen by Lua.
+///
+/// The proxy implements it over its own request type. All names are
+/// case-insensitive; values are raw bytes. Methods must not panic (a panic
+/// is caught at the FFI boundary and raised in Lua as an internal error).
+///
+/// Response setters called before a response exists (in `access` or
+/// `content`) record headers the proxy adds to the eventual response,
+/// whether it comes from the origin or from [`crate::Flow::Respond`]; the
+/// getters then see what was recorded so far, and [`status`](Self::status)
+/// returns 0.
+pub trait HttpView {
+    // === request ===
+    /// The request method, e.g. `GET`.
+    fn method(&self) -> &[u8];
+    /// The request target as received: `path?query`.
+    fn uri(&self) -> &[u8];
+    /// Replaces the request target (`path?query`); always starts with `/`.
+    fn set_uri(&mut self, uri: &[u8]);
+    /// The first value of request header `name` (case-insensitive).
+    fn req_header(&self, name: &[u8]) -> Option<&[u8]>;
+    /// Calls `f(name, value)` for each request header line, in order.
+    fn req_headers(&self, f: &mut dyn FnMut(&[u8], &[u8]));
+    /// Replaces all values of `name` by `value`; `None` removes the header.
+    fn set_req_header(&mut self, name: &[u8], value: Option<&[u8]>);
+    /// Appends one more `name: value` line.
+    fn add_req_header(&mut self, name: &[u8], value: &[u8]);
+    /// The client's address.
+    fn client_addr(&self) -> SocketAddr;
+    /// `http` or `https`.
+    fn scheme(&self) -> &[u8];
+    /// The request's host (Host header or absolute-form authority, without port).
+    fn host(&self) -> &[u8];
+    /// The local port the request arrived on.
+    fn server_port(&self) -> u16;
+
+    // === response ===
+    /// The response status; 0 before a response exists.
+    fn status(&self) -> u16;
+    /// Sets the response status.
+    fn set_status(&mut self, status: u16);
+    /// The first value of response header `name` (case-insensitive).
+    fn resp_header(&self, name: &[u8]) -> Option<&[u8]>;
+    /// Calls `f(name, value)` for each response header line, in order.
+    fn resp_headers(&self, f: &mut dyn FnMut(&[u8], &[u8]));
+    /// Replaces all values of response header `name`; `None` removes it.
+    fn set_resp_header(&mut self, name: &[u8], value: Option<&[u8]>);
+    /// Appends one more response header line.
+    fn add_resp_header(&mut self, name: &[u8], value: &[u8]);
+
+    // === time ===
+    /// The request's clock snapshot: nanoseconds since the Unix epoch.
+    fn now_ns(&self) -> u64;
+}
