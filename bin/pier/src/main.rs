@@ -1,3 +1,393 @@
-fn main() {
-    println!("pier: under construction");
+//! `pier`: the CLI and the wiring of the crates. Everything with behaviour
+//! lives in crates/; this file only decides what runs where:
+//!
+//! - N worker threads (pier-core), each accepting on its own reuseport
+//!   socket and running the proxy driver (pier-proxy) with its own hooks;
+//! - one control thread (this one): signals, config reload, health checks,
+//!   the admin listener, the readiness file.
+
+mod demo;
+
+use clap::{Parser, Subcommand};
+use pier_config::Config;
+use pier_proxy::{NoHooks, Shared, State};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::watch;
+
+#[derive(Parser)]
+#[command(name = "pier", version, about = "Pier: a programmable edge reverse proxy", long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the proxy on a config file (or the embedded quickstart config).
+    Serve {
+        /// Config file (TOML). Without it, the embedded quickstart config runs.
+        #[arg(short = 'c', long = "config")]
+        config: Option<PathBuf>,
+    },
+    /// One-line reverse proxy: round robin over the given origins, health-checked.
+    Proxy {
+        /// Address to listen on, e.g. 127.0.0.1:8080.
+        #[arg(long)]
+        listen: String,
+        /// Origin addresses, comma separated: 127.0.0.1:3000,127.0.0.1:3001.
+        #[arg(long, value_delimiter = ',', required = true)]
+        to: Vec<String>,
+        /// Admin listener (metrics, health), e.g. 127.0.0.1:9901.
+        #[arg(long)]
+        admin: Option<String>,
+    },
+    /// Validate a config file and print every error with its location.
+    Check {
+        #[arg(short = 'c', long = "config")]
+        config: Option<PathBuf>,
+        /// The file may also be given without -c.
+        file: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.cmd.unwrap_or(Cmd::Serve { config: None }) {
+        Cmd::Check { config, file } => {
+            let Some(path) = config.or(file) else {
+                eprintln!("pier check: give a config file: pier check -c FILE");
+                return ExitCode::from(2);
+            };
+            match pier_config::load_file(&path) {
+                Ok(_) => {
+                    println!("pier: configuration {} is ok", path.display());
+                    ExitCode::SUCCESS
+                }
+                Err(errs) => {
+                    eprint!("{errs}");
+                    eprintln!(
+                        "pier: configuration {} has {} error(s)",
+                        path.display(),
+                        errs.0.len()
+                    );
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Cmd::Serve { config } => {
+            let (cfg, path) = match &config {
+                Some(p) => match pier_config::load_file(p) {
+                    Ok(c) => (c, Some(p.clone())),
+                    Err(errs) => {
+                        eprint!("{errs}");
+                        return ExitCode::from(1);
+                    }
+                },
+                None => match pier_config::load_str(
+                    pier_config::DEFAULT_CONFIG,
+                    "<embedded quickstart.toml>",
+                ) {
+                    Ok(c) => (c, None),
+                    Err(errs) => {
+                        eprint!("{errs}");
+                        return ExitCode::from(1);
+                    }
+                },
+            };
+            run(cfg, path)
+        }
+        Cmd::Proxy { listen, to, admin } => {
+            let parse = |s: &str| pier_config::parse_listen_addr(s.trim());
+            let listen = match parse(&listen) {
+                Ok(a) => a,
+                Err(e) => return usage_error(&format!("--listen {listen}: {e}")),
+            };
+            let mut origins = Vec::new();
+            for t in &to {
+                match parse(t) {
+                    Ok(a) => origins.push(a),
+                    Err(e) => return usage_error(&format!("--to {t}: {e}")),
+                }
+            }
+            let admin = match admin.as_deref().map(parse).transpose() {
+                Ok(a) => a,
+                Err(e) => return usage_error(&format!("--admin: {e}")),
+            };
+            run(Config::quick(listen, origins, admin), None)
+        }
+    }
+}
+
+fn usage_error(msg: &str) -> ExitCode {
+    eprintln!("pier: {msg}");
+    ExitCode::from(2)
+}
+
+/// Start everything, then serve signals until exit.
+fn run(cfg: Config, path: Option<PathBuf>) -> ExitCode {
+    let workers = cfg.workers.max(1);
+    let embedded = path.is_none() && cfg.demo_origin.is_some();
+    if let Some(addr) = cfg.demo_origin {
+        match demo::start(addr) {
+            Ok(a) => eprintln!("pier: demo origin serving on http://{a}"),
+            Err(e) => {
+                eprintln!("pier: cannot start the demo origin on {addr}: {e} (set PIER_DEMO_PORT to another port)");
+                return ExitCode::from(1);
+            }
+        }
+    }
+    let listeners: Vec<(String, SocketAddr)> = cfg
+        .listeners
+        .iter()
+        .map(|l| (l.name.clone(), l.addr))
+        .collect();
+    let (sockets, bound) = match pier_core::bind_all(workers, &listeners) {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("pier: {e}");
+            if e.kind() == std::io::ErrorKind::AddrInUse {
+                eprintln!("pier: another process already listens there; stop it or change `listen` in the config");
+            }
+            return ExitCode::from(1);
+        }
+    };
+    let admin_listener = match cfg.admin.map(std::net::TcpListener::bind).transpose() {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!(
+                "pier: cannot listen on admin address {}: {e}",
+                cfg.admin.unwrap_or(([0, 0, 0, 0], 0).into())
+            );
+            return ExitCode::from(1);
+        }
+    };
+    let admin_addr = admin_listener.as_ref().and_then(|l| l.local_addr().ok());
+
+    let access = match open_access_log(&cfg.access_log) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("pier: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let metrics = pier_log::Metrics::new(workers);
+    let pool = pier_core::Pool::new(pier_core::PoolConfig {
+        workers,
+        max_idle_per_server: pool_idle(&cfg),
+        idle_timeout: cfg.timeouts.upstream_idle,
+    });
+    let grace = cfg.grace_period;
+    let state = State::build(cfg, &metrics, 1);
+    let shared = Arc::new(Shared::new(state, pool, metrics, access));
+
+    let worker_shared = shared.clone();
+    let handles = match pier_core::spawn_workers(sockets, move |ctx| {
+        let shared = worker_shared.clone();
+        async move { pier_proxy::run_worker(ctx, shared, NoHooks).await }
+    }) {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("pier: cannot start workers: {e}");
+            return ExitCode::from(1);
+        }
+    };
+
+    for (name, addr) in &bound {
+        eprintln!("pier: listening on http://{addr} (listener {name}, {workers} workers)");
+    }
+    if let Some(a) = admin_addr {
+        eprintln!("pier: admin on http://{a} (/metrics, /healthz)");
+    }
+    if embedded {
+        eprintln!(
+            "pier: running the embedded quickstart config; try: curl -i http://{}/",
+            bound[0].1
+        );
+        eprintln!("pier: to proxy to your own origin: pier proxy --listen 127.0.0.1:8080 --to 127.0.0.1:3000");
+        eprintln!("pier:   or write a config (see examples/quickstart.toml, docs/config.md) and run: pier serve -c FILE");
+    }
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("control runtime");
+    let local = tokio::task::LocalSet::new();
+    let code = local.block_on(
+        &rt,
+        control(shared, path, bound, admin_listener, admin_addr, grace),
+    );
+    drop(handles); // worker threads end with the process
+    code
+}
+
+fn pool_idle(cfg: &Config) -> usize {
+    cfg.upstreams
+        .values()
+        .map(|u| u.pool_idle_per_server)
+        .max()
+        .unwrap_or(256)
+}
+
+fn open_access_log(a: &pier_config::AccessLog) -> Result<pier_log::AccessLog, String> {
+    Ok(match a {
+        pier_config::AccessLog::Off => pier_log::AccessLog::off(),
+        pier_config::AccessLog::Stdout => pier_log::AccessLog::start(Box::new(std::io::stdout())),
+        pier_config::AccessLog::File(p) => {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(|e| format!("cannot open access log {}: {e}", p.display()))?;
+            pier_log::AccessLog::start(Box::new(f))
+        }
+    })
+}
+
+/// The control loop: health checks, admin, readiness file, signals.
+async fn control(
+    shared: Arc<Shared>,
+    path: Option<PathBuf>,
+    bound: Vec<(String, SocketAddr)>,
+    admin_listener: Option<std::net::TcpListener>,
+    admin_addr: Option<SocketAddr>,
+    mut grace: Duration,
+) -> ExitCode {
+    if let Some(l) = admin_listener {
+        let _ = l.set_nonblocking(true);
+        match tokio::net::TcpListener::from_std(l) {
+            Ok(l) => {
+                tokio::task::spawn_local(pier_proxy::admin::serve(l, shared.clone()));
+            }
+            Err(e) => tracing::error!("admin listener: {e}"),
+        }
+    }
+    let mut health_stop = start_health(&shared);
+    let mut generation = 1u64;
+    write_ready(&bound, admin_addr, generation);
+
+    let (mut hup, mut term, mut int) = match (
+        signal(SignalKind::hangup()),
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(a), Ok(b), Ok(c)) => (a, b, c),
+        _ => {
+            eprintln!("pier: cannot install signal handlers");
+            return ExitCode::from(1);
+        }
+    };
+    loop {
+        tokio::select! {
+            _ = hup.recv() => {
+                let Some(p) = &path else {
+                    tracing::warn!("SIGHUP: running the embedded config; nothing to reload");
+                    continue;
+                };
+                match reload(&shared, p, generation + 1) {
+                    Ok(new_grace) => {
+                        generation += 1;
+                        grace = new_grace;
+                        let _ = health_stop.send(true);
+                        health_stop = start_health(&shared);
+                        write_ready(&bound, admin_addr, generation);
+                        tracing::info!("reloaded {} (generation {generation})", p.display());
+                    }
+                    Err(e) => tracing::error!("reload refused, old config keeps serving:\n{e}"),
+                }
+            }
+            _ = term.recv() => {
+                tracing::info!("SIGTERM: draining (grace period {grace:?})");
+                shared.start_drain();
+                let deadline = Instant::now() + grace;
+                while shared.metrics.active_connections.load(Relaxed) > 0 && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                let left = shared.metrics.active_connections.load(Relaxed);
+                if left > 0 {
+                    tracing::warn!("grace period over with {left} connection(s) open; exiting");
+                }
+                shared.access.flush();
+                // Give the access log thread a moment to write what it got.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                return ExitCode::SUCCESS;
+            }
+            _ = int.recv() => {
+                tracing::info!("SIGINT: exiting now");
+                return ExitCode::from(130);
+            }
+        }
+    }
+}
+
+fn start_health(shared: &Arc<Shared>) -> watch::Sender<bool> {
+    let (tx, rx) = watch::channel(false);
+    let groups = shared.state.load().groups.clone();
+    pier_lb::spawn_health_checks(&groups, rx);
+    tx
+}
+
+fn reload(shared: &Arc<Shared>, path: &Path, generation: u64) -> Result<Duration, String> {
+    let cfg = pier_config::load_file(path).map_err(|e| e.to_string())?;
+    let old = shared.state.load();
+    if cfg.listeners.iter().map(|l| (&l.name, l.addr)).ne(old
+        .cfg
+        .listeners
+        .iter()
+        .map(|l| (&l.name, l.addr)))
+        && !cfg.listeners.iter().all(|l| l.addr.port() == 0)
+    {
+        tracing::warn!(
+            "listener changes need a restart; routes, upstreams, limits and timeouts were reloaded"
+        );
+    }
+    let grace = cfg.grace_period;
+    shared
+        .pool
+        .reconfigure(pool_idle(&cfg), cfg.timeouts.upstream_idle);
+    let state = State::build(cfg, &shared.metrics, generation);
+    shared.state.store(Arc::new(state));
+    Ok(grace)
+}
+
+/// `PIER_READY_FILE`: tells tests and supervisors the real bound addresses.
+fn write_ready(bound: &[(String, SocketAddr)], admin: Option<SocketAddr>, generation: u64) {
+    let Ok(path) = std::env::var("PIER_READY_FILE") else {
+        return;
+    };
+    let mut s = String::from("{\"pid\":");
+    s.push_str(&std::process::id().to_string());
+    s.push_str(",\"generation\":");
+    s.push_str(&generation.to_string());
+    s.push_str(",\"listeners\":{");
+    for (i, (name, addr)) in bound.iter().enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        s.push_str(&format!("\"{name}\":\"{addr}\""));
+    }
+    s.push_str("},\"admin\":");
+    match admin {
+        Some(a) => s.push_str(&format!("\"{a}\"")),
+        None => s.push_str("null"),
+    }
+    s.push_str("}\n");
+    let tmp = format!("{path}.tmp");
+    if std::fs::write(&tmp, s)
+        .and_then(|_| std::fs::rename(&tmp, &path))
+        .is_err()
+    {
+        tracing::error!("cannot write ready file {path}");
+    }
 }

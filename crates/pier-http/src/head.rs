@@ -429,6 +429,15 @@ impl ResponseHead {
     }
 }
 
+/// Always hop-by-hop, besides `Connection` and what it names.
+pub const HOP_BY_HOP: [Known; 5] = [
+    KEEP_ALIVE,
+    PROXY_CONNECTION,
+    TE,
+    UPGRADE,
+    PROXY_AUTHENTICATE,
+];
+
 /// Remove hop-by-hop headers (RFC 9110 §7.6.1): the fixed list plus every
 /// header named in `Connection`. `Transfer-Encoding` is left to the caller
 /// (it's framing, which the proxy re-states itself).

@@ -1,0 +1,103 @@
+//! Helpers shared by the end-to-end test files (each file is its own test binary, so
+//! not every helper is used by every file).
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+pub use pier_test_support::*;
+
+/// The `pier` binary under test.
+pub fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_pier"))
+}
+
+/// A config with one listener `main` and an admin listener (both on port 0), access log
+/// off, two workers, and `body` appended (routes, upstreams, other sections).
+pub fn base_config(top: &str, body: &str) -> String {
+    format!(
+        r#"[server]
+workers = 2
+grace_period = "5s"
+
+[admin]
+listen = "127.0.0.1:0"
+
+[log]
+access = "off"
+
+{top}
+
+[[listener]]
+name = "main"
+listen = "127.0.0.1:0"
+
+{body}
+"#
+    )
+}
+
+/// A TOML array of server addresses: `["127.0.0.1:1", "127.0.0.1:2"]`.
+pub fn servers(addrs: &[SocketAddr]) -> String {
+    let list: Vec<String> = addrs.iter().map(|a| format!("\"{a}\"")).collect();
+    format!("[{}]", list.join(", "))
+}
+
+/// One catch-all route to upstream `app` with these servers; `top` holds whole sections
+/// (`[limits]`…), `upstream_extra` lines go under `[upstream.app]`.
+pub fn simple_config(addrs: &[SocketAddr], top: &str, upstream_extra: &str) -> String {
+    base_config(
+        top,
+        &format!(
+            r#"[[route]]
+name = "default"
+upstream = "app"
+
+[upstream.app]
+servers = {}
+{upstream_extra}
+"#,
+            servers(addrs)
+        ),
+    )
+}
+
+/// Starts Pier on a config.
+pub fn pier(config: &str) -> PierProcess {
+    PierProcess::start(bin(), config)
+}
+
+/// An address on which nothing listens: bound on port 0 then closed (nothing else
+/// binds it in the few milliseconds a test uses it for "connection refused").
+pub fn dead_addr() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+/// Asserts a locally generated response: status, `x-pier-reason`, and a plain-text body
+/// starting with the status code.
+#[track_caller]
+pub fn assert_local(r: &Response, status: u16, reason: &str) {
+    assert_eq!(
+        (r.status, r.pier_reason()),
+        (status, Some(reason)),
+        "expected a local {status} {reason}; got {} {:?} headers {:?} body {:?}",
+        r.status,
+        r.reason,
+        r.headers,
+        r.body_str()
+    );
+    assert!(
+        r.body_str().starts_with(&status.to_string()),
+        "body of a local {status} should start with the status: {:?}",
+        r.body_str()
+    );
+}
+
+/// The number of local responses Pier counted with this status and reason.
+pub fn local_count(p: &PierProcess, status: u16, reason: &str) -> f64 {
+    p.metric_sum(
+        "pier_local_responses_total",
+        &[("status", &status.to_string()), ("reason", reason)],
+    )
+}

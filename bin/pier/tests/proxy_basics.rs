@@ -1,0 +1,307 @@
+//! Proxy basics: methods, bodiless responses, 1xx, unusual statuses, keep-alive and
+//! upstream connection reuse, X-Forwarded-*, hop-by-hop headers, Connection: close.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+fn one_origin() -> (Origin, PierProcess) {
+    let o = Origin::start_named("alpha");
+    let p = pier(&simple_config(&[o.addr()], "", ""));
+    (o, p)
+}
+
+#[test]
+fn get_post_and_head() {
+    let (o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    let r = c.get("/hello").unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body, b"hello world\n");
+    assert_eq!(r.header("x-origin"), Some("alpha"));
+
+    let body = pattern(0, 50_000);
+    let r = c.request("POST", "/echo", &[], &body).unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body, body);
+
+    let r = c.request("PUT", "/echo", &[], b"put body").unwrap();
+    assert_eq!(r.body, b"put body");
+
+    // HEAD: the GET head (with its Content-Length), no body, and the connection stays
+    // in sync for the next request.
+    let r = c.request("HEAD", "/bytes/5000", &[], b"").unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-length"), Some("5000"));
+    assert!(r.body.is_empty());
+    let r = c.get("/hello").unwrap();
+    assert_eq!(r.body, b"hello world\n");
+    assert_eq!(o.requests(), 5);
+}
+
+#[test]
+fn no_body_statuses_keep_the_connection_in_sync() {
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    for code in [204u16, 304] {
+        let r = c.get(&format!("/status/{code}")).unwrap();
+        assert_eq!(r.status, code);
+        assert!(
+            r.header("transfer-encoding").is_none(),
+            "{code} must not be framed: {:?}",
+            r.headers
+        );
+        // A body after a 204/304 would be read as the start of the next response.
+        let r = c.get("/hello").unwrap();
+        assert_eq!((r.status, r.body.as_slice()), (200, &b"hello world\n"[..]));
+    }
+    assert!(c.buffered().is_empty());
+}
+
+#[test]
+fn unusual_statuses_pass_through() {
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    for code in [299u16, 418, 599, 999] {
+        let r = c.get(&format!("/status/{code}")).unwrap();
+        assert_eq!(r.status, code);
+        assert_eq!(r.body_str(), format!("status {code}\n"));
+    }
+}
+
+#[test]
+fn interim_1xx_responses_are_forwarded() {
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    let r = c.get("/status/103").unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body, b"after 1xx\n");
+    assert_eq!(
+        r.interim.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        vec![103],
+        "a proxy must forward 1xx responses (RFC 9110 section 15.2)"
+    );
+    let link = r.interim[0]
+        .1
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case("link"));
+    assert!(link.is_some(), "103 headers: {:?}", r.interim[0].1);
+    assert_eq!(c.get("/hello").unwrap().status, 200);
+}
+
+#[test]
+fn keep_alive_reuses_upstream_connections() {
+    let (o, p) = one_origin();
+    // One client connection, many requests.
+    let mut c = RawConn::connect(p.listener("main"));
+    for _ in 0..20 {
+        assert_eq!(c.get("/hello").unwrap().status, 200);
+    }
+    assert_eq!(
+        o.connections(),
+        1,
+        "one upstream connection for 20 requests"
+    );
+    drop(c);
+    // New client connections each time: the shared pool still reuses.
+    for _ in 0..20 {
+        assert_eq!(get(p.listener("main"), "/hello").status, 200);
+    }
+    assert!(
+        o.connections() <= 3,
+        "40 sequential requests opened {} upstream connections",
+        o.connections()
+    );
+    assert_eq!(o.requests(), 40);
+    let created = p.metric_sum("pier_upstream_connections_created_total", &[]);
+    let reused = p.metric_sum("pier_upstream_connections_reused_total", &[]);
+    assert_eq!(created, o.connections() as f64);
+    assert!(reused >= 37.0, "reused {reused}");
+}
+
+#[test]
+fn pipelined_requests_are_answered_in_order() {
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    c.send(
+        b"GET /name HTTP/1.1\r\nhost: a\r\n\r\nGET /bytes/3 HTTP/1.1\r\nhost: a\r\n\r\nGET /hello HTTP/1.1\r\nhost: a\r\n\r\n",
+    );
+    assert_eq!(c.read_response().unwrap().body, b"alpha");
+    assert_eq!(c.read_response().unwrap().body, pattern(0, 3));
+    assert_eq!(c.read_response().unwrap().body, b"hello world\n");
+}
+
+/// The lines of the request head the origin received.
+fn origin_saw(r: &Response) -> Vec<String> {
+    r.body_str().split("\r\n").map(|l| l.to_string()).collect()
+}
+
+fn header_lines<'a>(lines: &'a [String], name: &str) -> Vec<&'a str> {
+    let prefix = format!("{}:", name.to_ascii_lowercase());
+    lines
+        .iter()
+        .filter(|l| l.to_ascii_lowercase().starts_with(&prefix))
+        .map(|l| l[prefix.len()..].trim())
+        .collect()
+}
+
+#[test]
+fn x_forwarded_headers_are_added() {
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    let r = c
+        .request("GET", "/headers", &[("host", "example.com")], b"")
+        .unwrap();
+    let lines = origin_saw(&r);
+    assert_eq!(
+        header_lines(&lines, "x-forwarded-for"),
+        vec!["127.0.0.1"],
+        "{lines:?}"
+    );
+    assert_eq!(
+        header_lines(&lines, "x-forwarded-proto"),
+        vec!["http"],
+        "{lines:?}"
+    );
+    assert_eq!(
+        header_lines(&lines, "x-forwarded-host"),
+        vec!["example.com"],
+        "{lines:?}"
+    );
+    // The original Host reaches the origin.
+    assert_eq!(
+        header_lines(&lines, "host"),
+        vec!["example.com"],
+        "{lines:?}"
+    );
+
+    // An existing X-Forwarded-For ends with the address Pier saw.
+    let r = c
+        .request(
+            "GET",
+            "/headers",
+            &[("x-forwarded-for", "203.0.113.9")],
+            b"",
+        )
+        .unwrap();
+    let lines = origin_saw(&r);
+    let xff = header_lines(&lines, "x-forwarded-for").join(", ");
+    assert!(xff.ends_with("127.0.0.1"), "x-forwarded-for: {xff:?}");
+}
+
+#[test]
+fn hop_by_hop_request_headers_are_removed() {
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    let r = c
+        .request(
+            "GET",
+            "/headers",
+            &[
+                ("connection", "keep-alive, x-private"),
+                ("x-private", "secret"),
+                ("keep-alive", "timeout=5"),
+                ("proxy-connection", "keep-alive"),
+                ("x-end-to-end", "kept"),
+            ],
+            b"",
+        )
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let lines = origin_saw(&r);
+    for gone in ["x-private", "keep-alive", "proxy-connection"] {
+        assert!(
+            header_lines(&lines, gone).is_empty(),
+            "{gone} must not be forwarded: {lines:?}"
+        );
+    }
+    for v in header_lines(&lines, "connection") {
+        assert!(!v.contains("x-private"), "connection: {v}");
+    }
+    assert_eq!(header_lines(&lines, "x-end-to-end"), vec!["kept"]);
+    // The client connection is still keep-alive.
+    assert_eq!(c.get("/hello").unwrap().status, 200);
+}
+
+#[test]
+fn client_connection_close_is_honoured() {
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    let r = c
+        .request("GET", "/hello", &[("connection", "close")], b"")
+        .unwrap();
+    assert_eq!(r.body, b"hello world\n");
+    assert!(r.has_token("connection", "close"), "{:?}", r.headers);
+    assert!(
+        c.is_closed(Duration::from_secs(5)),
+        "pier kept the connection open"
+    );
+}
+
+#[test]
+fn http_1_0_client_gets_a_closed_connection() {
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    c.send(b"GET /hello HTTP/1.0\r\nhost: a\r\n\r\n");
+    let r = c.read_response().unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body, b"hello world\n");
+    assert!(c.is_closed(Duration::from_secs(5)));
+}
+
+#[test]
+fn origin_connection_close_does_not_close_the_client() {
+    let (o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    let r = c.get("/close").unwrap();
+    assert_eq!(r.body, b"closing\n");
+    let before = o.connections();
+    // The upstream connection was closed by the origin: not reused, but the client's
+    // keep-alive connection goes on.
+    let r = c.get("/hello").unwrap();
+    assert_eq!(r.body, b"hello world\n");
+    assert_eq!(o.connections(), before + 1);
+}
+
+#[test]
+fn curl_through_pier() {
+    let (_o, p) = one_origin();
+    let url = format!("http://{}/hello", p.listener("main"));
+    let out = curl(&["-i", &url, &url]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.matches("hello world\n").count(), 2, "{text}");
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+}
+
+#[test]
+fn admin_healthz() {
+    let (_o, p) = one_origin();
+    let r = get(p.admin(), "/healthz");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body_str().trim(), "ok");
+}
+
+#[test]
+fn requests_are_counted_by_route_and_class() {
+    let (_o, p) = one_origin();
+    for _ in 0..3 {
+        assert_eq!(get(p.listener("main"), "/hello").status, 200);
+    }
+    assert_eq!(get(p.listener("main"), "/status/404").status, 404);
+    assert_eq!(
+        p.metric_value(r#"pier_requests_total{route="default",class="2xx"}"#),
+        Some(3.0)
+    );
+    assert_eq!(
+        p.metric_value(r#"pier_requests_total{route="default",class="4xx"}"#),
+        Some(1.0)
+    );
+    assert!(p.metrics().contains("pier_request_duration_seconds"));
+}

@@ -1,0 +1,111 @@
+//! Worker threads and their listeners.
+
+use socket2::{Domain, Protocol, Socket, Type};
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::thread::JoinHandle;
+
+/// What a worker thread gets: its index and its own accept sockets.
+pub struct WorkerContext {
+    pub id: usize,
+    pub listeners: Vec<(String, std::net::TcpListener)>,
+}
+
+/// Bind a non-blocking listening socket with `SO_REUSEPORT`, so each worker
+/// can have its own accept queue on the same address (the kernel spreads
+/// connections; no thundering herd, no shared accept lock).
+pub fn bind_reuseport(addr: SocketAddr, backlog: i32) -> io::Result<std::net::TcpListener> {
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    s.set_reuse_address(true)?;
+    s.set_reuse_port(true)?;
+    s.set_nodelay(true)?;
+    s.set_nonblocking(true)?;
+    s.bind(&addr.into())?;
+    s.listen(backlog)?;
+    Ok(s.into())
+}
+
+/// Bind `workers` sockets per listener (port 0 is resolved by the first and
+/// reused by the rest). Returns per-worker socket sets and the bound addresses.
+#[allow(clippy::type_complexity)]
+pub fn bind_all(
+    workers: usize,
+    listeners: &[(String, SocketAddr)],
+) -> io::Result<(
+    Vec<Vec<(String, std::net::TcpListener)>>,
+    Vec<(String, SocketAddr)>,
+)> {
+    let mut per_worker: Vec<Vec<(String, std::net::TcpListener)>> =
+        (0..workers).map(|_| Vec::new()).collect();
+    let mut bound = Vec::new();
+    for (name, addr) in listeners {
+        let first = bind_reuseport(*addr, 4096).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot listen on {addr} (listener {name}): {e}"),
+            )
+        })?;
+        let real = first.local_addr()?;
+        bound.push((name.clone(), real));
+        per_worker[0].push((name.clone(), first));
+        for w in per_worker.iter_mut().skip(1) {
+            w.push((name.clone(), bind_reuseport(real, 4096)?));
+        }
+    }
+    Ok((per_worker, bound))
+}
+
+/// Start one thread per worker, each running `make(ctx)` to completion on
+/// its own current-thread runtime inside a `LocalSet` (so `!Send` futures,
+/// such as Lua coroutines, can be spawned with `spawn_local`).
+pub fn spawn_workers<F, Fut>(
+    sockets: Vec<Vec<(String, std::net::TcpListener)>>,
+    make: F,
+) -> io::Result<Vec<JoinHandle<()>>>
+where
+    F: Fn(WorkerContext) -> Fut + Send + Sync + Clone + 'static,
+    Fut: Future<Output = ()> + 'static,
+{
+    let mut handles = Vec::new();
+    for (id, listeners) in sockets.into_iter().enumerate() {
+        let make = make.clone();
+        let h = std::thread::Builder::new()
+            .name(format!("pier-worker-{id}"))
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        tracing::error!("worker {id}: cannot build runtime: {e}");
+                        return;
+                    }
+                };
+                let local = tokio::task::LocalSet::new();
+                local.block_on(&rt, make(WorkerContext { id, listeners }));
+            })?;
+        handles.push(h);
+    }
+    Ok(handles)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn port_zero_shared_by_workers() {
+        let (socks, bound) =
+            bind_all(2, &[("main".into(), "127.0.0.1:0".parse().unwrap())]).unwrap();
+        let port = bound[0].1.port();
+        assert_ne!(port, 0);
+        for w in &socks {
+            assert_eq!(w[0].1.local_addr().unwrap().port(), port);
+        }
+        // A second, unrelated bind to the same port without reuseport fails
+        // with "address in use" — which is how `pier` reports a busy port.
+        assert!(std::net::TcpListener::bind(bound[0].1).is_err());
+    }
+}

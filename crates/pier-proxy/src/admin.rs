@@ -1,0 +1,139 @@
+//! The admin listener: `/healthz` and Prometheus `/metrics`. Not a hot path,
+//! so it favours plainness over speed.
+
+use crate::Shared;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
+    loop {
+        let Ok((mut s, _)) = listener.accept().await else {
+            continue;
+        };
+        let shared = shared.clone();
+        tokio::task::spawn_local(async move {
+            let mut buf = Vec::with_capacity(1024);
+            loop {
+                let mut chunk = [0u8; 1024];
+                let n = match tokio::time::timeout(
+                    std::time::Duration::from_secs(10),
+                    s.read(&mut chunk),
+                )
+                .await
+                {
+                    Ok(Ok(n)) if n > 0 => n,
+                    _ => return,
+                };
+                buf.extend_from_slice(&chunk[..n]);
+                if buf.len() > 16384 {
+                    return;
+                }
+                let mut headers = [httparse_header(); 32];
+                let mut req = pier_http_request(&mut headers);
+                match req.parse(&buf) {
+                    Ok(httparse::Status::Complete(n)) => {
+                        let path = req
+                            .path
+                            .unwrap_or("/")
+                            .split('?')
+                            .next()
+                            .unwrap_or("/")
+                            .to_string();
+                        let close = req.headers.iter().any(|h| {
+                            h.name.eq_ignore_ascii_case("connection")
+                                && h.value.eq_ignore_ascii_case(b"close")
+                        });
+                        buf.drain(..n);
+                        let (status, ctype, body) = route(&path, &shared);
+                        let head = format!(
+                            "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\n{}\r\n",
+                            body.len(),
+                            if close { "Connection: close\r\n" } else { "" }
+                        );
+                        if s.write_all(head.as_bytes()).await.is_err()
+                            || s.write_all(body.as_bytes()).await.is_err()
+                        {
+                            return;
+                        }
+                        if close {
+                            return;
+                        }
+                    }
+                    Ok(httparse::Status::Partial) => continue,
+                    Err(_) => {
+                        let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").await;
+                        return;
+                    }
+                }
+            }
+        });
+    }
+}
+
+fn httparse_header() -> httparse::Header<'static> {
+    httparse::EMPTY_HEADER
+}
+
+fn pier_http_request<'h, 'b>(h: &'h mut [httparse::Header<'b>]) -> httparse::Request<'h, 'b> {
+    httparse::Request::new(h)
+}
+
+fn route(path: &str, shared: &Shared) -> (&'static str, &'static str, String) {
+    match path {
+        "/healthz" => {
+            if shared.draining() {
+                ("503 Service Unavailable", "text/plain", "draining\n".into())
+            } else {
+                ("200 OK", "text/plain", "ok\n".into())
+            }
+        }
+        "/metrics" => (
+            "200 OK",
+            "text/plain; version=0.0.4",
+            render_metrics(shared),
+        ),
+        _ => ("404 Not Found", "text/plain", "not found\n".into()),
+    }
+}
+
+pub fn render_metrics(shared: &Shared) -> String {
+    let mut out = String::with_capacity(8192);
+    shared.metrics.render(&mut out);
+    let state = shared.state.load();
+    out.push_str("# HELP pier_upstream_healthy 1 if the server is eligible for traffic.\n# TYPE pier_upstream_healthy gauge\n");
+    for g in &state.groups {
+        for p in g.peers() {
+            let _ = writeln!(
+                out,
+                "pier_upstream_healthy{{upstream=\"{}\",server=\"{}\"}} {}",
+                g.name(),
+                p.addr,
+                p.is_healthy() as u8
+            );
+        }
+    }
+    out.push_str("# TYPE pier_upstream_active_requests gauge\n");
+    for g in &state.groups {
+        for p in g.peers() {
+            let _ = writeln!(
+                out,
+                "pier_upstream_active_requests{{upstream=\"{}\",server=\"{}\"}} {}",
+                g.name(),
+                p.addr,
+                p.active()
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "# TYPE pier_upstream_idle_connections gauge\npier_upstream_idle_connections {}",
+        shared.pool.idle_count()
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE pier_config_generation gauge\npier_config_generation {}",
+        state.generation
+    );
+    out
+}

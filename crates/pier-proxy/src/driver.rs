@@ -1,0 +1,951 @@
+//! The driver: one downstream HTTP/1.1 connection, request after request,
+//! through the phases. The whole life of a request is readable here, top to
+//! bottom (docs/phases.md draws the same chart):
+//!
+//! ```text
+//! read_head ─► route ─► request_filter ─► [upstream_peer ─► connect/reuse ─►
+//!   upstream_request_filter ─► send head (+ body, concurrently with) ─►
+//!   read response head ─► response_filter ─► send head ─► relay body]
+//!   ─► logging ─► keep-alive? ─► read_head …
+//! ```
+//! The bracket is one attempt; a failed attempt that sent nothing to the
+//! client may be retried on another peer (bounded by the route's retries and
+//! the group's retry budget).
+
+use crate::phases::{Flow, Hooks, LocalResponse};
+use crate::session::Session;
+use crate::state::State;
+use crate::Worker;
+use bytes::{Buf, BytesMut};
+use pier_error::Kind;
+use pier_http::known::{self, Known};
+use pier_http::{date, write, BodyLen, ChunkedScanner, Method, ResponseHead};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::timeout;
+
+const READ_CHUNK: usize = 16 * 1024;
+
+/// Per-connection buffers, reused for every request on the connection.
+struct Bufs {
+    /// Client bytes not yet consumed (head, body, pipelined requests).
+    rbuf: BytesMut,
+    /// Origin bytes not yet relayed.
+    ubuf: BytesMut,
+    /// Outgoing heads.
+    out: Vec<u8>,
+    resp: ResponseHead,
+}
+
+/// Why an attempt failed, and what that allows.
+struct Fail {
+    kind: Kind,
+    /// Bytes of the response already went to the client: nothing to retry,
+    /// nothing to answer; the connection must close.
+    client_touched: bool,
+    /// The request can be replayed (nothing of a body was streamed).
+    replayable: bool,
+    /// A reused pooled connection failed before any response byte: the
+    /// origin closed it while idle. Retried once on a fresh connection.
+    stale: bool,
+    /// The origin (not the client) is at fault: counts as a passive failure.
+    upstream_fault: bool,
+}
+
+impl Fail {
+    fn up(kind: Kind) -> Fail {
+        Fail {
+            kind,
+            client_touched: false,
+            replayable: true,
+            stale: false,
+            upstream_fault: true,
+        }
+    }
+}
+
+enum Relayed {
+    /// Response done. `upstream_reusable`, `client_keep`.
+    Done(bool, bool),
+    /// 101 sent; tunnel the rest.
+    Upgrade,
+}
+
+/// Serve one client connection until it closes, idles out, or errs.
+pub async fn serve_connection<H: Hooks>(
+    w: Arc<Worker<H>>,
+    mut stream: TcpStream,
+    client: SocketAddr,
+) {
+    let local = stream.local_addr().unwrap_or(client);
+    let _ = stream.set_nodelay(true);
+    let mut sess = Session::new(client, local);
+    let mut b = Bufs {
+        rbuf: BytesMut::with_capacity(4096),
+        ubuf: BytesMut::with_capacity(4096),
+        out: Vec::with_capacity(1024),
+        resp: ResponseHead::default(),
+    };
+    let mut drain = w.shared.drain_rx();
+    loop {
+        let state = w.shared.state.load_full();
+        match read_head(&mut stream, &mut b.rbuf, &mut sess, &state, &mut drain).await {
+            Ok(true) => {}
+            Ok(false) => break,
+            Err(kind) => {
+                sess.begin(date::now_ns());
+                let _ =
+                    send_local(&mut stream, &mut b.out, &mut sess, &local_error(kind), true).await;
+                w.shared.metrics.local_response(kind);
+                finish(&w, &state, &sess, None);
+                break;
+            }
+        }
+        sess.begin(date::now_ns());
+        w.shared
+            .metrics
+            .active_requests
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut ctx = H::Ctx::default();
+        let keep = handle_request(&w, &state, &mut stream, &mut b, &mut sess, &mut ctx).await;
+        w.hooks.logging(&sess, &mut ctx);
+        w.shared
+            .metrics
+            .active_requests
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        finish(&w, &state, &sess, sess.route);
+        if !keep || *drain.borrow() {
+            break;
+        }
+    }
+}
+
+/// Metrics and access log for one finished request.
+fn finish<H: Hooks>(w: &Worker<H>, state: &State, sess: &Session, route: Option<usize>) {
+    let dur_us = sess.started.elapsed().as_micros() as u64;
+    let metric = route
+        .map(|r| state.routes[r].metric)
+        .unwrap_or(pier_log::metrics::MAX_ROUTES - 1);
+    w.shared.metrics.request(metric, sess.status, dur_us);
+    let log = &w.shared.access;
+    if log.enabled() {
+        let mut up = [0u8; 64];
+        let up_len = sess.upstream.map(|a| fmt_addr(&mut up, a)).unwrap_or(0);
+        let dropped = log.log(&pier_log::AccessRecord {
+            ts_ms: sess.now_ns / 1_000_000,
+            client: sess.client_ip.as_bytes(),
+            method: sess.req.method(),
+            uri: sess.req.uri(),
+            host: sess.req.host().unwrap_or(b""),
+            status: sess.status,
+            bytes_sent: sess.bytes_sent,
+            duration_us: dur_us,
+            route: route.map(|r| state.routes[r].name.as_str()).unwrap_or(""),
+            upstream: &up[..up_len],
+            reason: sess.reason,
+        });
+        if dropped > 0 {
+            w.shared.metrics.log_dropped(dropped);
+        }
+    }
+}
+
+fn fmt_addr(buf: &mut [u8; 64], a: SocketAddr) -> usize {
+    use std::io::Write;
+    let mut c = std::io::Cursor::new(&mut buf[..]);
+    let _ = write!(c, "{a}");
+    c.position() as usize
+}
+
+// === reading the request head ===
+
+/// `Ok(true)`: a head is parsed into `sess.req` and consumed from `rbuf`.
+/// `Ok(false)`: the client went away or idled out between requests, or we
+/// are draining: close quietly.
+async fn read_head(
+    stream: &mut TcpStream,
+    rbuf: &mut BytesMut,
+    sess: &mut Session,
+    state: &State,
+    drain: &mut tokio::sync::watch::Receiver<bool>,
+) -> Result<bool, Kind> {
+    let t = &state.cfg.timeouts;
+    let mut header_deadline: Option<tokio::time::Instant> = None;
+    loop {
+        if !rbuf.is_empty() {
+            if let Some(n) = sess.req.parse(rbuf, &state.head_limits)? {
+                rbuf.advance(n);
+                return Ok(true);
+            }
+        }
+        rbuf.reserve(4096);
+        if rbuf.is_empty() && header_deadline.is_none() {
+            // Idle keep-alive connection: wait for a first byte, or drain.
+            if *drain.borrow() {
+                return Ok(false);
+            }
+            tokio::select! {
+                r = timeout(t.client_idle, stream.read_buf(rbuf)) => match r {
+                    Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Ok(false),
+                    Ok(Ok(_)) => header_deadline = Some(tokio::time::Instant::now() + t.client_header),
+                },
+                _ = drain.changed() => return Ok(false),
+            }
+        } else {
+            let deadline = *header_deadline
+                .get_or_insert_with(|| tokio::time::Instant::now() + t.client_header);
+            match tokio::time::timeout_at(deadline, stream.read_buf(rbuf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return Ok(false),
+                Ok(Ok(_)) => {}
+                Err(_) => return Err(Kind::HeaderTimeout),
+            }
+        }
+    }
+}
+
+// === one request ===
+
+/// Returns whether the client connection may carry another request.
+async fn handle_request<H: Hooks>(
+    w: &Worker<H>,
+    state: &Arc<State>,
+    stream: &mut TcpStream,
+    b: &mut Bufs,
+    sess: &mut Session,
+    ctx: &mut H::Ctx,
+) -> bool {
+    let body = sess.req.body_len();
+    let body_pending = body != BodyLen::None;
+    let client_keep = sess.req.keep_alive();
+
+    // Route.
+    let Some(route) = state.match_route(sess.req.host(), sess.req.path()) else {
+        return local_fail(w, stream, b, sess, Kind::NoRoute, body_pending).await && client_keep;
+    };
+    sess.route = Some(route);
+
+    // Body bound known up front.
+    let max_body = state.cfg.limits.max_body_bytes;
+    if let BodyLen::Length(n) = body {
+        if max_body > 0 && n > max_body {
+            return local_fail(w, stream, b, sess, Kind::BodyTooLarge, true).await;
+        }
+    }
+
+    // request_filter (Lua access/content, limits).
+    match w.hooks.request_filter(sess, ctx).await {
+        Ok(Flow::Continue) => {}
+        Ok(Flow::Respond(r)) => {
+            let close = body_pending || !client_keep;
+            let ok = send_local(stream, &mut b.out, sess, &r, close)
+                .await
+                .is_ok();
+            return ok && !close;
+        }
+        Err(e) => return local_fail(w, stream, b, sess, e.kind, body_pending).await && client_keep,
+    }
+
+    let group = state.groups[state.routes[route].group].clone();
+    let now_ms = pier_lb::clock_ms();
+    group.on_request_at(now_ms);
+
+    let choice = match w.hooks.upstream_peer(sess, ctx).await {
+        Ok(c) => c,
+        Err(e) => return local_fail(w, stream, b, sess, e.kind, body_pending).await && client_keep,
+    };
+    match w.hooks.upstream_request_filter(sess, ctx).await {
+        Ok(Flow::Continue) => {}
+        Ok(Flow::Respond(r)) => {
+            let close = body_pending || !client_keep;
+            let ok = send_local(stream, &mut b.out, sess, &r, close)
+                .await
+                .is_ok();
+            return ok && !close;
+        }
+        Err(e) => return local_fail(w, stream, b, sess, e.kind, body_pending).await && client_keep,
+    }
+
+    let retries = choice.retries.unwrap_or_else(|| group.retries());
+    let idempotent = sess.req.method_kind().idempotent();
+    let mut tried = [0usize; 16];
+    let mut ntried = 0;
+    let mut attempt = 0u32;
+    let mut stale_retry_used = false;
+    let mut last = Kind::NoHealthyUpstream;
+    loop {
+        let (addr, idx) = match choice.addr {
+            Some(a) => (a, None),
+            None => {
+                let key = group.hash_key().and_then(|k| {
+                    pier_lb::extract_hash_key(
+                        k,
+                        |name| sess.req.headers.get(name.as_bytes()),
+                        sess.client_ip.as_bytes(),
+                        sess.req.path(),
+                    )
+                });
+                match group.select_at(key, &tried[..ntried], now_ms) {
+                    Some(i) => (group.peers()[i].addr, Some(i)),
+                    None => {
+                        return local_fail(w, stream, b, sess, last, body_pending).await
+                            && client_keep
+                    }
+                }
+            }
+        };
+        if pier_config::denied(&state.cfg.deny_origins, addr.ip()) {
+            return local_fail(w, stream, b, sess, Kind::OriginDenied, body_pending).await
+                && client_keep;
+        }
+        sess.upstream = Some(addr);
+        let guard = idx.map(|i| group.begin(i));
+        let res = attempt_once(w, state, stream, b, sess, ctx, addr, stale_retry_used).await;
+        drop(guard);
+        match res {
+            Ok(keep) => {
+                if let Some(i) = idx {
+                    group.report(i, true, pier_lb::clock_ms());
+                }
+                return keep && client_keep;
+            }
+            Err(f) => {
+                if f.stale && !stale_retry_used && f.replayable {
+                    // The pooled connection had died while idle: not the
+                    // origin's fault and not a retry in the budget's sense.
+                    stale_retry_used = true;
+                    continue;
+                }
+                if let (Some(i), true) = (idx, f.upstream_fault) {
+                    group.report(i, false, pier_lb::clock_ms());
+                }
+                if f.client_touched {
+                    return false;
+                }
+                last = f.kind;
+                let safe = f.replayable && (idempotent || f.kind == Kind::UpstreamConnect);
+                if let Some(i) = idx {
+                    if ntried < tried.len() {
+                        tried[ntried] = i;
+                        ntried += 1;
+                    }
+                }
+                if attempt < retries
+                    && safe
+                    && choice.addr.is_none()
+                    && group.try_retry_at(pier_lb::clock_ms())
+                {
+                    attempt += 1;
+                    w.shared.metrics.retry();
+                    continue;
+                }
+                let consumed = f.replayable && !body_pending;
+                return local_fail(w, stream, b, sess, f.kind, !consumed).await && client_keep;
+            }
+        }
+    }
+}
+
+/// Answer with an error; `close` when the connection can't continue (e.g.
+/// an unread body). Returns whether the connection may continue.
+async fn local_fail<H: Hooks>(
+    w: &Worker<H>,
+    stream: &mut TcpStream,
+    b: &mut Bufs,
+    sess: &mut Session,
+    kind: Kind,
+    close: bool,
+) -> bool {
+    w.shared.metrics.local_response(kind);
+    sess.reason = kind.reason();
+    let ok = send_local(stream, &mut b.out, sess, &local_error(kind), close)
+        .await
+        .is_ok();
+    ok && !close
+}
+
+pub(crate) fn local_error(kind: Kind) -> LocalResponse {
+    let mut body = Vec::with_capacity(48);
+    let mut n = itoa::Buffer::new();
+    body.extend_from_slice(n.format(kind.status()).as_bytes());
+    body.push(b' ');
+    body.extend_from_slice(kind.reason().as_bytes());
+    body.push(b'\n');
+    LocalResponse {
+        status: kind.status(),
+        headers: Vec::new(),
+        body,
+        reason: kind.reason(),
+    }
+}
+
+/// Write a locally generated response.
+async fn send_local(
+    stream: &mut TcpStream,
+    out: &mut Vec<u8>,
+    sess: &mut Session,
+    r: &LocalResponse,
+    close: bool,
+) -> std::io::Result<()> {
+    out.clear();
+    write::status_line(out, r.status, b"");
+    date::with_date(sess.now_ns, |d| write::header(out, b"Date", d));
+    write::header(out, b"Server", b"pier");
+    let mut has_ct = false;
+    for (n, v) in &r.headers {
+        has_ct |= n.eq_ignore_ascii_case(b"content-type");
+        write::header(out, n, v);
+    }
+    if !has_ct {
+        write::header(out, b"Content-Type", b"text/plain");
+    }
+    if !r.reason.is_empty() {
+        write::header(out, b"x-pier-reason", r.reason.as_bytes());
+        sess.reason = r.reason;
+    }
+    write::header_u64(out, b"Content-Length", r.body.len() as u64);
+    if close {
+        write::header(out, b"Connection", b"close");
+    } else if sess.req.version == 0 {
+        write::header(out, b"Connection", b"keep-alive");
+    }
+    out.extend_from_slice(b"\r\n");
+    if sess.req.method_kind() != Method::Head {
+        out.extend_from_slice(&r.body);
+    }
+    sess.status = r.status;
+    sess.bytes_sent += out.len() as u64;
+    stream.write_all(out).await
+}
+
+// === one attempt against one origin ===
+
+/// Request headers Pier writes itself or never forwards.
+fn skip_request_header(k: Known) -> bool {
+    matches!(
+        k,
+        known::CONNECTION
+            | known::KEEP_ALIVE
+            | known::PROXY_CONNECTION
+            | known::TE
+            | known::UPGRADE
+            | known::X_FORWARDED_FOR
+            | known::X_FORWARDED_PROTO
+            | known::X_FORWARDED_HOST
+    )
+}
+
+fn skip_response_header(k: Known) -> bool {
+    matches!(
+        k,
+        known::CONNECTION
+            | known::KEEP_ALIVE
+            | known::PROXY_CONNECTION
+            | known::TE
+            | known::UPGRADE
+            | known::PROXY_AUTHENTICATE
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn attempt_once<H: Hooks>(
+    w: &Worker<H>,
+    state: &State,
+    stream: &mut TcpStream,
+    b: &mut Bufs,
+    sess: &mut Session,
+    ctx: &mut H::Ctx,
+    addr: SocketAddr,
+    fresh_only: bool,
+) -> Result<bool, Fail> {
+    let t = &state.cfg.timeouts;
+    let pooled = if fresh_only {
+        None
+    } else {
+        w.shared.pool.take(addr, w.id)
+    };
+    let reused = pooled.is_some();
+    let mut up = match pooled {
+        Some(s) => s,
+        None => match timeout(t.upstream_connect, TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => {
+                let _ = s.set_nodelay(true);
+                s
+            }
+            Ok(Err(e)) => {
+                tracing::debug!("connect {addr}: {e}");
+                return Err(Fail::up(Kind::UpstreamConnect));
+            }
+            Err(_) => {
+                let mut f = Fail::up(Kind::UpstreamConnect);
+                f.kind = Kind::UpstreamTimeout;
+                return Err(f);
+            }
+        },
+    };
+    w.shared.metrics.pool(reused);
+    b.ubuf.clear();
+
+    // The upstream request head.
+    let req = &mut sess.req;
+    if req.headers.has_known(known::CONNECTION) {
+        // Headers named in Connection are hop-by-hop too (RFC 9110 §7.6.1).
+        let upgrade = if req.is_upgrade() {
+            req.headers.get_known(known::UPGRADE).map(<[u8]>::to_vec)
+        } else {
+            None
+        };
+        pier_http::remove_hop_by_hop(&mut req.headers);
+        if let Some(u) = upgrade {
+            req.headers.append(b"Upgrade", &u);
+            req.headers.append(b"Connection", b"upgrade");
+        }
+    }
+    let upgrade = req.headers.has_known(known::UPGRADE);
+    let out = &mut b.out;
+    out.clear();
+    write::request_head(out, req, req.uri(), skip_request_header);
+    // X-Forwarded-For: append the client to whatever the client sent.
+    out.extend_from_slice(b"X-Forwarded-For: ");
+    for v in req.headers.get_all_known(known::X_FORWARDED_FOR) {
+        out.extend_from_slice(v);
+        out.extend_from_slice(b", ");
+    }
+    out.extend_from_slice(sess.client_ip.as_bytes());
+    out.extend_from_slice(b"\r\nX-Forwarded-Proto: http\r\n");
+    if let Some(h) = req.host() {
+        write::header(out, b"X-Forwarded-Host", h);
+    }
+    if upgrade {
+        if let Some(u) = req.headers.get_known(known::UPGRADE) {
+            write::header(out, b"Upgrade", u);
+        }
+        out.extend_from_slice(b"Connection: upgrade\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+
+    let body = req.body_len();
+    let method = req.method_kind();
+    let (mut cr, mut cw) = stream.split();
+    let (mut ur, mut uw) = up.split();
+
+    let stale = |kind: Kind| Fail {
+        kind,
+        client_touched: false,
+        replayable: true,
+        stale: reused,
+        upstream_fault: !reused,
+    };
+
+    let relayed = if body == BodyLen::None {
+        if uw.write_all(out).await.is_err() {
+            return Err(stale(Kind::UpstreamClosed));
+        }
+        relay_response(
+            w,
+            state,
+            &mut ur,
+            &mut cw,
+            &mut b.ubuf,
+            out,
+            &mut b.resp,
+            sess,
+            ctx,
+            method,
+            reused,
+        )
+        .await?
+    } else {
+        if uw.write_all(out).await.is_err() {
+            return Err(stale(Kind::UpstreamClosed));
+        }
+        // Stream the request body while reading the response: an origin may
+        // answer (100-continue, early errors, echo) before the body ends.
+        let max_body = state.cfg.limits.max_body_bytes;
+        let pump = pump_body(&mut cr, &mut b.rbuf, &mut uw, body, max_body, t.client_idle);
+        let relay = relay_response(
+            w,
+            state,
+            &mut ur,
+            &mut cw,
+            &mut b.ubuf,
+            out,
+            &mut b.resp,
+            sess,
+            ctx,
+            method,
+            false,
+        );
+        tokio::pin!(pump, relay);
+        let mut pump_done = false;
+        let r = loop {
+            tokio::select! {
+                p = &mut pump, if !pump_done => {
+                    pump_done = true;
+                    if let Err(k) = p {
+                        // The client's body is bad or too big: nothing useful can follow.
+                        break Err(Fail { kind: k, client_touched: false, replayable: false, stale: false, upstream_fault: false });
+                    }
+                }
+                r = &mut relay => {
+                    break match r {
+                        // An origin that answered before the body ended can't be
+                        // reused, and neither can the client connection.
+                        Ok(Relayed::Done(up_ok, keep)) => Ok(Relayed::Done(up_ok && pump_done, keep && pump_done)),
+                        Ok(Relayed::Upgrade) => Err(Fail::up(Kind::UpstreamProtocol)),
+                        Err(mut f) => { f.replayable = false; Err(f) }
+                    };
+                }
+            }
+        };
+        r?
+    };
+    match relayed {
+        Relayed::Done(upstream_reusable, client_keep) => {
+            if upstream_reusable {
+                w.shared.pool.put(addr, w.id, up);
+            }
+            Ok(client_keep)
+        }
+        Relayed::Upgrade => {
+            // Tunnel both ways until either side closes (WebSocket etc.).
+            if !b.rbuf.is_empty() {
+                let _ = uw.write_all(&b.rbuf).await;
+                b.rbuf.clear();
+            }
+            let a = async {
+                let _ = tokio::io::copy(&mut cr, &mut uw).await;
+                let _ = uw.shutdown().await;
+            };
+            let c = async {
+                let _ = tokio::io::copy(&mut ur, &mut cw).await;
+                let _ = cw.shutdown().await;
+            };
+            tokio::join!(a, c);
+            Ok(false)
+        }
+    }
+}
+
+/// Read the origin's response head (passing 1xx through), run
+/// `response_filter`, send the head and relay the body.
+#[allow(clippy::too_many_arguments)]
+async fn relay_response<H: Hooks, R, W>(
+    w: &Worker<H>,
+    state: &State,
+    ur: &mut R,
+    cw: &mut W,
+    ubuf: &mut BytesMut,
+    out: &mut Vec<u8>,
+    resp: &mut ResponseHead,
+    sess: &mut Session,
+    ctx: &mut H::Ctx,
+    method: Method,
+    reused: bool,
+) -> Result<Relayed, Fail>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let t = &state.cfg.timeouts;
+    let deadline = tokio::time::Instant::now() + t.upstream_response;
+    let mut got_any = false;
+    // Head (and any 1xx before it).
+    loop {
+        let parsed = if ubuf.is_empty() {
+            None
+        } else {
+            resp.parse(ubuf, &state.head_limits).map_err(Fail::up)?
+        };
+        match parsed {
+            Some(n) => {
+                ubuf.advance(n);
+                if resp.status == 101 {
+                    break;
+                }
+                if (100..200).contains(&resp.status) {
+                    // 100 Continue, 103 Early Hints: pass to HTTP/1.1 clients.
+                    if sess.req.version == 1 {
+                        out.clear();
+                        write::response_head(out, resp, skip_response_header);
+                        out.extend_from_slice(b"\r\n");
+                        if cw.write_all(out).await.is_err() {
+                            return Err(Fail {
+                                kind: Kind::ClientClosed,
+                                client_touched: true,
+                                replayable: false,
+                                stale: false,
+                                upstream_fault: false,
+                            });
+                        }
+                    }
+                    continue;
+                }
+                break;
+            }
+            None => {
+                ubuf.reserve(READ_CHUNK);
+                match tokio::time::timeout_at(deadline, ur.read_buf(ubuf)).await {
+                    Ok(Ok(0)) | Ok(Err(_)) => {
+                        let kind = if got_any {
+                            Kind::UpstreamProtocol
+                        } else {
+                            Kind::UpstreamClosed
+                        };
+                        return Err(Fail {
+                            kind,
+                            client_touched: false,
+                            replayable: true,
+                            stale: reused && !got_any,
+                            upstream_fault: !(reused && !got_any),
+                        });
+                    }
+                    Ok(Ok(_)) => got_any = true,
+                    Err(_) => return Err(Fail::up(Kind::UpstreamTimeout)),
+                }
+            }
+        }
+    }
+    let body = resp.body_len(method).map_err(Fail::up)?;
+    let upgrade = resp.status == 101;
+    if upgrade && !sess.req.headers.has_known(known::UPGRADE) {
+        return Err(Fail::up(Kind::UpstreamProtocol));
+    }
+    if let Err(e) = w.hooks.response_filter(sess, resp, ctx) {
+        return Err(Fail {
+            kind: e.kind,
+            client_touched: false,
+            replayable: false,
+            stale: false,
+            upstream_fault: false,
+        });
+    }
+    if resp.headers.has_known(known::CONNECTION) && !upgrade {
+        pier_http::remove_hop_by_hop(&mut resp.headers);
+    }
+    let mut client_keep = sess.req.keep_alive() && body != BodyLen::UntilClose;
+    // An HTTP/1.0 client can't read chunked framing: close-delimit instead.
+    if sess.req.version == 0 && body == BodyLen::Chunked {
+        client_keep = false;
+    }
+    let upstream_keep = resp.keep_alive() && body != BodyLen::UntilClose && !upgrade;
+
+    out.clear();
+    if upgrade {
+        write::response_head(out, resp, |k| {
+            matches!(k, known::KEEP_ALIVE | known::PROXY_CONNECTION)
+        });
+    } else {
+        write::response_head(out, resp, skip_response_header);
+        if !resp.headers.has_known(known::DATE) {
+            date::with_date(sess.now_ns, |d| write::header(out, b"Date", d));
+        }
+        if !client_keep {
+            out.extend_from_slice(b"Connection: close\r\n");
+        } else if sess.req.version == 0 {
+            out.extend_from_slice(b"Connection: keep-alive\r\n");
+        }
+    }
+    out.extend_from_slice(b"\r\n");
+    sess.status = resp.status;
+    if upgrade {
+        if !ubuf.is_empty() {
+            out.extend_from_slice(ubuf);
+            ubuf.clear();
+        }
+        sess.bytes_sent += out.len() as u64;
+        cw.write_all(out).await.map_err(|_| Fail {
+            kind: Kind::ClientClosed,
+            client_touched: true,
+            replayable: false,
+            stale: false,
+            upstream_fault: false,
+        })?;
+        return Ok(Relayed::Upgrade);
+    }
+
+    let touched = |kind: Kind, upstream_fault: bool| Fail {
+        kind,
+        client_touched: true,
+        replayable: false,
+        stale: false,
+        upstream_fault,
+    };
+    let send_timeout = t.client_idle;
+    let idle_read = t.upstream_response;
+    let mut upstream_reusable = upstream_keep;
+    match body {
+        BodyLen::None => {
+            sess.bytes_sent += out.len() as u64;
+            cw.write_all(out)
+                .await
+                .map_err(|_| touched(Kind::ClientClosed, false))?;
+            if !ubuf.is_empty() {
+                upstream_reusable = false; // bytes after a bodiless response
+            }
+        }
+        BodyLen::Length(n) => {
+            // Head and whatever body already arrived go out in one write.
+            let take = (ubuf.len() as u64).min(n) as usize;
+            out.extend_from_slice(&ubuf[..take]);
+            ubuf.advance(take);
+            let mut remaining = n - take as u64;
+            sess.bytes_sent += out.len() as u64;
+            write_timed(cw, out, send_timeout)
+                .await
+                .map_err(|_| touched(Kind::ClientClosed, false))?;
+            while remaining > 0 {
+                ubuf.reserve(READ_CHUNK);
+                let got = match timeout(idle_read, ur.read_buf(ubuf)).await {
+                    Ok(Ok(0)) | Ok(Err(_)) => return Err(touched(Kind::UpstreamClosed, true)),
+                    Ok(Ok(g)) => g,
+                    Err(_) => return Err(touched(Kind::UpstreamTimeout, true)),
+                };
+                let _ = got;
+                let take = (ubuf.len() as u64).min(remaining) as usize;
+                write_timed(cw, &ubuf[..take], send_timeout)
+                    .await
+                    .map_err(|_| touched(Kind::ClientClosed, false))?;
+                ubuf.advance(take);
+                remaining -= take as u64;
+                sess.bytes_sent += take as u64;
+            }
+            if !ubuf.is_empty() {
+                upstream_reusable = false;
+            }
+        }
+        BodyLen::Chunked => {
+            let mut sc = ChunkedScanner::new();
+            let n = sc
+                .feed(ubuf)
+                .map_err(|_| Fail::up(Kind::UpstreamProtocol))?;
+            out.extend_from_slice(&ubuf[..n]);
+            ubuf.advance(n);
+            sess.bytes_sent += out.len() as u64;
+            write_timed(cw, out, send_timeout)
+                .await
+                .map_err(|_| touched(Kind::ClientClosed, false))?;
+            while !sc.is_done() {
+                ubuf.reserve(READ_CHUNK);
+                match timeout(idle_read, ur.read_buf(ubuf)).await {
+                    Ok(Ok(0)) | Ok(Err(_)) => return Err(touched(Kind::UpstreamClosed, true)),
+                    Ok(Ok(_)) => {}
+                    Err(_) => return Err(touched(Kind::UpstreamTimeout, true)),
+                }
+                let n = sc
+                    .feed(ubuf)
+                    .map_err(|_| touched(Kind::UpstreamProtocol, true))?;
+                write_timed(cw, &ubuf[..n], send_timeout)
+                    .await
+                    .map_err(|_| touched(Kind::ClientClosed, false))?;
+                ubuf.advance(n);
+                sess.bytes_sent += n as u64;
+            }
+            if !ubuf.is_empty() {
+                upstream_reusable = false;
+            }
+        }
+        BodyLen::UntilClose => {
+            out.extend_from_slice(ubuf);
+            ubuf.clear();
+            sess.bytes_sent += out.len() as u64;
+            write_timed(cw, out, send_timeout)
+                .await
+                .map_err(|_| touched(Kind::ClientClosed, false))?;
+            loop {
+                ubuf.reserve(READ_CHUNK);
+                match timeout(idle_read, ur.read_buf(ubuf)).await {
+                    Ok(Ok(0)) => break,
+                    Ok(Err(_)) => return Err(touched(Kind::UpstreamClosed, true)),
+                    Ok(Ok(_)) => {}
+                    Err(_) => return Err(touched(Kind::UpstreamTimeout, true)),
+                }
+                write_timed(cw, ubuf, send_timeout)
+                    .await
+                    .map_err(|_| touched(Kind::ClientClosed, false))?;
+                sess.bytes_sent += ubuf.len() as u64;
+                ubuf.clear();
+            }
+        }
+    }
+    Ok(Relayed::Done(upstream_reusable, client_keep))
+}
+
+async fn write_timed<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    data: &[u8],
+    t: Duration,
+) -> std::io::Result<()> {
+    match timeout(t, w.write_all(data)).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
+    }
+}
+
+/// Stream the request body from the client to the origin, exactly as framed
+/// (chunked bodies verbatim, validated by the scanner).
+async fn pump_body<R, W>(
+    cr: &mut R,
+    rbuf: &mut BytesMut,
+    uw: &mut W,
+    body: BodyLen,
+    max_body: u64,
+    read_timeout: Duration,
+) -> Result<(), Kind>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let started = Instant::now();
+    let _ = started;
+    match body {
+        BodyLen::None | BodyLen::UntilClose => Ok(()),
+        BodyLen::Length(mut remaining) => loop {
+            let take = (rbuf.len() as u64).min(remaining) as usize;
+            if take > 0 {
+                uw.write_all(&rbuf[..take])
+                    .await
+                    .map_err(|_| Kind::UpstreamClosed)?;
+                rbuf.advance(take);
+                remaining -= take as u64;
+            }
+            if remaining == 0 {
+                return Ok(());
+            }
+            rbuf.reserve(READ_CHUNK);
+            match timeout(read_timeout, cr.read_buf(rbuf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return Err(Kind::ClientClosed),
+                Ok(Ok(_)) => {}
+                Err(_) => return Err(Kind::BodyTimeout),
+            }
+        },
+        BodyLen::Chunked => {
+            let mut sc = ChunkedScanner::new();
+            let mut total = 0u64;
+            loop {
+                if !rbuf.is_empty() {
+                    let n = sc.feed(rbuf)?;
+                    total += n as u64;
+                    if max_body > 0 && total > max_body {
+                        return Err(Kind::BodyTooLarge);
+                    }
+                    uw.write_all(&rbuf[..n])
+                        .await
+                        .map_err(|_| Kind::UpstreamClosed)?;
+                    rbuf.advance(n);
+                }
+                if sc.is_done() {
+                    return Ok(());
+                }
+                rbuf.reserve(READ_CHUNK);
+                match timeout(read_timeout, cr.read_buf(rbuf)).await {
+                    Ok(Ok(0)) | Ok(Err(_)) => return Err(Kind::ClientClosed),
+                    Ok(Ok(_)) => {}
+                    Err(_) => return Err(Kind::BodyTimeout),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,148 @@
+//! Pier's request pipeline: the phase trait (`phases`), the HTTP/1.1 driver
+//! that runs a request through it (`driver`), the running config (`state`)
+//! and the admin endpoints (`admin`).
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod driver;
+pub mod phases;
+pub mod session;
+pub mod state;
+
+pub use phases::{Flow, Hooks, LocalResponse, NoHooks, PeerChoice};
+pub use session::Session;
+pub use state::State;
+
+use arc_swap::ArcSwap;
+use pier_core::{Pool, WorkerContext};
+use pier_log::{AccessLog, Metrics};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// What all workers share.
+pub struct Shared {
+    pub state: ArcSwap<State>,
+    pub pool: Pool,
+    pub metrics: Metrics,
+    pub access: AccessLog,
+    drain_tx: watch::Sender<bool>,
+}
+
+impl Shared {
+    pub fn new(state: State, pool: Pool, metrics: Metrics, access: AccessLog) -> Self {
+        let (drain_tx, _) = watch::channel(false);
+        Shared {
+            state: ArcSwap::from_pointee(state),
+            pool,
+            metrics,
+            access,
+            drain_tx,
+        }
+    }
+    pub fn drain_rx(&self) -> watch::Receiver<bool> {
+        self.drain_tx.subscribe()
+    }
+    /// Stop accepting, close idle keep-alive connections, finish in-flight requests.
+    pub fn start_drain(&self) {
+        self.drain_tx.send_replace(true);
+    }
+    pub fn draining(&self) -> bool {
+        *self.drain_tx.borrow()
+    }
+}
+
+/// One worker thread's view: shared state plus its own hooks instance
+/// (a Lua engine is per thread).
+pub struct Worker<H: Hooks> {
+    pub id: usize,
+    pub shared: Arc<Shared>,
+    pub hooks: H,
+}
+
+/// Run a worker: accept on its listeners until draining, serving each
+/// connection as a local task. Returns once draining and every connection
+/// of this worker is closed.
+pub async fn run_worker<H: Hooks>(ctx: WorkerContext, shared: Arc<Shared>, hooks: H) {
+    pier_log::WORKER_ID.with(|w| w.set(ctx.id));
+    let w = Arc::new(Worker {
+        id: ctx.id,
+        shared: shared.clone(),
+        hooks,
+    });
+    let mut accepts = Vec::new();
+    for (name, l) in ctx.listeners {
+        let listener = match tokio::net::TcpListener::from_std(l) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!("listener {name}: {e}");
+                continue;
+            }
+        };
+        accepts.push(tokio::task::spawn_local(accept_loop(w.clone(), listener)));
+    }
+    // Hand the access log buffer over at least once a second.
+    let flusher = {
+        let shared = shared.clone();
+        tokio::task::spawn_local(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                let dropped = shared.access.flush();
+                if dropped > 0 {
+                    shared.metrics.log_dropped(dropped);
+                }
+                if ctx.id == 0 {
+                    shared.pool.sweep();
+                }
+            }
+        })
+    };
+    for a in accepts {
+        let _ = a.await;
+    }
+    // Draining: wait for this worker's connections (the main thread enforces the grace period).
+    while Arc::strong_count(&w) > 1 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shared.access.flush();
+    flusher.abort();
+}
+
+async fn accept_loop<H: Hooks>(w: Arc<Worker<H>>, listener: tokio::net::TcpListener) {
+    let mut drain = w.shared.drain_rx();
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = drain.changed() => break,
+        };
+        let (stream, peer) = match accepted {
+            Ok(x) => x,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!("accept: {e}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let max = w.shared.state.load().cfg.limits.max_connections as i64;
+        let active = w.shared.metrics.active_connections.fetch_add(1, Relaxed);
+        if active >= max {
+            // Refuse at accept: memory stays a function of the config.
+            w.shared.metrics.active_connections.fetch_sub(1, Relaxed);
+            w.shared.metrics.refused_connection();
+            drop(stream);
+            continue;
+        }
+        let w2 = w.clone();
+        tokio::task::spawn_local(async move {
+            let shared = w2.shared.clone();
+            driver::serve_connection(w2, stream, peer).await;
+            shared.metrics.active_connections.fetch_sub(1, Relaxed);
+        });
+        if *drain.borrow() {
+            break;
+        }
+    }
+}

@@ -1,0 +1,98 @@
+//! The phase trait: what users (Rust code, or the Lua layer) plug into the
+//! driver. One method per phase, grouped as a request's life is, each with a
+//! do-nothing default, each returning a decision rather than a bool.
+//!
+//! Futures here need not be `Send`: every connection lives on one worker
+//! thread (see pier-core), which is what lets a Lua coroutine yield inside a
+//! hook.
+#![allow(async_fn_in_trait)]
+
+use crate::session::Session;
+use pier_error::Error;
+use pier_http::ResponseHead;
+use std::net::SocketAddr;
+
+/// A response produced by Pier itself (a hook, a limit, an error).
+#[derive(Debug, Clone, Default)]
+pub struct LocalResponse {
+    pub status: u16,
+    pub headers: Vec<(Vec<u8>, Vec<u8>)>,
+    pub body: Vec<u8>,
+    /// Metrics/access-log reason; empty for hook-made answers.
+    pub reason: &'static str,
+}
+
+/// What a phase decided.
+#[derive(Debug)]
+pub enum Flow {
+    /// Go on to the next phase.
+    Continue,
+    /// Answer now with this response; skip the upstream.
+    Respond(LocalResponse),
+}
+
+/// Upstream choice a `upstream_peer` hook may make.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PeerChoice {
+    /// Send to this address instead of the balancer's pick.
+    pub addr: Option<SocketAddr>,
+    /// Override the route's retry count.
+    pub retries: Option<u32>,
+}
+
+pub trait Hooks: 'static {
+    /// Per-request state carried across phases (`pier.ctx` for Lua).
+    type Ctx: Default;
+
+    // === request ===
+
+    /// After routing, before anything goes upstream: auth, limits, rewrites,
+    /// or a whole response (Lua `access` and `content`).
+    async fn request_filter(&self, _s: &mut Session, _ctx: &mut Self::Ctx) -> Result<Flow, Error> {
+        Ok(Flow::Continue)
+    }
+
+    // === upstream ===
+
+    /// Choose or override the peer (Lua `balancer`).
+    async fn upstream_peer(
+        &self,
+        _s: &mut Session,
+        _ctx: &mut Self::Ctx,
+    ) -> Result<PeerChoice, Error> {
+        Ok(PeerChoice::default())
+    }
+
+    /// Edit the request about to be sent upstream (Lua `upstream_request`).
+    async fn upstream_request_filter(
+        &self,
+        _s: &mut Session,
+        _ctx: &mut Self::Ctx,
+    ) -> Result<Flow, Error> {
+        Ok(Flow::Continue)
+    }
+
+    // === response ===
+
+    /// Edit the response head before it goes to the client (Lua `header_filter`).
+    fn response_filter(
+        &self,
+        _s: &mut Session,
+        _resp: &mut ResponseHead,
+        _ctx: &mut Self::Ctx,
+    ) -> Result<(), Error> {
+        Ok(())
+    }
+
+    // === logging ===
+
+    /// After the response is sent; must not block the client (Lua `log`).
+    fn logging(&self, _s: &Session, _ctx: &mut Self::Ctx) {}
+}
+
+/// The plain proxy: every phase at its default.
+pub struct NoHooks;
+
+impl Hooks for NoHooks {
+    type Ctx = ();
+}

@@ -1,0 +1,52 @@
+//! One request's state as it moves through the phases.
+
+use pier_http::RequestHead;
+use std::net::SocketAddr;
+use std::time::Instant;
+
+pub struct Session {
+    pub req: RequestHead,
+    pub client: SocketAddr,
+    pub local: SocketAddr,
+    /// Client IP as text, formatted once per connection (X-Forwarded-For, logs).
+    pub client_ip: String,
+    /// Index into `State::routes` once routed.
+    pub route: Option<usize>,
+    /// The per-request clock snapshot: wall-clock ns, read once at the head.
+    pub now_ns: u64,
+    pub started: Instant,
+    /// What went back to the client (for logging).
+    pub status: u16,
+    pub bytes_sent: u64,
+    pub upstream: Option<SocketAddr>,
+    pub reason: &'static str,
+}
+
+impl Session {
+    pub fn new(client: SocketAddr, local: SocketAddr) -> Self {
+        Session {
+            req: RequestHead::default(),
+            client,
+            local,
+            client_ip: client.ip().to_string(),
+            route: None,
+            now_ns: 0,
+            started: Instant::now(),
+            status: 0,
+            bytes_sent: 0,
+            upstream: None,
+            reason: "",
+        }
+    }
+
+    /// Reset per-request fields, keeping buffers (keep-alive).
+    pub(crate) fn begin(&mut self, now_ns: u64) {
+        self.route = None;
+        self.now_ns = now_ns;
+        self.started = Instant::now();
+        self.status = 0;
+        self.bytes_sent = 0;
+        self.upstream = None;
+        self.reason = "";
+    }
+}

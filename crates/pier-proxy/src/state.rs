@@ -1,0 +1,149 @@
+//! The running config: what a request consults, swapped whole on reload.
+
+use pier_config::{Config, HostMatch, PathMatch};
+use pier_http::HeadLimits;
+use pier_lb::Group;
+use pier_log::Metrics;
+use std::sync::Arc;
+
+pub struct RouteRt {
+    pub name: String,
+    pub host: Option<HostMatch>,
+    pub path: PathMatch,
+    pub group: usize,
+    /// Stable metrics slot.
+    pub metric: usize,
+}
+
+pub struct State {
+    pub cfg: Config,
+    pub routes: Vec<RouteRt>,
+    pub groups: Vec<Arc<Group>>,
+    pub head_limits: HeadLimits,
+    pub generation: u64,
+}
+
+impl State {
+    pub fn build(cfg: Config, metrics: &Metrics, generation: u64) -> State {
+        let names: Vec<&String> = cfg.upstreams.keys().collect();
+        let groups: Vec<Arc<Group>> = cfg
+            .upstreams
+            .values()
+            .map(|u| Arc::new(Group::new(u)))
+            .collect();
+        let routes = cfg
+            .routes
+            .iter()
+            .map(|r| RouteRt {
+                name: r.name.clone(),
+                host: r.host.clone(),
+                path: r.path.clone(),
+                // Validated by pier-config: the upstream exists.
+                group: names.iter().position(|n| **n == r.upstream).unwrap_or(0),
+                metric: metrics.route_index(&r.name),
+            })
+            .collect();
+        let head_limits = HeadLimits {
+            max_header_bytes: cfg.limits.max_header_bytes,
+            max_headers: cfg.limits.max_headers,
+            max_uri_bytes: cfg.limits.max_uri_bytes,
+        };
+        State {
+            cfg,
+            routes,
+            groups,
+            head_limits,
+            generation,
+        }
+    }
+
+    /// First route (in file order) whose host and path match.
+    pub fn match_route(&self, host: Option<&[u8]>, path: &[u8]) -> Option<usize> {
+        let host = host.map(strip_port);
+        self.routes.iter().position(|r| {
+            let host_ok = match (&r.host, host) {
+                (None, _) => true,
+                (Some(_), None) => false,
+                (Some(HostMatch::Exact(h)), Some(x)) => x.eq_ignore_ascii_case(h.as_bytes()),
+                (Some(HostMatch::Suffix(s)), Some(x)) => {
+                    x.len() > s.len() && x[x.len() - s.len()..].eq_ignore_ascii_case(s.as_bytes())
+                }
+            };
+            host_ok && path_matches(&r.path, path)
+        })
+    }
+}
+
+fn strip_port(h: &[u8]) -> &[u8] {
+    if h.first() == Some(&b'[') {
+        // [v6]:port
+        return match memchr::memchr(b']', h) {
+            Some(i) => &h[..=i],
+            None => h,
+        };
+    }
+    match memchr::memrchr(b':', h) {
+        Some(i) => &h[..i],
+        None => h,
+    }
+}
+
+fn path_matches(m: &PathMatch, p: &[u8]) -> bool {
+    match m {
+        PathMatch::Any => true,
+        PathMatch::Exact(s) => p == s.as_bytes(),
+        PathMatch::Prefix(s) => p.starts_with(s.as_bytes()),
+        PathMatch::Suffix(s) => p.ends_with(s.as_bytes()),
+        PathMatch::Regex(re) => std::str::from_utf8(p).is_ok_and(|p| re.is_match(p)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routing_order_host_and_path() {
+        let cfg = pier_config::load_str(
+            r#"
+[[listener]]
+name = "main"
+listen = "127.0.0.1:0"
+[[route]]
+name = "api"
+host = "*.example.com"
+path = "/api/"
+upstream = "a"
+[[route]]
+name = "exact"
+exact = "/x"
+upstream = "a"
+[[route]]
+name = "png"
+regex = "\\.png$"
+upstream = "a"
+[[route]]
+name = "re"
+regex = "^/r[0-9]+$"
+upstream = "a"
+[upstream.a]
+servers = ["127.0.0.1:1"]
+"#,
+            "t.toml",
+        )
+        .unwrap();
+        let m = Metrics::new(1);
+        let s = State::build(cfg, &m, 1);
+        assert_eq!(
+            s.match_route(Some(b"www.example.com:8080"), b"/api/v1"),
+            Some(0)
+        );
+        assert_eq!(s.match_route(Some(b"example.com"), b"/api/v1"), None);
+        assert_eq!(s.match_route(Some(b"h"), b"/x"), Some(1));
+        assert_eq!(s.match_route(Some(b"h"), b"/x/"), None);
+        assert_eq!(s.match_route(None, b"/a/b.png"), Some(2));
+        assert_eq!(s.match_route(None, b"/r12"), Some(3));
+        assert_eq!(s.match_route(None, b"/r1x"), None);
+        assert_eq!(strip_port(b"[::1]:80"), b"[::1]");
+    }
+}
