@@ -26,16 +26,54 @@ pub struct Group {
     /// With an active check, a down peer comes back only through it;
     /// without, through a passive-recovery probe request.
     active_check: bool,
+    /// `max_connections_per_server` (0 = unlimited): peers with this many
+    /// requests in flight are skipped, as nginx's `max_conns`.
+    max_conns: usize,
     cfg: Upstream,
 }
 
 impl Group {
     pub fn new(cfg: &Upstream) -> Group {
-        let peers: Vec<Arc<Peer>> = cfg
+        let peers = cfg
             .servers
             .iter()
             .map(|s| Arc::new(Peer::new(s.addr, s.weight)))
             .collect();
+        Group::build(cfg, peers)
+    }
+
+    /// Build the group for a reloaded config, keeping the state of servers
+    /// that did not change (same address and weight): the very same
+    /// `Arc<Peer>`, so health, failure streaks and the in-flight counts of
+    /// requests still running on `prev` carry over. A server whose weight
+    /// changed keeps its up/down state. The caller stops `prev`'s health
+    /// checkers and spawns new ones for this group.
+    pub fn reload(cfg: &Upstream, prev: &Group) -> Group {
+        let peers = cfg
+            .servers
+            .iter()
+            .map(|s| {
+                let old = prev.peers.iter().find(|p| p.addr == s.addr);
+                match old {
+                    Some(p) if p.weight == s.weight.max(1) => p.clone(),
+                    Some(p) => {
+                        let fresh = Peer::new(s.addr, s.weight);
+                        if !p.is_healthy() {
+                            fresh.set_healthy(false);
+                            fresh
+                                .retry_at_ms
+                                .store(p.retry_at_ms.load(Ordering::Acquire), Ordering::Release);
+                        }
+                        Arc::new(fresh)
+                    }
+                    None => Arc::new(Peer::new(s.addr, s.weight)),
+                }
+            })
+            .collect();
+        Group::build(cfg, peers)
+    }
+
+    fn build(cfg: &Upstream, peers: Vec<Arc<Peer>>) -> Group {
         let selector = match &cfg.balance {
             Balance::RoundRobin => Selector::RoundRobin,
             Balance::WeightedRoundRobin => Selector::Weighted(select::smooth_schedule(
@@ -60,6 +98,7 @@ impl Group {
             max_fails: cfg.max_fails,
             passive_recover_ms: cfg.passive_recover.as_millis() as u64,
             active_check: cfg.health_check.is_some(),
+            max_conns: cfg.max_connections_per_server,
             cfg: cfg.clone(),
         }
     }
@@ -97,7 +136,8 @@ impl Group {
 
     // === selection ===
 
-    /// Pick a healthy peer whose index is not in `tried`. `key` is used by
+    /// Pick a healthy peer whose index is not in `tried` (and below
+    /// `max_connections_per_server` in flight). `key` is used by
     /// `Balance::Hash` only (`None` hashes to a stable default). `None` when
     /// no peer can take the attempt: the caller answers 503.
     ///
@@ -133,6 +173,11 @@ impl Group {
             return Avail::No;
         }
         let p = &self.peers[i];
+        // A soft limit: threads selecting at the same instant may each take
+        // the last slot, overshooting by at most their number.
+        if self.max_conns != 0 && p.active() >= self.max_conns {
+            return Avail::No;
+        }
         if p.healthy.load(Ordering::Acquire) {
             return Avail::Up;
         }

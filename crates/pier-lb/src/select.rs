@@ -88,20 +88,29 @@ thread_local! {
 }
 
 /// xorshift64: a few cycles, good enough to spread load.
+fn xorshift(mut x: u64) -> u64 {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    x
+}
+
 pub(crate) fn rand_u64() -> u64 {
     RNG.with(|c| {
-        let mut x = c.get();
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        let x = xorshift(c.get());
         c.set(x);
         x
     })
 }
 
-/// Uniform-enough value in `0..n` (n < 2^32) without a division.
+/// Map a random value to `0..n` (n < 2^32) without a division.
+fn scale(r: u64, n: usize) -> usize {
+    (((r >> 32) * n as u64) >> 32) as usize
+}
+
+/// Uniform-enough value in `0..n` (n < 2^32).
 pub(crate) fn rand_below(n: usize) -> usize {
-    (((rand_u64() >> 32) * n as u64) >> 32) as usize
+    scale(rand_u64(), n)
 }
 
 // === algorithms ===
@@ -170,28 +179,32 @@ pub(crate) fn least_conn(
     mut avail: impl FnMut(usize) -> Avail,
 ) -> Option<usize> {
     let mut best: Option<usize> = None;
-    let mut tie_weight = 0usize;
-    for idx in 0..peers.len() {
+    // The best peer's load, kept in registers: active / weight.
+    let (mut best_active, mut best_weight) = (0u64, 1u64);
+    let mut tie_weight = 0u64;
+    // One thread-local read per selection; ties step a local xorshift.
+    let mut rng = rand_u64();
+    for (idx, p) in peers.iter().enumerate() {
         match avail(idx) {
-            Avail::No => {}
+            Avail::No => continue,
             Avail::Probe => return Some(idx),
-            Avail::Up => {
-                let w = peers[idx].weight as usize;
-                match best {
-                    Some(b) if lighter(&peers[b], &peers[idx]) => {}
-                    Some(b) if !lighter(&peers[idx], &peers[b]) => {
-                        // Equal load: after k ties each is kept with
-                        // probability weight / (sum of their weights).
-                        tie_weight += w;
-                        if rand_below(tie_weight) < w {
-                            best = Some(idx);
-                        }
-                    }
-                    _ => {
-                        best = Some(idx);
-                        tie_weight = w;
-                    }
-                }
+            Avail::Up => {}
+        }
+        let active = p.active() as u64;
+        let weight = u64::from(p.weight);
+        // active/weight vs best_active/best_weight without dividing.
+        let (lhs, rhs) = (active * best_weight, best_active * weight);
+        if best.is_none() || lhs < rhs {
+            best = Some(idx);
+            (best_active, best_weight, tie_weight) = (active, weight, weight);
+        } else if lhs == rhs {
+            // Equal load: after k ties each is kept with probability
+            // weight / (sum of their weights).
+            tie_weight += weight;
+            rng = xorshift(rng);
+            if (scale(rng, tie_weight as usize) as u64) < weight {
+                best = Some(idx);
+                (best_active, best_weight) = (active, weight);
             }
         }
     }

@@ -415,3 +415,60 @@ fn retry_budget_through_group() {
     g.on_request();
     let _ = g.try_retry();
 }
+
+// === max connections, reload ===
+
+#[test]
+fn full_peers_are_skipped() {
+    for balance in [
+        Balance::RoundRobin,
+        Balance::WeightedRoundRobin,
+        Balance::LeastConn,
+        Balance::Random2,
+        Balance::Hash(HashKey::ClientIp),
+    ] {
+        let mut cfg = upstream(balance.clone(), &[1, 1, 1]);
+        cfg.max_connections_per_server = 2;
+        let g = Group::new(&cfg);
+        let _full = [g.begin(1), g.begin(1)];
+        for k in 0..300u32 {
+            let p = g.select(Some(&k.to_le_bytes()), &[]).unwrap();
+            assert_ne!(p, 1, "{balance:?}");
+        }
+        let _more = [g.begin(0), g.begin(0), g.begin(2), g.begin(2)];
+        assert_eq!(g.select(Some(b"k"), &[]), None, "{balance:?}");
+        drop(_more);
+        assert!(g.select(Some(b"k"), &[]).is_some(), "{balance:?}");
+    }
+}
+
+#[test]
+fn reload_keeps_state_of_unchanged_servers() {
+    let old = Group::new(&upstream(Balance::RoundRobin, &[1, 1, 1]));
+    let t = clock_ms();
+    for _ in 0..3 {
+        old.report(0, false, t);
+    }
+    old.peers()[2].set_healthy(false);
+    let in_flight = old.begin(1);
+
+    // Server 2 changes weight, server 3 is new.
+    let mut cfg = upstream(Balance::WeightedRoundRobin, &[1, 1, 5, 1]);
+    cfg.name = "app".into();
+    let new = Group::reload(&cfg, &old);
+    assert!(std::sync::Arc::ptr_eq(&old.peers()[0], &new.peers()[0]));
+    assert!(!new.peers()[0].is_healthy());
+    assert_eq!(new.peers()[1].active(), 1, "in-flight count carried over");
+    drop(in_flight);
+    assert_eq!(new.peers()[1].active(), 0);
+    assert_eq!(new.peers()[2].weight, 5);
+    assert!(
+        !new.peers()[2].is_healthy(),
+        "down state kept across a weight change"
+    );
+    assert!(new.peers()[3].is_healthy());
+    for _ in 0..20 {
+        let p = new.select_at(None, &[], t).unwrap();
+        assert!(p == 1 || p == 3, "{p}");
+    }
+}
