@@ -1,0 +1,157 @@
+//! Yielding APIs: pier.sleep, timers, and the memory limit.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pier_lua::{LuaEngine, LuaSetup, RequestCtx, RouteHooks};
+use support::*;
+
+fn engine_with(reg: &Arc<pier_shdict::Registry>, s: LuaSetup) -> LuaEngine {
+    LuaEngine::new(Arc::new(s), reg.clone()).unwrap()
+}
+
+fn dict_num(reg: &pier_shdict::Registry, key: &str) -> Option<f64> {
+    let mut out = Vec::new();
+    match reg
+        .get("cache")
+        .unwrap()
+        .get(key.as_bytes(), 0, &mut out)?
+        .value
+    {
+        pier_shdict::HitValue::Number(n) => Some(n),
+        _ => None,
+    }
+}
+
+#[test]
+fn sleep_yields_and_interleaves_requests() {
+    let e = access_engine(
+        r#"
+        pier.ctx.id = pier.req.get_uri()
+        pier.sleep(0.1)
+        assert(pier.ctx.id == pier.req.get_uri(), "ctx mixed up across a yield")
+        pier.resp.set_header("x-after", pier.var.request_uri)
+        "#,
+    );
+    let (mut v1, mut v2) = (TestView::default(), TestView::default());
+    v2.uri = b"/second".to_vec();
+    let (mut c1, mut c2) = (RequestCtx::new(), RequestCtx::new());
+    let t0 = Instant::now();
+    let (r1, r2) =
+        run(async { tokio::join!(e.access(0, &mut v1, &mut c1), e.access(0, &mut v2, &mut c2)) });
+    let took = t0.elapsed();
+    r1.unwrap();
+    r2.unwrap();
+    assert!(took >= Duration::from_millis(100), "{took:?}");
+    // Both slept at once on one thread.
+    assert!(took < Duration::from_millis(190), "{took:?}");
+    assert_eq!(v2.resp("x-after").as_deref(), Some("/second"));
+    assert!(v1.resp("x-after").unwrap().starts_with("/api/items"));
+}
+
+#[test]
+fn exit_after_sleep() {
+    let e = access_engine("pier.sleep(0.01) pier.exit(429, 'slow down')");
+    let flow = run(e.access(0, &mut TestView::default(), &mut RequestCtx::new())).unwrap();
+    assert!(matches!(flow, pier_lua::Flow::Respond { status: 429, .. }));
+}
+
+#[test]
+fn timers_at_and_every() {
+    let reg = registry(&[("cache", 1 << 20)]);
+    let e = engine_with(
+        &reg,
+        setup(RouteHooks {
+            access: src(
+                "route t access",
+                r#"
+                assert(pier.timer.at(0.02, function(premature, key, val)
+                    assert(premature == false)
+                    assert(pier.get_phase() == "timer")
+                    local ok, err = pcall(pier.req.get_method)
+                    pier.shared.cache:set("timer_req_err", err)
+                    pier.sleep(0.01) -- timers may yield
+                    pier.shared.cache:set(key, val)
+                end, "at_key", 42))
+                assert(pier.timer.every(0.02, function()
+                    pier.shared.cache:incr("ticks", 1, 0)
+                end))
+                local ok, err = pier.timer.every(0, function() end)
+                assert(ok == nil and err == "bad delay")
+                "#,
+            ),
+            ..Default::default()
+        }),
+    );
+    run(async {
+        e.access(0, &mut TestView::default(), &mut RequestCtx::new())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    });
+    assert_eq!(dict_num(&reg, "at_key"), Some(42.0));
+    assert!(dict_str(&reg, "timer_req_err")
+        .contains("API pier.req.get_method is disabled in phase timer"));
+    let ticks = dict_num(&reg, "ticks").unwrap();
+    assert!((3.0..=8.0).contains(&ticks), "{ticks}");
+}
+
+#[test]
+fn timers_stop_when_the_engine_is_dropped() {
+    let reg = registry(&[("cache", 1 << 20)]);
+    let mut s = setup(RouteHooks::default());
+    // Started in init_worker: pending until the engine runs in the LocalSet.
+    s.init_worker = src(
+        "init_worker",
+        "assert(pier.timer.every(0.01, function() pier.shared.cache:incr('w', 1, 0) end))",
+    );
+    let e = engine_with(&reg, s);
+    run(async {
+        e.start_timers();
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        drop(e);
+        let at_drop = dict_num(&reg, "w").unwrap();
+        assert!(at_drop >= 3.0, "{at_drop}");
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        // At most one run that was already sleeping when the engine went.
+        assert!(dict_num(&reg, "w").unwrap() <= at_drop + 1.0);
+    });
+}
+
+#[test]
+fn timer_not_allowed_in_init() {
+    let mut s = setup(RouteHooks::default());
+    s.init = src("init", "pier.timer.at(0, function() end)");
+    let err = LuaEngine::new(Arc::new(s), registry(&[])).err().unwrap();
+    assert!(
+        err.message
+            .contains("init:1: API pier.timer.at is disabled in phase init"),
+        "{}",
+        err.message
+    );
+}
+
+#[test]
+fn memory_limit_fails_the_hook_not_the_engine() {
+    let mut s = setup(RouteHooks {
+        access: src(
+            "route t access",
+            "if pier.req.get_header('x-hog') then local t = {} for i = 1, 1e8 do t[i] = {i} end end pier.resp.set_header('x-ok', 1)",
+        ),
+        ..Default::default()
+    });
+    s.memory_limit = 16 << 20;
+    let e = LuaEngine::new(Arc::new(s), registry(&[])).unwrap();
+    let mut v = TestView::default();
+    v.headers.push((b"X-Hog".to_vec(), b"1".to_vec()));
+    let err = run(e.access(0, &mut v, &mut RequestCtx::new())).unwrap_err();
+    assert!(err.message.contains("memory"), "{}", err.message);
+    // The garbage is collectable and the state keeps serving.
+    e.lua().gc_collect().unwrap();
+    assert!(e.used_memory() < 4 << 20, "{}", e.used_memory());
+    let mut v = TestView::default();
+    run(e.access(0, &mut v, &mut RequestCtx::new())).unwrap();
+    assert_eq!(v.resp("x-ok").as_deref(), Some("1"));
+}
