@@ -1,0 +1,69 @@
+//! Counting for Pier's limits: a lock-free count-min sketch ([`Estimator`]),
+//! sliding rates ([`Rate`]) and in-flight counts ([`Inflight`]) built on it,
+//! and the limiters the proxy applies ([`RateLimiter`], [`ConcurrencyLimiter`]).
+//!
+//! # Why a count-min sketch
+//! A limit must count events for every key it sees (client IPs, composite
+//! keys). A hash map grows with the number of keys, so a flood of distinct
+//! keys grows memory without bound, and concurrent inserts need a lock. A
+//! count-min sketch has a fixed `H x N` array of counters: memory is a
+//! function of the config, not of the traffic, and an event is H relaxed
+//! atomic adds — no lock, no allocation, no waiting on another thread. The
+//! price is that colliding keys share counters, so an estimate may be high;
+//! it is never low.
+//!
+//! # Choosing H and N
+//! Each event adds to one counter in each of H rows, at a column chosen by a
+//! per-row hash; the estimate is the minimum of the key's H counters. In one
+//! row a key's counter also holds, on average, `total / N` of other keys'
+//! events; by Markov's inequality it exceeds `e * total / N` with probability
+//! at most `1/e`, and all H rows do so with probability at most `e^-H`. So
+//! for a target overcount `epsilon * total` with failure probability `delta`:
+//!
+//! ```text
+//! N = ceil(e / epsilon)        H = ceil(ln(1 / delta))
+//! ```
+//!
+//! ([`Estimator::with_error`]). Examples: `epsilon = 0.001, delta = 0.01` gives
+//! 5 x 2719 (106 KiB); the [`Rate`] default 4 x 2048 (64 KiB per window) keeps
+//! the overcount under 0.13% of the window's events with probability 98%.
+//! For limits, what matters is the chance an innocent key is pushed over its
+//! limit `L`: a row's extra count averages `total / N`, so size N to a few
+//! times `events per window / L` (e.g. 100k req/s against a 10 r/s limit:
+//! N >= 16384 makes the mean extra 6 and, over 4 rows, crossing 10 rare).
+//! Two unrelated keys share all H counters with probability `N^-H`
+//! ([`Inflight`]'s 4 x 8192 default: 2^-52, the pingora-limits choice), which
+//! is what matters when the threshold is far above a healthy key's count.
+//!
+//! Hashing: a key is hashed once (foldhash, seeded randomly per instance so
+//! clients cannot precompute collisions with someone else's key) and each
+//! row's column comes from mixing that hash with the row's own two seeds
+//! (the wyhash 128-bit multiply-fold), so a [`Rate`]'s three estimators and
+//! all rows cost one hash.
+//!
+//! # Conservative update
+//! [`Estimator::incr_conservative`] raises a key's counters only to the old
+//! estimate plus n (Estan and Varghese), which cuts overcount several-fold
+//! when traffic is skewed (see the `conservative_update_reduces_error` test);
+//! it is increment-only, so limiters that undo a denied request's count
+//! ([`RateLimiter`]) and in-flight counts use the plain update.
+//!
+//! # Time
+//! Integer milliseconds from a fixed monotonic base ([`clock::now_ms`]);
+//! every `*_at` method takes the caller's per-request snapshot so a request
+//! reads the clock once.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod clock;
+pub mod estimator;
+pub mod inflight;
+pub mod limiter;
+pub mod rate;
+
+pub use estimator::{Estimator, KeyHash};
+pub use inflight::{Guard, Inflight};
+pub use limiter::{
+    ConcurrencyLimit, ConcurrencyLimiter, Decision, RateLimit, RateLimiter, Rejected,
+};
+pub use rate::{Rate, Window};
