@@ -4,7 +4,7 @@
 //! comparisons. `^/a/b$`, `^/a/` and `\.png$` are compiled to plain string
 //! comparisons here, so they cost a `starts_with` instead of a regex run.
 
-use crate::model::{HostMatch, PathMatch};
+use crate::model::{Config, HostMatch, PathMatch, Route};
 
 impl PathMatch {
     /// Does this matcher accept `path` (the request path, no query string)?
@@ -20,13 +20,50 @@ impl PathMatch {
 }
 
 impl HostMatch {
-    /// Does this pattern accept `host` (already lower-cased, port removed)?
+    /// Does this pattern accept `host`, a Host header value as sent (any
+    /// case, optional port, optional trailing dot)? Allocation-free.
     pub fn matches(&self, host: &str) -> bool {
+        let h = host_name(host).as_bytes();
         match self {
-            HostMatch::Exact(h) => host == h,
+            HostMatch::Exact(e) => h.eq_ignore_ascii_case(e.as_bytes()),
             // ".example.com" matches "a.example.com", not "example.com".
-            HostMatch::Suffix(s) => host.len() > s.len() && host.ends_with(s.as_str()),
+            HostMatch::Suffix(s) => {
+                h.len() > s.len() && h[h.len() - s.len()..].eq_ignore_ascii_case(s.as_bytes())
+            }
         }
+    }
+}
+
+/// "Example.com:8080" -> "Example.com", "[::1]:80" -> "[::1]", "a.com." -> "a.com".
+pub fn host_name(host: &str) -> &str {
+    let h = if host.starts_with('[') {
+        host.find(']').map_or(host, |i| &host[..=i])
+    } else {
+        match host.rfind(':') {
+            Some(i) if host[i + 1..].bytes().all(|b| b.is_ascii_digit()) => &host[..i],
+            _ => host,
+        }
+    };
+    h.strip_suffix('.').unwrap_or(h)
+}
+
+impl Route {
+    /// Does this route take a request for `host` (the Host header as sent,
+    /// None when absent) and `path` (without the query string)?
+    pub fn matches(&self, host: Option<&str>, path: &str) -> bool {
+        let host_ok = match (&self.host, host) {
+            (None, _) => true,
+            (Some(m), Some(h)) => m.matches(h),
+            (Some(_), None) => false,
+        };
+        host_ok && self.path.matches(path)
+    }
+}
+
+impl Config {
+    /// The first route (in file order) that takes this request.
+    pub fn find_route(&self, host: Option<&str>, path: &str) -> Option<&Route> {
+        self.routes.iter().find(|r| r.matches(host, path))
     }
 }
 
@@ -34,8 +71,37 @@ impl HostMatch {
 /// cheaper variants. The regex is compiled first so that invalid patterns
 /// are reported even when they look simple.
 pub fn compile_path_regex(pattern: &str) -> Result<PathMatch, String> {
-    let re = regex::Regex::new(pattern).map_err(|e| format!("invalid regex: {e}"))?;
+    let re = regex::Regex::new(pattern).map_err(|e| regex_error(&e))?;
     Ok(simplify(pattern).unwrap_or(PathMatch::Regex(re)))
+}
+
+/// regex's syntax errors span three lines (pattern, caret, message); config
+/// errors are one line each.
+fn regex_error(e: &regex::Error) -> String {
+    match e {
+        regex::Error::Syntax(text) => {
+            let lines: Vec<&str> = text.lines().collect();
+            let msg = lines
+                .iter()
+                .rev()
+                .find_map(|l| l.strip_prefix("error: "))
+                .unwrap_or(text.as_str());
+            // The caret line is indented like the pattern line above it.
+            let pos = lines.iter().position(|l| {
+                l.trim_start().starts_with('^') && l.trim().chars().all(|c| c == '^' || c == '~')
+            });
+            match pos {
+                Some(i) if i > 0 => {
+                    let pattern_line = lines[i - 1];
+                    let indent = pattern_line.len() - pattern_line.trim_start().len();
+                    let at = lines[i].len() - lines[i].trim_start().len() - indent + 1;
+                    format!("invalid regex: {msg} (at character {at} of the pattern)")
+                }
+                _ => format!("invalid regex: {msg}"),
+            }
+        }
+        other => format!("invalid regex: {}", other.to_string().replace('\n', " ")),
+    }
 }
 
 /// `Some(plain matcher)` when `pattern` is an anchored literal.
@@ -238,5 +304,14 @@ mod tests {
         assert!(s.matches("a.b.example.com"));
         assert!(!s.matches("example.com"));
         assert!(!s.matches("badexample.com"));
+        assert!(s.matches("A.Example.COM:8443"));
+        assert!(s.matches("a.example.com."));
+        let e = parse_host("example.com").unwrap().unwrap();
+        assert!(e.matches("EXAMPLE.com:80"));
+        assert!(!e.matches("example.co"));
+        assert!(!e.matches("www.example.com"));
+        assert_eq!(host_name("[::1]:8080"), "[::1]");
+        assert_eq!(host_name("[::1]"), "[::1]");
+        assert_eq!(host_name("a.b:x"), "a.b:x");
     }
 }

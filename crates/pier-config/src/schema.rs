@@ -227,6 +227,8 @@ pub struct RawFile {
     pub listener_count: usize,
     pub routes: Vec<RouteEntry>,
     pub upstreams: Vec<NamedUpstream>,
+    /// `upstream` was not a table (reported); route references can't be checked.
+    pub upstreams_malformed: bool,
 }
 
 /// Parses the (already env-expanded) text. A TOML syntax error is fatal
@@ -250,14 +252,17 @@ pub(crate) fn parse(text: &str) -> Result<(RawFile, Vec<RawError>), RawError> {
             "demo" => file.demo = section(item, span, &mut errors),
             "listener" => {
                 let entries = array_entries(item, "listener", span, &mut errors);
-                file.listener_count = entries.len();
+                // A wrongly shaped `listener` was reported; don't add "no listener".
+                file.listener_count = entries.as_ref().map_or(1, Vec::len);
                 file.listeners = entries
+                    .unwrap_or_default()
                     .into_iter()
                     .filter_map(|(it, sp)| section(&it, sp, &mut errors))
                     .collect();
             }
             "route" => {
                 file.routes = array_entries(item, "route", span, &mut errors)
+                    .unwrap_or_default()
                     .into_iter()
                     .filter_map(|(it, sp)| section(&it, sp, &mut errors))
                     .collect();
@@ -268,6 +273,7 @@ pub(crate) fn parse(text: &str) -> Result<(RawFile, Vec<RawError>), RawError> {
                         span,
                         "`upstream` must be a table of named upstreams: write [upstream.NAME]",
                     ));
+                    file.upstreams_malformed = true;
                     continue;
                 };
                 for (name, body) in table.iter() {
@@ -298,6 +304,23 @@ fn syntax_message(e: &toml_edit::TomlError) -> String {
     format!("TOML syntax error: {}", m.replace('\n', "; "))
 }
 
+/// serde names Rust types ("expected i64"); say what the user must write.
+fn friendly(message: &str) -> String {
+    let mut m = message.trim().to_string();
+    for (rust, user) in [
+        ("expected i64", "expected an integer"),
+        ("expected f64", "expected a number"),
+        ("expected a string", "expected a string (in quotes)"),
+        ("expected a sequence", "expected an array [...]"),
+    ] {
+        if m.ends_with(rust) {
+            m.truncate(m.len() - rust.len());
+            m.push_str(user);
+        }
+    }
+    m
+}
+
 fn item_span(item: &Item) -> Option<Range<usize>> {
     match item {
         Item::Table(t) => t.span(),
@@ -322,20 +345,21 @@ fn section<T: DeserializeOwned>(
         Ok(v) => Some(v),
         Err(e) => {
             let e: toml_edit::de::Error = e;
-            errors.push(RawError::at(e.span().or(fallback), e.message().trim()));
+            errors.push(RawError::at(e.span().or(fallback), friendly(e.message())));
             None
         }
     }
 }
 
-/// The tables of `[[name]]` (or `name = [{...}, ...]`), each with its span.
+/// The tables of `[[name]]` (or `name = [{...}, ...]`), each with its span;
+/// None (error recorded) when `name` is not an array.
 fn array_entries(
     item: &Item,
     name: &str,
     span: Option<Range<usize>>,
     errors: &mut Vec<RawError>,
-) -> Vec<(Item, Option<Range<usize>>)> {
-    match item {
+) -> Option<Vec<(Item, Option<Range<usize>>)>> {
+    Some(match item {
         Item::ArrayOfTables(a) => a
             .iter()
             .map(|t| (Item::Table(t.clone()), t.span().or(span.clone())))
@@ -349,9 +373,9 @@ fn array_entries(
                 span,
                 format!("`{name}` must be an array of tables: write [[{name}]]"),
             ));
-            Vec::new()
+            return None;
         }
-    }
+    })
 }
 
 /// Field names of a schema struct, read from serde's derived impl itself

@@ -1,15 +1,1024 @@
 //! Loader tests: whole files in, `Config` or `FILE:LINE:COL` errors out.
 
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
 use super::*;
 
 fn no_env(_: &str) -> Option<String> {
     None
 }
 
+fn load(text: &str) -> Result<Config, ConfigErrors> {
+    load_str_with_env(text, "t.toml", &no_env)
+}
+
+fn ok(text: &str) -> Config {
+    match load(text) {
+        Ok(c) => c,
+        Err(e) => panic!("unexpected errors:\n{e}\n--- in:\n{text}"),
+    }
+}
+
+/// The error lines for `text`.
+fn errors(text: &str) -> Vec<String> {
+    match load(text) {
+        Ok(_) => panic!("expected errors in:\n{text}"),
+        Err(e) => e.to_string().lines().map(str::to_string).collect(),
+    }
+}
+
+/// Asserts `text` has exactly one error, at `at` ("LINE:COL"), whose
+/// message contains `needle`.
+#[track_caller]
+fn one_error(text: &str, at: &str, needle: &str) {
+    let errs = errors(text);
+    assert_eq!(
+        errs.len(),
+        1,
+        "expected one error, got:\n{}",
+        errs.join("\n")
+    );
+    let prefix = format!("t.toml:{at}: ");
+    assert!(
+        errs[0].starts_with(&prefix) && errs[0].contains(needle),
+        "expected `{prefix}...{needle}...`, got `{}`",
+        errs[0]
+    );
+}
+
+fn addr(s: &str) -> SocketAddr {
+    s.parse().unwrap()
+}
+
+/// A minimal valid file: 7 lines; tests append after it.
+const BASE: &str = r#"[[listener]]
+listen = "127.0.0.1:0"
+[[route]]
+upstream = "b"
+[upstream.b]
+servers = ["127.0.0.1:9000"]
+
+"#;
+
+// === defaults ===
+
+#[test]
+fn defaults() {
+    let c = ok(BASE);
+    assert_eq!(c.workers, validate::cores());
+    assert!(c.workers >= 1);
+    assert_eq!(c.grace_period, Duration::from_secs(30));
+    assert_eq!(c.admin, None);
+    assert_eq!(c.demo_origin, None);
+    assert_eq!(c.access_log, AccessLog::Off);
+    assert!(c.deny_origins.is_empty());
+    assert_eq!(c.listeners.len(), 1);
+    assert_eq!(c.listeners[0].name, "listener-1");
+    assert_eq!(c.listeners[0].addr, addr("127.0.0.1:0"));
+    let l = &c.limits;
+    assert_eq!(
+        (
+            l.max_header_bytes,
+            l.max_headers,
+            l.max_uri_bytes,
+            l.max_body_bytes,
+            l.max_connections
+        ),
+        (16384, 100, 8192, 0, 10_000)
+    );
+    let t = &c.timeouts;
+    assert_eq!(t.client_header, Duration::from_secs(10));
+    assert_eq!(t.client_idle, Duration::from_secs(60));
+    assert_eq!(t.upstream_connect, Duration::from_secs(3));
+    assert_eq!(t.upstream_response, Duration::from_secs(60));
+    assert_eq!(t.upstream_idle, Duration::from_secs(60));
+    let r = &c.routes[0];
+    assert_eq!(
+        (r.name.as_str(), r.upstream.as_str(), &r.host),
+        ("route-1", "b", &None)
+    );
+    assert!(matches!(r.path, PathMatch::Any));
+    let u = &c.upstreams["b"];
+    assert_eq!(u.name, "b");
+    assert_eq!(u.servers.len(), 1);
+    assert_eq!(
+        (u.servers[0].addr, u.servers[0].weight),
+        (addr("127.0.0.1:9000"), 1)
+    );
+    assert_eq!(u.balance, Balance::RoundRobin);
+    assert!(u.health_check.is_none());
+    assert_eq!(u.max_fails, 3);
+    assert_eq!(u.passive_recover, Duration::from_secs(10));
+    assert_eq!(u.retries, 1);
+    assert_eq!(u.retry_budget_ratio, 0.2);
+    assert_eq!(u.retry_min_per_sec, 10);
+    assert_eq!(u.pool_idle_per_server, 256);
+    assert_eq!(u.max_connections_per_server, 0);
+}
+
+#[test]
+fn every_key_set() {
+    let text = r#"
+[server]
+workers = 3
+grace_period = "1m30s"
+[admin]
+listen = "localhost:9901"
+[log]
+access = "/tmp/pier-access.log"
+[limits]
+max_header_bytes = "32k"
+max_headers = 50
+max_uri_bytes = 4096
+max_body_bytes = "10m"
+max_connections = 500
+[timeouts]
+client_header = "5s"
+client_idle = "2m"
+upstream_connect = "150ms"
+upstream_response = "1h"
+upstream_idle = "30s"
+[security]
+deny_origins = ["10.0.0.0/8", "::ffff:192.168.0.0/112"]
+[demo]
+origin = "[::1]:0"
+[[listener]]
+name = "public"
+listen = "[::1]:8080"
+[[listener]]
+name = "other"
+listen = "127.0.0.1:0"
+[[route]]
+name = "img"
+host = "*.Example.com"
+regex = '^/img/.*\.png$'
+upstream = "b"
+[[route]]
+name = "api"
+host = "api.example.com"
+path = "/api/"
+upstream = "b"
+[[route]]
+name = "login"
+exact = "/login"
+upstream = "b"
+[upstream.b]
+servers = ["127.0.0.1:9000", { addr = "127.0.0.1:9001", weight = 3 }]
+balance = "hash"
+hash_key = "header:X-User"
+max_fails = 0
+passive_recover = "5s"
+retries = 2
+retry_budget = 0.5
+retry_min_per_sec = 3
+pool_idle_per_server = 8
+max_connections_per_server = 100
+[upstream.b.health_check]
+type = "http"
+path = "/healthz"
+host = "health.local"
+expect = "200-299"
+interval = "500ms"
+timeout = "250ms"
+rise = 1
+fall = 5
+"#;
+    let c = ok(text);
+    assert_eq!(c.workers, 3);
+    assert_eq!(c.grace_period, Duration::from_secs(90));
+    assert_eq!(c.admin, Some(addr("127.0.0.1:9901")));
+    assert_eq!(c.access_log, AccessLog::File("/tmp/pier-access.log".into()));
+    let l = &c.limits;
+    assert_eq!(
+        (
+            l.max_header_bytes,
+            l.max_headers,
+            l.max_uri_bytes,
+            l.max_body_bytes,
+            l.max_connections
+        ),
+        (32768, 50, 4096, 10 << 20, 500)
+    );
+    assert_eq!(c.timeouts.client_header, Duration::from_secs(5));
+    assert_eq!(c.timeouts.client_idle, Duration::from_secs(120));
+    assert_eq!(c.timeouts.upstream_connect, Duration::from_millis(150));
+    assert_eq!(c.timeouts.upstream_response, Duration::from_secs(3600));
+    assert_eq!(c.timeouts.upstream_idle, Duration::from_secs(30));
+    assert_eq!(c.deny_origins.len(), 2);
+    assert_eq!(c.deny_origins[1], Cidr::parse("192.168.0.0/16").unwrap());
+    assert_eq!(c.demo_origin, Some(addr("[::1]:0")));
+    assert_eq!(c.listeners[0].name, "public");
+    assert_eq!(c.listeners[0].addr, addr("[::1]:8080"));
+    assert_eq!(c.listeners[1].name, "other");
+    let names: Vec<&str> = c.routes.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["img", "api", "login"]);
+    assert_eq!(
+        c.routes[0].host,
+        Some(HostMatch::Suffix(".example.com".into()))
+    );
+    assert!(matches!(c.routes[0].path, PathMatch::Regex(_)));
+    assert_eq!(
+        c.routes[1].host,
+        Some(HostMatch::Exact("api.example.com".into()))
+    );
+    assert!(matches!(&c.routes[1].path, PathMatch::Prefix(p) if p == "/api/"));
+    assert!(matches!(&c.routes[2].path, PathMatch::Exact(p) if p == "/login"));
+    let u = &c.upstreams["b"];
+    assert_eq!(u.servers[1].weight, 3);
+    assert_eq!(u.balance, Balance::Hash(HashKey::Header("x-user".into())));
+    assert_eq!(
+        (
+            u.max_fails,
+            u.passive_recover,
+            u.retries,
+            u.retry_budget_ratio,
+            u.retry_min_per_sec
+        ),
+        (0, Duration::from_secs(5), 2, 0.5, 3)
+    );
+    assert_eq!(
+        (u.pool_idle_per_server, u.max_connections_per_server),
+        (8, 100)
+    );
+    let h = u.health_check.as_ref().unwrap();
+    assert_eq!(
+        h.kind,
+        HealthKind::Http {
+            path: "/healthz".into(),
+            host: Some("health.local".into()),
+            expect_min: 200,
+            expect_max: 299
+        }
+    );
+    assert_eq!(
+        (h.interval, h.timeout, h.rise, h.fall),
+        (Duration::from_millis(500), Duration::from_millis(250), 1, 5)
+    );
+
+    // Routing: file order, first match wins.
+    let route = |host: Option<&str>, path: &str| c.find_route(host, path).map(|r| r.name.as_str());
+    assert_eq!(route(Some("cdn.example.com"), "/img/a.png"), Some("img"));
+    assert_eq!(route(Some("API.example.com:443"), "/api/x"), Some("api"));
+    assert_eq!(route(Some("api.example.com"), "/img/a.png"), Some("img"));
+    assert_eq!(route(Some("other.org"), "/api/x"), None);
+    assert_eq!(route(None, "/login"), Some("login"));
+    assert_eq!(route(None, "/login/x"), None);
+}
+
+#[test]
+fn health_check_defaults_and_tcp() {
+    let c = ok(&format!("{BASE}[upstream.b.health_check]\n"));
+    let h = c.upstreams["b"].health_check.clone().unwrap();
+    assert_eq!(
+        h.kind,
+        HealthKind::Http {
+            path: "/".into(),
+            host: None,
+            expect_min: 200,
+            expect_max: 399
+        }
+    );
+    assert_eq!(
+        (h.interval, h.timeout, h.rise, h.fall),
+        (Duration::from_secs(2), Duration::from_secs(1), 2, 3)
+    );
+    let c = ok(&format!(
+        "{BASE}[upstream.b.health_check]\ntype = \"tcp\"\n"
+    ));
+    assert_eq!(
+        c.upstreams["b"].health_check.as_ref().unwrap().kind,
+        HealthKind::Tcp
+    );
+}
+
+#[test]
+fn weights_pick_weighted_round_robin() {
+    let c = ok(&BASE.replace(
+        r#"servers = ["127.0.0.1:9000"]"#,
+        r#"servers = ["127.0.0.1:9000", { addr = "127.0.0.1:9001", weight = 2 }]"#,
+    ));
+    assert_eq!(c.upstreams["b"].balance, Balance::WeightedRoundRobin);
+    // A table without weight is weight 1, plain round robin.
+    let c = ok(&BASE.replace(r#"["127.0.0.1:9000"]"#, r#"[{ addr = "127.0.0.1:9000" }]"#));
+    assert_eq!(c.upstreams["b"].balance, Balance::RoundRobin);
+}
+
+#[test]
+fn hash_keys() {
+    for (key, want) in [
+        ("header:X-User", HashKey::Header("x-user".into())),
+        ("cookie:sid", HashKey::Cookie("sid".into())),
+        ("client_ip", HashKey::ClientIp),
+        ("path", HashKey::Path),
+    ] {
+        let c = ok(&format!("{BASE}balance = \"hash\"\nhash_key = \"{key}\"\n"));
+        assert_eq!(c.upstreams["b"].balance, Balance::Hash(want));
+    }
+}
+
+#[test]
+fn root_path_is_any_and_regex_is_simplified() {
+    let text = BASE.replace("upstream = \"b\"", "path = \"/\"\nupstream = \"b\"");
+    assert!(matches!(ok(&text).routes[0].path, PathMatch::Any));
+    let text = BASE.replace("upstream = \"b\"", "regex = '\\.css$'\nupstream = \"b\"");
+    assert!(matches!(&ok(&text).routes[0].path, PathMatch::Suffix(s) if s == ".css"));
+}
+
+// === env expansion through the loader ===
+
+#[test]
+fn env_expansion() {
+    let vars: HashMap<&str, &str> = [("L", "127.0.0.1:7000"), ("W", "4")].into_iter().collect();
+    let lookup = |n: &str| vars.get(n).map(|v| v.to_string());
+    let text = "[server]\nworkers = ${W}\n[[listener]]\nlisten = \"${L}\"\nname = \"$${L}\"\n[[listener]]\nlisten = \"${NOPE:-127.0.0.1:7001}\"\n";
+    let c = load_str_with_env(text, "t.toml", &lookup).unwrap();
+    assert_eq!(c.workers, 4);
+    assert_eq!(c.listeners[0].addr, addr("127.0.0.1:7000"));
+    assert_eq!(c.listeners[0].name, "${L}");
+    assert_eq!(c.listeners[1].addr, addr("127.0.0.1:7001"));
+
+    // Unset without default: every one reported, at its own `${`.
+    let text = "[[listener]]\n# ${IN_COMMENT}\nlisten = \"${UNSET_A}\"\n[server]\ngrace_period = \"${UNSET_B}\"\n";
+    let errs = load_str_with_env(text, "t.toml", &lookup)
+        .unwrap_err()
+        .to_string();
+    let lines: Vec<&str> = errs.lines().collect();
+    assert_eq!(lines.len(), 2, "{errs}");
+    assert!(
+        lines[0].starts_with("t.toml:3:11: environment variable `UNSET_A` is not set"),
+        "{errs}"
+    );
+    assert!(
+        lines[1].starts_with("t.toml:5:17: environment variable `UNSET_B` is not set"),
+        "{errs}"
+    );
+}
+
+#[test]
+fn positions_after_expansion_point_into_the_original_text() {
+    let lookup = |n: &str| (n == "LONG").then(|| "x".repeat(50));
+    // The error on line 3 sits after a 50-byte substitution on line 2.
+    let text = "[[listener]]\nname = \"${LONG}\"\nlisten = \"nope\"\n";
+    let errs = load_str_with_env(text, "t.toml", &lookup)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        errs.starts_with("t.toml:3:10: `listen`: invalid address \"nope\""),
+        "{errs}"
+    );
+    // An error inside a substituted value points at its `${`.
+    let lookup = |n: &str| (n == "BAD").then(|| "not-an-addr".to_string());
+    let text = "[[listener]]\nlisten = \"  ${BAD}\"\n";
+    let errs = load_str_with_env(text, "t.toml", &lookup)
+        .unwrap_err()
+        .to_string();
+    assert!(errs.starts_with("t.toml:2:10: "), "{errs}");
+}
+
+#[test]
+fn env_from_the_process() {
+    // A name no other test uses; std serialises env access internally.
+    std::env::set_var("PIER_CONFIG_TEST_LISTEN", "127.0.0.1:7123");
+    let c = load_str(
+        &DEFAULT_CONFIG.replace("PIER_LISTEN", "PIER_CONFIG_TEST_LISTEN"),
+        "q.toml",
+    )
+    .unwrap();
+    assert_eq!(c.listeners[0].addr, addr("127.0.0.1:7123"));
+    std::env::remove_var("PIER_CONFIG_TEST_LISTEN");
+}
+
+// === validation errors, one by one, with positions ===
+
+#[test]
+fn schema_errors() {
+    one_error(
+        &format!("{BASE}[sever]\n"),
+        "8:2",
+        "unknown section `sever`, expected one of: server,",
+    );
+    one_error(
+        &format!("[server]\nwokers = 2\n{BASE}"),
+        "2:1",
+        "unknown field `wokers`, expected `workers` or `grace_period`",
+    );
+    one_error(
+        &format!("{BASE}[limits]\nmax_headers = \"x\"\n"),
+        "9:15",
+        "expected an integer",
+    );
+    one_error(
+        &format!("{BASE}[limits]\nmax_headers = 1.5\n"),
+        "9:15",
+        "expected an integer",
+    );
+    one_error(
+        &format!("{BASE}[timeouts]\nclient_idle = 10\n"),
+        "9:15",
+        "expected a string",
+    );
+    one_error(&format!("{BASE}[admin]\n"), "8:1", "missing field `listen`");
+    // Appended keys land in [upstream.b].
+    one_error(
+        &format!("{BASE}retries = \"2\"\n"),
+        "8:11",
+        "expected an integer",
+    );
+    one_error(
+        &format!("{BASE}server = [\"127.0.0.1:1\"]\n"),
+        "8:1",
+        "unknown field `server`",
+    );
+    one_error(
+        &format!("{BASE}[upstream.b.health_check]\nintervall = \"1s\"\n"),
+        "9:1",
+        "unknown field `intervall`",
+    );
+    one_error(
+        &BASE.replace(
+            r#"["127.0.0.1:9000"]"#,
+            r#"[{ addr = "127.0.0.1:9000", wieght = 2 }]"#,
+        ),
+        "6:39",
+        "unknown field `wieght`, expected `addr` or `weight`",
+    );
+    one_error(
+        &BASE.replace(r#"["127.0.0.1:9000"]"#, "[9000]"),
+        "6:12",
+        "an address \"IP:PORT\" or a table",
+    );
+    one_error(
+        &format!("listener = 1\n{}", &BASE[BASE.find("[[route]]").unwrap()..]),
+        "1:12",
+        "write [[listener]]",
+    );
+    one_error(
+        &format!(
+            "upstream = 1\n{}",
+            &BASE[..BASE.find("[upstream.b]").unwrap()]
+        ),
+        "1:12",
+        "write [upstream.NAME]",
+    );
+    one_error(
+        &format!("[[route]]\nupstream = \"b\"\nhots = \"x\"\n{BASE}"),
+        "3:1",
+        "unknown field `hots`",
+    );
+    one_error(
+        &format!("[[route]]\nname = \"x\"\n{BASE}"),
+        "1:1",
+        "missing field `upstream`",
+    );
+}
+
+#[test]
+fn toml_syntax_error() {
+    one_error(&format!("{BASE}[limits\n"), "8:8", "TOML syntax error");
+    one_error("[server]\nworkers = \n", "2:11", "TOML syntax error");
+    one_error(&format!("{BASE}servers = []\n"), "8:1", "TOML syntax error");
+}
+
+#[test]
+fn value_errors() {
+    let lst = |v: &str| BASE.replace("\"127.0.0.1:0\"", v);
+    one_error(
+        &lst("\"example.com:80\""),
+        "2:10",
+        "must be an IP address or \"localhost\"",
+    );
+    one_error(&lst("\"127.0.0.1\""), "2:10", "expected IP:PORT");
+    one_error(&lst("\"127.0.0.1:99999\""), "2:10", "invalid address");
+    one_error(&lst("\"localhost:x\""), "2:10", "bad port");
+    one_error(
+        &format!("{BASE}[admin]\nlisten = \"::1:80\"\n"),
+        "9:10",
+        "invalid address",
+    );
+    one_error(
+        &format!("{BASE}[demo]\norigin = \"x\"\n"),
+        "9:10",
+        "`origin`: invalid address",
+    );
+
+    one_error(
+        &format!("{BASE}[server]\nworkers = -1\n"),
+        "9:11",
+        "`workers` must be between 0 and 4096, got -1",
+    );
+    one_error(
+        &format!("{BASE}[server]\ngrace_period = \"30\"\n"),
+        "9:16",
+        "invalid duration \"30\"",
+    );
+    one_error(
+        &format!("{BASE}[timeouts]\nclient_header = \"0s\"\n"),
+        "9:17",
+        "must be greater than zero",
+    );
+    one_error(
+        &format!("{BASE}[limits]\nmax_body_bytes = \"10x\"\n"),
+        "9:18",
+        "invalid size \"10x\"",
+    );
+    one_error(
+        &format!("{BASE}[limits]\nmax_body_bytes = -5\n"),
+        "9:18",
+        "must not be negative",
+    );
+    one_error(
+        &format!("{BASE}[limits]\nmax_header_bytes = 100\n"),
+        "9:20",
+        "at least 1024 bytes",
+    );
+    one_error(
+        &format!("{BASE}[limits]\nmax_connections = 0\n"),
+        "9:19",
+        "between 1 and",
+    );
+    one_error(
+        &format!("{BASE}[log]\naccess = \"\"\n"),
+        "9:10",
+        "\"off\", \"stdout\" or a file path",
+    );
+    one_error(
+        &format!("{BASE}[security]\ndeny_origins = [\"10.0.0.0/8\", \"10.0.0.0/33\"]\n"),
+        "9:31",
+        "prefix length must be 0..=32",
+    );
+    one_error(
+        &format!("{BASE}[security]\ndeny_origins = [\"::ffff:127.0.0.1/128\"]\n"),
+        "6:12",
+        "server 127.0.0.1:9000 is in security.deny_origins (127.0.0.1/32)",
+    );
+
+    // Routes.
+    let route =
+        |extra: &str| BASE.replace("upstream = \"b\"", &format!("{extra}\nupstream = \"b\""));
+    one_error(
+        &BASE.replace("upstream = \"b\"", "upstream = \"c\""),
+        "4:12",
+        "route `route-1`: unknown upstream `c` (defined: b)",
+    );
+    one_error(
+        &route("regex = '^/a('"),
+        "4:9",
+        "`regex`: invalid regex: unclosed group (at character 4 of the pattern)",
+    );
+    one_error(
+        &route("path = \"/a\"\nexact = \"/b\""),
+        "5:9",
+        "at most one of `path`, `exact` and `regex`",
+    );
+    one_error(&route("path = \"a/\""), "4:8", "`path` must start with `/`");
+    one_error(
+        &route("exact = \"a\""),
+        "4:9",
+        "`exact` must start with `/`",
+    );
+    one_error(&route("host = \"example.com/x\""), "4:8", "invalid host");
+    one_error(
+        &route("name = \"\""),
+        "4:8",
+        "route `name` must not be empty",
+    );
+    one_error(
+        &format!(
+            "{BASE}[[route]]\nupstream = \"b\"\n[[route]]\nname = \"route-1\"\nupstream = \"b\"\n"
+        ),
+        "11:8",
+        "duplicate route name `route-1`",
+    );
+    one_error(
+        &format!("{BASE}[[listener]]\nname = \"listener-1\"\nlisten = \"127.0.0.1:0\"\n"),
+        "9:8",
+        "duplicate listener name `listener-1`",
+    );
+
+    // Upstreams.
+    let servers = |v: &str| BASE.replace(r#"["127.0.0.1:9000"]"#, v);
+    one_error(
+        &servers("[]"),
+        "6:11",
+        "upstream `b`: `servers` must not be empty",
+    );
+    one_error(
+        &servers(r#"[{ addr = "127.0.0.1:1", weight = 0 }]"#),
+        "6:45",
+        "`weight` must be between 1 and 1000, got 0",
+    );
+    one_error(
+        &servers(r#"["127.0.0.1"]"#),
+        "6:12",
+        "upstream `b`: invalid address",
+    );
+    one_error(
+        &format!("{BASE}balance = \"fastest\"\n"),
+        "8:11",
+        "unknown balance \"fastest\"",
+    );
+    one_error(
+        &format!("{BASE}balance = \"hash\"\n"),
+        "8:11",
+        "needs a `hash_key`",
+    );
+    one_error(
+        &format!("{BASE}hash_key = \"path\"\n"),
+        "8:12",
+        "only used with balance = \"hash\"",
+    );
+    one_error(
+        &format!("{BASE}balance = \"hash\"\nhash_key = \"header:\"\n"),
+        "9:12",
+        "invalid hash_key",
+    );
+    one_error(
+        &format!("{BASE}balance = \"hash\"\nhash_key = \"query:x\"\n"),
+        "9:12",
+        "invalid hash_key",
+    );
+    one_error(
+        &servers(r#"["127.0.0.1:1", { addr = "127.0.0.1:2", weight = 2 }]"#)
+            .replace("servers", "balance = \"least_conn\"\nservers"),
+        "6:11",
+        "weights are ignored",
+    );
+    one_error(
+        &format!("{BASE}retry_budget = 1.5\n"),
+        "8:16",
+        "between 0.0 and 1.0",
+    );
+    one_error(&format!("{BASE}retries = 11\n"), "8:11", "between 0 and 10");
+    one_error(
+        &format!("{BASE}passive_recover = \"soon\"\n"),
+        "8:19",
+        "invalid duration",
+    );
+
+    // Health checks.
+    let hc = |body: &str| format!("{BASE}[upstream.b.health_check]\n{body}\n");
+    one_error(
+        &hc("rise = 0"),
+        "9:8",
+        "`rise` must be between 1 and 1000, got 0",
+    );
+    one_error(
+        &hc("fall = 0"),
+        "9:8",
+        "`fall` must be between 1 and 1000, got 0",
+    );
+    one_error(
+        &hc("type = \"udp\""),
+        "9:8",
+        "unknown health check type \"udp\"",
+    );
+    one_error(
+        &hc("type = \"tcp\"\npath = \"/h\""),
+        "10:8",
+        "`path` only applies to type = \"http\"",
+    );
+    one_error(&hc("expect = \"2xx\""), "9:10", "invalid expect \"2xx\"");
+    one_error(&hc("expect = \"399-200\""), "9:10", "invalid expect");
+    one_error(&hc("path = \"healthz\""), "9:8", "must start with `/`");
+    one_error(&hc("interval = \"0ms\""), "9:12", "greater than zero");
+}
+
+#[test]
+fn no_listener() {
+    let errs = errors(&BASE.replace("[[listener]]\nlisten = \"127.0.0.1:0\"\n", ""));
+    assert_eq!(
+        errs,
+        ["t.toml: no listener: add a [[listener]] with `listen = \"127.0.0.1:8080\"`"]
+    );
+    // A broken listener entry is reported once, not also as "no listener".
+    let errs = errors(&BASE.replace("listen = \"127.0.0.1:0\"", "lisen = \"127.0.0.1:0\""));
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert!(
+        errs[0].starts_with("t.toml:2:1: unknown field `lisen`"),
+        "{errs:?}"
+    );
+}
+
+#[test]
+fn broken_upstream_body_is_not_also_unknown() {
+    // The route refers to `b`, whose body has a schema error: one error only.
+    let errs = errors(&format!("{BASE}colour = 1\n"));
+    assert_eq!(errs.len(), 1, "{errs:?}");
+}
+
+#[test]
+fn all_errors_are_collected_in_file_order() {
+    let text = r#"[server]
+wokers = 3
+grace_period = "x"
+
+[limits]
+max_headers = "many"
+
+[[listener]]
+listen = "127.0.0.1:0"
+bogus = 1
+
+[[listener]]
+name = "b"
+listen = "nowhere"
+
+[[route]]
+upstream = "nope"
+regex = "("
+
+[upstream.a]
+servers = []
+balance = "hash"
+
+[upstream.a.health_check]
+rise = 0
+fall = 0
+"#;
+    let errs = errors(text);
+    let at: Vec<&str> = errs.iter().map(|e| e.split(": ").next().unwrap()).collect();
+    assert_eq!(
+        at,
+        [
+            "t.toml:2:1",
+            "t.toml:6:15",
+            "t.toml:10:1",
+            "t.toml:14:10",
+            "t.toml:17:12",
+            "t.toml:18:9",
+            "t.toml:21:11",
+            "t.toml:22:11",
+            "t.toml:25:8",
+            "t.toml:26:8",
+        ],
+        "{}",
+        errs.join("\n")
+    );
+    // The [server] section stopped at its unknown key; `grace_period` there
+    // is not checked, but everything else is.
+    assert!(errs[0].contains("wokers"));
+}
+
+#[test]
+fn error_display_format() {
+    let e = ConfigErrors(vec![
+        ConfigError {
+            file: "a.toml".into(),
+            location: Some(Location { line: 3, col: 7 }),
+            message: "bad".into(),
+        },
+        ConfigError {
+            file: "a.toml".into(),
+            location: None,
+            message: "worse".into(),
+        },
+    ]);
+    assert_eq!(e.to_string(), "a.toml:3:7: bad\na.toml: worse");
+    assert_eq!(e.len(), 2);
+    // Columns count characters, not bytes.
+    one_error(
+        &format!("{BASE}[log]\n# é\naccess = \"\" # é\n"),
+        "10:10",
+        "file path",
+    );
+    one_error(
+        "[[listener]]\nname = \"é\"; listen = \"x\"\n",
+        "2:11",
+        "TOML syntax error",
+    );
+}
+
+#[test]
+fn missing_file() {
+    let path = std::path::Path::new("/nonexistent/pier-config-test/pier.toml");
+    let e = load_file(path).unwrap_err();
+    let s = e.to_string();
+    assert!(
+        s.starts_with("/nonexistent/pier-config-test/pier.toml: cannot read config file: "),
+        "{s}"
+    );
+    assert!(s.contains("No such file or directory"), "{s}");
+}
+
+#[test]
+fn load_file_reads_and_labels() {
+    let dir = std::env::temp_dir().join(format!("pier-config-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("good.toml");
+    std::fs::write(&good, BASE).unwrap();
+    assert_eq!(load_file(&good).unwrap().listeners.len(), 1);
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, format!("{BASE}retries = -1\n")).unwrap();
+    let s = load_file(&bad).unwrap_err().to_string();
+    assert_eq!(
+        s,
+        format!(
+            "{}:8:11: `retries` must be between 0 and 10, got -1",
+            bad.display()
+        )
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// === quick() and the quickstart ===
+
+#[test]
+fn quick_mode() {
+    let to = vec![addr("127.0.0.1:9000"), addr("127.0.0.1:9001")];
+    let c = Config::quick(
+        addr("127.0.0.1:8080"),
+        to.clone(),
+        Some(addr("127.0.0.1:9901")),
+    );
+    assert_eq!(c.listeners.len(), 1);
+    assert_eq!(c.listeners[0].addr, addr("127.0.0.1:8080"));
+    assert_eq!(c.admin, Some(addr("127.0.0.1:9901")));
+    assert_eq!(c.routes.len(), 1);
+    let r = &c.routes[0];
+    assert!(r.host.is_none() && matches!(r.path, PathMatch::Any));
+    assert_eq!(
+        c.find_route(Some("any.host"), "/any/path")
+            .map(|r| r.name.as_str()),
+        Some("default")
+    );
+    let u = &c.upstreams[&r.upstream];
+    assert_eq!(u.servers.iter().map(|s| s.addr).collect::<Vec<_>>(), to);
+    assert!(u.servers.iter().all(|s| s.weight == 1));
+    assert_eq!(u.balance, Balance::RoundRobin);
+    let h = u.health_check.as_ref().unwrap();
+    assert_eq!(
+        (h.kind.clone(), h.interval, h.rise, h.fall),
+        (HealthKind::Tcp, Duration::from_secs(2), 2, 2)
+    );
+    assert_eq!((u.max_fails, u.retries), (3, 1));
+    // Everything else as a file with the same content would give.
+    let file = ok(BASE);
+    let fu = &file.upstreams["b"];
+    assert_eq!(
+        (u.passive_recover, u.retry_budget_ratio, u.retry_min_per_sec),
+        (
+            fu.passive_recover,
+            fu.retry_budget_ratio,
+            fu.retry_min_per_sec
+        )
+    );
+    assert_eq!(
+        (u.pool_idle_per_server, u.max_connections_per_server),
+        (fu.pool_idle_per_server, fu.max_connections_per_server)
+    );
+    assert_eq!(c.timeouts.upstream_connect, file.timeouts.upstream_connect);
+    assert_eq!(c.limits.max_header_bytes, file.limits.max_header_bytes);
+    assert_eq!(
+        (c.workers, c.grace_period, &c.access_log),
+        (file.workers, file.grace_period, &file.access_log)
+    );
+    assert!(c.demo_origin.is_none() && c.deny_origins.is_empty());
+    assert_eq!(Config::quick(addr("127.0.0.1:1"), to, None).admin, None);
+}
+
 #[test]
 fn quickstart_parses_without_env() {
     let c = load_str_with_env(DEFAULT_CONFIG, "quickstart.toml", &no_env).unwrap();
-    assert_eq!(c.listeners[0].addr, "127.0.0.1:8080".parse().unwrap());
-    assert_eq!(c.admin, Some("127.0.0.1:9901".parse().unwrap()));
-    assert_eq!(c.demo_origin, Some("127.0.0.1:9000".parse().unwrap()));
+    assert_eq!(c.listeners.len(), 1);
+    assert_eq!(c.listeners[0].addr, addr("127.0.0.1:8080"));
+    assert_eq!(c.admin, Some(addr("127.0.0.1:9901")));
+    assert_eq!(c.demo_origin, Some(addr("127.0.0.1:9000")));
+    assert_eq!(c.access_log, AccessLog::Stdout);
+    let r = &c.routes[0];
+    assert!(r.host.is_none() && matches!(r.path, PathMatch::Any));
+    let u = &c.upstreams[&r.upstream];
+    assert_eq!(u.servers[0].addr, addr("127.0.0.1:9000"));
+    match &u.health_check.as_ref().unwrap().kind {
+        HealthKind::Http { path, .. } => assert_eq!(path, "/healthz"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn quickstart_follows_env() {
+    let vars: HashMap<&str, &str> = [
+        ("PIER_DEMO_PORT", "19000"),
+        ("PIER_LISTEN", "0.0.0.0:80"),
+        ("PIER_ADMIN", "[::1]:9999"),
+    ]
+    .into_iter()
+    .collect();
+    let lookup = |n: &str| vars.get(n).map(|v| v.to_string());
+    let c = load_str_with_env(DEFAULT_CONFIG, "quickstart.toml", &lookup).unwrap();
+    assert_eq!(c.listeners[0].addr, addr("0.0.0.0:80"));
+    assert_eq!(c.admin, Some(addr("[::1]:9999")));
+    assert_eq!(c.demo_origin, Some(addr("127.0.0.1:19000")));
+    // The upstream follows the demo port, so the demo works on any port.
+    assert_eq!(
+        c.upstreams[&c.routes[0].upstream].servers[0].addr,
+        addr("127.0.0.1:19000")
+    );
+    // A bad value is reported at its reference in the file.
+    let lookup = |n: &str| (n == "PIER_LISTEN").then(|| "nope".to_string());
+    let e = load_str_with_env(DEFAULT_CONFIG, "quickstart.toml", &lookup).unwrap_err();
+    assert_eq!(e.len(), 1);
+    let line = DEFAULT_CONFIG
+        .lines()
+        .position(|l| l.contains("${PIER_LISTEN"))
+        .unwrap()
+        + 1;
+    assert!(
+        e.to_string().starts_with(&format!(
+            "quickstart.toml:{line}:10: `listen`: invalid address"
+        )),
+        "{e}"
+    );
+}
+
+// === docs/config.md stays in step with the schema ===
+
+const DOCS: &str = include_str!("../../../docs/config.md");
+
+/// (heading in docs/config.md, the schema struct's fields)
+fn documented_tables() -> Vec<(&'static str, Vec<&'static str>)> {
+    use schema::*;
+    vec![
+        ("## `[server]`", schema::fields_of::<ServerSection>()),
+        ("## `[admin]`", fields_of::<AdminSection>()),
+        ("## `[log]`", fields_of::<LogSection>()),
+        ("## `[limits]`", fields_of::<LimitsSection>()),
+        ("## `[timeouts]`", fields_of::<TimeoutsSection>()),
+        ("## `[security]`", fields_of::<SecuritySection>()),
+        ("## `[demo]`", fields_of::<DemoSection>()),
+        ("## `[[listener]]`", fields_of::<ListenerEntry>()),
+        ("## `[[route]]`", fields_of::<RouteEntry>()),
+        ("## `[upstream.NAME]`", fields_of::<UpstreamEntry>()),
+        ("### `servers` entries", fields_of::<ServerTable>()),
+        (
+            "## `[upstream.NAME.health_check]`",
+            fields_of::<HealthCheckSection>(),
+        ),
+    ]
+}
+
+/// The text under `heading`, up to the next heading.
+fn doc_section(heading: &str) -> &'static str {
+    let start = DOCS
+        .lines()
+        .position(|l| l == heading)
+        .unwrap_or_else(|| panic!("docs/config.md has no heading {heading:?}"));
+    let mut end = DOCS.lines().count();
+    for (i, l) in DOCS.lines().enumerate().skip(start + 1) {
+        if l.starts_with("## ") || l.starts_with("### ") {
+            end = i;
+            break;
+        }
+    }
+    let begin = DOCS.lines().take(start).map(|l| l.len() + 1).sum::<usize>();
+    let stop = DOCS.lines().take(end).map(|l| l.len() + 1).sum::<usize>();
+    &DOCS[begin..stop.min(DOCS.len())]
+}
+
+#[test]
+fn docs_list_every_key_and_only_real_keys() {
+    for (heading, fields) in documented_tables() {
+        assert!(
+            !fields.is_empty(),
+            "{heading}: no fields read from the schema"
+        );
+        let text = doc_section(heading);
+        let rows: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `"))
+            .filter_map(|l| l.split('`').next())
+            .collect();
+        for f in &fields {
+            assert!(
+                rows.contains(f),
+                "docs/config.md {heading}: key `{f}` is not documented"
+            );
+        }
+        for r in &rows {
+            assert!(
+                fields.contains(r),
+                "docs/config.md {heading}: documents `{r}`, which the schema does not have"
+            );
+        }
+    }
+    for s in schema::SECTIONS {
+        assert!(
+            documented_tables()
+                .iter()
+                .any(|(h, _)| h.contains(&format!("[{s}")) || h.contains(&format!("[[{s}"))),
+            "section `{s}` has no table in docs/config.md"
+        );
+    }
+}
+
+#[test]
+fn docs_example_is_valid() {
+    let start = DOCS.find("## Example").unwrap();
+    let block = &DOCS[start..];
+    let body = &block[block.find("```toml\n").unwrap() + 8..];
+    let body = &body[..body.find("```").unwrap()];
+    let c = load_str_with_env(body, "docs/config.md", &no_env).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c.routes.len(), 2);
+    assert!(matches!(c.routes[0].path, PathMatch::Regex(_)));
 }

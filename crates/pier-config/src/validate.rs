@@ -1,7 +1,7 @@
 //! Schema -> model: fills defaults, parses units and addresses, checks
 //! cross-references. Every problem is recorded; nothing stops at the first.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::ops::Range;
 use std::path::PathBuf;
@@ -307,7 +307,7 @@ pub(crate) fn validate(file: RawFile, errors: Vec<RawError>) -> Result<Config, V
         );
     }
     let mut listeners = Vec::new();
-    let mut listener_names: HashMap<String, Span> = HashMap::new();
+    let mut listener_names = HashSet::new();
     for (i, l) in file.listeners.iter().enumerate() {
         let name = unique_name(&mut c, &l.name, "listener", i, &mut listener_names);
         if let Some(addr) = c.listen_addr(&l.listen, "listen") {
@@ -319,24 +319,25 @@ pub(crate) fn validate(file: RawFile, errors: Vec<RawError>) -> Result<Config, V
     let mut upstreams = BTreeMap::new();
     for u in &file.upstreams {
         if let Some(entry) = &u.entry {
-            if let Some(up) = upstream(&mut c, &u.name, u.span.clone(), entry, &deny_origins) {
-                upstreams.insert(u.name.clone(), up);
-            }
+            upstreams.insert(
+                u.name.clone(),
+                upstream(&mut c, &u.name, entry, &deny_origins),
+            );
         }
     }
 
     // [[route]]
     let mut routes = Vec::new();
-    let mut route_names: HashMap<String, Span> = HashMap::new();
+    let mut route_names = HashSet::new();
     for (i, r) in file.routes.iter().enumerate() {
         let name = unique_name(&mut c, &r.name, "route", i, &mut route_names);
         // Names of upstreams whose body failed still count: the error there
         // was reported already.
-        if !file
+        let known = file
             .upstreams
             .iter()
-            .any(|u| &u.name == r.upstream.get_ref())
-        {
+            .any(|u| &u.name == r.upstream.get_ref());
+        if !known && !file.upstreams_malformed {
             let known: Vec<&str> = file.upstreams.iter().map(|u| u.name.as_str()).collect();
             c.err(
                 sp(&r.upstream),
@@ -422,7 +423,7 @@ fn unique_name(
     name: &Option<Spanned<String>>,
     kind: &str,
     index: usize,
-    seen: &mut HashMap<String, Span>,
+    seen: &mut HashSet<String>,
 ) -> String {
     let (value, span) = match name {
         Some(n) => (n.get_ref().clone(), sp(n)),
@@ -431,28 +432,15 @@ fn unique_name(
     if value.is_empty() {
         c.err(span.clone(), format!("{kind} `name` must not be empty"));
     }
-    if let Some(first) = seen.get(&value) {
-        let at = match first {
-            Some(_) => "earlier in the file".to_string(),
-            None => format!("the default name of {kind} entry {}", index),
-        };
-        c.err(
-            span.clone(),
-            format!("duplicate {kind} name `{value}` (also used {at})"),
-        );
+    if seen.contains(&value) {
+        c.err(span, format!("duplicate {kind} name `{value}`"));
     } else {
-        seen.insert(value.clone(), span);
+        seen.insert(value.clone());
     }
     value
 }
 
-fn upstream(
-    c: &mut Check,
-    name: &str,
-    name_span: Span,
-    e: &UpstreamEntry,
-    deny: &[Cidr],
-) -> Option<Upstream> {
+fn upstream(c: &mut Check, name: &str, e: &UpstreamEntry, deny: &[Cidr]) -> Upstream {
     let mut servers = Vec::new();
     if e.servers.get_ref().is_empty() {
         c.err(
@@ -485,7 +473,10 @@ fn upstream(
         }
     }
 
+    let weighted = servers.iter().any(|s| s.weight != 1);
     let balance = match &e.balance {
+        // Weights given but no balancer named: the user wants them honoured.
+        None if weighted => Balance::WeightedRoundRobin,
         None => Balance::RoundRobin,
         Some(b) => match b.get_ref().as_str() {
             "round_robin" => Balance::RoundRobin,
@@ -505,6 +496,20 @@ fn upstream(
             }
         },
     };
+    if weighted
+        && matches!(
+            balance,
+            Balance::RoundRobin | Balance::LeastConn | Balance::Random2
+        )
+        && e.balance.is_some()
+    {
+        c.err(
+            e.balance.as_ref().and_then(sp),
+            format!(
+                "upstream `{name}`: server weights are ignored by this balance; use \"weighted_round_robin\" or \"hash\""
+            ),
+        );
+    }
     let balance = match (balance, &e.hash_key) {
         (Balance::Hash(_), Some(k)) => match parse_hash_key(k.get_ref()) {
             Ok(key) => Balance::Hash(key),
@@ -543,8 +548,7 @@ fn upstream(
             d.retry_budget_ratio
         }
     };
-    let _ = name_span;
-    Some(Upstream {
+    Upstream {
         name: name.to_string(),
         servers,
         balance,
@@ -574,7 +578,7 @@ fn upstream(
             0,
             10_000_000,
         ) as usize,
-    })
+    }
 }
 
 fn parse_hash_key(s: &str) -> Result<HashKey, String> {
