@@ -27,7 +27,9 @@
 //! stored once, in the entry); an intrusive doubly linked LRU list runs
 //! through the slab by index (head = most recently used, tail = next victim).
 //! Each entry holds its key and string value in one heap buffer, so an entry
-//! costs one allocation, made before the lock is taken.
+//! costs one allocation, made before the lock is taken (except `incr`'s
+//! initialising store), and a replaced buffer is freed after it is released.
+//! The hasher is foldhash with a per-dictionary random seed.
 //!
 //! **Accounting.** An entry is charged `key.len() + value bytes +`
 //! [`ENTRY_OVERHEAD`], where value bytes are the string's length, 8 for a
@@ -35,7 +37,10 @@
 //! `used <= capacity share` at all times; an entry larger than a shard's share
 //! fails with `NoMemory` and changes nothing. The charge approximates real
 //! memory (slab slot, table slot, allocator header); the slab and table may
-//! hold up to ~2x their live size in spare capacity after growth or deletes.
+//! hold spare slots after growth or deletes (they never shrink, but never
+//! exceed the most entries the capacity admits). Worst case (entries of a few
+//! bytes) real heap use stays under about 2x the capacity; with values much
+//! larger than the overhead it is close to the capacity.
 //!
 //! **Expiry.** Times are caller-supplied integer milliseconds (`now_ms`, from
 //! the per-request clock), so tests inject time. An entry with a TTL lives
@@ -434,23 +439,33 @@ impl SharedDict {
     /// Up to `max` live keys (0 = all), most recently used first within each
     /// shard. ngx.shared `get_keys`. Locks one shard at a time.
     pub fn get_keys(&self, max: usize, now_ms: u64) -> Vec<Vec<u8>> {
-        let max = if max == 0 { usize::MAX } else { max };
         let mut keys = Vec::new();
+        self.for_each_key(max, now_ms, |k| keys.push(k.to_vec()));
+        keys
+    }
+
+    /// Calls `f` on up to `max` live keys (0 = all), in `get_keys` order, and
+    /// returns how many; lets the FFI layer copy keys straight into its own
+    /// buffer. `f` runs under a shard lock: it must not call this dictionary.
+    pub fn for_each_key(&self, max: usize, now_ms: u64, mut f: impl FnMut(&[u8])) -> usize {
+        let max = if max == 0 { usize::MAX } else { max };
+        let mut n = 0;
         for shard in self.shards.iter() {
             let s = shard.0.lock();
             let mut i = s.head();
             while i != NIL {
-                if keys.len() >= max {
-                    return keys;
+                if n >= max {
+                    return n;
                 }
                 let e = s.entry(i);
                 if !is_expired(e.expires_at, now_ms) {
-                    keys.push(e.key().to_vec());
+                    f(e.key());
+                    n += 1;
                 }
                 i = e.next;
             }
         }
-        keys
+        n
     }
 
     /// Bytes not charged to any entry (expired entries not yet removed are

@@ -6,11 +6,12 @@
 
 use hashbrown::HashTable;
 
-/// Fixed bytes charged per entry on top of key and value: the slab slot
-/// (`size_of::<Entry>()`, 56 bytes on 64-bit targets), its hash-table slot
-/// (4-byte index + control byte) and the heap allocation's header, rounded.
-/// Charging it keeps a dictionary of tiny entries bounded too.
-pub const ENTRY_OVERHEAD: usize = 80;
+/// Fixed bytes charged per entry on top of key and value: its slab slot
+/// (`size_of::<Entry>()`, 64 bytes on 64-bit targets), its hash-table slot
+/// (4-byte index + control byte, with load-factor headroom: 8) and its heap
+/// buffer's allocator header and rounding (16). Charging it keeps a
+/// dictionary of tiny entries bounded too.
+pub const ENTRY_OVERHEAD: usize = 88;
 
 /// "No slot": list ends and the empty free list.
 pub(crate) const NIL: u32 = u32::MAX;
@@ -470,5 +471,18 @@ impl Shard {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn overhead_covers_the_slot() {
+        // ENTRY_OVERHEAD's doc adds up from this size: keep them in step.
+        assert_eq!(std::mem::size_of::<Entry>(), 64);
+        assert_eq!(ENTRY_OVERHEAD, 64 + 8 + 16);
     }
 }

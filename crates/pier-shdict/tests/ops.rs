@@ -315,6 +315,11 @@ fn get_keys_skips_expired_and_honours_max() {
         .collect();
     assert_eq!(live, want);
     assert_eq!(d.get_keys(3, T0 + 10).len(), 3);
+    let mut seen = Vec::new();
+    assert_eq!(d.for_each_key(0, T0 + 10, |k| seen.push(k.to_vec())), 5);
+    seen.sort();
+    assert_eq!(seen, want);
+    assert_eq!(d.for_each_key(2, T0, |_| {}), 2);
     // Most recently used first (one shard).
     assert_eq!(d.get_keys(1, T0)[0], b"k9");
 }
