@@ -19,13 +19,19 @@
 //!   interleaved schedule is indexed by one atomic counter. Consistent
 //!   hashing is a ketama-style ring (160 points per weight unit) sorted once;
 //!   a lookup is a binary search.
-//! * Unhealthy or already-tried peers are skipped without rebuilding
-//!   anything: the ring is walked to the next distinct eligible peer, the
-//!   weighted schedule is re-drawn at random (which keeps the weights
-//!   proportional among the remaining peers), round robin scans onwards.
-//! * The single counters every thread bumps (round robin position) sit on
-//!   their own cache line so they do not false-share with read-mostly data.
-//!   `random_two` uses a thread-local xorshift and touches no shared counter.
+//! * Unhealthy, already-tried or full (`max_connections_per_server`) peers
+//!   are skipped without rebuilding anything: the ring is walked to the next
+//!   distinct eligible peer; round robin and the weighted schedule re-draw
+//!   at random, which spreads a missing peer's share over the others in
+//!   proportion to their weights (stepping to the next slot would hand all
+//!   of it to one neighbour).
+//! * The counters every thread writes (round-robin position, each peer's
+//!   in-flight count) sit on their own cache line so they do not
+//!   false-share with read-mostly data. `least_conn` and `random_two` use a
+//!   thread-local xorshift (ties, draws) and write no shared counter.
+//! * `least_conn` and `random_two` compare `active / weight`, and break
+//!   ties / draw candidates by weight, so weights mean the same thing for
+//!   every algorithm.
 //! * Health transitions are rare and may log and take the slow path; the
 //!   selection path only loads flags.
 //!
@@ -34,7 +40,36 @@
 //! atomic counters, so a failing origin cannot be hit with `1 + retries`
 //! times the offered load.
 //!
+//! Passive health (`max_fails`, [`Group::report`]) and active checks
+//! ([`spawn_health_checks`]) drive the same `healthy` flag. Without an
+//! active check, a passively-downed peer gets one probe request per
+//! `passive_recover`; with one, only `rise` good checks bring it back.
+//! [`Group::reload`] carries peer state over a config reload.
+//!
 //! Times are integer milliseconds on [`clock_ms`]'s monotonic timeline.
+//!
+//! ```
+//! # use pier_config::*; use std::time::Duration;
+//! # let cfg = Upstream { name: "app".into(), servers: vec![
+//! #     UpstreamServer { addr: ([127, 0, 0, 1], 8001).into(), weight: 1 },
+//! #     UpstreamServer { addr: ([127, 0, 0, 1], 8002).into(), weight: 1 }],
+//! #   balance: Balance::RoundRobin, health_check: None, max_fails: 3,
+//! #   passive_recover: Duration::from_secs(10), retries: 1, retry_budget_ratio: 0.2,
+//! #   retry_min_per_sec: 10, pool_idle_per_server: 8, max_connections_per_server: 0 };
+//! let group = pier_lb::Group::new(&cfg);
+//! let now = pier_lb::clock_ms();
+//! group.on_request_at(now);
+//! let mut tried = Vec::new();
+//! while let Some(idx) = group.select_at(None, &tried, now) {
+//!     let _in_flight = group.begin(idx);
+//!     let ok = idx == 1; // ... proxy to group.peers()[idx].addr ...
+//!     group.report(idx, ok, pier_lb::clock_ms());
+//!     if ok || !group.try_retry_at(pier_lb::clock_ms()) {
+//!         break;
+//!     }
+//!     tried.push(idx);
+//! }
+//! ```
 
 #![forbid(unsafe_code)]
 
