@@ -58,11 +58,37 @@
 //! looks again, so the lock is never held across an allocation. An `incr` hit
 //! updates the number in place. Neither allocates in steady state.
 //!
-//! **Differences from ngx.shared** (deliberate): a failed `safe_set` keeps
-//! the old value (nginx may already have freed it); the `forcible` result is
-//! set only when a *live* entry was evicted; `ttl`/`expire` treat an expired
-//! entry as not found (nginx can report a negative TTL). Lists
-//! (`lpush`/`rpop`…) are not implemented.
+//! # Example
+//!
+//! ```
+//! use pier_shdict::{HitValue, Registry, SetResult, Value};
+//!
+//! // From the configuration: `[shared] limits = "1m"`.
+//! let reg = Registry::new(&[("limits", 1 << 20)]).unwrap();
+//! // The FFI layer resolves the name once and passes the index around.
+//! let idx = reg.index_of("limits").unwrap();
+//! let dict = reg.by_index(idx).unwrap();
+//!
+//! let now_ms = 1_700_000_000_000; // the request's clock snapshot
+//! assert_eq!(dict.set(b"motd", Value::Str(b"hi"), 60_000, 0, now_ms), SetResult::Stored);
+//! let mut buf = Vec::new(); // reused across calls
+//! let hit = dict.get(b"motd", now_ms, &mut buf).unwrap();
+//! assert_eq!((hit.value, buf.as_slice()), (HitValue::Str, &b"hi"[..]));
+//!
+//! // A per-client counter in a one-second window.
+//! let n = dict.incr(b"req:10.0.0.1", 1.0, Some(0.0), 1_000, now_ms).unwrap();
+//! assert_eq!(n.value, 1.0);
+//! assert_eq!(dict.ttl(b"req:10.0.0.1", now_ms + 400), Some(Some(600)));
+//! ```
+//!
+//! # Differences from ngx.shared
+//!
+//! - Capacity is split across shards (see Design above).
+//! - A failed `safe_set` keeps the old value (nginx may already have freed it).
+//! - The `forcible` result is set only when a *live* entry was evicted.
+//! - `ttl`/`expire` treat an expired entry as not found (nginx can report a
+//!   negative TTL or revive it).
+//! - Lists (`lpush`/`rpop`…) are not implemented.
 
 #![forbid(unsafe_code)]
 
