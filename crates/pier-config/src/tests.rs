@@ -1022,3 +1022,57 @@ fn docs_example_is_valid() {
     assert_eq!(c.routes.len(), 2);
     assert!(matches!(c.routes[0].path, PathMatch::Regex(_)));
 }
+
+#[test]
+fn other_spellings() {
+    // Inline array of tables instead of [[listener]].
+    let text = BASE.replace(
+        "[[listener]]\nlisten = \"127.0.0.1:0\"\n",
+        "listener = [{ name = \"a\", listen = \"127.0.0.1:0\" }, { listen = \"localhost:1\" }]\n",
+    );
+    let c = ok(&text);
+    assert_eq!(c.listeners[1].addr, addr("127.0.0.1:1"));
+    assert_eq!(c.listeners[1].name, "listener-2");
+    one_error(
+        &text.replace("name = \"a\"", "nmae = \"a\""),
+        "1:15",
+        "unknown field `nmae`",
+    );
+    // Integer where a float is expected; sizes as plain strings.
+    let c = ok(&format!(
+        "{BASE}retry_budget = 1\n[limits]\nmax_uri_bytes = \"4096\"\n"
+    ));
+    assert_eq!(c.upstreams["b"].retry_budget_ratio, 1.0);
+    assert_eq!(c.limits.max_uri_bytes, 4096);
+    one_error(
+        &format!("{BASE}[limits]\nmax_uri_bytes = 1.5\n"),
+        "9:17",
+        "expected a size",
+    );
+    // `localhost` upstream servers need no resolver.
+    let c = ok(&BASE.replace("\"127.0.0.1:9000\"", "\"localhost:9000\""));
+    assert_eq!(c.upstreams["b"].servers[0].addr, addr("127.0.0.1:9000"));
+    // No route at all is allowed (everything gets 404); an unused upstream too.
+    let c = ok(&BASE.replace("[[route]]\nupstream = \"b\"\n", ""));
+    assert!(c.routes.is_empty() && c.upstreams.contains_key("b"));
+}
+
+#[test]
+fn deny_list_catches_mapped_upstreams() {
+    // An upstream written as IPv4-mapped IPv6 is checked as the IPv4 address.
+    let text = format!(
+        "[security]\ndeny_origins = [\"127.0.0.0/8\"]\n{}",
+        BASE.replace("\"127.0.0.1:9000\"", "\"[::ffff:127.0.0.1]:9000\"")
+    );
+    one_error(
+        &text,
+        "8:12",
+        "server [::ffff:127.0.0.1]:9000 is in security.deny_origins (127.0.0.0/8)",
+    );
+    let c = load(&text.replace("127.0.0.0/8", "10.0.0.0/8")).unwrap();
+    assert!(!denied(
+        &c.deny_origins,
+        "::ffff:127.0.0.1".parse().unwrap()
+    ));
+    assert!(denied(&c.deny_origins, "::ffff:10.1.1.1".parse().unwrap()));
+}

@@ -209,39 +209,103 @@ pub(crate) fn validate(file: RawFile, errors: Vec<RawError>) -> Result<Config, V
     let schema_failed = !errors.is_empty();
     let mut c = Check { errors };
 
-    // [server]
     let server = file.server.unwrap_or_default();
     let workers = match c.int(&server.workers, "workers", 0, 0, 4096) {
         0 => cores(),
         n => n as usize,
     };
     let grace_period = c.duration(&server.grace_period, "grace_period", DEFAULT_GRACE_PERIOD);
-
-    // [admin], [demo]
     let admin = file.admin.and_then(|a| c.listen_addr(&a.listen, "listen"));
     let demo_origin = file.demo.and_then(|d| c.listen_addr(&d.origin, "origin"));
+    let access_log = access_log(&mut c, file.log.and_then(|l| l.access));
+    let limits = limits(&mut c, file.limits.unwrap_or_default());
+    let timeouts = timeouts(&mut c, file.timeouts.unwrap_or_default());
 
-    // [log]
-    let access_log = match file.log.and_then(|l| l.access) {
-        None => AccessLog::Off,
-        Some(v) => match v.get_ref().as_str() {
-            "off" => AccessLog::Off,
-            "stdout" => AccessLog::Stdout,
-            "" => {
-                c.err(
-                    sp(&v),
-                    "`access` must be \"off\", \"stdout\" or a file path",
-                );
-                AccessLog::Off
-            }
-            path => AccessLog::File(PathBuf::from(path)),
-        },
-    };
+    let mut deny_origins = Vec::new();
+    for v in file
+        .security
+        .and_then(|s| s.deny_origins)
+        .unwrap_or_default()
+    {
+        match Cidr::parse(v.get_ref()) {
+            Ok(cidr) => deny_origins.push(cidr),
+            Err(e) => c.err(sp(&v), format!("`deny_origins`: {e}")),
+        }
+    }
 
-    // [limits]
-    let l = file.limits.unwrap_or_default();
+    if file.listener_count == 0 {
+        c.err(
+            None,
+            "no listener: add a [[listener]] with `listen = \"127.0.0.1:8080\"`",
+        );
+    }
+    let mut listeners = Vec::new();
+    let mut listener_names = HashSet::new();
+    for (i, l) in file.listeners.iter().enumerate() {
+        let name = unique_name(&mut c, &l.name, "listener", i, &mut listener_names);
+        if let Some(addr) = c.listen_addr(&l.listen, "listen") {
+            listeners.push(Listener { name, addr });
+        }
+    }
+
+    let mut upstreams = BTreeMap::new();
+    for u in &file.upstreams {
+        if let Some(entry) = &u.entry {
+            let up = upstream(&mut c, &u.name, entry, &deny_origins);
+            upstreams.insert(u.name.clone(), up);
+        }
+    }
+
+    let mut routes = Vec::new();
+    let mut route_names = HashSet::new();
+    for (i, r) in file.routes.iter().enumerate() {
+        let name = unique_name(&mut c, &r.name, "route", i, &mut route_names);
+        routes.push(route(
+            &mut c,
+            name,
+            r,
+            &file.upstreams,
+            file.upstreams_malformed,
+        ));
+    }
+
+    if !c.errors.is_empty() || schema_failed {
+        return Err(c.errors);
+    }
+    Ok(Config {
+        workers,
+        grace_period,
+        listeners,
+        admin,
+        routes,
+        upstreams,
+        limits,
+        timeouts,
+        access_log,
+        deny_origins,
+        demo_origin,
+    })
+}
+
+fn access_log(c: &mut Check, v: Option<Spanned<String>>) -> AccessLog {
+    let Some(v) = v else { return AccessLog::Off };
+    match v.get_ref().as_str() {
+        "off" => AccessLog::Off,
+        "stdout" => AccessLog::Stdout,
+        "" => {
+            c.err(
+                sp(&v),
+                "`access` must be \"off\", \"stdout\" or a file path",
+            );
+            AccessLog::Off
+        }
+        path => AccessLog::File(PathBuf::from(path)),
+    }
+}
+
+fn limits(c: &mut Check, l: LimitsSection) -> Limits {
     let d = Limits::default();
-    let limits = Limits {
+    Limits {
         max_header_bytes: c.size(
             &l.max_header_bytes,
             "max_header_bytes",
@@ -269,12 +333,12 @@ pub(crate) fn validate(file: RawFile, errors: Vec<RawError>) -> Result<Config, V
             1,
             10_000_000,
         ) as usize,
-    };
+    }
+}
 
-    // [timeouts]
-    let t = file.timeouts.unwrap_or_default();
+fn timeouts(c: &mut Check, t: TimeoutsSection) -> Timeouts {
     let d = Timeouts::default();
-    let timeouts = Timeouts {
+    Timeouts {
         client_header: c.duration(&t.client_header, "client_header", d.client_header),
         client_idle: c.duration(&t.client_idle, "client_idle", d.client_idle),
         upstream_connect: c.duration(&t.upstream_connect, "upstream_connect", d.upstream_connect),
@@ -284,137 +348,79 @@ pub(crate) fn validate(file: RawFile, errors: Vec<RawError>) -> Result<Config, V
             d.upstream_response,
         ),
         upstream_idle: c.duration(&t.upstream_idle, "upstream_idle", d.upstream_idle),
-    };
-
-    // [security]
-    let mut deny_origins = Vec::new();
-    for v in file
-        .security
-        .and_then(|s| s.deny_origins)
-        .unwrap_or_default()
-    {
-        match Cidr::parse(v.get_ref()) {
-            Ok(cidr) => deny_origins.push(cidr),
-            Err(e) => c.err(sp(&v), format!("`deny_origins`: {e}")),
-        }
     }
+}
 
-    // [[listener]]
-    if file.listener_count == 0 {
+/// `upstreams_malformed`: `upstream` was not a table (reported), so
+/// references to it cannot be checked.
+fn route(
+    c: &mut Check,
+    name: String,
+    r: &RouteEntry,
+    upstreams: &[NamedUpstream],
+    upstreams_malformed: bool,
+) -> Route {
+    // Upstreams whose body failed still count as defined: their error was
+    // reported already.
+    let target = r.upstream.get_ref();
+    if !upstreams_malformed && !upstreams.iter().any(|u| &u.name == target) {
+        let defined: Vec<&str> = upstreams.iter().map(|u| u.name.as_str()).collect();
+        let defined = if defined.is_empty() {
+            "none".to_string()
+        } else {
+            defined.join(", ")
+        };
         c.err(
-            None,
-            "no listener: add a [[listener]] with `listen = \"127.0.0.1:8080\"`",
+            sp(&r.upstream),
+            format!("route `{name}`: unknown upstream `{target}` (defined: {defined})"),
         );
     }
-    let mut listeners = Vec::new();
-    let mut listener_names = HashSet::new();
-    for (i, l) in file.listeners.iter().enumerate() {
-        let name = unique_name(&mut c, &l.name, "listener", i, &mut listener_names);
-        if let Some(addr) = c.listen_addr(&l.listen, "listen") {
-            listeners.push(Listener { name, addr });
-        }
+    let host = match &r.host {
+        None => None,
+        Some(h) => parse_host(h.get_ref()).unwrap_or_else(|e| {
+            c.err(sp(h), e);
+            None
+        }),
+    };
+    let given: Vec<&Spanned<String>> = [&r.path, &r.exact, &r.regex]
+        .into_iter()
+        .flatten()
+        .collect();
+    if given.len() > 1 {
+        c.err(
+            sp(given[1]),
+            format!("route `{name}`: give at most one of `path`, `exact` and `regex`"),
+        );
     }
-
-    // [upstream.NAME]
-    let mut upstreams = BTreeMap::new();
-    for u in &file.upstreams {
-        if let Some(entry) = &u.entry {
-            upstreams.insert(
-                u.name.clone(),
-                upstream(&mut c, &u.name, entry, &deny_origins),
-            );
-        }
-    }
-
-    // [[route]]
-    let mut routes = Vec::new();
-    let mut route_names = HashSet::new();
-    for (i, r) in file.routes.iter().enumerate() {
-        let name = unique_name(&mut c, &r.name, "route", i, &mut route_names);
-        // Names of upstreams whose body failed still count: the error there
-        // was reported already.
-        let known = file
-            .upstreams
-            .iter()
-            .any(|u| &u.name == r.upstream.get_ref());
-        if !known && !file.upstreams_malformed {
-            let known: Vec<&str> = file.upstreams.iter().map(|u| u.name.as_str()).collect();
-            c.err(
-                sp(&r.upstream),
-                format!(
-                    "route `{name}`: unknown upstream `{}` (defined: {})",
-                    r.upstream.get_ref(),
-                    if known.is_empty() {
-                        "none".to_string()
-                    } else {
-                        known.join(", ")
-                    }
-                ),
-            );
-        }
-        let host = match &r.host {
-            None => None,
-            Some(h) => parse_host(h.get_ref()).unwrap_or_else(|e| {
-                c.err(sp(h), e);
-                None
-            }),
-        };
-        let given: Vec<&Spanned<String>> = [&r.path, &r.exact, &r.regex]
-            .into_iter()
-            .flatten()
-            .collect();
-        if given.len() > 1 {
-            c.err(
-                sp(given[1]),
-                format!("route `{name}`: give at most one of `path`, `exact` and `regex`"),
-            );
-        }
-        let path = if let Some(p) = &r.path {
-            match p.get_ref().as_str() {
-                "/" => PathMatch::Any,
-                s if s.starts_with('/') => PathMatch::Prefix(s.to_string()),
-                _ => {
-                    c.err(sp(p), "`path` must start with `/`");
-                    PathMatch::Any
-                }
-            }
-        } else if let Some(p) = &r.exact {
-            if !p.get_ref().starts_with('/') {
-                c.err(sp(p), "`exact` must start with `/`");
-            }
-            PathMatch::Exact(p.get_ref().clone())
-        } else if let Some(p) = &r.regex {
-            compile_path_regex(p.get_ref()).unwrap_or_else(|e| {
-                c.err(sp(p), format!("`regex`: {e}"));
+    let path = if let Some(p) = &r.path {
+        match p.get_ref().as_str() {
+            // Every origin-form path starts with "/"; Any also takes `OPTIONS *`.
+            "/" => PathMatch::Any,
+            s if s.starts_with('/') => PathMatch::Prefix(s.to_string()),
+            _ => {
+                c.err(sp(p), "`path` must start with `/`");
                 PathMatch::Any
-            })
-        } else {
+            }
+        }
+    } else if let Some(p) = &r.exact {
+        if !p.get_ref().starts_with('/') {
+            c.err(sp(p), "`exact` must start with `/`");
+        }
+        PathMatch::Exact(p.get_ref().clone())
+    } else if let Some(p) = &r.regex {
+        compile_path_regex(p.get_ref()).unwrap_or_else(|e| {
+            c.err(sp(p), format!("`regex`: {e}"));
             PathMatch::Any
-        };
-        routes.push(Route {
-            name,
-            host,
-            path,
-            upstream: r.upstream.get_ref().clone(),
-        });
+        })
+    } else {
+        PathMatch::Any
+    };
+    Route {
+        name,
+        host,
+        path,
+        upstream: target.clone(),
     }
-
-    if !c.errors.is_empty() || schema_failed {
-        return Err(c.errors);
-    }
-    Ok(Config {
-        workers,
-        grace_period,
-        listeners,
-        admin,
-        routes,
-        upstreams,
-        limits,
-        timeouts,
-        access_log,
-        deny_origins,
-        demo_origin,
-    })
 }
 
 /// The entry's name, or "listener-3" style when absent; duplicates are errors.
