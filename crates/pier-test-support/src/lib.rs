@@ -22,6 +22,20 @@ pub mod sig {
     pub use libc::{SIGHUP, SIGINT, SIGKILL, SIGTERM};
 }
 
+/// Polls `cond` every 20 ms until it holds or `timeout` passes; says whether it held.
+pub fn wait_until(timeout: std::time::Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if cond() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// The deterministic byte at `offset` of every pattern body (`/bytes/N`, `/chunked/N`).
 /// 251 is prime so the pattern does not line up with power-of-two buffer sizes.
 #[inline]
