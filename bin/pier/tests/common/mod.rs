@@ -101,3 +101,24 @@ pub fn local_count(p: &PierProcess, status: u16, reason: &str) -> f64 {
         &[("status", &status.to_string()), ("reason", reason)],
     )
 }
+
+/// Polls a metric (Pier counts a request when it is logged, which may be just after the
+/// client got the response) until it equals `want` or 5 s pass; returns the last value.
+pub fn wait_metric(p: &PierProcess, query: &str, want: f64) -> Option<f64> {
+    let mut last = None;
+    wait_until(std::time::Duration::from_secs(5), || {
+        last = p.metric_value(query);
+        last == Some(want)
+    });
+    last
+}
+
+/// Polls the local-response count for (status, reason) until it reaches `at_least`.
+pub fn wait_local_count(p: &PierProcess, status: u16, reason: &str, at_least: f64) -> f64 {
+    let mut last = 0.0;
+    wait_until(std::time::Duration::from_secs(5), || {
+        last = local_count(p, status, reason);
+        last >= at_least
+    });
+    last
+}
