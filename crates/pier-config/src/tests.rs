@@ -1076,3 +1076,32 @@ fn deny_list_catches_mapped_upstreams() {
     ));
     assert!(denied(&c.deny_origins, "::ffff:10.1.1.1".parse().unwrap()));
 }
+
+#[test]
+fn port_clashes_and_proxy_loops() {
+    let text = "[admin]\nlisten = \"127.0.0.1:8080\"\n[demo]\norigin = \"127.0.0.1:9000\"\n[[listener]]\nlisten = \"0.0.0.0:9000\"\n[[listener]]\nlisten = \"127.0.0.1:8080\"\n[upstream.b]\nservers = [\"127.0.0.1:9000\"]\n";
+    let errs = errors(text);
+    assert_eq!(
+        errs,
+        [
+            "t.toml:6:10: 0.0.0.0:9000 is also used by the demo origin",
+            "t.toml:8:10: 127.0.0.1:8080 is also used by the admin endpoint",
+            "t.toml:10:12: upstream `b`: server 127.0.0.1:9000 is Pier's own listener `listener-1` (requests would loop)",
+        ]
+    );
+    // A wildcard listener is only known to cover loopback.
+    let wild = "[[listener]]\nlisten = \"0.0.0.0:8080\"\n[upstream.b]\nservers = [\"SERVER\"]\n";
+    ok(&wild.replace("SERVER", "10.0.0.1:8080"));
+    one_error(
+        &wild.replace("SERVER", "localhost:8080"),
+        "4:12",
+        "requests would loop",
+    );
+    one_error(
+        &wild.replace("SERVER", "[::ffff:127.0.0.1]:8080"),
+        "4:12",
+        "requests would loop",
+    );
+    // Port 0 never clashes; other IPs on the same port are fine.
+    ok("[admin]\nlisten = \"127.0.0.1:0\"\n[[listener]]\nlisten = \"127.0.0.1:0\"\n[[listener]]\nlisten = \"127.0.0.2:9000\"\n[upstream.b]\nservers = [\"127.0.0.1:9000\"]\n");
+}

@@ -7,6 +7,7 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::cidr::normalize;
 use crate::error::RawError;
 use crate::matchers::{compile_path_regex, parse_host};
 use crate::model::*;
@@ -215,8 +216,18 @@ pub(crate) fn validate(file: RawFile, errors: Vec<RawError>) -> Result<Config, V
         n => n as usize,
     };
     let grace_period = c.duration(&server.grace_period, "grace_period", DEFAULT_GRACE_PERIOD);
-    let admin = file.admin.and_then(|a| c.listen_addr(&a.listen, "listen"));
-    let demo_origin = file.demo.and_then(|d| c.listen_addr(&d.origin, "origin"));
+    // Every socket Pier binds, to catch two things on one port.
+    let mut bound = Bound::default();
+    let admin = file.admin.and_then(|a| {
+        let addr = c.listen_addr(&a.listen, "listen")?;
+        bound.add(&mut c, addr, "the admin endpoint", sp(&a.listen));
+        Some(addr)
+    });
+    let demo_origin = file.demo.and_then(|d| {
+        let addr = c.listen_addr(&d.origin, "origin")?;
+        bound.add(&mut c, addr, "the demo origin", sp(&d.origin));
+        Some(addr)
+    });
     let access_log = access_log(&mut c, file.log.and_then(|l| l.access));
     let limits = limits(&mut c, file.limits.unwrap_or_default());
     let timeouts = timeouts(&mut c, file.timeouts.unwrap_or_default());
@@ -244,6 +255,7 @@ pub(crate) fn validate(file: RawFile, errors: Vec<RawError>) -> Result<Config, V
     for (i, l) in file.listeners.iter().enumerate() {
         let name = unique_name(&mut c, &l.name, "listener", i, &mut listener_names);
         if let Some(addr) = c.listen_addr(&l.listen, "listen") {
+            bound.add(&mut c, addr, &format!("listener `{name}`"), sp(&l.listen));
             listeners.push(Listener { name, addr });
         }
     }
@@ -251,7 +263,7 @@ pub(crate) fn validate(file: RawFile, errors: Vec<RawError>) -> Result<Config, V
     let mut upstreams = BTreeMap::new();
     for u in &file.upstreams {
         if let Some(entry) = &u.entry {
-            let up = upstream(&mut c, &u.name, entry, &deny_origins);
+            let up = upstream(&mut c, &u.name, entry, &deny_origins, &listeners);
             upstreams.insert(u.name.clone(), up);
         }
     }
@@ -423,6 +435,46 @@ fn route(
     }
 }
 
+/// Sockets bound so far (port 0 excluded: the OS picks distinct ports).
+#[derive(Default)]
+struct Bound(Vec<(SocketAddr, String)>);
+
+impl Bound {
+    fn add(&mut self, c: &mut Check, addr: SocketAddr, what: &str, span: Span) {
+        if addr.port() == 0 {
+            return;
+        }
+        if let Some((_, other)) = self
+            .0
+            .iter()
+            .find(|(a, _)| reaches(*a, addr) || reaches(addr, *a))
+        {
+            c.err(span, format!("{addr} is also used by {other}"));
+            return;
+        }
+        self.0.push((addr, what.to_string()));
+    }
+}
+
+/// Would connecting to `to` reach a socket bound on `bound`? (Same port, and
+/// the same IP or a wildcard bind of the same family.)
+fn reaches(bound: SocketAddr, to: SocketAddr) -> bool {
+    bound.port() != 0
+        && bound.port() == to.port()
+        && (bound.ip() == to.ip()
+            || (bound.ip().is_unspecified() && bound.is_ipv4() == to.is_ipv4()))
+}
+
+/// Is an upstream server at `to` certainly this Pier's listener on `bound`?
+/// (A wildcard bind is only known to cover loopback addresses.)
+fn loops(bound: SocketAddr, to: SocketAddr) -> bool {
+    let to_ip = normalize(to.ip());
+    bound.port() != 0
+        && bound.port() == to.port()
+        && (bound.ip() == to_ip
+            || (bound.ip().is_unspecified() && (to_ip.is_loopback() || to_ip.is_unspecified())))
+}
+
 /// The entry's name, or "listener-3" style when absent; duplicates are errors.
 fn unique_name(
     c: &mut Check,
@@ -446,7 +498,13 @@ fn unique_name(
     value
 }
 
-fn upstream(c: &mut Check, name: &str, e: &UpstreamEntry, deny: &[Cidr]) -> Upstream {
+fn upstream(
+    c: &mut Check,
+    name: &str,
+    e: &UpstreamEntry,
+    deny: &[Cidr],
+    listeners: &[Listener],
+) -> Upstream {
     let mut servers = Vec::new();
     if e.servers.get_ref().is_empty() {
         c.err(
@@ -470,6 +528,15 @@ fn upstream(c: &mut Check, name: &str, e: &UpstreamEntry, deny: &[Cidr]) -> Upst
                         c.err(
                             addr_span.clone(),
                             format!("upstream `{name}`: server {addr} is in security.deny_origins ({rule})"),
+                        );
+                    }
+                    if let Some(l) = listeners.iter().find(|l| loops(l.addr, addr)) {
+                        c.err(
+                            addr_span.clone(),
+                            format!(
+                                "upstream `{name}`: server {addr} is Pier's own listener `{}` (requests would loop)",
+                                l.name
+                            ),
                         );
                     }
                     servers.push(UpstreamServer { addr, weight });
