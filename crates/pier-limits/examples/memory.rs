@@ -37,9 +37,22 @@ fn main() {
     measure(pingora);
     measure(Naive::default);
     measure(Dash::default);
-    let limiter = || pier_limits::RateLimiter::new(pier_limits::RateLimit::per_second(10));
+    // A limiter under a flood of distinct keys: heap is what construction took.
+    let profiler = dhat::Profiler::builder().testing().build();
+    let limiter = pier_limits::RateLimiter::new(pier_limits::RateLimit::per_second(10));
+    let built = dhat::HeapStats::get().curr_bytes;
+    let mut key = [0u8; 8];
+    for k in 0..KEYS {
+        key.copy_from_slice(&k.to_le_bytes());
+        let _ = limiter.check(&key, k / 1000);
+    }
+    let stats = dhat::HeapStats::get();
     println!(
-        "(a default RateLimiter holds {} bytes whatever the number of keys)",
-        limiter().memory_bytes()
+        "{:32} built {built:>11} bytes  peak {:>12} bytes after {KEYS} distinct keys over {} s",
+        "RateLimiter (default sketch)",
+        stats.max_bytes,
+        KEYS / 1_000_000
     );
+    drop(limiter);
+    drop(profiler);
 }

@@ -50,7 +50,8 @@ impl Estimator {
     /// least `1 - delta`, `estimate <= true count + epsilon * total`, where
     /// total is the sum of all increments (Cormode and Muthukrishnan 2005).
     ///
-    /// `epsilon` and `delta` are clamped to `[1e-9, 1)`.
+    /// Memory is `H * N * 8` bytes: `epsilon` is clamped to `[1e-6, 1)`
+    /// (at most 2.7M slots a row) and `delta` to `[1e-9, 1)` (at most 21 rows).
     pub fn with_error(epsilon: f64, delta: f64) -> Self {
         let (hashes, slots) = dimensions(epsilon, delta);
         Self::new(hashes, slots)
@@ -250,7 +251,7 @@ const MAX_CU_ROWS: usize = 16;
 
 /// `(H, N)` for a target error: `N = ceil(e / epsilon)`, `H = ceil(ln(1 / delta))`.
 pub fn dimensions(epsilon: f64, delta: f64) -> (usize, usize) {
-    let eps = epsilon.clamp(1e-9, 1.0 - f64::EPSILON);
+    let eps = epsilon.clamp(1e-6, 1.0 - f64::EPSILON);
     let delta = delta.clamp(1e-9, 1.0 - f64::EPSILON);
     let slots = (std::f64::consts::E / eps).ceil() as usize;
     let hashes = (1.0 / delta).ln().ceil().max(1.0) as usize;

@@ -77,7 +77,7 @@ impl Inflight {
 }
 
 /// Holds a key's in-flight count until dropped. Keeps the key's hash, not the
-/// key, so it is a fixed 32 bytes whatever the key.
+/// key, so it is a fixed 24 bytes whatever the key.
 #[derive(Debug)]
 #[must_use = "the count is released when the guard drops"]
 pub struct Guard {
@@ -116,6 +116,11 @@ mod tests {
         assert_eq!(f.get("a"), 0);
         let (_g, n) = f.incr("a");
         assert_eq!(n, 1);
+    }
+
+    #[test]
+    fn guard_is_small() {
+        assert_eq!(std::mem::size_of::<Guard>(), 24);
     }
 
     #[test]

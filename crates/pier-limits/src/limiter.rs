@@ -64,7 +64,10 @@ impl RateLimit {
     /// at least 1.
     pub fn limit(&self) -> u64 {
         let per_interval = self.rate_per_sec * self.interval_ms() as f64 / 1000.0;
-        (per_interval.floor().max(0.0) as u64 + u64::from(self.burst)).max(1)
+        // `as` saturates NaN to 0 and infinity to u64::MAX.
+        (per_interval.floor().max(0.0) as u64)
+            .saturating_add(u64::from(self.burst))
+            .max(1)
     }
 }
 
@@ -262,7 +265,7 @@ impl ConcurrencyLimiter {
     /// (drop it when the response is done).
     pub fn acquire(&self, key: &[u8]) -> Result<Guard, Rejected> {
         let (guard, count) = self.inflight.incr(key);
-        if count <= self.cfg.max as isize {
+        if count.max(0) as usize <= self.cfg.max {
             return Ok(guard);
         }
         self.denied.fetch_add(1, Ordering::Relaxed);
@@ -297,6 +300,12 @@ mod tests {
         assert_eq!(RateLimit::per_minute(30).interval_ms(), 60_000);
         assert_eq!(RateLimit::per_minute(30).limit(), 30);
         assert_eq!(RateLimit::per_minute(0).limit(), 1);
+        let huge = RateLimit {
+            rate_per_sec: f64::INFINITY,
+            burst: u32::MAX,
+            dry_run: false,
+        };
+        assert_eq!(huge.limit(), u64::MAX);
     }
 
     #[test]
@@ -399,6 +408,12 @@ mod tests {
         drop(a);
         let _d = l.acquire(b"origin").unwrap();
         assert_eq!(l.denied_total(), 1);
+    }
+
+    #[test]
+    fn unbounded_concurrency_limit_admits() {
+        let l = ConcurrencyLimiter::new(ConcurrencyLimit::new(usize::MAX));
+        assert!(l.acquire(b"k").is_ok());
     }
 
     #[test]
