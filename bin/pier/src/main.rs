@@ -189,7 +189,7 @@ fn run(cfg: Config, path: Option<PathBuf>) -> ExitCode {
         idle_timeout: cfg.timeouts.upstream_idle,
     });
     let grace = cfg.grace_period;
-    let state = State::build(cfg, &metrics, 1);
+    let state = State::build(cfg, &metrics, 1, None);
     let shared = Arc::new(Shared::new(state, pool, metrics, access));
 
     let worker_shared = shared.clone();
@@ -356,8 +356,8 @@ fn reload(shared: &Arc<Shared>, path: &Path, generation: u64) -> Result<Duration
     shared
         .pool
         .reconfigure(pool_idle(&cfg), cfg.timeouts.upstream_idle);
-    let state = State::build(cfg, &shared.metrics, generation);
-    shared.state.store(Arc::new(state));
+    let state = State::build(cfg, &shared.metrics, generation, Some(&old));
+    shared.install(state);
     Ok(grace)
 }
 

@@ -245,7 +245,6 @@ fn client_connection_close_is_honoured() {
 }
 
 #[test]
-#[ignore = "pier: no `Connection: close` in the response to a request with `Connection: close` (RFC 9112 section 9.6 SHOULD; nginx sends it)"]
 fn response_to_connection_close_says_close() {
     let (_o, p) = one_origin();
     let mut c = RawConn::connect(p.listener("main"));
@@ -311,11 +310,19 @@ fn requests_are_counted_by_route_and_class() {
     }
     assert_eq!(get(p.listener("main"), "/status/404").status, 404);
     assert_eq!(
-        wait_metric(&p, r#"pier_requests_total{route="default",class="2xx"}"#, 3.0),
+        wait_metric(
+            &p,
+            r#"pier_requests_total{route="default",class="2xx"}"#,
+            3.0
+        ),
         Some(3.0)
     );
     assert_eq!(
-        wait_metric(&p, r#"pier_requests_total{route="default",class="4xx"}"#, 1.0),
+        wait_metric(
+            &p,
+            r#"pier_requests_total{route="default",class="4xx"}"#,
+            1.0
+        ),
         Some(1.0)
     );
     assert!(p.metrics().contains("pier_request_duration_seconds"));

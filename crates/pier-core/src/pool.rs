@@ -1,7 +1,7 @@
 //! The upstream connection pool, shared by every worker thread.
 //!
-//! One map from origin address to idle connections, with a LIFO stack per
-//! worker. A worker takes from its own stack first (the socket is registered
+//! Each worker has its own map from origin address to a LIFO stack of idle
+//! connections, under its own (almost never contended) lock. A worker takes from its own stack first (the socket is registered
 //! with its own reactor, so reuse costs no cross-thread wake-ups); only when
 //! its stack is empty does it take one from another worker's stack, moving the
 //! socket to its own reactor (two `epoll_ctl`s) — sharing without the
@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::pin;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 use tokio::io::Interest;
@@ -34,140 +34,127 @@ struct Idle {
     since: Instant,
 }
 
-struct PerServer {
-    stacks: Vec<Vec<Idle>>,
-    total: usize,
+/// One worker's idle connections. Only its owner puts into it; others lock it
+/// only to steal when their own is empty, so the lock is almost never contended.
+#[repr(align(128))]
+#[derive(Default)]
+struct WorkerStacks {
+    map: Mutex<HashMap<SocketAddr, Vec<Idle>>>,
 }
 
 pub struct Pool {
-    cfg: Mutex<PoolConfig>,
-    map: Mutex<HashMap<SocketAddr, PerServer>>,
+    workers: Vec<WorkerStacks>,
+    /// Per worker and origin: `max_idle_per_server / workers`, rounded up.
+    max_idle_per_worker: AtomicUsize,
+    idle_timeout_ms: AtomicU64,
     idle_total: AtomicUsize,
 }
 
 impl Pool {
     pub fn new(cfg: PoolConfig) -> Self {
-        Pool {
-            cfg: Mutex::new(cfg),
-            map: Mutex::new(HashMap::new()),
+        let n = cfg.workers.max(1);
+        let p = Pool {
+            workers: (0..n).map(|_| WorkerStacks::default()).collect(),
+            max_idle_per_worker: AtomicUsize::new(0),
+            idle_timeout_ms: AtomicU64::new(0),
             idle_total: AtomicUsize::new(0),
-        }
+        };
+        p.reconfigure(cfg.max_idle_per_server, cfg.idle_timeout);
+        p
     }
 
     /// Config reloads may change the bounds.
     pub fn reconfigure(&self, max_idle_per_server: usize, idle_timeout: Duration) {
-        let mut c = self.cfg.lock();
-        c.max_idle_per_server = max_idle_per_server;
-        c.idle_timeout = idle_timeout;
+        let n = self.workers.len();
+        self.max_idle_per_worker
+            .store(max_idle_per_server.div_ceil(n), Relaxed);
+        self.idle_timeout_ms
+            .store(idle_timeout.as_millis() as u64, Relaxed);
     }
 
     pub fn idle_count(&self) -> usize {
         self.idle_total.load(Relaxed)
     }
 
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.idle_timeout_ms.load(Relaxed))
+    }
+
     /// An idle connection to `addr`, if one is alive. `worker` is the calling
     /// worker's index.
     pub fn take(&self, addr: SocketAddr, worker: usize) -> Option<TcpStream> {
-        let (idle_timeout, workers) = {
-            let c = self.cfg.lock();
-            (c.idle_timeout, c.workers)
-        };
-        loop {
-            let (idle, foreign) = {
-                let mut map = self.map.lock();
-                let ps = map.get_mut(&addr)?;
-                let mut got = None;
-                if let Some(i) = ps.stacks.get_mut(worker).and_then(|s| s.pop()) {
-                    got = Some((i, false));
-                } else {
-                    for w in 0..workers.max(ps.stacks.len()) {
-                        if let Some(i) = ps.stacks.get_mut(w).and_then(|s| s.pop()) {
-                            got = Some((i, true));
-                            break;
-                        }
+        let idle_timeout = self.timeout();
+        let me = worker % self.workers.len();
+        // Own stack first (LIFO: the hottest connection), then steal.
+        let order = std::iter::once(me).chain((0..self.workers.len()).filter(move |&w| w != me));
+        for w in order {
+            loop {
+                let idle = {
+                    let mut map = self.workers[w].map.lock();
+                    match map.get_mut(&addr).and_then(|s| s.pop()) {
+                        Some(i) => i,
+                        None => break,
                     }
-                }
-                let (i, f) = got?;
-                ps.total -= 1;
+                };
                 self.idle_total.fetch_sub(1, Relaxed);
-                (i, f)
-            };
-            if idle.since.elapsed() > idle_timeout {
-                continue; // dropped: expired
-            }
-            if foreign {
-                if let Some(s) = adopt(idle.stream) {
-                    return Some(s);
+                if idle.since.elapsed() > idle_timeout {
+                    continue; // dropped: expired
                 }
-                continue;
-            }
-            if looks_alive(&idle.stream) {
-                return Some(idle.stream);
+                if w != me {
+                    if let Some(s) = adopt(idle.stream) {
+                        return Some(s);
+                    }
+                } else if looks_alive(&idle.stream) {
+                    return Some(idle.stream);
+                }
             }
         }
+        None
     }
 
     /// Return a connection that finished a response cleanly.
     pub fn put(&self, addr: SocketAddr, worker: usize, stream: TcpStream) {
-        let (max, workers) = {
-            let c = self.cfg.lock();
-            (c.max_idle_per_server, c.workers)
-        };
+        let max = self.max_idle_per_worker.load(Relaxed);
         if max == 0 {
             return;
         }
-        let mut map = self.map.lock();
-        let ps = map.entry(addr).or_insert_with(|| PerServer {
-            stacks: (0..workers.max(1)).map(|_| Vec::new()).collect(),
-            total: 0,
-        });
-        if ps.total >= max {
-            // Full: drop the oldest connection of this worker's stack, keep the hot one.
-            let Some(stack) = ps.stacks.get_mut(worker) else {
-                return;
+        let evicted = {
+            let mut map = self.workers[worker % self.workers.len()].map.lock();
+            let stack = map.entry(addr).or_default();
+            let evicted = if stack.len() >= max {
+                // Full: drop the oldest, keep the hot one.
+                Some(stack.remove(0))
+            } else {
+                self.idle_total.fetch_add(1, Relaxed);
+                None
             };
-            if stack.is_empty() {
-                return;
-            }
-            stack.remove(0);
-            ps.total -= 1;
-            self.idle_total.fetch_sub(1, Relaxed);
-        }
-        if let Some(stack) = ps.stacks.get_mut(worker) {
             stack.push(Idle {
                 stream,
                 since: Instant::now(),
             });
-            ps.total += 1;
-            self.idle_total.fetch_add(1, Relaxed);
-        }
+            evicted
+        };
+        drop(evicted); // closed outside the lock
     }
 
     /// Drop expired idle connections (called periodically).
     pub fn sweep(&self) {
-        let idle_timeout = self.cfg.lock().idle_timeout;
+        let idle_timeout = self.timeout();
         let mut dropped = Vec::new();
-        {
-            let mut map = self.map.lock();
-            for ps in map.values_mut() {
-                for s in ps.stacks.iter_mut() {
-                    let before = s.len();
-                    let mut keep = Vec::with_capacity(s.len());
-                    for i in s.drain(..) {
-                        if i.since.elapsed() > idle_timeout {
-                            dropped.push(i);
-                        } else {
-                            keep.push(i);
-                        }
-                    }
-                    *s = keep;
-                    ps.total -= before - s.len();
-                }
+        for w in &self.workers {
+            let mut map = w.map.lock();
+            for stack in map.values_mut() {
+                // Oldest first: stop at the first one still fresh.
+                let n = stack
+                    .iter()
+                    .take_while(|i| i.since.elapsed() > idle_timeout)
+                    .count();
+                dropped.extend(stack.drain(..n));
             }
-            map.retain(|_, ps| ps.total > 0);
+            map.retain(|_, s| !s.is_empty());
         }
         self.idle_total.fetch_sub(dropped.len(), Relaxed);
-        drop(dropped); // closed outside the lock
+        drop(dropped);
     }
 }
 

@@ -90,8 +90,9 @@ pub async fn serve_connection<H: Hooks>(
         resp: ResponseHead::default(),
     };
     let mut drain = w.shared.drain_rx();
+    let mut state = w.shared.state.load_full();
     loop {
-        let state = w.shared.state.load_full();
+        w.shared.refresh(&mut state);
         match read_head(&mut stream, &mut b.rbuf, &mut sess, &state, &mut drain).await {
             Ok(true) => {}
             Ok(false) => break,
@@ -220,6 +221,7 @@ async fn handle_request<H: Hooks>(
     let body = sess.req.body_len();
     let body_pending = body != BodyLen::None;
     let client_keep = sess.req.keep_alive();
+    sess.client_keep = client_keep;
 
     // Route.
     let Some(route) = state.match_route(sess.req.host(), sess.req.path()) else {
@@ -360,6 +362,7 @@ async fn local_fail<H: Hooks>(
 ) -> bool {
     w.shared.metrics.local_response(kind);
     sess.reason = kind.reason();
+    let close = close || !sess.client_keep;
     let ok = send_local(stream, &mut b.out, sess, &local_error(kind), close)
         .await
         .is_ok();
@@ -699,7 +702,7 @@ where
                             client_touched: false,
                             replayable: true,
                             stale: reused && !got_any,
-                            upstream_fault: !(reused && !got_any),
+                            upstream_fault: !reused || got_any,
                         });
                     }
                     Ok(Ok(_)) => got_any = true,
@@ -725,7 +728,7 @@ where
     if resp.headers.has_known(known::CONNECTION) && !upgrade {
         pier_http::remove_hop_by_hop(&mut resp.headers);
     }
-    let mut client_keep = sess.req.keep_alive() && body != BodyLen::UntilClose;
+    let mut client_keep = sess.client_keep && body != BodyLen::UntilClose;
     // An HTTP/1.0 client can't read chunked framing: close-delimit instead.
     if sess.req.version == 0 && body == BodyLen::Chunked {
         client_keep = false;

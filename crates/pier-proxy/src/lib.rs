@@ -23,7 +23,11 @@ use tokio::sync::watch;
 
 /// What all workers share.
 pub struct Shared {
+    /// Read through `current()`; replaced whole by `install()` on reload.
     pub state: ArcSwap<State>,
+    /// Bumped on every reload, so connections re-load the state only then
+    /// (one uncontended atomic read per request instead of an Arc clone).
+    generation: std::sync::atomic::AtomicU64,
     pub pool: Pool,
     pub metrics: Metrics,
     pub access: AccessLog,
@@ -33,12 +37,27 @@ pub struct Shared {
 impl Shared {
     pub fn new(state: State, pool: Pool, metrics: Metrics, access: AccessLog) -> Self {
         let (drain_tx, _) = watch::channel(false);
+        let generation = std::sync::atomic::AtomicU64::new(state.generation);
         Shared {
             state: ArcSwap::from_pointee(state),
+            generation,
             pool,
             metrics,
             access,
             drain_tx,
+        }
+    }
+    /// Swap in a new config generation.
+    pub fn install(&self, state: State) {
+        let g = state.generation;
+        self.state.store(Arc::new(state));
+        self.generation.store(g, Relaxed);
+    }
+    /// Refresh `cached` if a reload happened since it was loaded.
+    #[inline]
+    pub fn refresh(&self, cached: &mut Arc<State>) {
+        if self.generation.load(Relaxed) != cached.generation {
+            *cached = self.state.load_full();
         }
     }
     pub fn drain_rx(&self) -> watch::Receiver<bool> {

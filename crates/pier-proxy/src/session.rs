@@ -20,6 +20,9 @@ pub struct Session {
     pub bytes_sent: u64,
     pub upstream: Option<SocketAddr>,
     pub reason: &'static str,
+    /// The client asked to keep the connection (read before hop-by-hop
+    /// headers are stripped for the upstream request).
+    pub client_keep: bool,
 }
 
 impl Session {
@@ -36,6 +39,7 @@ impl Session {
             bytes_sent: 0,
             upstream: None,
             reason: "",
+            client_keep: true,
         }
     }
 
@@ -48,5 +52,6 @@ impl Session {
         self.bytes_sent = 0;
         self.upstream = None;
         self.reason = "";
+        self.client_keep = true;
     }
 }

@@ -24,12 +24,20 @@ pub struct State {
 }
 
 impl State {
-    pub fn build(cfg: Config, metrics: &Metrics, generation: u64) -> State {
+    /// Build the running state; with `prev`, upstream groups keep the health
+    /// and in-flight counts of servers that did not change.
+    pub fn build(cfg: Config, metrics: &Metrics, generation: u64, prev: Option<&State>) -> State {
         let names: Vec<&String> = cfg.upstreams.keys().collect();
         let groups: Vec<Arc<Group>> = cfg
             .upstreams
-            .values()
-            .map(|u| Arc::new(Group::new(u)))
+            .iter()
+            .map(|(name, u)| {
+                let old = prev.and_then(|p| p.groups.iter().find(|g| g.name() == name));
+                Arc::new(match old {
+                    Some(g) => Group::reload(u, g),
+                    None => Group::new(u),
+                })
+            })
             .collect();
         let routes = cfg
             .routes
@@ -133,7 +141,7 @@ servers = ["127.0.0.1:1"]
         )
         .unwrap();
         let m = Metrics::new(1);
-        let s = State::build(cfg, &m, 1);
+        let s = State::build(cfg, &m, 1, None);
         assert_eq!(
             s.match_route(Some(b"www.example.com:8080"), b"/api/v1"),
             Some(0)
