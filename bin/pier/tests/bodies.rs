@@ -81,7 +81,11 @@ fn chunked_upload_and_download_with_trailers() {
         b"POST /echo HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\ntrailer: x-sum\r\n\r\n"
             .to_vec();
     let mut off = 0;
-    for (i, size) in [1usize, 7, 4096, 65536, 100_000, 12345].iter().cycle().enumerate() {
+    for (i, size) in [1usize, 7, 4096, 65536, 100_000, 12345]
+        .iter()
+        .cycle()
+        .enumerate()
+    {
         if off >= body.len() || i > 1000 {
             break;
         }
@@ -95,17 +99,31 @@ fn chunked_upload_and_download_with_trailers() {
     c.send(&req);
     let r = c.read_response().unwrap();
     assert_eq!(r.status, 200);
-    assert!(r.chunked, "echo of a chunked body is chunked: {:?}", r.headers);
+    assert!(
+        r.chunked,
+        "echo of a chunked body is chunked: {:?}",
+        r.headers
+    );
     assert_eq!(r.body.len(), body.len());
     assert!(r.body == body, "echoed body differs");
-    assert_eq!(r.trailer("x-sum"), Some("300000"), "trailers: {:?}", r.trailers);
+    assert_eq!(
+        r.trailer("x-sum"),
+        Some("300000"),
+        "trailers: {:?}",
+        r.trailers
+    );
 
     // Response: chunked with a trailer from the origin.
     let r = c.get("/chunked/1000000").unwrap();
     assert!(r.chunked);
     assert_eq!(r.body.len(), 1_000_000);
     assert!(is_pattern(0, &r.body));
-    assert_eq!(r.trailer("x-trailer"), Some("done"), "trailers: {:?}", r.trailers);
+    assert_eq!(
+        r.trailer("x-trailer"),
+        Some("done"),
+        "trailers: {:?}",
+        r.trailers
+    );
     // Still in sync.
     assert_eq!(c.get("/hello").unwrap().body, b"hello world\n");
 }
@@ -210,7 +228,10 @@ fn chunked_upload_32_mib_echoed() {
     let peak = watch.peak();
     assert_eq!(resp.body_len, total);
     assert!(good);
-    assert!(peak.saturating_sub(base) < RSS_GROWTH_LIMIT_KIB, "{base} -> {peak} KiB");
+    assert!(
+        peak.saturating_sub(base) < RSS_GROWTH_LIMIT_KIB,
+        "{base} -> {peak} KiB"
+    );
 }
 
 #[test]
@@ -232,7 +253,7 @@ fn slow_reader_gets_everything_and_pier_does_not_buffer_it() {
             off += piece.len() as u64;
             pieces += 1;
             // A slow reader: a pause every few pieces.
-            if pieces % 64 == 0 {
+            if pieces.is_multiple_of(64) {
                 std::thread::sleep(Duration::from_millis(10));
             }
         })
@@ -280,7 +301,9 @@ fn slow_origin_body_is_streamed_as_it_comes() {
 fn expect_100_continue() {
     let (_o, p) = one_origin();
     let mut c = RawConn::connect(p.listener("main"));
-    c.send(b"POST /expect HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\nexpect: 100-continue\r\n\r\n");
+    c.send(
+        b"POST /expect HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\nexpect: 100-continue\r\n\r\n",
+    );
     // A client waiting for 100 Continue gets it (from Pier or the origin) before sending.
     let interim = c.read_head_only().unwrap();
     assert_eq!(interim.status, 100);
@@ -288,6 +311,10 @@ fn expect_100_continue() {
     let r = c.read_response().unwrap();
     assert_eq!(r.status, 200);
     assert!(r.body_str().contains("bytes: 5"), "{}", r.body_str());
-    assert!(r.interim.is_empty(), "a second 100 was sent: {:?}", r.interim);
+    assert!(
+        r.interim.is_empty(),
+        "a second 100 was sent: {:?}",
+        r.interim
+    );
     assert_eq!(c.get("/hello").unwrap().status, 200);
 }

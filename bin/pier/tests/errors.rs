@@ -216,7 +216,11 @@ fn header_timeout_is_408() {
     c.send(b"GET /hello HTTP/1.1\r\nhost: a\r\n");
     let r = c.read_response().unwrap();
     assert_local(&r, 408, "header-timeout");
-    assert!(t.elapsed() < Duration::from_secs(3), "408 took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "408 took {:?}",
+        t.elapsed()
+    );
     assert!(c.is_closed(Duration::from_secs(5)));
     assert_counted(&p, 408, "header-timeout");
     assert_eq!(o.requests(), 0);
