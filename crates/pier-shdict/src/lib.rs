@@ -47,16 +47,17 @@
 //! for `[set time, set time + ttl)`; a TTL of 0 means never. Expired entries
 //! are invisible to `get`, `ttl`, `expire`, `replace` and `incr`, but stay
 //! readable through `get_stale` until removed. They are removed lazily: every
-//! write first frees up to two expired entries at its shard's LRU tail (as
-//! nginx does), a write that needs room frees expired tail entries before
+//! store and `incr` first frees up to two expired entries at its shard's LRU
+//! tail (as nginx does), a write that needs room frees expired tail entries before
 //! anything live, an overwritten or deleted key frees its entry, and
 //! [`flush_expired`](SharedDict::flush_expired) frees them all.
 //! [`flush_all`](SharedDict::flush_all) only marks everything expired.
 //!
 //! **Hot paths.** A `get` hit copies the value into a caller-owned reusable
 //! buffer; it grows the buffer (if ever needed) with the lock released, then
-//! looks again, so the lock is never held across an allocation. An `incr` hit
-//! updates the number in place. Neither allocates in steady state.
+//! looks again (only if the value grew in between does the copy allocate
+//! under the lock). An `incr` hit updates the number in place. Neither
+//! allocates in steady state (`tests/no_alloc.rs` counts).
 //!
 //! # Example
 //!
