@@ -63,6 +63,16 @@ impl ChunkedScanner {
     /// Scan `buf`; returns how many bytes belong to the body (all of `buf`
     /// unless the body ends inside it).
     pub fn feed(&mut self, buf: &[u8]) -> Result<usize, Kind> {
+        self.feed_data(buf, |_| {})
+    }
+
+    /// Like `feed`, also reporting where chunk data lies in `buf` (for body
+    /// filters that need the decoded payload).
+    pub fn feed_data(
+        &mut self,
+        buf: &[u8],
+        mut on_data: impl FnMut(std::ops::Range<usize>),
+    ) -> Result<usize, Kind> {
         let mut i = 0;
         while i < buf.len() {
             let b = buf[i];
@@ -109,6 +119,7 @@ impl ChunkedScanner {
                 }
                 State::Data => {
                     let take = ((buf.len() - i) as u64).min(self.size) as usize;
+                    on_data(i..i + take);
                     i += take;
                     self.size -= take as u64;
                     if self.size == 0 {
@@ -212,6 +223,16 @@ mod tests {
         for &x in b.iter() {
             assert_eq!(c.feed(&[x]), Ok(1));
         }
+        assert!(c.is_done());
+    }
+
+    #[test]
+    fn data_spans() {
+        let b = b"5\r\nhello\r\n3;x\r\nabc\r\n0\r\n\r\n";
+        let mut c = ChunkedScanner::new();
+        let mut data = Vec::new();
+        c.feed_data(b, |r| data.extend_from_slice(&b[r])).unwrap();
+        assert_eq!(data, b"helloabc");
         assert!(c.is_done());
     }
 
