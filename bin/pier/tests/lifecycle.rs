@@ -1,0 +1,244 @@
+//! Lifecycle: SIGHUP reload under load (no failed request, no dropped connection),
+//! invalid configs refused on reload, SIGTERM drain, SIGINT.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn v1(a: SocketAddr) -> String {
+    simple_config(&[a], "", "")
+}
+
+/// v1 plus a route `/new` to another upstream.
+fn v2(a: SocketAddr, b: SocketAddr) -> String {
+    base_config(
+        "",
+        &format!(
+            r#"[[route]]
+name = "new"
+path = "/new"
+upstream = "other"
+
+[[route]]
+name = "default"
+upstream = "app"
+
+[upstream.app]
+servers = ["{a}"]
+
+[upstream.other]
+servers = ["{b}"]"#
+        ),
+    )
+}
+
+#[test]
+fn reload_under_load_drops_nothing_and_takes_effect() {
+    let a = Origin::start_named("alpha");
+    let b = Origin::start_named("beta");
+    let mut p = pier(&v1(a.addr()));
+    let addr = p.listener("main");
+    let stop = Arc::new(AtomicBool::new(false));
+    let ok = Arc::new(AtomicU64::new(0));
+    let failures = Arc::new(Mutex::new(Vec::<String>::new()));
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let (stop, ok, failures) = (stop.clone(), ok.clone(), failures.clone());
+            std::thread::spawn(move || {
+                // One keep-alive connection kept across the reload, plus a fresh
+                // connection every few requests.
+                let mut kept = RawConn::connect(addr);
+                let started = Instant::now();
+                for i in 0..200_000u64 {
+                    if stop.load(Ordering::SeqCst) || started.elapsed() > Duration::from_secs(30) {
+                        break;
+                    }
+                    let r = if i % 4 == 0 {
+                        try_get(addr, "/name")
+                    } else {
+                        kept.get("/name")
+                    };
+                    match r {
+                        Ok(r) if r.status == 200 => {
+                            ok.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Ok(r) => failures.lock().unwrap().push(format!(
+                            "thread {t} request {i}: status {} {:?}",
+                            r.status,
+                            r.body_str()
+                        )),
+                        Err(e) => {
+                            failures
+                                .lock()
+                                .unwrap()
+                                .push(format!("thread {t} request {i} (kept={}): {e}", i % 4 != 0));
+                            // Go on with a new connection so one failure is not all.
+                            kept = RawConn::connect(addr);
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+
+    std::thread::sleep(Duration::from_millis(400));
+    let before = ok.load(Ordering::SeqCst);
+    p.rewrite_config(&v2(a.addr(), b.addr()));
+    p.signal(sig::SIGHUP);
+    p.wait_generation(2);
+    // The new route is live.
+    let r = get(addr, "/new/name");
+    assert_eq!((r.status, r.body_str().as_str()), (200, "beta"));
+    std::thread::sleep(Duration::from_millis(400));
+    stop.store(true, Ordering::SeqCst);
+    for t in threads {
+        t.join().unwrap();
+    }
+    let failures = failures.lock().unwrap();
+    assert!(
+        failures.is_empty(),
+        "{} failed requests during reload, first: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+    let total = ok.load(Ordering::SeqCst);
+    assert!(
+        before >= 20 && total > before + 20,
+        "too little load to mean anything: {before} before the reload, {total} in all"
+    );
+    assert_eq!(p.listener("main"), addr, "the listener moved on reload");
+}
+
+#[test]
+fn invalid_config_on_reload_is_refused_and_the_old_one_keeps_serving() {
+    let a = Origin::start_named("alpha");
+    let b = Origin::start_named("beta");
+    let mut p = pier(&v1(a.addr()));
+    let addr = p.listener("main");
+    let mut kept = RawConn::connect(addr);
+    assert_eq!(kept.get("/name").unwrap().body_str(), "alpha");
+
+    for bad in [
+        // Not TOML.
+        "[[route]\nupstream = \n".to_string(),
+        // TOML, but the route names an upstream that does not exist.
+        base_config("", "[[route]]\nupstream = \"nowhere\"\n"),
+    ] {
+        p.rewrite_config(&bad);
+        p.signal(sig::SIGHUP);
+        assert!(
+            !p.try_wait_generation(2, Duration::from_millis(1000)),
+            "an invalid config was loaded:\n{bad}"
+        );
+        assert!(
+            p.wait_exit(Duration::ZERO).is_none(),
+            "pier exited on a bad reload"
+        );
+        assert_eq!(kept.get("/name").unwrap().body_str(), "alpha");
+        assert_eq!(get(addr, "/name").body_str(), "alpha");
+    }
+    assert!(
+        p.logs().contains("pier.toml"),
+        "the refused reload is not logged with the file name:\n{}",
+        p.logs()
+    );
+
+    // A good config afterwards is taken.
+    p.rewrite_config(&v2(a.addr(), b.addr()));
+    p.signal(sig::SIGHUP);
+    p.wait_generation(2);
+    assert_eq!(get(addr, "/new/name").body_str(), "beta");
+    assert_eq!(
+        wait_metric(&p, "pier_config_generation", 2.0),
+        Some(2.0),
+        "generation metric"
+    );
+}
+
+#[test]
+fn sigterm_drains_in_flight_requests_then_exits_0() {
+    let a = Origin::start();
+    let mut p = pier(&v1(a.addr()));
+    let addr = p.listener("main");
+    let mut idle = RawConn::connect(addr);
+    assert_eq!(idle.get("/hello").unwrap().status, 200);
+
+    let in_flight = std::thread::spawn(move || try_get(addr, "/slow/800"));
+    assert!(wait_until(Duration::from_secs(5), || a.requests() == 2));
+    let t = Instant::now();
+    p.signal(sig::SIGTERM);
+
+    // New connections are refused (or closed unanswered) while the old one finishes.
+    assert!(
+        wait_until(Duration::from_secs(2), || try_get(addr, "/hello").is_err()),
+        "pier still answers new connections after SIGTERM"
+    );
+    let r = in_flight
+        .join()
+        .unwrap()
+        .expect("in-flight request cut by SIGTERM");
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"slow\n"[..]));
+    // An idle keep-alive connection is closed, not left hanging.
+    assert!(idle.is_closed(Duration::from_secs(5)));
+    let status = p
+        .wait_exit(Duration::from_secs(10))
+        .expect("pier did not exit after draining");
+    assert!(status.success(), "exit status {status}");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "drain took {:?}",
+        t.elapsed()
+    );
+}
+
+#[test]
+fn sigterm_gives_up_after_the_grace_period() {
+    let a = Origin::start();
+    let cfg = simple_config(&[a.addr()], "", "")
+        .replace("grace_period = \"5s\"", "grace_period = \"1s\"");
+    let mut p = pier(&cfg);
+    let addr = p.listener("main");
+    let in_flight = std::thread::spawn(move || try_get(addr, "/slow/20000"));
+    assert!(wait_until(Duration::from_secs(5), || a.requests() == 1));
+    let t = Instant::now();
+    p.signal(sig::SIGTERM);
+    let status = p
+        .wait_exit(Duration::from_secs(10))
+        .expect("pier did not exit after its grace period");
+    assert!(status.success(), "exit status {status}");
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "exit took {:?} with a 1s grace period",
+        t.elapsed()
+    );
+    assert!(
+        in_flight.join().unwrap().is_err(),
+        "the cut request got a full response"
+    );
+}
+
+#[test]
+fn sigint_exits_at_once() {
+    let a = Origin::start();
+    let mut p = pier(&v1(a.addr()));
+    let addr = p.listener("main");
+    let in_flight = std::thread::spawn(move || try_get(addr, "/slow/20000"));
+    assert!(wait_until(Duration::from_secs(5), || a.requests() == 1));
+    let t = Instant::now();
+    p.signal(sig::SIGINT);
+    assert!(
+        p.wait_exit(Duration::from_secs(3)).is_some(),
+        "pier did not exit on SIGINT"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "SIGINT exit took {:?}",
+        t.elapsed()
+    );
+    let _ = in_flight.join();
+}
