@@ -17,6 +17,7 @@ pub(crate) const MODULES: &[(&str, &str)] = &[
     ("pier.resp", include_str!("../lua/pier/resp.lua")),
     ("pier.var", include_str!("../lua/pier/var.lua")),
     ("pier.shared", include_str!("../lua/pier/shared.lua")),
+    ("pier.socket", include_str!("../lua/pier/socket.lua")),
 ];
 
 pub(crate) fn bootstrap(

@@ -114,6 +114,25 @@ pier.timer = {
   running_count = function() return native.timer_count() end,
 }
 
+local socket_new = require("pier.socket")
+pier.socket = {
+  -- A cosocket: connect/send/receive/receiveuntil/settimeout/setkeepalive/close.
+  tcp = function()
+    check(masks.yield, "pier.socket.tcp")
+    return socket_new()
+  end,
+}
+
+pier.http = {
+  -- pier.http.request{method=, url="http://...", headers=, body=, timeout=ms}
+  -- -> {status=, headers=, body=} or nil, err
+  request = function(opts)
+    check(masks.yield, "pier.http.request")
+    if type(opts) ~= "table" then error("bad argument #1 to pier.http.request (table expected)", 2) end
+    return native.http_request(opts)
+  end,
+}
+
 pier.balancer = {
   set_peer = function(ip, port)
     ip = tostring(ip)

@@ -13,6 +13,12 @@ use crate::current::{self, Current};
 use crate::engine::{Hooked, Inner};
 use crate::phase::Phase;
 
+mod http;
+mod pool;
+mod tcp;
+
+pub(crate) use pool::idle_count;
+
 /// Timers alive at once per engine (as `lua_max_running_timers` + pending).
 pub const MAX_TIMERS: usize = 4096;
 
@@ -128,6 +134,24 @@ pub(crate) fn register(
             tokio::time::sleep(Duration::from_secs_f64(secs)).await;
             Ok(())
         })?,
+    )?;
+    tcp::register(lua, natives)?;
+    natives.set(
+        "http_request",
+        lua.create_async_function(|lua, opts: Table| async move {
+            let r = match http::Request::from_table(&opts) {
+                Ok(req) => match tokio::time::timeout(req.timeout(), req.send()).await {
+                    Ok(r) => r,
+                    Err(_) => Err("timeout".to_owned()),
+                },
+                Err(e) => Err(e),
+            };
+            http::to_lua(&lua, r)
+        })?,
+    )?;
+    natives.set(
+        "pool_idle",
+        lua.create_function(|_, key: String| Ok(idle_count(&key)))?,
     )?;
     natives.set("timer_at", timer_native(lua, engine.clone(), false)?)?;
     natives.set("timer_every", timer_native(lua, engine.clone(), true)?)?;
