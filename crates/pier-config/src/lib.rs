@@ -47,7 +47,8 @@ pub fn load_file(path: &Path) -> Result<Config, ConfigErrors> {
     }
 }
 
-/// Checks config text; `source` labels it in errors (usually the file name).
+/// Checks config text; `source` labels it in errors (usually the file name)
+/// and its directory is where relative `*_file` paths (Lua code) are found.
 /// Environment variables are read from the process environment.
 pub fn load_str(text: &str, source: &str) -> Result<Config, ConfigErrors> {
     load_str_with_env(text, source, &|name| std::env::var(name).ok())
@@ -86,7 +87,9 @@ pub fn load_str_with_env(
         ConfigErrors(errs)
     };
     let (file, schema_errors) = schema::parse(&expanded).map_err(|e| to_errors(vec![e]))?;
-    validate::validate(file, schema_errors).map_err(to_errors)
+    // `*_file` paths are relative to the config file's directory.
+    let base = Path::new(source).parent().unwrap_or(Path::new(""));
+    validate::validate(file, schema_errors, base).map_err(to_errors)
 }
 
 impl Config {
@@ -122,6 +125,7 @@ impl Config {
                 host: None,
                 path: PathMatch::Any,
                 upstream: "default".into(),
+                lua: RouteLua::default(),
             }],
             upstreams: [("default".to_string(), upstream)].into_iter().collect(),
             limits: Limits::default(),
@@ -129,6 +133,8 @@ impl Config {
             access_log: AccessLog::Off,
             deny_origins: Vec::new(),
             demo_origin: None,
+            lua: LuaConfig::default(),
+            rate_limits: Vec::new(),
         }
     }
 }

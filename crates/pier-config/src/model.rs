@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(Debug, Clone)]
@@ -28,6 +29,10 @@ pub struct Config {
     pub deny_origins: Vec<Cidr>,
     /// Start the in-process demo origin (the embedded default config only).
     pub demo_origin: Option<SocketAddr>,
+    /// `[lua]`: global hooks, memory limit, shared dictionaries.
+    pub lua: LuaConfig,
+    /// `[[limit]]` rules, in file order.
+    pub rate_limits: Vec<LimitRule>,
 }
 
 #[derive(Debug, Clone)]
@@ -42,8 +47,12 @@ pub struct Route {
     /// None = any host. Lower-cased; a leading "*." matches any subdomain.
     pub host: Option<HostMatch>,
     pub path: PathMatch,
-    /// Name of an entry in `Config::upstreams` (validated to exist).
+    /// Name of an entry in `Config::upstreams` (validated to exist), or ""
+    /// when the route has no upstream: then it has a `content` hook, which
+    /// answers every request.
     pub upstream: String,
+    /// `[route.lua]` hooks.
+    pub lua: RouteLua,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,6 +94,9 @@ pub struct Upstream {
     pub pool_idle_per_server: usize,
     /// 0 = unlimited.
     pub max_connections_per_server: usize,
+    /// In-flight requests per server (0 = off); past it Pier answers 503
+    /// instead of piling more on the origin (Pingora's origin protection).
+    pub max_inflight_per_server: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -142,6 +154,11 @@ pub struct Limits {
     /// 0 = unlimited.
     pub max_body_bytes: u64,
     pub max_connections: usize,
+    /// Bytes per second a client must sustain while sending a request body,
+    /// checked after its first 10 s (0 = off).
+    pub body_min_rate: u64,
+    /// Open connections per client IP (0 = off).
+    pub max_connections_per_ip: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -165,4 +182,112 @@ pub enum AccessLog {
 pub struct Cidr {
     pub addr: std::net::IpAddr,
     pub prefix: u8,
+}
+
+// === Lua ===
+
+/// Lua code from the config: inline, or a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LuaSource {
+    /// `name` is the Lua chunk name in error messages, e.g. "route api access".
+    Inline { code: String, name: String },
+    /// Resolved against the config file's directory; checked to exist at load.
+    File(PathBuf),
+}
+
+/// `[lua]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LuaConfig {
+    /// Runs once in every Lua state when it is created.
+    pub init: Option<LuaSource>,
+    /// Runs in every Lua state after `init`.
+    pub init_worker: Option<LuaSource>,
+    /// Lua heap bytes per state (0 = unlimited).
+    pub memory_limit: usize,
+    /// `[lua.shared] NAME = "10m"`: shared dictionaries, `(name, capacity
+    /// bytes)`, sorted by name.
+    pub shared: Vec<(String, usize)>,
+}
+
+/// `[route.lua]`: a route's hooks, one per request phase.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RouteLua {
+    pub access: Option<LuaSource>,
+    pub content: Option<LuaSource>,
+    pub balancer: Option<LuaSource>,
+    pub upstream_request: Option<LuaSource>,
+    pub header_filter: Option<LuaSource>,
+    pub body_filter: Option<LuaSource>,
+    pub log: Option<LuaSource>,
+}
+
+// === limits ===
+
+/// One part of a limit key; a key is one or more parts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LimitKeyPart {
+    ClientIp,
+    /// Header name, lower-cased.
+    Header(String),
+    Cookie(String),
+    Path,
+    /// The matched route's name.
+    Route,
+    /// The upstream server chosen for the request.
+    UpstreamServer,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LimitKind {
+    /// Requests per second per key, with `burst` extra requests allowed.
+    Rate { per_sec: f64, burst: u32 },
+    /// Concurrent requests per key.
+    Concurrent { max: u32 },
+}
+
+/// A `[[limit]]` rule.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LimitRule {
+    /// Unique; counted in metrics under this name.
+    pub name: String,
+    /// Composite key (never empty, no repeated part).
+    pub key: Vec<LimitKeyPart>,
+    pub kind: LimitKind,
+    /// Route names it applies to (each validated to exist); None = every route.
+    pub routes: Option<Vec<String>>,
+    /// Count only; never refuse.
+    pub dry_run: bool,
+    /// Status of a refused request (429 for rate, 503 for concurrent by default).
+    pub status: u16,
+}
+
+impl RouteLua {
+    /// The hooks that are set, with their phase names ("access", ...), in
+    /// request order.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, &LuaSource)> {
+        [
+            ("access", &self.access),
+            ("content", &self.content),
+            ("balancer", &self.balancer),
+            ("upstream_request", &self.upstream_request),
+            ("header_filter", &self.header_filter),
+            ("body_filter", &self.body_filter),
+            ("log", &self.log),
+        ]
+        .into_iter()
+        .filter_map(|(n, s)| s.as_ref().map(|s| (n, s)))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.iter().next().is_none()
+    }
+}
+
+impl LimitRule {
+    /// Does this rule apply to requests matched by the route named `route`?
+    pub fn applies_to(&self, route: &str) -> bool {
+        self.routes
+            .as_ref()
+            .is_none_or(|r| r.iter().any(|n| n == route))
+    }
 }

@@ -9,6 +9,7 @@
 //! does not hide the errors in the others. Key reference: docs/config.md
 //! (a test checks that every field here is documented there).
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
 
@@ -48,6 +49,8 @@ pub struct LimitsSection {
     pub max_uri_bytes: Option<Spanned<SizeValue>>,
     pub max_body_bytes: Option<Spanned<SizeValue>>,
     pub max_connections: Option<Spanned<i64>>,
+    pub body_min_rate: Option<Spanned<SizeValue>>,
+    pub max_connections_per_ip: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -88,7 +91,84 @@ pub struct RouteEntry {
     pub path: Option<Spanned<String>>,
     pub exact: Option<Spanned<String>>,
     pub regex: Option<Spanned<String>>,
-    pub upstream: Spanned<String>,
+    /// Required unless the route has a `content` hook.
+    pub upstream: Option<Spanned<String>>,
+    pub lua: Option<RouteLuaSection>,
+}
+
+/// `[route.lua]` after a `[[route]]`: each phase inline or as a file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [route.lua] table")]
+pub struct RouteLuaSection {
+    pub access: Option<Spanned<String>>,
+    pub access_file: Option<Spanned<String>>,
+    pub content: Option<Spanned<String>>,
+    pub content_file: Option<Spanned<String>>,
+    pub balancer: Option<Spanned<String>>,
+    pub balancer_file: Option<Spanned<String>>,
+    pub upstream_request: Option<Spanned<String>>,
+    pub upstream_request_file: Option<Spanned<String>>,
+    pub header_filter: Option<Spanned<String>>,
+    pub header_filter_file: Option<Spanned<String>>,
+    pub body_filter: Option<Spanned<String>>,
+    pub body_filter_file: Option<Spanned<String>>,
+    pub log: Option<Spanned<String>>,
+    pub log_file: Option<Spanned<String>>,
+}
+
+impl RouteLuaSection {
+    /// (phase, inline code, file), in request order.
+    #[allow(clippy::type_complexity)]
+    pub fn phases(
+        &self,
+    ) -> [(
+        &'static str,
+        &Option<Spanned<String>>,
+        &Option<Spanned<String>>,
+    ); 7] {
+        [
+            ("access", &self.access, &self.access_file),
+            ("content", &self.content, &self.content_file),
+            ("balancer", &self.balancer, &self.balancer_file),
+            (
+                "upstream_request",
+                &self.upstream_request,
+                &self.upstream_request_file,
+            ),
+            (
+                "header_filter",
+                &self.header_filter,
+                &self.header_filter_file,
+            ),
+            ("body_filter", &self.body_filter, &self.body_filter_file),
+            ("log", &self.log, &self.log_file),
+        ]
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [lua] table")]
+pub struct LuaSection {
+    pub init: Option<Spanned<String>>,
+    pub init_file: Option<Spanned<String>>,
+    pub init_worker: Option<Spanned<String>>,
+    pub init_worker_file: Option<Spanned<String>>,
+    pub memory_limit: Option<Spanned<SizeValue>>,
+    /// `[lua.shared]`: dictionary name -> capacity.
+    pub shared: Option<Spanned<BTreeMap<String, Spanned<SizeValue>>>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [[limit]] table")]
+pub struct LimitEntry {
+    pub name: Option<Spanned<String>>,
+    pub key: Spanned<OneOrMany>,
+    pub rate: Option<Spanned<String>>,
+    pub burst: Option<Spanned<i64>>,
+    pub concurrent: Option<Spanned<i64>>,
+    pub routes: Option<Spanned<Vec<Spanned<String>>>>,
+    pub dry_run: Option<bool>,
+    pub status: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -104,6 +184,7 @@ pub struct UpstreamEntry {
     pub retry_min_per_sec: Option<Spanned<i64>>,
     pub pool_idle_per_server: Option<Spanned<i64>>,
     pub max_connections_per_server: Option<Spanned<i64>>,
+    pub max_inflight_per_server: Option<Spanned<i64>>,
     pub health_check: Option<HealthCheckSection>,
 }
 
@@ -133,6 +214,36 @@ pub struct ServerTable {
 }
 
 // === values with two spellings ===
+
+/// `"client_ip"` or `["client_ip", "header:X-Api-Key"]`.
+#[derive(Debug)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<Spanned<String>>),
+}
+
+impl<'de> Deserialize<'de> for OneOrMany {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = OneOrMany;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string or an array of strings")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<OneOrMany, E> {
+                Ok(OneOrMany::One(v.to_string()))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                seq: A,
+            ) -> Result<OneOrMany, A::Error> {
+                Vec::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))
+                    .map(OneOrMany::Many)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
 
 /// An upstream server: `"127.0.0.1:9000"` or `{ addr = "...", weight = 3 }`.
 #[derive(Debug)]
@@ -199,7 +310,7 @@ impl<'de> Deserialize<'de> for SizeValue {
 /// Top-level sections, in the order the docs present them.
 pub const SECTIONS: &[&str] = &[
     "server", "admin", "log", "limits", "timeouts", "security", "demo", "listener", "route",
-    "upstream",
+    "upstream", "lua", "limit",
 ];
 
 /// A `[upstream.NAME]` entry: its name (with the key's span) and its body,
@@ -221,11 +332,16 @@ pub struct RawFile {
     pub timeouts: Option<TimeoutsSection>,
     pub security: Option<SecuritySection>,
     pub demo: Option<DemoSection>,
+    pub lua: Option<LuaSection>,
     /// Entries that deserialized; `listener_count` counts all of them, so
     /// that a broken entry does not also cause "no listener".
     pub listeners: Vec<ListenerEntry>,
     pub listener_count: usize,
-    pub routes: Vec<RouteEntry>,
+    /// Each with the span of its table (a route missing its upstream is
+    /// reported there).
+    pub routes: Vec<(RouteEntry, Option<Range<usize>>)>,
+    /// `[[limit]]` entries, each with the span of its table.
+    pub limit_rules: Vec<(LimitEntry, Option<Range<usize>>)>,
     pub upstreams: Vec<NamedUpstream>,
     /// `upstream` was not a table (reported); route references can't be checked.
     pub upstreams_malformed: bool,
@@ -250,6 +366,14 @@ pub(crate) fn parse(text: &str) -> Result<(RawFile, Vec<RawError>), RawError> {
             "timeouts" => file.timeouts = section(item, span, &mut errors),
             "security" => file.security = section(item, span, &mut errors),
             "demo" => file.demo = section(item, span, &mut errors),
+            "lua" => file.lua = section(item, span, &mut errors),
+            "limit" => {
+                file.limit_rules = array_entries(item, "limit", span, &mut errors)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter_map(|(it, sp)| Some((section(&it, sp.clone(), &mut errors)?, sp)))
+                    .collect();
+            }
             "listener" => {
                 let entries = array_entries(item, "listener", span, &mut errors);
                 // A wrongly shaped `listener` was reported; don't add "no listener".
@@ -264,7 +388,7 @@ pub(crate) fn parse(text: &str) -> Result<(RawFile, Vec<RawError>), RawError> {
                 file.routes = array_entries(item, "route", span, &mut errors)
                     .unwrap_or_default()
                     .into_iter()
-                    .filter_map(|(it, sp)| section(&it, sp, &mut errors))
+                    .filter_map(|(it, sp)| Some((section(&it, sp.clone(), &mut errors)?, sp)))
                     .collect();
             }
             "upstream" => {

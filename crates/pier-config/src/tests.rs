@@ -470,7 +470,7 @@ fn schema_errors() {
     one_error(
         &format!("[[route]]\nname = \"x\"\n{BASE}"),
         "1:1",
-        "missing field `upstream`",
+        "route `x`: missing `upstream` (only a route with a `content` Lua hook may leave it out)",
     );
 }
 
@@ -639,12 +639,25 @@ fn value_errors() {
         "9:12",
         "invalid hash_key",
     );
+    let weighted = servers(r#"["127.0.0.1:1", { addr = "127.0.0.1:2", weight = 2 }]"#);
     one_error(
-        &servers(r#"["127.0.0.1:1", { addr = "127.0.0.1:2", weight = 2 }]"#)
-            .replace("servers", "balance = \"least_conn\"\nservers"),
+        &weighted.replace("servers", "balance = \"round_robin\"\nservers"),
         "6:11",
-        "weights are ignored",
+        "weights are ignored by round_robin",
     );
+    // least_conn and random_two honour weights (pier-lb).
+    for (b, want) in [
+        ("least_conn", Balance::LeastConn),
+        ("random_two", Balance::Random2),
+    ] {
+        let c = ok(&weighted.replace("servers", &format!("balance = \"{b}\"\nservers")));
+        let u = &c.upstreams["b"];
+        assert_eq!(u.balance, want);
+        assert_eq!(
+            u.servers.iter().map(|s| s.weight).collect::<Vec<_>>(),
+            [1, 2]
+        );
+    }
     one_error(
         &format!("{BASE}retry_budget = 1.5\n"),
         "8:16",
@@ -949,12 +962,15 @@ fn documented_tables() -> Vec<(&'static str, Vec<&'static str>)> {
         ("## `[demo]`", fields_of::<DemoSection>()),
         ("## `[[listener]]`", fields_of::<ListenerEntry>()),
         ("## `[[route]]`", fields_of::<RouteEntry>()),
+        ("### `[route.lua]`", fields_of::<RouteLuaSection>()),
         ("## `[upstream.NAME]`", fields_of::<UpstreamEntry>()),
         ("### `servers` entries", fields_of::<ServerTable>()),
         (
             "## `[upstream.NAME.health_check]`",
             fields_of::<HealthCheckSection>(),
         ),
+        ("## `[lua]`", fields_of::<LuaSection>()),
+        ("## `[[limit]]`", fields_of::<LimitEntry>()),
     ]
 }
 

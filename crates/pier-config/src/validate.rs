@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::ops::Range;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::cidr::normalize;
@@ -26,6 +26,19 @@ impl Default for Limits {
             max_uri_bytes: 8 * 1024,
             max_body_bytes: 0,
             max_connections: 10_000,
+            body_min_rate: 0,
+            max_connections_per_ip: 0,
+        }
+    }
+}
+
+impl Default for LuaConfig {
+    fn default() -> LuaConfig {
+        LuaConfig {
+            init: None,
+            init_worker: None,
+            memory_limit: 128 << 20,
+            shared: Vec::new(),
         }
     }
 }
@@ -57,6 +70,7 @@ impl Upstream {
             retry_min_per_sec: 10,
             pool_idle_per_server: 256,
             max_connections_per_server: 0,
+            max_inflight_per_server: 0,
         }
     }
 }
@@ -206,7 +220,13 @@ impl Check {
 
 /// Validates the whole file. `errors` holds the schema errors already found;
 /// the result is Ok only if there are none at all.
-pub(crate) fn validate(file: RawFile, errors: Vec<RawError>) -> Result<Config, Vec<RawError>> {
+/// Relative `*_file` paths are resolved against `base` (the config file's
+/// directory).
+pub(crate) fn validate(
+    file: RawFile,
+    errors: Vec<RawError>,
+    base: &Path,
+) -> Result<Config, Vec<RawError>> {
     let schema_failed = !errors.is_empty();
     let mut c = Check { errors };
 
@@ -231,6 +251,7 @@ pub(crate) fn validate(file: RawFile, errors: Vec<RawError>) -> Result<Config, V
     let access_log = access_log(&mut c, file.log.and_then(|l| l.access));
     let limits = limits(&mut c, file.limits.unwrap_or_default());
     let timeouts = timeouts(&mut c, file.timeouts.unwrap_or_default());
+    let lua = lua_config(&mut c, file.lua.unwrap_or_default(), base);
 
     let mut deny_origins = Vec::new();
     for v in file
@@ -270,15 +291,26 @@ pub(crate) fn validate(file: RawFile, errors: Vec<RawError>) -> Result<Config, V
 
     let mut routes = Vec::new();
     let mut route_names = HashSet::new();
-    for (i, r) in file.routes.iter().enumerate() {
+    for (i, (r, span)) in file.routes.iter().enumerate() {
         let name = unique_name(&mut c, &r.name, "route", i, &mut route_names);
         routes.push(route(
             &mut c,
             name,
             r,
+            span.clone(),
             &file.upstreams,
             file.upstreams_malformed,
+            base,
         ));
+    }
+
+    let mut rate_limits = Vec::new();
+    let mut limit_names = HashSet::new();
+    for (i, (e, span)) in file.limit_rules.iter().enumerate() {
+        let name = unique_name(&mut c, &e.name, "limit", i, &mut limit_names);
+        if let Some(rule) = limit_rule(&mut c, name, e, span.clone(), &routes) {
+            rate_limits.push(rule);
+        }
     }
 
     if !c.errors.is_empty() || schema_failed {
@@ -296,6 +328,8 @@ pub(crate) fn validate(file: RawFile, errors: Vec<RawError>) -> Result<Config, V
         access_log,
         deny_origins,
         demo_origin,
+        lua,
+        rate_limits,
     })
 }
 
@@ -345,6 +379,14 @@ fn limits(c: &mut Check, l: LimitsSection) -> Limits {
             1,
             10_000_000,
         ) as usize,
+        body_min_rate: c.size(&l.body_min_rate, "body_min_rate", d.body_min_rate, 0),
+        max_connections_per_ip: c.int(
+            &l.max_connections_per_ip,
+            "max_connections_per_ip",
+            d.max_connections_per_ip.into(),
+            0,
+            10_000_000,
+        ) as u32,
     }
 }
 
@@ -369,24 +411,54 @@ fn route(
     c: &mut Check,
     name: String,
     r: &RouteEntry,
+    span: Span,
     upstreams: &[NamedUpstream],
     upstreams_malformed: bool,
+    base: &Path,
 ) -> Route {
-    // Upstreams whose body failed still count as defined: their error was
-    // reported already.
-    let target = r.upstream.get_ref();
-    if !upstreams_malformed && !upstreams.iter().any(|u| &u.name == target) {
-        let defined: Vec<&str> = upstreams.iter().map(|u| u.name.as_str()).collect();
-        let defined = if defined.is_empty() {
-            "none".to_string()
-        } else {
-            defined.join(", ")
-        };
-        c.err(
-            sp(&r.upstream),
-            format!("route `{name}`: unknown upstream `{target}` (defined: {defined})"),
-        );
-    }
+    let lua = route_lua(c, &name, r.lua.as_ref(), base);
+    let target = match &r.upstream {
+        Some(u) => {
+            // Upstreams whose body failed still count as defined: their
+            // error was reported already.
+            let target = u.get_ref();
+            if !upstreams_malformed && !upstreams.iter().any(|x| &x.name == target) {
+                let defined: Vec<&str> = upstreams.iter().map(|x| x.name.as_str()).collect();
+                let defined = if defined.is_empty() {
+                    "none".to_string()
+                } else {
+                    defined.join(", ")
+                };
+                c.err(
+                    sp(u),
+                    format!("route `{name}`: unknown upstream `{target}` (defined: {defined})"),
+                );
+            }
+            target.clone()
+        }
+        None => {
+            if lua.content.is_none() {
+                c.err(
+                    span,
+                    format!("route `{name}`: missing `upstream` (only a route with a `content` Lua hook may leave it out)"),
+                );
+            }
+            // Hooks that act on the upstream request could never run.
+            if let Some(l) = &r.lua {
+                for (phase, inline, file) in l.phases() {
+                    if matches!(phase, "balancer" | "upstream_request") {
+                        for v in [inline, file].into_iter().flatten() {
+                            c.err(
+                                sp(v),
+                                format!("route `{name}`: a `{phase}` hook needs an `upstream`"),
+                            );
+                        }
+                    }
+                }
+            }
+            String::new()
+        }
+    };
     let host = match &r.host {
         None => None,
         Some(h) => parse_host(h.get_ref()).unwrap_or_else(|e| {
@@ -431,7 +503,8 @@ fn route(
         name,
         host,
         path,
-        upstream: target.clone(),
+        upstream: target,
+        lua,
     }
 }
 
@@ -569,17 +642,12 @@ fn upstream(
             }
         },
     };
-    if weighted
-        && matches!(
-            balance,
-            Balance::RoundRobin | Balance::LeastConn | Balance::Random2
-        )
-        && e.balance.is_some()
-    {
+    // least_conn and random_two weigh their choices; plain round robin cannot.
+    if weighted && balance == Balance::RoundRobin && e.balance.is_some() {
         c.err(
             e.balance.as_ref().and_then(sp),
             format!(
-                "upstream `{name}`: server weights are ignored by this balance; use \"weighted_round_robin\" or \"hash\""
+                "upstream `{name}`: server weights are ignored by round_robin; use \"weighted_round_robin\" (or least_conn, random_two, hash)"
             ),
         );
     }
@@ -651,6 +719,13 @@ fn upstream(
             0,
             10_000_000,
         ) as usize,
+        max_inflight_per_server: c.int(
+            &e.max_inflight_per_server,
+            "max_inflight_per_server",
+            d.max_inflight_per_server.into(),
+            0,
+            10_000_000,
+        ) as u32,
     }
 }
 
@@ -742,4 +817,309 @@ fn parse_expect(s: &str) -> Result<(u16, u16), String> {
         return Err(bad());
     }
     Ok((a, b))
+}
+
+// === Lua ===
+
+/// The Lua source of `key` (inline code) or `{key}_file`; `chunk` names
+/// inline code in Lua error messages.
+fn lua_source(
+    c: &mut Check,
+    key: &str,
+    inline: &Option<Spanned<String>>,
+    file: &Option<Spanned<String>>,
+    chunk: impl FnOnce() -> String,
+    base: &Path,
+) -> Option<LuaSource> {
+    match (inline, file) {
+        (None, None) => None,
+        (Some(_), Some(f)) => {
+            c.err(sp(f), format!("give `{key}` or `{key}_file`, not both"));
+            None
+        }
+        (Some(code), None) => Some(LuaSource::Inline {
+            code: code.get_ref().clone(),
+            name: chunk(),
+        }),
+        (None, Some(f)) => {
+            if f.get_ref().is_empty() {
+                c.err(sp(f), format!("`{key}_file` must not be empty"));
+                return None;
+            }
+            let joined = base.join(f.get_ref());
+            // Absolute, so a later change of working directory (or a reload)
+            // still finds it.
+            let path = std::path::absolute(&joined).unwrap_or(joined);
+            match std::fs::metadata(&path) {
+                Ok(m) if m.is_file() => Some(LuaSource::File(path)),
+                Ok(_) => {
+                    c.err(
+                        sp(f),
+                        format!("`{key}_file`: {} is not a file", path.display()),
+                    );
+                    None
+                }
+                Err(e) => {
+                    c.err(
+                        sp(f),
+                        format!("`{key}_file`: cannot read {}: {e}", path.display()),
+                    );
+                    None
+                }
+            }
+        }
+    }
+}
+
+fn lua_config(c: &mut Check, l: LuaSection, base: &Path) -> LuaConfig {
+    let d = LuaConfig::default();
+    let init = lua_source(c, "init", &l.init, &l.init_file, || "init".into(), base);
+    let init_worker = lua_source(
+        c,
+        "init_worker",
+        &l.init_worker,
+        &l.init_worker_file,
+        || "init_worker".into(),
+        base,
+    );
+    let memory_limit = c.size(&l.memory_limit, "memory_limit", d.memory_limit as u64, 0);
+    let memory_limit = if memory_limit != 0 && memory_limit < MIN_LUA_MEMORY {
+        c.err(
+            l.memory_limit.as_ref().and_then(sp),
+            "`memory_limit` must be 0 (unlimited) or at least 1m",
+        );
+        d.memory_limit
+    } else {
+        usize::try_from(memory_limit).unwrap_or(usize::MAX)
+    };
+    let mut shared = Vec::new();
+    for (name, size) in l
+        .shared
+        .as_ref()
+        .map(|s| s.get_ref().iter())
+        .into_iter()
+        .flatten()
+    {
+        if !is_dict_name(name) {
+            c.err(
+                sp(size),
+                format!("shared dict name {name:?}: use letters, digits and `_` (not starting with a digit), so that `pier.shared.{name}` works"),
+            );
+        }
+        let cap = c.size(&Some(size.clone()), name, 0, MIN_SHARED_DICT);
+        if cap >= MIN_SHARED_DICT {
+            shared.push((name.clone(), usize::try_from(cap).unwrap_or(usize::MAX)));
+        }
+    }
+    LuaConfig {
+        init,
+        init_worker,
+        memory_limit,
+        shared,
+    }
+}
+
+/// A Lua state needs some heap before any user code runs.
+const MIN_LUA_MEMORY: u64 = 1 << 20;
+/// Smallest shared dictionary (as nginx's `lua_shared_dict`).
+const MIN_SHARED_DICT: u64 = 8 << 10;
+
+/// A Lua identifier.
+fn is_dict_name(s: &str) -> bool {
+    s.bytes().next().is_some_and(|b| !b.is_ascii_digit())
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+fn route_lua(c: &mut Check, route: &str, l: Option<&RouteLuaSection>, base: &Path) -> RouteLua {
+    let Some(l) = l else {
+        return RouteLua::default();
+    };
+    let [access, content, balancer, upstream_request, header_filter, body_filter, log] =
+        l.phases().map(|(phase, inline, file)| {
+            lua_source(
+                c,
+                phase,
+                inline,
+                file,
+                || format!("route {route} {phase}"),
+                base,
+            )
+        });
+    RouteLua {
+        access,
+        content,
+        balancer,
+        upstream_request,
+        header_filter,
+        body_filter,
+        log,
+    }
+}
+
+// === [[limit]] ===
+
+fn limit_rule(
+    c: &mut Check,
+    name: String,
+    e: &LimitEntry,
+    span: Span,
+    routes: &[Route],
+) -> Option<LimitRule> {
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b))
+    {
+        c.err(
+            e.name.as_ref().and_then(sp),
+            format!("limit name {name:?}: use letters, digits, `_`, `-` and `.` (it is a metrics label)"),
+        );
+    }
+    let mut key = Vec::new();
+    let parts: Vec<(&str, Span)> = match e.key.get_ref() {
+        OneOrMany::One(s) => vec![(s.as_str(), sp(&e.key))],
+        OneOrMany::Many(v) => {
+            if v.is_empty() {
+                c.err(
+                    sp(&e.key),
+                    format!("limit `{name}`: `key` must not be empty"),
+                );
+            }
+            v.iter().map(|s| (s.get_ref().as_str(), sp(s))).collect()
+        }
+    };
+    for (s, part_span) in parts {
+        match parse_limit_key(s) {
+            Ok(part) if key.contains(&part) => c.err(
+                part_span,
+                format!("limit `{name}`: key part {s:?} is given twice"),
+            ),
+            Ok(part) => key.push(part),
+            Err(msg) => c.err(part_span, msg),
+        }
+    }
+
+    let kind = match (&e.rate, &e.concurrent) {
+        (Some(_), Some(n)) => {
+            c.err(
+                sp(n),
+                format!("limit `{name}`: give `rate` or `concurrent`, not both"),
+            );
+            None
+        }
+        (None, None) => {
+            c.err(
+                span,
+                format!("limit `{name}`: give `rate` (e.g. \"10/s\") or `concurrent` (e.g. 100)"),
+            );
+            None
+        }
+        (Some(r), None) => {
+            let burst = c.int(&e.burst, "burst", 0, 0, 1_000_000) as u32;
+            match parse_rate(r.get_ref()) {
+                Ok(per_sec) => Some(LimitKind::Rate { per_sec, burst }),
+                Err(msg) => {
+                    c.err(sp(r), msg);
+                    None
+                }
+            }
+        }
+        (None, Some(_)) => {
+            if let Some(b) = &e.burst {
+                c.err(
+                    sp(b),
+                    format!("limit `{name}`: `burst` only applies to `rate`"),
+                );
+            }
+            let max = c.int(&e.concurrent, "concurrent", 0, 1, 10_000_000) as u32;
+            // 0: out of range, reported by `int`.
+            (max > 0).then_some(LimitKind::Concurrent { max })
+        }
+    };
+
+    let rule_routes = e.routes.as_ref().map(|list| {
+        if list.get_ref().is_empty() {
+            c.err(
+                sp(list),
+                format!("limit `{name}`: `routes` must not be empty (leave it out to apply to every route)"),
+            );
+        }
+        let mut names = Vec::new();
+        for r in list.get_ref() {
+            let target = r.get_ref();
+            if !routes.iter().any(|x| &x.name == target) {
+                let defined: Vec<&str> = routes.iter().map(|x| x.name.as_str()).collect();
+                let defined = if defined.is_empty() {
+                    "none".to_string()
+                } else {
+                    defined.join(", ")
+                };
+                c.err(
+                    sp(r),
+                    format!("limit `{name}`: unknown route `{target}` (defined: {defined})"),
+                );
+            } else if !names.contains(target) {
+                names.push(target.clone());
+            }
+        }
+        names
+    });
+
+    let default_status = match kind {
+        Some(LimitKind::Concurrent { .. }) => 503,
+        _ => 429,
+    };
+    let status = c.int(&e.status, "status", default_status, 400, 599) as u16;
+    Some(LimitRule {
+        name,
+        key,
+        kind: kind?,
+        routes: rule_routes,
+        dry_run: e.dry_run.unwrap_or(false),
+        status,
+    })
+}
+
+fn parse_limit_key(s: &str) -> Result<LimitKeyPart, String> {
+    let bad = || {
+        format!("invalid limit key {s:?}: expected \"client_ip\", \"header:NAME\", \"cookie:NAME\", \"path\", \"route\" or \"upstream_server\"")
+    };
+    match s {
+        "client_ip" => Ok(LimitKeyPart::ClientIp),
+        "path" => Ok(LimitKeyPart::Path),
+        "route" => Ok(LimitKeyPart::Route),
+        "upstream_server" => Ok(LimitKeyPart::UpstreamServer),
+        _ => match s.split_once(':') {
+            Some(("header", n)) if is_token(n) => Ok(LimitKeyPart::Header(n.to_ascii_lowercase())),
+            Some(("cookie", n)) if is_token(n) => Ok(LimitKeyPart::Cookie(n.to_string())),
+            _ => Err(bad()),
+        },
+    }
+}
+
+/// "10/s", "600/m", "5r/s", "0.5/s", "3600/h" -> requests per second.
+pub(crate) fn parse_rate(s: &str) -> Result<f64, String> {
+    let bad = || {
+        format!("invalid rate {s:?}: expected requests per second, minute or hour, e.g. \"10/s\", \"600/m\", \"5r/s\"")
+    };
+    let (n, unit) = s.trim().split_once('/').ok_or_else(bad)?;
+    let n = n.trim();
+    let n = n.strip_suffix('r').unwrap_or(n);
+    // Plain decimal only: no "inf", "NaN", exponents or signs.
+    if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return Err(bad());
+    }
+    let n: f64 = n.parse().map_err(|_| bad())?;
+    let secs = match unit.trim() {
+        "s" => 1.0,
+        "m" => 60.0,
+        "h" => 3600.0,
+        _ => return Err(bad()),
+    };
+    let per_sec = n / secs;
+    if !(per_sec > 0.0 && per_sec <= 1e9) {
+        return Err(format!(
+            "rate {s:?} must be more than zero and at most 1000000000/s"
+        ));
+    }
+    Ok(per_sec)
 }
