@@ -51,6 +51,8 @@ struct State {
     requests: AtomicU64,
     health_checks: AtomicU64,
     healthy: AtomicBool,
+    /// Close a keep-alive connection idle this long (0: never), as real origins do.
+    idle_close_ms: AtomicU64,
 }
 
 /// A running origin server. Stopped (listener and every connection closed) on
@@ -96,6 +98,7 @@ impl Origin {
             requests: AtomicU64::new(0),
             health_checks: AtomicU64::new(0),
             healthy: AtomicBool::new(true),
+            idle_close_ms: AtomicU64::new(0),
         });
         let (tx, rx) = oneshot::channel::<()>();
         let st = state.clone();
@@ -152,6 +155,14 @@ impl Origin {
     /// Makes `/healthz` answer 500 (false) or 200 (true).
     pub fn set_healthy(&self, healthy: bool) {
         self.state.healthy.store(healthy, Ordering::SeqCst);
+    }
+
+    /// Closes keep-alive connections that stay idle for `t` between requests (`None`:
+    /// never), like an origin with a keep-alive timeout; for testing stale pooled
+    /// connections.
+    pub fn set_idle_timeout(&self, t: Option<Duration>) {
+        let ms = t.map_or(0, |t| t.as_millis().max(1) as u64);
+        self.state.idle_close_ms.store(ms, Ordering::SeqCst);
     }
 
     /// Closes the listener and every open connection, and waits until that is done.
@@ -275,10 +286,17 @@ impl Conn {
 
     async fn serve(&mut self) -> io::Result<()> {
         loop {
-            let head = match self.read_head().await? {
-                Some(h) => h,
-                None => return Ok(()),
+            let idle_ms = self.st.idle_close_ms.load(Ordering::SeqCst);
+            let head = if idle_ms > 0 && self.buf.is_empty() {
+                match tokio::time::timeout(Duration::from_millis(idle_ms), self.read_head()).await {
+                    Ok(r) => r?,
+                    // Idle too long: close without a word, as origins do.
+                    Err(_) => return Ok(()),
+                }
+            } else {
+                self.read_head().await?
             };
+            let Some(head) = head else { return Ok(()) };
             match self.respond(head).await? {
                 Next::KeepAlive => continue,
                 Next::Close => {

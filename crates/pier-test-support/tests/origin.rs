@@ -267,3 +267,18 @@ fn curl_talks_to_the_origin() {
     );
     assert_eq!(out.stdout, b"hello world\n");
 }
+
+#[test]
+fn idle_timeout_closes_keep_alive_connections() {
+    let o = Origin::start();
+    o.set_idle_timeout(Some(Duration::from_millis(100)));
+    let mut c = RawConn::connect(o.addr());
+    assert_eq!(c.get("/hello").unwrap().status, 200);
+    let t = Instant::now();
+    assert!(c.is_closed(Duration::from_secs(5)));
+    assert!(t.elapsed() >= Duration::from_millis(80));
+    assert!(pier_test_support::wait_until(
+        Duration::from_secs(2),
+        || o.active_connections() == 0
+    ));
+}
