@@ -1,0 +1,96 @@
+//! Keep-alive edges: origins that close idle pooled connections, Pier's own upstream and
+//! client idle timeouts.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+#[test]
+fn a_pooled_connection_the_origin_closed_is_not_a_failure() {
+    let o = Origin::start();
+    // The origin drops idle keep-alive connections after 100 ms; Pier's pool keeps
+    // them longer, so the next request finds a dead pooled connection.
+    o.set_idle_timeout(Some(Duration::from_millis(100)));
+    let p = pier(&simple_config(
+        &[o.addr()],
+        "[timeouts]\nupstream_idle = \"60s\"",
+        "retries = 0",
+    ));
+    let addr = p.listener("main");
+    for round in 0..3 {
+        assert_eq!(get(addr, "/hello").status, 200, "GET round {round}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    for round in 0..3 {
+        let r = RawConn::connect(addr)
+            .request("POST", "/echo", &[], b"body")
+            .unwrap();
+        assert_eq!(
+            (r.status, r.body.as_slice()),
+            (200, &b"body"[..]),
+            "POST round {round}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+#[test]
+fn idle_upstream_connections_are_closed_after_upstream_idle() {
+    let o = Origin::start();
+    let p = pier(&simple_config(
+        &[o.addr()],
+        "[timeouts]\nupstream_idle = \"200ms\"",
+        "",
+    ));
+    assert_eq!(get(p.listener("main"), "/hello").status, 200);
+    assert!(
+        wait_until(Duration::from_secs(5), || o.active_connections() == 0),
+        "pier kept {} idle upstream connection(s) past upstream_idle",
+        o.active_connections()
+    );
+    // And the next request simply opens a new one.
+    assert_eq!(get(p.listener("main"), "/hello").status, 200);
+    assert_eq!(o.connections(), 2);
+}
+
+#[test]
+fn idle_client_connections_are_closed_after_client_idle() {
+    let o = Origin::start();
+    let p = pier(&simple_config(
+        &[o.addr()],
+        "[timeouts]\nclient_idle = \"300ms\"",
+        "",
+    ));
+    let mut c = RawConn::connect(p.listener("main"));
+    assert_eq!(c.get("/hello").unwrap().status, 200);
+    // Within the idle time the connection is still usable.
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(c.get("/hello").unwrap().status, 200);
+    assert!(
+        c.is_closed(Duration::from_secs(3)),
+        "idle client connection not closed"
+    );
+    assert!(
+        c.buffered().is_empty(),
+        "pier sent {:?} on an idle close",
+        String::from_utf8_lossy(c.buffered())
+    );
+}
+
+#[test]
+fn active_connections_gauge_follows_clients() {
+    let o = Origin::start();
+    let p = pier(&simple_config(&[o.addr()], "", ""));
+    let conns: Vec<RawConn> = (0..5)
+        .map(|_| {
+            let mut c = RawConn::connect(p.listener("main"));
+            assert_eq!(c.get("/hello").unwrap().status, 200);
+            c
+        })
+        .collect();
+    assert_eq!(wait_metric(&p, "pier_active_connections", 5.0), Some(5.0));
+    drop(conns);
+    assert_eq!(wait_metric(&p, "pier_active_connections", 0.0), Some(0.0));
+}
