@@ -4,8 +4,7 @@ use std::collections::hash_map::RandomState as StdRandomState;
 use std::hash::{BuildHasher, Hash};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use foldhash::quality::SeedableRandomState;
-use foldhash::SharedSeed;
+use foldhash::fast::FixedState;
 
 /// A key hashed once by an [`Estimator`]'s seeded hash. Every row's column is
 /// derived from it, so callers that touch several estimators sharing a seed
@@ -28,9 +27,9 @@ pub struct Estimator {
     /// Row-major: row `r` is `cells[r * slots..(r + 1) * slots]`.
     cells: Box<[AtomicIsize]>,
     slots: usize,
-    /// Two 64-bit keys per row for the row mixer.
-    row_seeds: Box<[(u64, u64)]>,
-    hasher: SeedableRandomState,
+    /// Each row's `(a, b)` for its multiply-add-shift hash.
+    row_seeds: Box<[(u128, u128)]>,
+    hasher: FixedState,
     seed: u64,
 }
 
@@ -69,8 +68,9 @@ impl Estimator {
             "estimator needs at least one row and one slot"
         );
         let mut sm = seed;
+        let mut wide = || (u128::from(splitmix64(&mut sm)) << 64) | u128::from(splitmix64(&mut sm));
         let row_seeds = (0..hashes)
-            .map(|_| (splitmix64(&mut sm), splitmix64(&mut sm)))
+            .map(|_| (wide(), wide()))
             .collect::<Vec<_>>()
             .into_boxed_slice();
         let cells = (0..hashes * slots)
@@ -81,7 +81,7 @@ impl Estimator {
             cells,
             slots,
             row_seeds,
-            hasher: SeedableRandomState::with_seed(seed, SharedSeed::global_fixed()),
+            hasher: FixedState::with_seed(splitmix64(&mut sm)),
             seed,
         }
     }
@@ -258,21 +258,17 @@ pub fn dimensions(epsilon: f64, delta: f64) -> (usize, usize) {
     (hashes, slots.max(1))
 }
 
-/// Column of a key in one row: the wyhash mixer (128-bit multiply, fold the
-/// halves) keyed by the row's two seeds, then mapped onto `0..slots` by a
-/// multiply-shift (no division, any `slots`). Rows get independent columns
-/// from one key hash; two keys collide in every row only if their 64-bit
-/// hashes are equal (2^-64) or by the `(1/N)^H` chance the bound assumes.
+/// Column of a key hash in one row: Dietzfelbinger's multiply-add-shift,
+/// `((a * h + b) mod 2^128) >> 64` with the row's random 128-bit `a` and `b`,
+/// which is strongly universal (pairwise independent) over 64-bit inputs, as
+/// the count-min bound assumes; then mapped onto `0..slots` by a 64x64
+/// multiply (no division, any `slots`). Rows draw `a`, `b` independently, so
+/// two keys share all H counters with probability `N^-H` (plus 2^-64 for
+/// equal key hashes).
 #[inline(always)]
-fn column(h: u64, (s0, s1): (u64, u64), slots: usize) -> usize {
-    let x = folded_multiply(h ^ s0, h.rotate_left(32) ^ s1);
-    ((x as u128 * slots as u128) >> 64) as usize
-}
-
-#[inline(always)]
-fn folded_multiply(a: u64, b: u64) -> u64 {
-    let full = a as u128 * b as u128;
-    (full as u64) ^ ((full >> 64) as u64)
+fn column(h: u64, (a, b): (u128, u128), slots: usize) -> usize {
+    let x = (a.wrapping_mul(u128::from(h)).wrapping_add(b) >> 64) as u64;
+    ((u128::from(x) * slots as u128) >> 64) as usize
 }
 
 fn splitmix64(state: &mut u64) -> u64 {
@@ -338,6 +334,39 @@ mod tests {
         e.incr("a", 2);
         e.incr("b", 3);
         assert_eq!(e.get("zzz"), 5);
+    }
+
+    /// Rows behave as independent uniform hashes: two keys share a row's
+    /// counter with probability 1/N and both rows' with 1/N^2.
+    #[test]
+    fn rows_collide_independently() {
+        let e = Estimator::with_seed(2, 16, 99);
+        let col = |k: u64, row: usize| column(e.hash(k).0, e.row_seeds[row], e.slots);
+        let pairs = 40_000u64;
+        let (mut one, mut both) = (0u64, 0u64);
+        for i in 0..pairs {
+            let (x, y) = (2 * i, 2 * i + 1);
+            let r0 = col(x, 0) == col(y, 0);
+            let r1 = col(x, 1) == col(y, 1);
+            one += u64::from(r0);
+            both += u64::from(r0 && r1);
+        }
+        // Expected 2500 and 156; bounds are ~5 standard deviations.
+        assert!((2250..2750).contains(&one), "one row: {one}");
+        assert!((95..220).contains(&both), "both rows: {both}");
+    }
+
+    #[test]
+    fn columns_cover_all_slots_evenly() {
+        let e = Estimator::with_seed(1, 10, 5);
+        let mut hist = [0u32; 10];
+        for k in 0..100_000u64 {
+            hist[column(e.hash(k).0, e.row_seeds[0], e.slots)] += 1;
+        }
+        assert!(
+            hist.iter().all(|&n| (9_500..10_500).contains(&n)),
+            "{hist:?}"
+        );
     }
 
     #[test]

@@ -2,6 +2,29 @@
 //! sliding rates ([`Rate`]) and in-flight counts ([`Inflight`]) built on it,
 //! and the limiters the proxy applies ([`RateLimiter`], [`ConcurrencyLimiter`]).
 //!
+//! ```
+//! use pier_limits::{clock, ConcurrencyLimit, ConcurrencyLimiter, Decision, RateLimit, RateLimiter};
+//!
+//! // 10 requests per second per client with a burst of 5, like nginx
+//! // `limit_req rate=10r/s burst=5 nodelay`.
+//! let per_client = RateLimiter::new(RateLimit::per_second(10).burst(5));
+//! // At most 100 requests in flight per upstream server (503 past it).
+//! let per_origin = ConcurrencyLimiter::new(ConcurrencyLimit::new(100));
+//!
+//! let now = clock::now_ms(); // one clock read per request
+//! let mut key = Vec::with_capacity(64); // reused across requests
+//! key.extend_from_slice(b"route:api|ip:");
+//! key.extend_from_slice(b"192.0.2.7");
+//! for _ in 0..15 {
+//!     assert_eq!(per_client.check(&key, now), Decision::Allow);
+//! }
+//! assert!(matches!(per_client.check(&key, now), Decision::Deny { retry_after_secs: 1 }));
+//!
+//! let guard = per_origin.acquire(b"10.0.0.9:8080").expect("under the limit");
+//! // ... proxy the request; the slot is released when `guard` drops.
+//! drop(guard);
+//! ```
+//!
 //! # Why a count-min sketch
 //! A limit must count events for every key it sees (client IPs, composite
 //! keys). A hash map grows with the number of keys, so a flood of distinct
@@ -35,11 +58,12 @@
 //! ([`Inflight`]'s 4 x 8192 default: 2^-52, the pingora-limits choice), which
 //! is what matters when the threshold is far above a healthy key's count.
 //!
-//! Hashing: a key is hashed once (foldhash, seeded randomly per instance so
-//! clients cannot precompute collisions with someone else's key) and each
-//! row's column comes from mixing that hash with the row's own two seeds
-//! (the wyhash 128-bit multiply-fold), so a [`Rate`]'s three estimators and
-//! all rows cost one hash.
+//! Hashing: a key is hashed once to 64 bits (foldhash, seeded randomly per
+//! instance so clients cannot precompute collisions with someone else's key)
+//! and each row takes its column from that hash with its own strongly
+//! universal multiply-add-shift function (random 128-bit `a`, `b` per row),
+//! which gives the pairwise independence the bound above assumes for two
+//! multiplies per row. A [`Rate`]'s three estimators and all rows cost one hash.
 //!
 //! # Conservative update
 //! [`Estimator::incr_conservative`] raises a key's counters only to the old
