@@ -150,7 +150,9 @@ start_proxy() {
         pier-lua)
             rm -rf "$dir"; mkdir -p "$dir"
             python3 "$BENCH_DIR/tool.py" pier-config "$PIER_LUA_CONFIG" "$dir/pier.toml"
+            # The example's ${PIER_*:-...} defaults are fixed ports: override all of them.
             PIER_LISTEN="127.0.0.1:$port" PIER_ORIGIN="127.0.0.1:$ORIGIN_PORT" \
+                PIER_ADMIN="127.0.0.1:$(python3 "$BENCH_DIR/tool.py" port)" \
                 "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
             ;;
         *) die "unknown proxy '$name' (known: pier, nginx, haproxy, pier-lua, nginx-lua)" ;;
@@ -160,6 +162,7 @@ start_proxy() {
     if ! python3 "$BENCH_DIR/tool.py" wait-port "$port" 15 --pid "$PROXY_PID" || ! kill -0 "$PROXY_PID" 2>/dev/null; then
         log "$name did not start listening on 127.0.0.1:$port; its output:"
         tail -n 20 "$dir/stdout.log" "$dir/logs/error.log" >&2 2>/dev/null || true
+        echo >&2
         stop_proxy
         return 1
     fi
