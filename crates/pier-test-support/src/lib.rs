@@ -13,6 +13,9 @@ mod origin;
 mod process;
 pub mod ws;
 
+/// For tests that parse JSON (access logs) without a dependency of their own.
+pub use serde_json;
+
 pub use client::{curl, get, run_with_timeout, try_get, BodySink, RawConn, Response};
 pub use origin::Origin;
 pub use process::{parse_metric_line, rss_kib, MetricSample, PierProcess, TempDir};
