@@ -15,6 +15,8 @@
 //! See `docs/lua.md` for the API, the phase table and measurements.
 #![allow(unsafe_code)] // This crate is the FFI boundary: every block says why it is sound.
 
+#[doc(hidden)]
+pub mod bench_support;
 mod current;
 mod engine;
 mod error;
