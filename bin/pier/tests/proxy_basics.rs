@@ -327,3 +327,45 @@ fn requests_are_counted_by_route_and_class() {
     );
     assert!(p.metrics().contains("pier_request_duration_seconds"));
 }
+
+#[test]
+fn access_log_is_json_lines() {
+    let o = Origin::start();
+    let dir = TempDir::new();
+    let log = dir.path().join("access.log");
+    let cfg = simple_config(&[o.addr()], "", "").replace(
+        "access = \"off\"",
+        &format!("access = \"{}\"", log.display()),
+    );
+    assert!(cfg.contains("access.log"));
+    let p = pier(&cfg);
+    let mut c = RawConn::connect(p.listener("main"));
+    assert_eq!(c.get("/hello").unwrap().status, 200);
+    assert_eq!(c.get("/status/404").unwrap().status, 404);
+    let mut lines = Vec::new();
+    let flushed = wait_until(Duration::from_secs(5), || {
+        lines = std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect();
+        lines.len() >= 2
+    });
+    assert!(flushed, "access log not written within 5 s: {lines:?}");
+    let entries: Vec<serde_json::Value> = lines
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let upstream = o.addr().to_string();
+    let want = [("/hello", 200u64), ("/status/404", 404)];
+    for (e, (uri, status)) in entries.iter().zip(want) {
+        assert_eq!(e["method"], "GET", "{e}");
+        assert_eq!(e["uri"], uri, "{e}");
+        assert_eq!(e["status"], status, "{e}");
+        assert_eq!(e["route"], "default", "{e}");
+        assert_eq!(e["upstream"], upstream.as_str(), "{e}");
+    }
+    // Body or total bytes (the field is not specified further): at least the body.
+    let bytes = entries[0]["bytes"].as_u64();
+    assert!(bytes.is_some_and(|b| b >= 12), "{}", entries[0]);
+}
