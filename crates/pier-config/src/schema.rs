@@ -155,7 +155,7 @@ pub struct LuaSection {
     pub init_worker_file: Option<Spanned<String>>,
     pub memory_limit: Option<Spanned<SizeValue>>,
     /// `[lua.shared]`: dictionary name -> capacity.
-    pub shared: Option<Spanned<BTreeMap<String, Spanned<SizeValue>>>>,
+    pub shared: Option<BTreeMap<String, Spanned<SizeValue>>>,
 }
 
 #[derive(Debug, Deserialize)]

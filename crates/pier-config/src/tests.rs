@@ -116,6 +116,15 @@ fn defaults() {
     assert_eq!(u.retry_min_per_sec, 10);
     assert_eq!(u.pool_idle_per_server, 256);
     assert_eq!(u.max_connections_per_server, 0);
+    assert_eq!(u.max_inflight_per_server, 0);
+    assert_eq!((l.body_min_rate, l.max_connections_per_ip), (0, 0));
+    assert_eq!(c.lua, LuaConfig::default());
+    assert_eq!(
+        (c.lua.init.as_ref(), c.lua.memory_limit, c.lua.shared.len()),
+        (None, 128 << 20, 0)
+    );
+    assert!(r.lua.is_empty() && r.lua == RouteLua::default());
+    assert!(c.rate_limits.is_empty());
 }
 
 #[test]
@@ -134,6 +143,8 @@ max_headers = 50
 max_uri_bytes = 4096
 max_body_bytes = "10m"
 max_connections = 500
+body_min_rate = "1k"
+max_connections_per_ip = 20
 [timeouts]
 client_header = "5s"
 client_idle = "2m"
@@ -175,6 +186,7 @@ retry_budget = 0.5
 retry_min_per_sec = 3
 pool_idle_per_server = 8
 max_connections_per_server = 100
+max_inflight_per_server = 50
 [upstream.b.health_check]
 type = "http"
 path = "/healthz"
@@ -239,8 +251,16 @@ fall = 5
         (0, Duration::from_secs(5), 2, 0.5, 3)
     );
     assert_eq!(
-        (u.pool_idle_per_server, u.max_connections_per_server),
-        (8, 100)
+        (
+            u.pool_idle_per_server,
+            u.max_connections_per_server,
+            u.max_inflight_per_server
+        ),
+        (8, 100, 50)
+    );
+    assert_eq!(
+        (c.limits.body_min_rate, c.limits.max_connections_per_ip),
+        (1024, 20)
     );
     let h = u.health_check.as_ref().unwrap();
     assert_eq!(
@@ -1037,6 +1057,36 @@ fn docs_example_is_valid() {
     let c = load_str_with_env(body, "docs/config.md", &no_env).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(c.routes.len(), 2);
     assert!(matches!(c.routes[0].path, PathMatch::Regex(_)));
+    assert!(c.routes[0].lua.is_empty());
+    assert!(
+        matches!(&c.routes[1].lua.access, Some(LuaSource::Inline { name, .. }) if name == "route api access")
+    );
+    assert_eq!(c.lua.shared, [("sessions".to_string(), 10 << 20)]);
+    assert_eq!(c.rate_limits[0].routes, Some(vec!["api".to_string()]));
+}
+
+/// The smaller ```toml examples under the key tables are valid too, next
+/// to a minimal file (a route `api` and an upstream `backend`).
+#[test]
+fn docs_snippets_are_valid() {
+    let dir = Scratch::new("docs-snippets");
+    std::fs::create_dir_all(dir.0.join("lua")).unwrap();
+    std::fs::write(dir.0.join("lua/add-headers.lua"), "").unwrap();
+    let base = "[[listener]]\nlisten = \"127.0.0.1:0\"\n[upstream.backend]\nservers = [\"127.0.0.1:9000\"]\n";
+    let api = "[[route]]\nname = \"api\"\nupstream = \"backend\"\n";
+    let mut checked = 0;
+    for heading in ["### `[route.lua]`", "### `[lua.shared]`", "## `[[limit]]`"] {
+        let text = &DOCS[DOCS.find(heading).unwrap()..];
+        let body = &text[text.find("```toml\n").unwrap() + 8..];
+        let body = &body[..body.find("```").unwrap()];
+        // The [route.lua] example brings its own route.
+        let extra = if body.contains("[[route]]") { "" } else { api };
+        let file = dir.0.join("pier.toml");
+        std::fs::write(&file, format!("{base}{extra}{body}")).unwrap();
+        load_file(&file).unwrap_or_else(|e| panic!("{heading}: {e}"));
+        checked += 1;
+    }
+    assert_eq!(checked, 3);
 }
 
 #[test]
@@ -1120,4 +1170,585 @@ fn port_clashes_and_proxy_loops() {
     );
     // Port 0 never clashes; other IPs on the same port are fine.
     ok("[admin]\nlisten = \"127.0.0.1:0\"\n[[listener]]\nlisten = \"127.0.0.1:0\"\n[[listener]]\nlisten = \"127.0.0.2:9000\"\n[upstream.b]\nservers = [\"127.0.0.1:9000\"]\n");
+}
+
+// === Lua ===
+
+fn inline(code: &str, name: &str) -> Option<LuaSource> {
+    Some(LuaSource::Inline {
+        code: code.into(),
+        name: name.into(),
+    })
+}
+
+#[test]
+fn lua_inline_hooks_every_phase() {
+    let text = r#"
+[lua]
+init = "x = 1"
+init_worker = "y = 2"
+memory_limit = "64m"
+[lua.shared]
+ratelimit = "10m"
+cache = 65536
+[[listener]]
+listen = "127.0.0.1:0"
+[[route]]
+name = "api"
+upstream = "b"
+[route.lua]
+access = "a()"
+content = "c()"
+balancer = "b()"
+upstream_request = "u()"
+header_filter = "h()"
+body_filter = "bf()"
+log = '''
+l()
+'''
+[[route]]
+name = "plain"
+upstream = "b"
+[upstream.b]
+servers = ["127.0.0.1:9000"]
+"#;
+    let c = ok(text);
+    assert_eq!(c.lua.init, inline("x = 1", "init"));
+    assert_eq!(c.lua.init_worker, inline("y = 2", "init_worker"));
+    assert_eq!(c.lua.memory_limit, 64 << 20);
+    // Sorted by name.
+    assert_eq!(
+        c.lua.shared,
+        [
+            ("cache".to_string(), 65536),
+            ("ratelimit".to_string(), 10 << 20)
+        ]
+    );
+    let l = &c.routes[0].lua;
+    assert_eq!(l.access, inline("a()", "route api access"));
+    assert_eq!(l.content, inline("c()", "route api content"));
+    assert_eq!(l.balancer, inline("b()", "route api balancer"));
+    assert_eq!(
+        l.upstream_request,
+        inline("u()", "route api upstream_request")
+    );
+    assert_eq!(l.header_filter, inline("h()", "route api header_filter"));
+    assert_eq!(l.body_filter, inline("bf()", "route api body_filter"));
+    // TOML drops the newline right after '''.
+    assert_eq!(l.log, inline("l()\n", "route api log"));
+    let phases: Vec<&str> = l.iter().map(|(p, _)| p).collect();
+    assert_eq!(
+        phases,
+        [
+            "access",
+            "content",
+            "balancer",
+            "upstream_request",
+            "header_filter",
+            "body_filter",
+            "log"
+        ]
+    );
+    // `[route.lua]` belongs to the [[route]] above it only.
+    assert!(c.routes[1].lua.is_empty());
+    // The inline-table spelling and 0 = unlimited memory.
+    let c = ok(&BASE
+        .replace(
+            "upstream = \"b\"\n",
+            "upstream = \"b\"\nlua = { access = \"pier.exit(403)\" }\n",
+        )
+        .replace("[[listener]]", "[lua]\nmemory_limit = 0\n[[listener]]"));
+    assert_eq!(
+        c.routes[0].lua.access,
+        inline("pier.exit(403)", "route route-1 access")
+    );
+    assert_eq!(c.lua.memory_limit, 0);
+}
+
+#[test]
+fn lua_content_route_needs_no_upstream() {
+    let text = "[[listener]]\nlisten = \"127.0.0.1:0\"\n[[route]]\nname = \"hello\"\n[route.lua]\ncontent = 'pier.say(\"hi\")'\n";
+    let c = ok(text);
+    assert_eq!(c.routes[0].upstream, "");
+    assert!(c.upstreams.is_empty());
+    assert!(c.routes[0].lua.content.is_some());
+    // Without `content`, `upstream` is required, reported at the route.
+    one_error(
+        &text.replace("content", "access"),
+        "3:1",
+        "route `hello`: missing `upstream`",
+    );
+    // Hooks on the upstream request could never run.
+    let errs = errors(&format!(
+        "{text}balancer = \"x()\"\nupstream_request_file = \"no.lua\"\n"
+    ));
+    assert_eq!(errs.len(), 3, "{errs:#?}");
+    assert!(
+        errs[0].starts_with("t.toml:7:12: route `hello`: the `balancer` hook needs an `upstream`")
+    );
+    assert!(errs[1].starts_with("t.toml:8:25: `upstream_request_file`: cannot read"));
+    assert!(errs[2].starts_with(
+        "t.toml:8:25: route `hello`: the `upstream_request` hook needs an `upstream`"
+    ));
+    // `content` with an upstream is fine.
+    let c = ok(&BASE.replace(
+        "upstream = \"b\"\n",
+        "upstream = \"b\"\n[route.lua]\ncontent = \"pier.say(1)\"\n",
+    ));
+    assert_eq!(c.routes[0].upstream, "b");
+}
+
+/// A scratch directory, removed on drop.
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    fn new(tag: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!(
+            "pier-config-{tag}-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+fn lua_files_resolve_against_the_config_directory() {
+    let dir = Scratch::new("lua-files");
+    std::fs::create_dir_all(dir.0.join("lua")).unwrap();
+    std::fs::write(dir.0.join("lua/access.lua"), "pier.exit(403)\n").unwrap();
+    std::fs::write(dir.0.join("init.lua"), "x = 1\n").unwrap();
+    let abs = dir.0.join("init.lua");
+    let text = format!(
+        "[lua]\ninit_file = \"init.lua\"\ninit_worker_file = \"{}\"\n{}",
+        abs.display(),
+        BASE.replace(
+            "upstream = \"b\"\n",
+            "upstream = \"b\"\n[route.lua]\naccess_file = \"lua/access.lua\"\n",
+        )
+    );
+    let file = dir.0.join("pier.toml");
+    std::fs::write(&file, &text).unwrap();
+    let c = load_file(&file).unwrap_or_else(|e| panic!("{e}"));
+    let want = |p: &str| Some(LuaSource::File(std::path::absolute(dir.0.join(p)).unwrap()));
+    assert_eq!(c.lua.init, want("init.lua"));
+    assert_eq!(c.lua.init_worker, want("init.lua"));
+    assert_eq!(c.routes[0].lua.access, want("lua/access.lua"));
+    match &c.routes[0].lua.access {
+        Some(LuaSource::File(p)) => {
+            assert!(p.is_absolute());
+            assert_eq!(std::fs::read_to_string(p).unwrap(), "pier.exit(403)\n");
+        }
+        other => panic!("{other:?}"),
+    }
+    // The same text read from elsewhere does not find the relative files.
+    let errs = errors(&text);
+    assert_eq!(errs.len(), 2, "{errs:#?}");
+    assert!(
+        errs[0].starts_with("t.toml:2:13: `init_file`: cannot read "),
+        "{errs:?}"
+    );
+    assert!(errs[0].ends_with("init.lua: No such file or directory (os error 2)"));
+    assert!(
+        errs[1].starts_with("t.toml:9:15: `access_file`: cannot read "),
+        "{errs:#?}"
+    );
+    // A directory is not a file.
+    std::fs::write(&file, text.replace("\"init.lua\"", "\"lua\"")).unwrap();
+    let e = load_file(&file).unwrap_err().to_string();
+    assert!(
+        e.starts_with(&format!("{}:2:13: `init_file`: ", file.display()))
+            && e.ends_with("lua is not a file"),
+        "{e}"
+    );
+}
+
+#[test]
+fn lua_errors() {
+    // Inline and file for one phase.
+    one_error(
+        &format!("{BASE}[lua]\ninit = \"x\"\ninit_file = \"x.lua\"\n"),
+        "10:13",
+        "give `init` or `init_file`, not both",
+    );
+    one_error(
+        &BASE.replace(
+            "upstream = \"b\"\n",
+            "upstream = \"b\"\n[route.lua]\nlog = \"x\"\nlog_file = \"x.lua\"\n",
+        ),
+        "7:12",
+        "give `log` or `log_file`, not both",
+    );
+    one_error(
+        &format!("{BASE}[lua]\ninit_worker_file = \"\"\n"),
+        "9:20",
+        "`init_worker_file` must not be empty",
+    );
+    // Unknown phase key: the route entry is reported at the key.
+    one_error(
+        &BASE.replace(
+            "upstream = \"b\"\n",
+            "upstream = \"b\"\n[route.lua]\nacess = \"x\"\n",
+        ),
+        "6:1",
+        "unknown field `acess`, expected one of `access`, `access_file`",
+    );
+    one_error(
+        &format!("{BASE}[lua]\ninit = 3\n"),
+        "9:8",
+        "expected a string",
+    );
+    // Sizes.
+    one_error(
+        &format!("{BASE}[lua]\nmemory_limit = \"512k\"\n"),
+        "9:16",
+        "`memory_limit` must be 0 (unlimited) or at least 1m",
+    );
+    one_error(
+        &format!("{BASE}[lua.shared]\nd = \"4k\"\n"),
+        "9:5",
+        "`d` must be at least 8192 bytes",
+    );
+    one_error(
+        &format!("{BASE}[lua.shared]\nd = \"lots\"\n"),
+        "9:5",
+        "invalid size \"lots\"",
+    );
+    one_error(
+        &format!("{BASE}[lua.shared]\n\"rate-limit\" = \"1m\"\n"),
+        "9:16",
+        "shared dict name \"rate-limit\": use letters, digits and `_`",
+    );
+    one_error(
+        &format!("{BASE}[lua]\nshared = \"1m\"\n"),
+        "9:10",
+        "expected a map",
+    );
+}
+
+// === [[limit]] ===
+
+#[test]
+fn limit_rules() {
+    let text = format!(
+        r#"{BASE}[[limit]]
+name = "per-ip"
+key = "client_ip"
+rate = "10/s"
+[[limit]]
+key = ["client_ip", "header:X-Api-Key", "cookie:sid", "path", "route", "upstream_server"]
+rate = "600r/m"
+burst = 20
+routes = ["route-1"]
+dry_run = true
+status = 503
+[[limit]]
+name = "conc"
+key = "route"
+concurrent = 100
+"#
+    );
+    let c = ok(&text);
+    let r = &c.rate_limits;
+    assert_eq!(r.len(), 3);
+    assert_eq!(
+        r[0],
+        LimitRule {
+            name: "per-ip".into(),
+            key: vec![LimitKeyPart::ClientIp],
+            kind: LimitKind::Rate {
+                per_sec: 10.0,
+                burst: 0
+            },
+            routes: None,
+            dry_run: false,
+            status: 429,
+        }
+    );
+    assert_eq!(r[1].name, "limit-2");
+    assert_eq!(
+        r[1].key,
+        [
+            LimitKeyPart::ClientIp,
+            LimitKeyPart::Header("x-api-key".into()),
+            LimitKeyPart::Cookie("sid".into()),
+            LimitKeyPart::Path,
+            LimitKeyPart::Route,
+            LimitKeyPart::UpstreamServer,
+        ]
+    );
+    assert_eq!(
+        r[1].kind,
+        LimitKind::Rate {
+            per_sec: 10.0,
+            burst: 20
+        }
+    );
+    assert_eq!(r[1].routes, Some(vec!["route-1".to_string()]));
+    assert!(r[1].dry_run);
+    assert_eq!(r[1].status, 503);
+    assert_eq!(r[2].kind, LimitKind::Concurrent { max: 100 });
+    assert_eq!(r[2].status, 503);
+    assert!(r[0].applies_to("route-1") && r[0].applies_to("anything"));
+    assert!(r[1].applies_to("route-1") && !r[1].applies_to("other"));
+}
+
+#[test]
+fn rates() {
+    for (s, want) in [
+        ("10/s", 10.0),
+        ("5r/s", 5.0),
+        (" 600/m ", 10.0),
+        ("3600/h", 1.0),
+        ("0.5/s", 0.5),
+        ("1r/m", 1.0 / 60.0),
+    ] {
+        assert_eq!(validate::parse_rate(s), Ok(want), "{s}");
+    }
+    for bad in [
+        "",
+        "10",
+        "10/",
+        "/s",
+        "10/d",
+        "10/sec",
+        "-1/s",
+        "0/s",
+        "inf/s",
+        "NaN/s",
+        "1e3/s",
+        "10 r/s",
+        "r/s",
+        "1.2.3/s",
+        "2000000000/s",
+    ] {
+        assert!(validate::parse_rate(bad).is_err(), "{bad:?}");
+    }
+}
+
+#[test]
+fn limit_errors() {
+    let limit = |body: &str| format!("{BASE}[[limit]]\n{body}\n");
+    one_error(
+        &limit("key = \"client_ip\""),
+        "8:1",
+        "limit `limit-1`: give `rate` (e.g. \"10/s\") or `concurrent` (e.g. 100)",
+    );
+    one_error(
+        &limit("key = \"client_ip\"\nrate = \"1/s\"\nconcurrent = 3"),
+        "11:14",
+        "give `rate` or `concurrent`, not both",
+    );
+    one_error(
+        &limit("key = \"client_ip\"\nrate = \"fast\""),
+        "10:8",
+        "invalid rate \"fast\"",
+    );
+    one_error(
+        &limit("key = \"client_ip\"\nconcurrent = 3\nburst = 1"),
+        "11:9",
+        "`burst` only applies to `rate`",
+    );
+    one_error(
+        &limit("key = \"client_ip\"\nconcurrent = 0"),
+        "10:14",
+        "`concurrent` must be between 1 and 10000000, got 0",
+    );
+    one_error(
+        &limit("key = \"client_ip\"\nrate = \"1/s\"\nburst = -1"),
+        "11:9",
+        "`burst` must be between 0 and 1000000",
+    );
+    one_error(
+        &limit("key = \"client_ip\"\nrate = \"1/s\"\nstatus = 200"),
+        "11:10",
+        "`status` must be between 400 and 599, got 200",
+    );
+    one_error(
+        &limit("key = \"ip\"\nrate = \"1/s\""),
+        "9:7",
+        "invalid limit key \"ip\": expected \"client_ip\"",
+    );
+    one_error(
+        &limit("key = [\"path\", \"header:\"]\nrate = \"1/s\""),
+        "9:16",
+        "invalid limit key \"header:\"",
+    );
+    one_error(
+        &limit("key = [\"path\", \"path\"]\nrate = \"1/s\""),
+        "9:16",
+        "key part \"path\" is given twice",
+    );
+    one_error(
+        &limit("key = []\nrate = \"1/s\""),
+        "9:7",
+        "`key` must not be empty",
+    );
+    one_error(&limit("rate = \"1/s\""), "8:1", "missing field `key`");
+    one_error(
+        &limit("key = 3\nrate = \"1/s\""),
+        "9:7",
+        "expected a string or an array of strings",
+    );
+    one_error(
+        &limit("key = \"path\"\nrate = \"1/s\"\nroutes = [\"route-1\", \"api\"]"),
+        "11:22",
+        "limit `limit-1`: unknown route `api` (defined: route-1)",
+    );
+    one_error(
+        &limit("key = \"path\"\nrate = \"1/s\"\nroutes = []"),
+        "11:10",
+        "`routes` must not be empty (leave it out to apply to every route)",
+    );
+    one_error(
+        &limit("name = \"a b\"\nkey = \"path\"\nrate = \"1/s\""),
+        "9:8",
+        "limit name \"a b\": use letters, digits",
+    );
+    one_error(
+        &limit("key = \"path\"\nrate = \"1/s\"\ndryrun = true"),
+        "11:1",
+        "unknown field `dryrun`",
+    );
+    let twice = format!(
+        "{}[[limit]]\nname = \"x\"\nkey = \"path\"\nrate = \"1/s\"\n",
+        limit("name = \"x\"\nkey = \"path\"\nrate = \"1/s\"")
+    );
+    one_error(&twice, "13:8", "duplicate limit name `x`");
+    one_error(
+        "limit = 3\n[[listener]]\nlisten = \"127.0.0.1:0\"\n",
+        "1:9",
+        "`limit` must be an array of tables: write [[limit]]",
+    );
+}
+
+// === upstream and [limits] additions ===
+
+#[test]
+fn inflight_and_connection_limits() {
+    let c = ok(&format!(
+        "{BASE}max_inflight_per_server = 7\n[limits]\nbody_min_rate = 100\nmax_connections_per_ip = 4\n"
+    ));
+    assert_eq!(c.upstreams["b"].max_inflight_per_server, 7);
+    assert_eq!(
+        (c.limits.body_min_rate, c.limits.max_connections_per_ip),
+        (100, 4)
+    );
+    one_error(
+        &format!("{BASE}max_inflight_per_server = -1\n"),
+        "8:27",
+        "`max_inflight_per_server` must be between 0 and 10000000, got -1",
+    );
+    one_error(
+        &format!("{BASE}[limits]\nbody_min_rate = \"fast\"\n"),
+        "9:17",
+        "`body_min_rate`: invalid size",
+    );
+    one_error(
+        &format!("{BASE}[limits]\nmax_connections_per_ip = -3\n"),
+        "9:26",
+        "`max_connections_per_ip` must be between 0 and 10000000, got -3",
+    );
+}
+
+// === the examples ===
+
+const EXAMPLES: &[(&str, &str)] = &[
+    (
+        "lua-access.toml",
+        include_str!("../../../examples/lua-access.toml"),
+    ),
+    (
+        "lua-ratelimit.toml",
+        include_str!("../../../examples/lua-ratelimit.toml"),
+    ),
+    (
+        "rate-limit.toml",
+        include_str!("../../../examples/rate-limit.toml"),
+    ),
+];
+
+#[test]
+fn examples_load_with_and_without_env() {
+    let vars: HashMap<&str, &str> = [
+        ("PIER_LISTEN", "127.0.0.1:0"),
+        ("PIER_ORIGIN", "127.0.0.1:19000"),
+        ("PIER_ADMIN", "127.0.0.1:0"),
+    ]
+    .into_iter()
+    .collect();
+    let with_env = |n: &str| vars.get(n).map(|v| v.to_string());
+    for (name, text) in EXAMPLES {
+        let c = load_str_with_env(text, name, &no_env).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.listeners[0].addr, addr("127.0.0.1:8080"), "{name}");
+        assert_eq!(c.admin, Some(addr("127.0.0.1:9901")), "{name}");
+        let up = &c.upstreams[&c.routes[0].upstream];
+        assert_eq!(up.servers[0].addr, addr("127.0.0.1:9000"), "{name}");
+        let c = load_str_with_env(text, name, &with_env).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.listeners[0].addr, addr("127.0.0.1:0"), "{name}");
+        assert_eq!(c.admin, Some(addr("127.0.0.1:0")), "{name}");
+        let up = &c.upstreams[&c.routes[0].upstream];
+        assert_eq!(up.servers[0].addr, addr("127.0.0.1:19000"), "{name}");
+        // From disk too (relative Lua files, if any, resolve there).
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples")
+            .join(name);
+        load_file(&path).unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
+#[test]
+fn examples_say_what_they_do() {
+    let get = |n: &str| {
+        let text = EXAMPLES.iter().find(|(name, _)| *name == n).unwrap().1;
+        load_str_with_env(text, n, &no_env).unwrap()
+    };
+    let code = |s: &Option<LuaSource>| match s {
+        Some(LuaSource::Inline { code, .. }) => code.clone(),
+        other => panic!("{other:?}"),
+    };
+
+    let c = get("lua-access.toml");
+    let l = &c.routes[0].lua;
+    let access = code(&l.access);
+    assert!(access.contains("pier.req.get_header(\"User-Agent\")"));
+    assert!(access.contains("pier.req.get_header(\"X-Block\")"));
+    assert!(access.contains("pier.exit(403)"));
+    assert!(code(&l.header_filter).contains("pier.resp.set_header(\"x-lua\", \"1\")"));
+    assert!(c.rate_limits.is_empty() && c.lua.shared.is_empty());
+
+    let c = get("lua-ratelimit.toml");
+    assert_eq!(c.lua.shared, [("ratelimit".to_string(), 10 << 20)]);
+    let access = code(&c.routes[0].lua.access);
+    assert!(access.contains("pier.shared.ratelimit:incr(key, 1, 0, 1)"));
+    assert!(access.contains("pier.var.remote_addr"));
+    assert!(access.contains("pier.exit(429)"));
+
+    let c = get("rate-limit.toml");
+    assert_eq!(
+        c.rate_limits,
+        [LimitRule {
+            name: "per-ip".into(),
+            key: vec![LimitKeyPart::ClientIp],
+            kind: LimitKind::Rate {
+                per_sec: 10.0,
+                burst: 0
+            },
+            routes: None,
+            dry_run: false,
+            status: 429,
+        }]
+    );
+    assert!(c
+        .routes
+        .iter()
+        .all(|r| c.rate_limits[0].applies_to(&r.name) && r.lua.is_empty()));
 }

@@ -450,7 +450,7 @@ fn route(
                         for v in [inline, file].into_iter().flatten() {
                             c.err(
                                 sp(v),
-                                format!("route `{name}`: a `{phase}` hook needs an `upstream`"),
+                                format!("route `{name}`: the `{phase}` hook needs an `upstream`"),
                             );
                         }
                     }
@@ -893,13 +893,7 @@ fn lua_config(c: &mut Check, l: LuaSection, base: &Path) -> LuaConfig {
         usize::try_from(memory_limit).unwrap_or(usize::MAX)
     };
     let mut shared = Vec::new();
-    for (name, size) in l
-        .shared
-        .as_ref()
-        .map(|s| s.get_ref().iter())
-        .into_iter()
-        .flatten()
-    {
+    for (name, size) in l.shared.iter().flatten() {
         if !is_dict_name(name) {
             c.err(
                 sp(size),
