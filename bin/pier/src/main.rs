@@ -10,7 +10,7 @@ mod demo;
 
 use clap::{Parser, Subcommand};
 use pier_config::Config;
-use pier_proxy::{NoHooks, Shared, State};
+use pier_proxy::{PierHooks, Shared, State};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -71,6 +71,11 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             };
             match pier_config::load_file(&path) {
+                Ok(cfg) if check_lua(&cfg).is_err() => {
+                    eprintln!("{}", check_lua(&cfg).unwrap_err());
+                    eprintln!("pier: configuration {} has Lua errors", path.display());
+                    ExitCode::from(1)
+                }
                 Ok(_) => {
                     println!("pier: configuration {} is ok", path.display());
                     ExitCode::SUCCESS
@@ -106,6 +111,10 @@ fn main() -> ExitCode {
                     }
                 },
             };
+            if let Err(e) = check_lua(&cfg) {
+                eprintln!("{e}");
+                return ExitCode::from(1);
+            }
             run(cfg, path)
         }
         Cmd::Proxy { listen, to, admin } => {
@@ -127,6 +136,14 @@ fn main() -> ExitCode {
             };
             run(Config::quick(listen, origins, admin), None)
         }
+    }
+}
+
+/// Compile every Lua chunk of the config in a scratch state (check, start, reload).
+fn check_lua(cfg: &Config) -> Result<(), String> {
+    match pier_proxy::state::lua_setup(cfg) {
+        None => Ok(()),
+        Some(setup) => setup.validate().map_err(|errs| errs.join("\n")),
     }
 }
 
@@ -189,13 +206,19 @@ fn run(cfg: Config, path: Option<PathBuf>) -> ExitCode {
         idle_timeout: cfg.timeouts.upstream_idle,
     });
     let grace = cfg.grace_period;
-    let state = State::build(cfg, &metrics, 1, None);
+    let state = match State::build(cfg, &metrics, 1, None) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("pier: {e}");
+            return ExitCode::from(1);
+        }
+    };
     let shared = Arc::new(Shared::new(state, pool, metrics, access));
 
     let worker_shared = shared.clone();
     let handles = match pier_core::spawn_workers(sockets, move |ctx| {
         let shared = worker_shared.clone();
-        async move { pier_proxy::run_worker(ctx, shared, NoHooks).await }
+        async move { pier_proxy::run_worker(ctx, shared, PierHooks::new()).await }
     }) {
         Ok(h) => h,
         Err(e) => {
@@ -356,7 +379,8 @@ fn reload(shared: &Arc<Shared>, path: &Path, generation: u64) -> Result<Duration
     shared
         .pool
         .reconfigure(pool_idle(&cfg), cfg.timeouts.upstream_idle);
-    let state = State::build(cfg, &shared.metrics, generation, Some(&old));
+    check_lua(&cfg)?;
+    let state = State::build(cfg, &shared.metrics, generation, Some(&old))?;
     shared.install(state);
     Ok(grace)
 }

@@ -36,6 +36,9 @@ pub enum Kind {
     HeadersTooLarge,
     NoRoute,
     ClientClosed,
+    /// A `[[limit]]` rate rule (429) or concurrency rule (503) refused it.
+    RateLimited,
+    ConcurrencyLimited,
     // --- upstream: the origin failed us ---
     UpstreamConnect,
     UpstreamProtocol,
@@ -43,13 +46,15 @@ pub enum Kind {
     UpstreamTimeout,
     NoHealthyUpstream,
     OriginDenied,
+    /// The chosen server already has `max_inflight_per_server` requests.
+    UpstreamLimited,
     // --- ours ---
     HookError,
     Internal,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 22] = [
+    pub const ALL: [Kind; 25] = [
         Kind::InvalidRequestLine,
         Kind::InvalidHeader,
         Kind::InvalidHost,
@@ -64,12 +69,15 @@ impl Kind {
         Kind::HeadersTooLarge,
         Kind::NoRoute,
         Kind::ClientClosed,
+        Kind::RateLimited,
+        Kind::ConcurrencyLimited,
         Kind::UpstreamConnect,
         Kind::UpstreamProtocol,
         Kind::UpstreamClosed,
         Kind::UpstreamTimeout,
         Kind::NoHealthyUpstream,
         Kind::OriginDenied,
+        Kind::UpstreamLimited,
         Kind::HookError,
         Kind::Internal,
     ];
@@ -93,7 +101,11 @@ impl Kind {
             Kind::ClientClosed => 499,
             Kind::UpstreamConnect | Kind::UpstreamProtocol | Kind::UpstreamClosed => 502,
             Kind::UpstreamTimeout => 504,
-            Kind::NoHealthyUpstream | Kind::OriginDenied => 503,
+            Kind::RateLimited => 429,
+            Kind::NoHealthyUpstream
+            | Kind::OriginDenied
+            | Kind::UpstreamLimited
+            | Kind::ConcurrencyLimited => 503,
             Kind::HookError | Kind::Internal => 500,
         }
     }
@@ -115,6 +127,9 @@ impl Kind {
             Kind::HeadersTooLarge => "headers-too-large",
             Kind::NoRoute => "no-route",
             Kind::ClientClosed => "client-closed",
+            Kind::RateLimited => "rate-limited",
+            Kind::ConcurrencyLimited => "concurrency-limited",
+            Kind::UpstreamLimited => "upstream-limited",
             Kind::UpstreamConnect => "upstream-connect",
             Kind::UpstreamProtocol => "upstream-protocol",
             Kind::UpstreamClosed => "upstream-closed",
@@ -141,13 +156,16 @@ impl Kind {
             | Kind::UriTooLong
             | Kind::HeadersTooLarge
             | Kind::NoRoute
-            | Kind::ClientClosed => Source::Downstream,
+            | Kind::ClientClosed
+            | Kind::RateLimited
+            | Kind::ConcurrencyLimited => Source::Downstream,
             Kind::UpstreamConnect
             | Kind::UpstreamProtocol
             | Kind::UpstreamClosed
             | Kind::UpstreamTimeout
             | Kind::NoHealthyUpstream
-            | Kind::OriginDenied => Source::Upstream,
+            | Kind::OriginDenied
+            | Kind::UpstreamLimited => Source::Upstream,
             Kind::HookError | Kind::Internal => Source::Internal,
         }
     }
@@ -223,7 +241,10 @@ mod tests {
         for k in Kind::ALL {
             let s = k.status();
             match k.source() {
-                Source::Downstream => assert!((400..500).contains(&s) || s == 501, "{k:?}"),
+                // 503 for a downstream cause: a client over its concurrency limit.
+                Source::Downstream => {
+                    assert!((400..500).contains(&s) || s == 501 || s == 503, "{k:?}")
+                }
                 Source::Upstream => assert!((502..=504).contains(&s), "{k:?}"),
                 Source::Internal => assert_eq!(s, 500),
             }

@@ -341,6 +341,12 @@ impl ResponseHead {
         &self.headers.arena()[self.reason.0 as usize..(self.reason.0 + self.reason.1) as usize]
     }
 
+    /// Change the status; the reason phrase becomes the standard one.
+    pub fn set_status(&mut self, status: u16) {
+        self.status = status;
+        self.reason = (0, 0);
+    }
+
     /// Build a response head locally (errors, Lua, admin).
     pub fn local(status: u16) -> Self {
         ResponseHead {

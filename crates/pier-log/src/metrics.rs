@@ -19,12 +19,8 @@ pub const BUCKETS_US: [u64; 14] = [
     2_500_000, 5_000_000, 10_000_000,
 ];
 /// Extra local-response causes that are not `pier_error::Kind`s.
-pub const EXTRA_REASONS: [(&str, u16); 4] = [
-    ("rate-limited", 429),
-    ("concurrency-limited", 503),
-    ("upstream-limited", 503),
-    ("lua", 0),
-];
+/// Local responses not caused by a `pier_error::Kind`: answers made by hooks.
+pub const EXTRA_REASONS: [(&str, u16); 1] = [("hook", 0)];
 
 thread_local! {
     /// Which shard this thread writes; workers set it at start.

@@ -125,6 +125,16 @@ pub fn render_metrics(shared: &Shared) -> String {
             );
         }
     }
+    out.push_str("# HELP pier_limit_denied_total Requests over a [[limit]] rule (refused, or only counted in dry run).\n# TYPE pier_limit_denied_total counter\n");
+    for l in &state.limits {
+        let _ = writeln!(
+            out,
+            "pier_limit_denied_total{{limit=\"{}\",dry_run=\"{}\"}} {}",
+            l.rule.name,
+            l.rule.dry_run,
+            l.denied_total()
+        );
+    }
     let _ = writeln!(
         out,
         "# TYPE pier_upstream_idle_connections gauge\npier_upstream_idle_connections {}",

@@ -112,7 +112,7 @@ pub async fn serve_connection<H: Hooks>(
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut ctx = H::Ctx::default();
         let keep = handle_request(&w, &state, &mut stream, &mut b, &mut sess, &mut ctx).await;
-        w.hooks.logging(&sess, &mut ctx);
+        w.hooks.logging(&state, &mut sess, &mut ctx);
         w.shared
             .metrics
             .active_requests
@@ -238,15 +238,9 @@ async fn handle_request<H: Hooks>(
     }
 
     // request_filter (Lua access/content, limits).
-    match w.hooks.request_filter(sess, ctx).await {
+    match w.hooks.request_filter(state, sess, ctx).await {
         Ok(Flow::Continue) => {}
-        Ok(Flow::Respond(r)) => {
-            let close = body_pending || !client_keep;
-            let ok = send_local(stream, &mut b.out, sess, &r, close)
-                .await
-                .is_ok();
-            return ok && !close;
-        }
+        Ok(Flow::Respond(r)) => return respond(w, stream, b, sess, &r, body_pending).await,
         Err(e) => return local_fail(w, stream, b, sess, e.kind, body_pending).await && client_keep,
     }
 
@@ -254,19 +248,13 @@ async fn handle_request<H: Hooks>(
     let now_ms = pier_lb::clock_ms();
     group.on_request_at(now_ms);
 
-    let choice = match w.hooks.upstream_peer(sess, ctx).await {
+    let choice = match w.hooks.upstream_peer(state, sess, ctx).await {
         Ok(c) => c,
         Err(e) => return local_fail(w, stream, b, sess, e.kind, body_pending).await && client_keep,
     };
-    match w.hooks.upstream_request_filter(sess, ctx).await {
+    match w.hooks.upstream_request_filter(state, sess, ctx).await {
         Ok(Flow::Continue) => {}
-        Ok(Flow::Respond(r)) => {
-            let close = body_pending || !client_keep;
-            let ok = send_local(stream, &mut b.out, sess, &r, close)
-                .await
-                .is_ok();
-            return ok && !close;
-        }
+        Ok(Flow::Respond(r)) => return respond(w, stream, b, sess, &r, body_pending).await,
         Err(e) => return local_fail(w, stream, b, sess, e.kind, body_pending).await && client_keep,
     }
 
@@ -301,6 +289,16 @@ async fn handle_request<H: Hooks>(
         if pier_config::denied(&state.cfg.deny_origins, addr.ip()) {
             return local_fail(w, stream, b, sess, Kind::OriginDenied, body_pending).await
                 && client_keep;
+        }
+        // Origin protection (Pingora's connection limit): past the threshold, 503.
+        let max_inflight = group.config().max_inflight_per_server as usize;
+        if let (Some(i), true) = (idx, max_inflight > 0) {
+            if group.peers()[i].active() >= max_inflight {
+                return local_fail(w, stream, b, sess, Kind::UpstreamLimited, body_pending).await;
+            }
+        }
+        if let Err(e) = w.hooks.peer_selected(state, sess, ctx, addr) {
+            return local_fail(w, stream, b, sess, e.kind, body_pending).await;
         }
         sess.upstream = Some(addr);
         let guard = idx.map(|i| group.begin(i));
@@ -350,6 +348,24 @@ async fn handle_request<H: Hooks>(
     }
 }
 
+/// Answer with a response a phase made; counted by its kind (or as a hook answer).
+async fn respond<H: Hooks>(
+    w: &Worker<H>,
+    stream: &mut TcpStream,
+    b: &mut Bufs,
+    sess: &mut Session,
+    r: &LocalResponse,
+    body_pending: bool,
+) -> bool {
+    match r.kind {
+        Some(k) => w.shared.metrics.local_response(k),
+        None => w.shared.metrics.local_extra(0),
+    }
+    let close = body_pending || !sess.client_keep;
+    let ok = send_local(stream, &mut b.out, sess, r, close).await.is_ok();
+    ok && !close
+}
+
 /// Answer with an error; `close` when the connection can't continue (e.g.
 /// an unread body). Returns whether the connection may continue.
 async fn local_fail<H: Hooks>(
@@ -381,6 +397,7 @@ pub(crate) fn local_error(kind: Kind) -> LocalResponse {
         headers: Vec::new(),
         body,
         reason: kind.reason(),
+        kind: Some(kind),
     }
 }
 
@@ -716,7 +733,7 @@ where
     if upgrade && !sess.req.headers.has_known(known::UPGRADE) {
         return Err(Fail::up(Kind::UpstreamProtocol));
     }
-    if let Err(e) = w.hooks.response_filter(sess, resp, ctx) {
+    if let Err(e) = w.hooks.response_filter(state, sess, resp, ctx) {
         return Err(Fail {
             kind: e.kind,
             client_touched: false,
@@ -734,6 +751,15 @@ where
         client_keep = false;
     }
     let upstream_keep = resp.keep_alive() && body != BodyLen::UntilClose && !upgrade;
+    // A body filter may change the length: re-frame as chunked (or close-delimited for HTTP/1.0).
+    let filtering = body != BodyLen::None && !upgrade && w.hooks.has_body_filter(state, sess);
+    if filtering {
+        resp.headers.remove_known(known::CONTENT_LENGTH);
+        resp.headers.remove_known(known::TRANSFER_ENCODING);
+        if sess.req.version == 0 {
+            client_keep = false;
+        }
+    }
 
     out.clear();
     if upgrade {
@@ -744,6 +770,9 @@ where
         write::response_head(out, resp, skip_response_header);
         if !resp.headers.has_known(known::DATE) {
             date::with_date(sess.now_ns, |d| write::header(out, b"Date", d));
+        }
+        if filtering && sess.req.version == 1 {
+            out.extend_from_slice(b"Transfer-Encoding: chunked\r\n");
         }
         if !client_keep {
             out.extend_from_slice(b"Connection: close\r\n");
@@ -769,6 +798,12 @@ where
         return Ok(Relayed::Upgrade);
     }
 
+    if filtering {
+        let chunked_out = sess.req.version == 1;
+        let up_ok =
+            relay_filtered(w, state, ur, cw, ubuf, out, sess, ctx, body, chunked_out).await?;
+        return Ok(Relayed::Done(upstream_keep && up_ok, client_keep));
+    }
     let touched = |kind: Kind, upstream_fault: bool| Fail {
         kind,
         client_touched: true,
@@ -874,6 +909,124 @@ where
         }
     }
     Ok(Relayed::Done(upstream_reusable, client_keep))
+}
+
+/// Relay a response body through `Hooks::body_filter`: decode the origin's
+/// framing, filter each piece, re-frame for the client (chunked, or
+/// close-delimited for HTTP/1.0). Returns whether the origin connection ended
+/// cleanly (reusable).
+#[allow(clippy::too_many_arguments)]
+async fn relay_filtered<H: Hooks, R, W>(
+    w: &Worker<H>,
+    state: &State,
+    ur: &mut R,
+    cw: &mut W,
+    ubuf: &mut BytesMut,
+    out: &mut Vec<u8>,
+    sess: &mut Session,
+    ctx: &mut H::Ctx,
+    body: BodyLen,
+    chunked_out: bool,
+) -> Result<bool, Fail>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let t = &state.cfg.timeouts;
+    let touched = |kind: Kind, upstream_fault: bool| Fail {
+        kind,
+        client_touched: true,
+        replayable: false,
+        stale: false,
+        upstream_fault,
+    };
+    // The head goes first, alone.
+    sess.bytes_sent += out.len() as u64;
+    write_timed(cw, out, t.client_idle)
+        .await
+        .map_err(|_| touched(Kind::ClientClosed, false))?;
+    let mut remaining = match body {
+        BodyLen::Length(n) => n,
+        _ => u64::MAX,
+    };
+    let mut scanner = ChunkedScanner::new();
+    let mut piece = BytesMut::with_capacity(READ_CHUNK);
+    let mut origin_closed = false;
+    loop {
+        // Decode what has arrived into `piece`.
+        piece.clear();
+        let eof = match body {
+            BodyLen::Chunked => {
+                let n = scanner
+                    .feed_data(ubuf, |r| piece.extend_from_slice(&ubuf[r]))
+                    .map_err(|_| touched(Kind::UpstreamProtocol, true))?;
+                ubuf.advance(n);
+                scanner.is_done()
+            }
+            BodyLen::UntilClose => {
+                piece.extend_from_slice(ubuf);
+                ubuf.clear();
+                origin_closed
+            }
+            _ => {
+                let take = (ubuf.len() as u64).min(remaining) as usize;
+                piece.extend_from_slice(&ubuf[..take]);
+                ubuf.advance(take);
+                remaining -= take as u64;
+                remaining == 0
+            }
+        };
+        if !piece.is_empty() || eof {
+            w.hooks
+                .body_filter(state, sess, ctx, &mut piece, eof)
+                .map_err(|e| touched(e.kind, false))?;
+            out.clear();
+            if chunked_out {
+                if !piece.is_empty() {
+                    let mut hex = [0u8; 16];
+                    out.extend_from_slice(hex_len(&mut hex, piece.len()));
+                    out.extend_from_slice(b"\r\n");
+                    out.extend_from_slice(&piece);
+                    out.extend_from_slice(b"\r\n");
+                }
+                if eof {
+                    out.extend_from_slice(b"0\r\n\r\n");
+                }
+            } else {
+                out.extend_from_slice(&piece);
+            }
+            if !out.is_empty() {
+                sess.bytes_sent += out.len() as u64;
+                write_timed(cw, out, t.client_idle)
+                    .await
+                    .map_err(|_| touched(Kind::ClientClosed, false))?;
+            }
+        }
+        if eof {
+            return Ok(!origin_closed && ubuf.is_empty());
+        }
+        ubuf.reserve(READ_CHUNK);
+        match timeout(t.upstream_response, ur.read_buf(ubuf)).await {
+            Ok(Ok(0)) if body == BodyLen::UntilClose => origin_closed = true,
+            Ok(Ok(0)) | Ok(Err(_)) => return Err(touched(Kind::UpstreamClosed, true)),
+            Ok(Ok(_)) => {}
+            Err(_) => return Err(touched(Kind::UpstreamTimeout, true)),
+        }
+    }
+}
+
+/// Lower-case hex of `n` without allocating (chunk sizes).
+fn hex_len(buf: &mut [u8; 16], mut n: usize) -> &[u8] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = HEX[n & 15];
+        n >>= 4;
+        if n == 0 {
+            return &buf[i..];
+        }
+    }
 }
 
 async fn write_timed<W: AsyncWrite + Unpin>(

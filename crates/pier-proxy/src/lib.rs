@@ -5,10 +5,12 @@
 
 pub mod admin;
 pub mod driver;
+pub mod hooks;
 pub mod phases;
 pub mod session;
 pub mod state;
 
+pub use hooks::{PierCtx, PierHooks};
 pub use phases::{Flow, Hooks, LocalResponse, NoHooks, PeerChoice};
 pub use session::Session;
 pub use state::State;
@@ -85,6 +87,7 @@ pub struct Worker<H: Hooks> {
 /// of this worker is closed.
 pub async fn run_worker<H: Hooks>(ctx: WorkerContext, shared: Arc<Shared>, hooks: H) {
     pier_log::WORKER_ID.with(|w| w.set(ctx.id));
+    hooks.init_worker(&shared.state.load());
     let w = Arc::new(Worker {
         id: ctx.id,
         shared: shared.clone(),

@@ -8,6 +8,7 @@
 #![allow(async_fn_in_trait)]
 
 use crate::session::Session;
+use crate::state::State;
 use pier_error::Error;
 use pier_http::ResponseHead;
 use std::net::SocketAddr;
@@ -20,6 +21,9 @@ pub struct LocalResponse {
     pub body: Vec<u8>,
     /// Metrics/access-log reason; empty for hook-made answers.
     pub reason: &'static str,
+    /// Counted under this error kind in `pier_local_responses_total`
+    /// (limits); `None` counts as a hook-made answer.
+    pub kind: Option<pier_error::Kind>,
 }
 
 /// What a phase decided.
@@ -44,11 +48,21 @@ pub trait Hooks: 'static {
     /// Per-request state carried across phases (`pier.ctx` for Lua).
     type Ctx: Default;
 
+    // === worker ===
+
+    /// Once per worker thread at start, inside its runtime (Lua `init_worker`, timers).
+    fn init_worker(&self, _st: &State) {}
+
     // === request ===
 
     /// After routing, before anything goes upstream: auth, limits, rewrites,
     /// or a whole response (Lua `access` and `content`).
-    async fn request_filter(&self, _s: &mut Session, _ctx: &mut Self::Ctx) -> Result<Flow, Error> {
+    async fn request_filter(
+        &self,
+        _st: &State,
+        _s: &mut Session,
+        _ctx: &mut Self::Ctx,
+    ) -> Result<Flow, Error> {
         Ok(Flow::Continue)
     }
 
@@ -57,15 +71,28 @@ pub trait Hooks: 'static {
     /// Choose or override the peer (Lua `balancer`).
     async fn upstream_peer(
         &self,
+        _st: &State,
         _s: &mut Session,
         _ctx: &mut Self::Ctx,
     ) -> Result<PeerChoice, Error> {
         Ok(PeerChoice::default())
     }
 
+    /// A peer was chosen for an attempt: per-server limits.
+    fn peer_selected(
+        &self,
+        _st: &State,
+        _s: &mut Session,
+        _ctx: &mut Self::Ctx,
+        _peer: SocketAddr,
+    ) -> Result<(), Error> {
+        Ok(())
+    }
+
     /// Edit the request about to be sent upstream (Lua `upstream_request`).
     async fn upstream_request_filter(
         &self,
+        _st: &State,
         _s: &mut Session,
         _ctx: &mut Self::Ctx,
     ) -> Result<Flow, Error> {
@@ -77,6 +104,7 @@ pub trait Hooks: 'static {
     /// Edit the response head before it goes to the client (Lua `header_filter`).
     fn response_filter(
         &self,
+        _st: &State,
         _s: &mut Session,
         _resp: &mut ResponseHead,
         _ctx: &mut Self::Ctx,
@@ -84,10 +112,28 @@ pub trait Hooks: 'static {
         Ok(())
     }
 
+    /// Does this request's route filter response bodies? (Then the driver
+    /// decodes the body and calls `body_filter` per piece.)
+    fn has_body_filter(&self, _st: &State, _s: &Session) -> bool {
+        false
+    }
+
+    /// Edit a piece of the response body (Lua `body_filter`); `eof` on the last call.
+    fn body_filter(
+        &self,
+        _st: &State,
+        _s: &mut Session,
+        _ctx: &mut Self::Ctx,
+        _chunk: &mut bytes::BytesMut,
+        _eof: bool,
+    ) -> Result<(), Error> {
+        Ok(())
+    }
+
     // === logging ===
 
     /// After the response is sent; must not block the client (Lua `log`).
-    fn logging(&self, _s: &Session, _ctx: &mut Self::Ctx) {}
+    fn logging(&self, _st: &State, _s: &mut Session, _ctx: &mut Self::Ctx) {}
 }
 
 /// The plain proxy: every phase at its default.

@@ -1,9 +1,12 @@
 //! The running config: what a request consults, swapped whole on reload.
 
-use pier_config::{Config, HostMatch, PathMatch};
+use pier_config::{Config, HostMatch, LimitKeyPart, LimitKind, LimitRule, LuaSource, PathMatch};
 use pier_http::HeadLimits;
 use pier_lb::Group;
+use pier_limits::{ConcurrencyLimit, ConcurrencyLimiter, RateLimit, RateLimiter};
 use pier_log::Metrics;
+use pier_lua::{LuaSetup, RouteHooks, Source};
+use pier_shdict::Registry;
 use std::sync::Arc;
 
 pub struct RouteRt {
@@ -21,12 +24,102 @@ pub struct State {
     pub groups: Vec<Arc<Group>>,
     pub head_limits: HeadLimits,
     pub generation: u64,
+    /// Lua hooks, when any route (or `[lua]`) has some.
+    pub lua: Option<Arc<LuaSetup>>,
+    /// `pier.shared.NAME` dictionaries (contents survive reloads).
+    pub shdicts: Arc<Registry>,
+    /// `[[limit]]` rules (counters survive reloads when a rule is unchanged).
+    pub limits: Vec<Arc<LimitRt>>,
+    /// Per route: rules checked before the upstream / once a peer is chosen.
+    pub route_limits: Vec<Vec<usize>>,
+    pub peer_limits: Vec<Vec<usize>>,
+}
+
+/// A `[[limit]]` rule with its counters.
+pub struct LimitRt {
+    pub rule: LimitRule,
+    pub rate: Option<RateLimiter>,
+    pub conc: Option<ConcurrencyLimiter>,
+}
+
+impl LimitRt {
+    fn new(rule: &LimitRule) -> Self {
+        let (rate, conc) = match rule.kind {
+            LimitKind::Rate { per_sec, burst } => (
+                Some(RateLimiter::new(RateLimit {
+                    rate_per_sec: per_sec,
+                    burst,
+                    dry_run: rule.dry_run,
+                })),
+                None,
+            ),
+            LimitKind::Concurrent { max } => {
+                let mut c = ConcurrencyLimit::new(max as usize);
+                c.dry_run = rule.dry_run;
+                (None, Some(ConcurrencyLimiter::new(c)))
+            }
+        };
+        LimitRt {
+            rule: rule.clone(),
+            rate,
+            conc,
+        }
+    }
+
+    pub fn denied_total(&self) -> u64 {
+        self.rate.as_ref().map(|r| r.denied_total()).unwrap_or(0)
+            + self.conc.as_ref().map(|c| c.denied_total()).unwrap_or(0)
+    }
+}
+
+/// The Lua side of a config: route hooks in route order.
+pub fn lua_setup(cfg: &Config) -> Option<LuaSetup> {
+    let any = cfg.lua.init.is_some()
+        || cfg.lua.init_worker.is_some()
+        || cfg.routes.iter().any(|r| !r.lua.is_empty());
+    if !any {
+        return None;
+    }
+    let conv = |s: &Option<LuaSource>| {
+        s.as_ref().map(|s| match s {
+            LuaSource::Inline { code, name } => Source::Inline {
+                code: code.clone(),
+                name: name.clone(),
+            },
+            LuaSource::File(p) => Source::File(p.clone()),
+        })
+    };
+    Some(LuaSetup {
+        init: conv(&cfg.lua.init),
+        init_worker: conv(&cfg.lua.init_worker),
+        routes: cfg
+            .routes
+            .iter()
+            .map(|r| RouteHooks {
+                access: conv(&r.lua.access),
+                content: conv(&r.lua.content),
+                balancer: conv(&r.lua.balancer),
+                upstream_request: conv(&r.lua.upstream_request),
+                header_filter: conv(&r.lua.header_filter),
+                body_filter: conv(&r.lua.body_filter),
+                log: conv(&r.lua.log),
+            })
+            .collect(),
+        shared_dicts: cfg.lua.shared.clone(),
+        memory_limit: cfg.lua.memory_limit,
+        ..Default::default()
+    })
 }
 
 impl State {
     /// Build the running state; with `prev`, upstream groups keep the health
     /// and in-flight counts of servers that did not change.
-    pub fn build(cfg: Config, metrics: &Metrics, generation: u64, prev: Option<&State>) -> State {
+    pub fn build(
+        cfg: Config,
+        metrics: &Metrics,
+        generation: u64,
+        prev: Option<&State>,
+    ) -> Result<State, String> {
         let names: Vec<&String> = cfg.upstreams.keys().collect();
         let groups: Vec<Arc<Group>> = cfg
             .upstreams
@@ -39,7 +132,7 @@ impl State {
                 })
             })
             .collect();
-        let routes = cfg
+        let routes: Vec<RouteRt> = cfg
             .routes
             .iter()
             .map(|r| RouteRt {
@@ -56,13 +149,56 @@ impl State {
             max_headers: cfg.limits.max_headers,
             max_uri_bytes: cfg.limits.max_uri_bytes,
         };
-        State {
+        let specs: Vec<(&str, usize)> = cfg
+            .lua
+            .shared
+            .iter()
+            .map(|(n, c)| (n.as_str(), *c))
+            .collect();
+        let shdicts = match prev {
+            Some(p) => p.shdicts.reload(&specs),
+            None => Registry::new(&specs),
+        }
+        .map_err(|e| format!("lua.shared: {e}"))?;
+        let lua = lua_setup(&cfg).map(Arc::new);
+        let limits: Vec<Arc<LimitRt>> = cfg
+            .rate_limits
+            .iter()
+            .map(|rule| {
+                prev.and_then(|p| p.limits.iter().find(|l| l.rule == *rule).cloned())
+                    .unwrap_or_else(|| Arc::new(LimitRt::new(rule)))
+            })
+            .collect();
+        let per_route = |peer: bool| -> Vec<Vec<usize>> {
+            routes
+                .iter()
+                .map(|r| {
+                    limits
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, l)| {
+                            l.rule.applies_to(&r.name)
+                                && l.rule.key.contains(&LimitKeyPart::UpstreamServer) == peer
+                        })
+                        .map(|(i, _)| i)
+                        .collect()
+                })
+                .collect()
+        };
+        let route_limits = per_route(false);
+        let peer_limits = per_route(true);
+        Ok(State {
             cfg,
             routes,
             groups,
             head_limits,
             generation,
-        }
+            lua,
+            shdicts: Arc::new(shdicts),
+            limits,
+            route_limits,
+            peer_limits,
+        })
     }
 
     /// First route (in file order) whose host and path match.
@@ -141,7 +277,7 @@ servers = ["127.0.0.1:1"]
         )
         .unwrap();
         let m = Metrics::new(1);
-        let s = State::build(cfg, &m, 1, None);
+        let s = State::build(cfg, &m, 1, None).unwrap();
         assert_eq!(
             s.match_route(Some(b"www.example.com:8080"), b"/api/v1"),
             Some(0)

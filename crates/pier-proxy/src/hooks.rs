@@ -1,0 +1,523 @@
+//! `PierHooks`: the phases every Pier route runs — `[[limit]]` rules, then
+//! the route's Lua hooks (pier-lua), each only when configured, so a route
+//! with neither costs two empty-slice checks.
+//!
+//! One instance per worker thread: it owns that thread's Lua engine (a
+//! LuaJIT state is single-threaded), rebuilt when a reload bumps the config
+//! generation.
+
+use crate::phases::{Flow, Hooks, LocalResponse, PeerChoice};
+use crate::session::Session;
+use crate::state::{LimitRt, State};
+use bytes::BytesMut;
+use pier_config::LimitKeyPart;
+use pier_error::{Error, Kind};
+use pier_http::{Headers, ResponseHead};
+use pier_limits::Decision;
+use pier_lua::{HttpView, LuaEngine, Phase};
+use std::cell::RefCell;
+use std::net::SocketAddr;
+use std::rc::Rc;
+
+#[derive(Default)]
+pub struct PierHooks {
+    engine: RefCell<Option<(u64, Rc<LuaEngine>)>>,
+    /// Reused buffer for limit keys (no allocation per request).
+    keybuf: RefCell<Vec<u8>>,
+}
+
+/// Per-request state.
+#[derive(Default)]
+pub struct PierCtx {
+    lua: Option<pier_lua::RequestCtx>,
+    /// Concurrency-limit slots, released when the request ends.
+    guards: Vec<pier_limits::Guard>,
+    /// Response headers set before there is a response (Lua `access`).
+    pending: Headers,
+    engine: Option<Rc<LuaEngine>>,
+}
+
+impl PierHooks {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// This thread's engine for the config generation `st` belongs to.
+    fn engine(&self, st: &State) -> Result<Option<Rc<LuaEngine>>, Error> {
+        let Some(setup) = &st.lua else {
+            return Ok(None);
+        };
+        if let Some((g, e)) = &*self.engine.borrow() {
+            if *g == st.generation {
+                return Ok(Some(e.clone()));
+            }
+        }
+        let e = LuaEngine::new(setup.clone(), st.shdicts.clone()).map_err(|e| {
+            tracing::error!(target: "pier::lua", "cannot start the Lua engine: {e}");
+            Error::with_detail(Kind::HookError, e)
+        })?;
+        e.start_timers();
+        let e = Rc::new(e);
+        *self.engine.borrow_mut() = Some((st.generation, e.clone()));
+        Ok(Some(e))
+    }
+
+    /// The engine, if this route has a hook for `phase`.
+    fn hook(
+        &self,
+        st: &State,
+        s: &Session,
+        ctx: &mut PierCtx,
+        phase: Phase,
+    ) -> Result<Option<Rc<LuaEngine>>, Error> {
+        let Some(route) = s.route else {
+            return Ok(None);
+        };
+        if st.lua.is_none() {
+            return Ok(None);
+        }
+        let e = match &ctx.engine {
+            Some(e) => e.clone(),
+            None => match self.engine(st)? {
+                Some(e) => {
+                    ctx.engine = Some(e.clone());
+                    e
+                }
+                None => return Ok(None),
+            },
+        };
+        Ok(e.has_hook(route, phase).then_some(e))
+    }
+
+    /// Build a limit key into `buf`; `false` if a part is missing (the rule
+    /// does not apply, as nginx skips empty keys).
+    fn key(
+        buf: &mut Vec<u8>,
+        rule: &LimitRt,
+        st: &State,
+        s: &Session,
+        peer: Option<SocketAddr>,
+    ) -> bool {
+        buf.clear();
+        for part in &rule.rule.key {
+            match part {
+                LimitKeyPart::ClientIp => buf.extend_from_slice(s.client_ip.as_bytes()),
+                LimitKeyPart::Header(h) => match s.req.headers.get(h.as_bytes()) {
+                    Some(v) => buf.extend_from_slice(v),
+                    None => return false,
+                },
+                LimitKeyPart::Cookie(c) => {
+                    match s
+                        .req
+                        .headers
+                        .get(b"cookie")
+                        .and_then(|v| pier_lb::find_cookie(v, c.as_bytes()))
+                    {
+                        Some(v) => buf.extend_from_slice(v),
+                        None => return false,
+                    }
+                }
+                LimitKeyPart::Path => buf.extend_from_slice(s.req.path()),
+                LimitKeyPart::Route => {
+                    if let Some(r) = s.route {
+                        buf.extend_from_slice(st.routes[r].name.as_bytes());
+                    }
+                }
+                LimitKeyPart::UpstreamServer => match peer {
+                    Some(p) => {
+                        use std::io::Write;
+                        let _ = write!(buf, "{p}");
+                    }
+                    None => return false,
+                },
+            }
+            buf.push(0x1f);
+        }
+        true
+    }
+
+    /// Apply the rules at `idx`; a refusal becomes the local response.
+    fn apply_limits(
+        &self,
+        st: &State,
+        s: &Session,
+        ctx: &mut PierCtx,
+        idx: &[usize],
+        peer: Option<SocketAddr>,
+    ) -> Option<LocalResponse> {
+        let mut buf = self.keybuf.borrow_mut();
+        let now_ms = pier_limits::clock::now_ms();
+        for &i in idx {
+            let rule = &st.limits[i];
+            if !Self::key(&mut buf, rule, st, s, peer) {
+                continue;
+            }
+            if let Some(rate) = &rule.rate {
+                match rate.check(&buf, now_ms) {
+                    Decision::Allow => {}
+                    Decision::DryRunDeny { .. } => {
+                        tracing::debug!("limit {} would refuse (dry run)", rule.rule.name);
+                    }
+                    Decision::Deny { retry_after_secs } => {
+                        return Some(refusal(rule, Kind::RateLimited, retry_after_secs));
+                    }
+                }
+            }
+            if let Some(c) = &rule.conc {
+                match c.acquire(&buf) {
+                    Ok(g) => ctx.guards.push(g),
+                    Err(r) => {
+                        return Some(refusal(rule, Kind::ConcurrencyLimited, r.retry_after_secs))
+                    }
+                }
+            }
+        }
+        None
+    }
+}
+
+fn refusal(rule: &LimitRt, kind: Kind, retry_after: u32) -> LocalResponse {
+    let mut n = itoa::Buffer::new();
+    let mut body = Vec::with_capacity(64);
+    body.extend_from_slice(n.format(rule.rule.status).as_bytes());
+    body.push(b' ');
+    body.extend_from_slice(kind.reason().as_bytes());
+    body.extend_from_slice(b" (limit ");
+    body.extend_from_slice(rule.rule.name.as_bytes());
+    body.extend_from_slice(b")\n");
+    LocalResponse {
+        status: rule.rule.status,
+        headers: vec![(
+            b"Retry-After".to_vec(),
+            n.format(retry_after.max(1)).as_bytes().to_vec(),
+        )],
+        body,
+        reason: kind.reason(),
+        kind: Some(kind),
+    }
+}
+
+fn hook_error(e: pier_lua::LuaError) -> Error {
+    tracing::error!(target: "pier::lua", "{e}");
+    Error::with_detail(Kind::HookError, e)
+}
+
+/// A Lua `Flow::Respond` as a local response, with the response headers the
+/// hook set along the way.
+fn lua_response(
+    status: u16,
+    headers: Vec<(Vec<u8>, Vec<u8>)>,
+    body: bytes::Bytes,
+    pending: &Headers,
+) -> LocalResponse {
+    let mut all: Vec<(Vec<u8>, Vec<u8>)> = pending
+        .iter()
+        .map(|(n, v)| (n.to_vec(), v.to_vec()))
+        .collect();
+    all.extend(headers);
+    LocalResponse {
+        status,
+        headers: all,
+        body: body.to_vec(),
+        reason: "",
+        kind: None,
+    }
+}
+
+impl Hooks for PierHooks {
+    type Ctx = PierCtx;
+
+    fn init_worker(&self, st: &State) {
+        // Start the engine now: runs init/init_worker and starts timers on this thread.
+        let _ = self.engine(st);
+    }
+
+    async fn request_filter(
+        &self,
+        st: &State,
+        s: &mut Session,
+        ctx: &mut PierCtx,
+    ) -> Result<Flow, Error> {
+        let route = s.route.unwrap_or(0);
+        if let Some(idx) = st.route_limits.get(route) {
+            if !idx.is_empty() {
+                if let Some(r) = self.apply_limits(st, s, ctx, idx, None) {
+                    return Ok(Flow::Respond(r));
+                }
+            }
+        }
+        for phase in [Phase::Access, Phase::Content] {
+            let Some(e) = self.hook(st, s, ctx, phase)? else {
+                continue;
+            };
+            let lctx = ctx.lua.get_or_insert_with(Default::default);
+            let mut v = View {
+                sess: s,
+                resp: None,
+                pending: &mut ctx.pending,
+            };
+            let flow = match phase {
+                Phase::Access => e.access(route, &mut v, lctx).await,
+                _ => e.content(route, &mut v, lctx).await,
+            }
+            .map_err(hook_error)?;
+            if let pier_lua::Flow::Respond {
+                status,
+                headers,
+                body,
+            } = flow
+            {
+                return Ok(Flow::Respond(lua_response(
+                    status,
+                    headers,
+                    body,
+                    &ctx.pending,
+                )));
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
+    async fn upstream_peer(
+        &self,
+        st: &State,
+        s: &mut Session,
+        ctx: &mut PierCtx,
+    ) -> Result<PeerChoice, Error> {
+        let Some(e) = self.hook(st, s, ctx, Phase::Balancer)? else {
+            return Ok(PeerChoice::default());
+        };
+        let route = s.route.unwrap_or(0);
+        let lctx = ctx.lua.get_or_insert_with(Default::default);
+        let mut v = View {
+            sess: s,
+            resp: None,
+            pending: &mut ctx.pending,
+        };
+        let c = e.balancer(route, &mut v, lctx).await.map_err(hook_error)?;
+        Ok(PeerChoice {
+            addr: c.peer,
+            retries: c.retries,
+        })
+    }
+
+    fn peer_selected(
+        &self,
+        st: &State,
+        s: &mut Session,
+        ctx: &mut PierCtx,
+        peer: SocketAddr,
+    ) -> Result<(), Error> {
+        let route = s.route.unwrap_or(0);
+        if let Some(idx) = st.peer_limits.get(route) {
+            if !idx.is_empty() {
+                if let Some(r) = self.apply_limits(st, s, ctx, idx, Some(peer)) {
+                    return Err(Error::new(r.kind.unwrap_or(Kind::RateLimited)));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        st: &State,
+        s: &mut Session,
+        ctx: &mut PierCtx,
+    ) -> Result<Flow, Error> {
+        let Some(e) = self.hook(st, s, ctx, Phase::UpstreamRequest)? else {
+            return Ok(Flow::Continue);
+        };
+        let route = s.route.unwrap_or(0);
+        let lctx = ctx.lua.get_or_insert_with(Default::default);
+        let mut v = View {
+            sess: s,
+            resp: None,
+            pending: &mut ctx.pending,
+        };
+        match e
+            .upstream_request(route, &mut v, lctx)
+            .await
+            .map_err(hook_error)?
+        {
+            pier_lua::Flow::Continue => Ok(Flow::Continue),
+            pier_lua::Flow::Respond {
+                status,
+                headers,
+                body,
+            } => Ok(Flow::Respond(lua_response(
+                status,
+                headers,
+                body,
+                &ctx.pending,
+            ))),
+        }
+    }
+
+    fn response_filter(
+        &self,
+        st: &State,
+        s: &mut Session,
+        resp: &mut ResponseHead,
+        ctx: &mut PierCtx,
+    ) -> Result<(), Error> {
+        if !ctx.pending.is_empty() {
+            for (n, v) in ctx.pending.iter() {
+                resp.headers.insert(n, v);
+            }
+        }
+        let Some(e) = self.hook(st, s, ctx, Phase::HeaderFilter)? else {
+            return Ok(());
+        };
+        let route = s.route.unwrap_or(0);
+        let lctx = ctx.lua.get_or_insert_with(Default::default);
+        let mut v = View {
+            sess: s,
+            resp: Some(resp),
+            pending: &mut ctx.pending,
+        };
+        e.header_filter(route, &mut v, lctx).map_err(hook_error)
+    }
+
+    fn has_body_filter(&self, st: &State, s: &Session) -> bool {
+        let (Some(route), Some(_)) = (s.route, &st.lua) else {
+            return false;
+        };
+        matches!(&*self.engine.borrow(), Some((g, e)) if *g == st.generation && e.has_hook(route, Phase::BodyFilter))
+    }
+
+    fn body_filter(
+        &self,
+        st: &State,
+        s: &mut Session,
+        ctx: &mut PierCtx,
+        chunk: &mut BytesMut,
+        eof: bool,
+    ) -> Result<(), Error> {
+        let Some(e) = self.hook(st, s, ctx, Phase::BodyFilter)? else {
+            return Ok(());
+        };
+        let route = s.route.unwrap_or(0);
+        let lctx = ctx.lua.get_or_insert_with(Default::default);
+        let mut v = View {
+            sess: s,
+            resp: None,
+            pending: &mut ctx.pending,
+        };
+        e.body_filter(route, &mut v, lctx, chunk, eof)
+            .map_err(hook_error)
+    }
+
+    fn logging(&self, st: &State, s: &mut Session, ctx: &mut PierCtx) {
+        ctx.guards.clear();
+        if let Ok(Some(e)) = self.hook(st, s, ctx, Phase::Log) {
+            let route = s.route.unwrap_or(0);
+            let lctx = ctx.lua.get_or_insert_with(Default::default);
+            let mut v = View {
+                sess: s,
+                resp: None,
+                pending: &mut ctx.pending,
+            };
+            e.log(route, &mut v, lctx);
+        }
+    }
+}
+
+// === the request as Lua sees it ===
+
+struct View<'a> {
+    sess: &'a mut Session,
+    /// The origin's response once there is one (header_filter).
+    resp: Option<&'a mut ResponseHead>,
+    pending: &'a mut Headers,
+}
+
+impl HttpView for View<'_> {
+    fn method(&self) -> &[u8] {
+        self.sess.req.method()
+    }
+    fn uri(&self) -> &[u8] {
+        self.sess.req.uri()
+    }
+    fn set_uri(&mut self, uri: &[u8]) {
+        self.sess.req.set_uri(uri);
+    }
+    fn req_header(&self, name: &[u8]) -> Option<&[u8]> {
+        self.sess.req.headers.get(name)
+    }
+    fn req_headers(&self, f: &mut dyn FnMut(&[u8], &[u8])) {
+        for (n, v) in self.sess.req.headers.iter() {
+            f(n, v);
+        }
+    }
+    fn set_req_header(&mut self, name: &[u8], value: Option<&[u8]>) {
+        match value {
+            Some(v) => self.sess.req.headers.insert(name, v),
+            None => {
+                self.sess.req.headers.remove(name);
+            }
+        }
+    }
+    fn add_req_header(&mut self, name: &[u8], value: &[u8]) {
+        self.sess.req.headers.append(name, value);
+    }
+    fn client_addr(&self) -> SocketAddr {
+        self.sess.client
+    }
+    fn scheme(&self) -> &[u8] {
+        b"http"
+    }
+    fn host(&self) -> &[u8] {
+        self.sess.req.host().unwrap_or(b"")
+    }
+    fn server_port(&self) -> u16 {
+        self.sess.local.port()
+    }
+    fn status(&self) -> u16 {
+        self.resp
+            .as_ref()
+            .map(|r| r.status)
+            .unwrap_or(self.sess.status)
+    }
+    fn set_status(&mut self, status: u16) {
+        if let Some(r) = self.resp.as_mut() {
+            r.set_status(status);
+        }
+    }
+    fn resp_header(&self, name: &[u8]) -> Option<&[u8]> {
+        match &self.resp {
+            Some(r) => r.headers.get(name),
+            None => self.pending.get(name),
+        }
+    }
+    fn resp_headers(&self, f: &mut dyn FnMut(&[u8], &[u8])) {
+        let h = match &self.resp {
+            Some(r) => &r.headers,
+            None => &*self.pending,
+        };
+        for (n, v) in h.iter() {
+            f(n, v);
+        }
+    }
+    fn set_resp_header(&mut self, name: &[u8], value: Option<&[u8]>) {
+        let h = match self.resp.as_mut() {
+            Some(r) => &mut r.headers,
+            None => &mut *self.pending,
+        };
+        match value {
+            Some(v) => h.insert(name, v),
+            None => {
+                h.remove(name);
+            }
+        }
+    }
+    fn add_resp_header(&mut self, name: &[u8], value: &[u8]) {
+        match self.resp.as_mut() {
+            Some(r) => r.headers.append(name, value),
+            None => self.pending.append(name, value),
+        }
+    }
+    fn now_ns(&self) -> u64 {
+        self.sess.now_ns
+    }
+}
