@@ -124,6 +124,16 @@ impl PierProcess {
         config_toml: Option<&str>,
         args: &[&str],
     ) -> Result<PierProcess, String> {
+        Self::launch_env(bin_path, config_toml, args, &[])
+    }
+
+    /// [`PierProcess::launch`] with extra environment variables.
+    pub fn launch_env(
+        bin_path: &Path,
+        config_toml: Option<&str>,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<PierProcess, String> {
         let dir = TempDir::new();
         let config_path = dir.path().join("pier.toml");
         if let Some(text) = config_toml {
@@ -138,6 +148,7 @@ impl PierProcess {
             .args(&args)
             .env("PIER_READY_FILE", &ready_path)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(stdout)
             .stderr(stderr)
