@@ -204,6 +204,9 @@ pub struct LuaConfig {
     pub init_worker: Option<LuaSource>,
     /// Lua heap bytes per state (0 = unlimited).
     pub memory_limit: usize,
+    /// Extra `package.path` patterns for `require` (e.g. "/etc/pier/lua/?.lua");
+    /// relative ones are made absolute against the config file's directory.
+    pub package_path: Vec<String>,
     /// `[lua.shared] NAME = "10m"`: shared dictionaries, `(name, capacity
     /// bytes)`, sorted by name.
     pub shared: Vec<(String, usize)>,

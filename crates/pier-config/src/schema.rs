@@ -154,6 +154,7 @@ pub struct LuaSection {
     pub init_worker: Option<Spanned<String>>,
     pub init_worker_file: Option<Spanned<String>>,
     pub memory_limit: Option<Spanned<SizeValue>>,
+    pub package_path: Option<Vec<Spanned<String>>>,
     /// `[lua.shared]`: dictionary name -> capacity.
     pub shared: Option<BTreeMap<String, Spanned<SizeValue>>>,
 }

@@ -1188,6 +1188,7 @@ fn lua_inline_hooks_every_phase() {
 init = "x = 1"
 init_worker = "y = 2"
 memory_limit = "64m"
+package_path = ["/etc/pier/lua/?.lua", "lib/?/init.lua"]
 [lua.shared]
 ratelimit = "10m"
 cache = 65536
@@ -1216,6 +1217,14 @@ servers = ["127.0.0.1:9000"]
     assert_eq!(c.lua.init, inline("x = 1", "init"));
     assert_eq!(c.lua.init_worker, inline("y = 2", "init_worker"));
     assert_eq!(c.lua.memory_limit, 64 << 20);
+    let cwd = std::env::current_dir().unwrap();
+    assert_eq!(
+        c.lua.package_path,
+        [
+            "/etc/pier/lua/?.lua".to_string(),
+            cwd.join("lib/?/init.lua").display().to_string()
+        ]
+    );
     // Sorted by name.
     assert_eq!(
         c.lua.shared,
@@ -1400,6 +1409,11 @@ fn lua_errors() {
         ),
         "6:1",
         "unknown field `acess`, expected one of `access`, `access_file`",
+    );
+    one_error(
+        &format!("{BASE}[lua]\npackage_path = [\"lua/x.lua\"]\n"),
+        "9:17",
+        "`package_path` entry \"lua/x.lua\": a pattern with `?`",
     );
     one_error(
         &format!("{BASE}[lua]\ninit = 3\n"),
@@ -1722,7 +1736,8 @@ fn examples_say_what_they_do() {
     assert!(access.contains("pier.req.get_header(\"User-Agent\")"));
     assert!(access.contains("pier.req.get_header(\"X-Block\")"));
     assert!(access.contains("pier.exit(403)"));
-    assert!(code(&l.header_filter).contains("pier.resp.set_header(\"x-lua\", \"1\")"));
+    assert!(access.contains("pier.resp.set_header(\"x-lua\", \"1\")"));
+    assert_eq!(l.iter().count(), 1);
     assert!(c.rate_limits.is_empty() && c.lua.shared.is_empty());
 
     let c = get("lua-ratelimit.toml");

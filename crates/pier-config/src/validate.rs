@@ -38,6 +38,7 @@ impl Default for LuaConfig {
             init: None,
             init_worker: None,
             memory_limit: 128 << 20,
+            package_path: Vec::new(),
             shared: Vec::new(),
         }
     }
@@ -905,10 +906,31 @@ fn lua_config(c: &mut Check, l: LuaSection, base: &Path) -> LuaConfig {
             shared.push((name.clone(), usize::try_from(cap).unwrap_or(usize::MAX)));
         }
     }
+    let mut package_path = Vec::new();
+    for p in l.package_path.iter().flatten() {
+        let s = p.get_ref();
+        if !s.contains('?') || s.contains(';') {
+            c.err(
+                sp(p),
+                format!("`package_path` entry {s:?}: a pattern with `?` for the module name and no `;`, e.g. \"lua/?.lua\""),
+            );
+            continue;
+        }
+        let joined = base.join(s);
+        let abs = std::path::absolute(&joined).unwrap_or(joined);
+        match abs.to_str() {
+            Some(a) => package_path.push(a.to_string()),
+            None => c.err(
+                sp(p),
+                "`package_path`: the config file's directory is not UTF-8",
+            ),
+        }
+    }
     LuaConfig {
         init,
         init_worker,
         memory_limit,
+        package_path,
         shared,
     }
 }
