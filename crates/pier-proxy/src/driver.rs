@@ -584,7 +584,13 @@ async fn attempt_once<H: Hooks>(
         // Stream the request body while reading the response: an origin may
         // answer (100-continue, early errors, echo) before the body ends.
         let max_body = state.cfg.limits.max_body_bytes;
-        let pump = pump_body(&mut cr, &mut b.rbuf, &mut uw, body, max_body, t.client_idle);
+        let pace = BodyPace {
+            read_timeout: t.client_idle,
+            min_rate: state.cfg.limits.body_min_rate,
+            started: Instant::now(),
+            got: 0,
+        };
+        let pump = pump_body(&mut cr, &mut b.rbuf, &mut uw, body, max_body, pace);
         let relay = relay_response(
             w,
             state,
@@ -1040,6 +1046,45 @@ async fn write_timed<W: AsyncWrite + Unpin>(
     }
 }
 
+/// Minimum body rate applies after this grace time (slow starts are normal).
+const MIN_RATE_GRACE: Duration = Duration::from_secs(10);
+
+/// How a request body must arrive: per-read idle timeout, and (after a grace
+/// period) a minimum average rate, so a trickling upload can't hold a
+/// connection and an origin slot forever (slow-POST attacks).
+struct BodyPace {
+    read_timeout: Duration,
+    min_rate: u64,
+    started: Instant,
+    got: u64,
+}
+
+impl BodyPace {
+    async fn read_more<R: AsyncRead + Unpin>(
+        &mut self,
+        cr: &mut R,
+        rbuf: &mut BytesMut,
+    ) -> Result<(), Kind> {
+        rbuf.reserve(READ_CHUNK);
+        match timeout(self.read_timeout, cr.read_buf(rbuf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => Err(Kind::ClientClosed),
+            Ok(Ok(n)) => {
+                self.got += n as u64;
+                if self.min_rate > 0 {
+                    let el = self.started.elapsed();
+                    if el > MIN_RATE_GRACE
+                        && self.got * 1000 / (el.as_millis() as u64).max(1) < self.min_rate
+                    {
+                        return Err(Kind::BodyTimeout);
+                    }
+                }
+                Ok(())
+            }
+            Err(_) => Err(Kind::BodyTimeout),
+        }
+    }
+}
+
 /// Stream the request body from the client to the origin, exactly as framed
 /// (chunked bodies verbatim, validated by the scanner).
 async fn pump_body<R, W>(
@@ -1048,14 +1093,12 @@ async fn pump_body<R, W>(
     uw: &mut W,
     body: BodyLen,
     max_body: u64,
-    read_timeout: Duration,
+    mut pace: BodyPace,
 ) -> Result<(), Kind>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let started = Instant::now();
-    let _ = started;
     match body {
         BodyLen::None | BodyLen::UntilClose => Ok(()),
         BodyLen::Length(mut remaining) => loop {
@@ -1070,12 +1113,7 @@ where
             if remaining == 0 {
                 return Ok(());
             }
-            rbuf.reserve(READ_CHUNK);
-            match timeout(read_timeout, cr.read_buf(rbuf)).await {
-                Ok(Ok(0)) | Ok(Err(_)) => return Err(Kind::ClientClosed),
-                Ok(Ok(_)) => {}
-                Err(_) => return Err(Kind::BodyTimeout),
-            }
+            pace.read_more(cr, rbuf).await?;
         },
         BodyLen::Chunked => {
             let mut sc = ChunkedScanner::new();
@@ -1095,12 +1133,7 @@ where
                 if sc.is_done() {
                     return Ok(());
                 }
-                rbuf.reserve(READ_CHUNK);
-                match timeout(read_timeout, cr.read_buf(rbuf)).await {
-                    Ok(Ok(0)) | Ok(Err(_)) => return Err(Kind::ClientClosed),
-                    Ok(Ok(_)) => {}
-                    Err(_) => return Err(Kind::BodyTimeout),
-                }
+                pace.read_more(cr, rbuf).await?;
             }
         }
     }

@@ -33,6 +33,8 @@ pub struct Shared {
     pub pool: Pool,
     pub metrics: Metrics,
     pub access: AccessLog,
+    /// Open connections per client IP (`limits.max_connections_per_ip`).
+    pub per_ip: pier_limits::Inflight,
     drain_tx: watch::Sender<bool>,
 }
 
@@ -46,6 +48,7 @@ impl Shared {
             pool,
             metrics,
             access,
+            per_ip: pier_limits::Inflight::new(),
             drain_tx,
         }
     }
@@ -157,8 +160,26 @@ async fn accept_loop<H: Hooks>(w: Arc<Worker<H>>, listener: tokio::net::TcpListe
             drop(stream);
             continue;
         }
+        // Per-client-IP connection cap (a sketch: fixed memory whatever the IP count).
+        let max_ip = w.shared.state.load().cfg.limits.max_connections_per_ip;
+        let ip_guard = if max_ip > 0 {
+            let ip = pier_config::normalize(peer.ip());
+            let (g, n) = match ip {
+                std::net::IpAddr::V4(v4) => w.shared.per_ip.incr(&v4.octets()[..]),
+                std::net::IpAddr::V6(v6) => w.shared.per_ip.incr(&v6.octets()[..]),
+            };
+            if n > max_ip as isize {
+                w.shared.metrics.active_connections.fetch_sub(1, Relaxed);
+                w.shared.metrics.refused_connection();
+                continue;
+            }
+            Some(g)
+        } else {
+            None
+        };
         let w2 = w.clone();
         tokio::task::spawn_local(async move {
+            let _ip_guard = ip_guard;
             let shared = w2.shared.clone();
             driver::serve_connection(w2, stream, peer).await;
             shared.metrics.active_connections.fetch_sub(1, Relaxed);
