@@ -227,3 +227,26 @@ fn quick_mode_without_admin() {
     let p = PierProcess::start_args(bin(), &["proxy", "--listen", "127.0.0.1:0", "--to", &to]);
     assert_eq!(get(p.listener("main"), "/hello").body, b"hello world\n");
 }
+
+#[test]
+#[ignore = "pier: with PIER_DEMO_PORT=0 the demo origin binds a free port but upstream `demo` still points at 127.0.0.1:0 (502), so the default config cannot be tested without a fixed port"]
+fn default_config_proxies_to_the_demo_origin() {
+    let p = PierProcess::launch_env(
+        bin(),
+        None,
+        &["serve"],
+        &[
+            ("PIER_LISTEN", "127.0.0.1:0"),
+            ("PIER_ADMIN", "127.0.0.1:0"),
+            ("PIER_DEMO_PORT", "0"),
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let r = get(p.listener("main"), "/");
+    assert_eq!(r.status, 200, "{:?} {}", r.headers, r.body_str());
+    assert_eq!(get(p.admin(), "/healthz").status, 200);
+    // It tells the newcomer what it did and what to do next.
+    let logs = p.logs();
+    assert!(logs.contains(&p.listener("main").to_string()), "{logs}");
+    assert!(logs.contains("pier proxy"), "{logs}");
+}

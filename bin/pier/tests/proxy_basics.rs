@@ -369,3 +369,47 @@ fn access_log_is_json_lines() {
     let bytes = entries[0]["bytes"].as_u64();
     assert!(bytes.is_some_and(|b| b >= 12), "{}", entries[0]);
 }
+
+#[test]
+fn head_of_a_chunked_response_has_no_body() {
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    let r = c.request("HEAD", "/chunked/5000", &[], b"").unwrap();
+    assert_eq!(r.status, 200);
+    let r = c.get("/hello").unwrap();
+    assert_eq!(
+        r.body, b"hello world\n",
+        "connection out of sync after HEAD"
+    );
+}
+
+#[test]
+fn absolute_form_request_target_is_accepted() {
+    // RFC 9112 section 3.2.2: a server MUST accept the absolute form.
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    c.send(b"GET http://example.com/headers?x=1 HTTP/1.1\r\nhost: example.com\r\n\r\n");
+    let r = c.read_response().unwrap();
+    assert_eq!(r.status, 200, "{}", r.body_str());
+    let first = r.body_str().lines().next().unwrap_or("").to_string();
+    assert!(
+        first.starts_with("GET ") && first.contains("/headers?x=1") && first.ends_with(" HTTP/1.1"),
+        "{first:?}"
+    );
+}
+
+#[test]
+fn obs_text_header_values_pass_through_unchanged() {
+    // Permissive where harmless: bytes 0x80-0xFF in a value are valid (obs-text).
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    c.send(b"GET /headers HTTP/1.1\r\nhost: a\r\nx-latin: caf\xe9 \xc3\xa9t\xc3\xa9\r\nx-empty:\r\n\r\n");
+    let r = c.read_response().unwrap();
+    assert_eq!(r.status, 200);
+    let needle = b"x-latin: caf\xe9 \xc3\xa9t\xc3\xa9\r\n";
+    assert!(
+        r.body.windows(needle.len()).any(|w| w == needle),
+        "{:?}",
+        String::from_utf8_lossy(&r.body)
+    );
+}
