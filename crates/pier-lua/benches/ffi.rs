@@ -155,16 +155,40 @@ fn benches(c: &mut Criterion) {
     );
 
     // Fixed cost per request: a coroutine plus publishing the request.
-    let e =
-        engine("local ua = pier.req.get_header('user-agent') if ua == nil then pier.exit(403) end");
+    per_request(
+        c,
+        "access hook call, empty hook (per request)",
+        "local x = 1",
+    );
+    per_request(
+        c,
+        "access hook call, get_header + compare (per request)",
+        "local ua = pier.req.get_header('user-agent') if ua == nil then pier.exit(403) end",
+    );
+    per_request(
+        c,
+        "access hook call, pier.exit(403) (per request)",
+        "pier.exit(403)",
+    );
+    loop_bench(
+        c,
+        "ffi get_header, interpreter only (per call)",
+        "jit.off(true, true) local get, n = pier.req.get_header, 0 for i = 1, N do n = n + #get('user-agent') end jit.on(true, true)",
+    );
+}
+
+fn per_request(c: &mut Criterion, name: &str, code: &str) {
+    let e = engine(code);
     let rt = rt();
-    c.bench_function("access hook call (per request)", |b| {
+    c.bench_function(name, |b| {
         b.iter_custom(|iters| {
             let mut v = view();
             let t0 = Instant::now();
             rt.block_on(async {
                 for _ in 0..iters {
-                    e.access(0, &mut v, &mut RequestCtx::new()).await.unwrap();
+                    std::hint::black_box(
+                        e.access(0, &mut v, &mut RequestCtx::new()).await.unwrap(),
+                    );
                 }
             });
             t0.elapsed()

@@ -527,3 +527,21 @@ fn log_phase_errors_are_logged_not_returned() {
         "{got}"
     );
 }
+
+#[test]
+fn large_values_grow_the_copy_buffer() {
+    let e = access_engine(
+        r#"
+        local big = pier.req.get_header("x-big")
+        assert(#big == 10000 and big == string.rep("b", 10000), #big)
+        assert(pier.var.http_x_big == big)
+        pier.resp.set_header("x-echo", big)
+        assert(pier.resp.get_header("x-echo") == big)
+        assert(pier.req.get_header("user-agent") == "curl/8.0")
+        "#,
+    );
+    let mut v = TestView::default();
+    v.headers.push((b"X-Big".to_vec(), vec![b'b'; 10000]));
+    run(e.access(0, &mut v, &mut RequestCtx::new())).unwrap();
+    assert_eq!(v.resp("x-echo").map(|s| s.len()), Some(10000));
+}

@@ -17,13 +17,13 @@ typedef struct {
   int (*req_set_path)(const char *, size_t);
   int (*req_set_args)(const char *, size_t);
   int (*req_args)(const pier_pair_t **);
-  int (*req_header)(const char *, size_t, const char **, size_t *);
+  int (*req_header)(const char *, size_t, char *, size_t);
   int (*req_headers)(const pier_pair_t **);
   int (*req_set_header)(const char *, size_t, const char *, size_t, int);
-  int (*var)(const char *, size_t, const char **, size_t *);
+  int (*var)(const char *, size_t, char *, size_t);
   int (*resp_status)(void);
   int (*resp_set_status)(int);
-  int (*resp_header)(const char *, size_t, const char **, size_t *);
+  int (*resp_header)(const char *, size_t, char *, size_t);
   int (*resp_headers)(const pier_pair_t **);
   int (*resp_set_header)(const char *, size_t, const char *, size_t, int);
   int (*ctx_ref)(void);
@@ -65,6 +65,17 @@ local M = {
   E_PHASE = -2, E_INVAL = -3, E_INTERNAL = -4, E_NOMEM = -5,
   E_EXISTS = -6, E_NOTFOUND = -7, E_NAN = -8,
 }
+
+-- A reusable copy-out buffer for getters returning `len` (filled when
+-- `len <= cap`): grown, never shrunk. `M.buf`/`M.cap` are the current one.
+M.cap = 4096
+M.buf = ffi.new("char[?]", M.cap)
+function M.grow(n)
+  local cap = M.cap
+  while cap < n do cap = cap * 2 end
+  M.cap, M.buf = cap, ffi.new("char[?]", cap)
+  return M.buf, cap
+end
 
 local phases = { [0] = "init", "init_worker", "access", "content", "balancer",
   "upstream_request", "header_filter", "body_filter", "log", "timer" }

@@ -28,8 +28,10 @@ function pier.get_phase()
 end
 
 -- Seconds since the epoch (ms precision) from the request's clock snapshot.
+local C_now, C_ctx_ref = api.now, api.ctx_ref
+
 function pier.now()
-  return api.now()
+  return C_now()
 end
 
 -- pier.exit(status[, body]): respond now (status >= 100) or, with 0, end
@@ -169,7 +171,7 @@ local ctxs = {}
 setmetatable(pier, {
   __index = function(_, k)
     if k ~= "ctx" then return nil end
-    local ref = api.ctx_ref()
+    local ref = C_ctx_ref()
     if ref > 0 then return ctxs[ref] end
     if ref == -1 then ref = api.ctx_new_ref() end
     if ref < 0 then fail(ref, "pier.ctx") end

@@ -8,6 +8,7 @@ local ffi_string, type, tostring, pairs, concat = ffi.string, type, tostring, pa
 local str_format, str_byte, setmetatable, rawget = string.format, string.byte, setmetatable, rawget
 
 local req = {}
+local C_req_set_header = api.req_set_header
 
 function req.get_method()
   local rc = api.req_method(ptr, len)
@@ -72,12 +73,24 @@ function req.set_uri_args(args)
   if rc < 0 then fail(rc, "pier.req.set_uri_args") end
 end
 
+-- Function pointers cached as upvalues: the interpreter then skips a cdata
+-- field lookup (and a cdata allocation) per call.
+local C_req_header = api.req_header
+
+local buf, cap = base.buf, base.cap
+
 -- The first value of header `name` (case-insensitive), or nil.
 function req.get_header(name)
   if type(name) ~= "string" then name = tostring(name) end
-  local rc = api.req_header(name, #name, ptr, len)
-  if rc == 1 then return ffi_string(ptr[0], len[0]) end
-  if rc < 0 then fail(rc, "pier.req.get_header") end
+  local n = C_req_header(name, #name, buf, cap)
+  if n >= 0 then
+    if n > cap then
+      buf, cap = base.grow(n)
+      n = C_req_header(name, #name, buf, cap)
+    end
+    return ffi_string(buf, n)
+  end
+  if n ~= -1 then fail(n, "pier.req.get_header") end
   return nil
 end
 
@@ -100,17 +113,17 @@ local function set_header(name, value, what, mode)
   if type(name) ~= "string" then name = tostring(name) end
   local rc
   if value == nil then
-    rc = api.req_set_header(name, #name, nil, 0, 2)
+    rc = C_req_set_header(name, #name, nil, 0, 2)
   elseif type(value) == "table" then
-    rc = api.req_set_header(name, #name, nil, 0, 2)
+    rc = C_req_set_header(name, #name, nil, 0, 2)
     for i = 1, #value do
       if rc < 0 then break end
       local v = tostr(value[i])
-      rc = api.req_set_header(name, #name, v, #v, 1)
+      rc = C_req_set_header(name, #name, v, #v, 1)
     end
   else
     value = tostr(value)
-    rc = api.req_set_header(name, #name, value, #value, mode)
+    rc = C_req_set_header(name, #name, value, #value, mode)
   end
   return rc
 end

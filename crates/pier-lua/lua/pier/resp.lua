@@ -20,11 +20,20 @@ function resp.set_status(status)
   if rc < 0 then fail(rc, "pier.resp.set_status") end
 end
 
+local C_resp_header, C_resp_set_header = api.resp_header, api.resp_set_header
+local buf, cap = base.buf, base.cap
+
 function resp.get_header(name)
   if type(name) ~= "string" then name = tostring(name) end
-  local rc = api.resp_header(name, #name, ptr, len)
-  if rc == 1 then return ffi_string(ptr[0], len[0]) end
-  if rc < 0 then fail(rc, "pier.resp.get_header") end
+  local n = C_resp_header(name, #name, buf, cap)
+  if n >= 0 then
+    if n > cap then
+      buf, cap = base.grow(n)
+      n = C_resp_header(name, #name, buf, cap)
+    end
+    return ffi_string(buf, n)
+  end
+  if n ~= -1 then fail(n, "pier.resp.get_header") end
   return nil
 end
 
@@ -35,20 +44,21 @@ function resp.get_headers()
 end
 
 local function set(name, value, mode)
+  -- (C_resp_set_header: cached function pointer, see get_header)
   if type(name) ~= "string" then name = tostring(name) end
   if value == nil then
-    return api.resp_set_header(name, #name, nil, 0, 2)
+    return C_resp_set_header(name, #name, nil, 0, 2)
   elseif type(value) == "table" then
-    local rc = api.resp_set_header(name, #name, nil, 0, 2)
+    local rc = C_resp_set_header(name, #name, nil, 0, 2)
     for i = 1, #value do
       if rc < 0 then return rc end
       local v = tostr(value[i])
-      rc = api.resp_set_header(name, #name, v, #v, 1)
+      rc = C_resp_set_header(name, #name, v, #v, 1)
     end
     return rc
   end
   value = tostr(value)
-  return api.resp_set_header(name, #name, value, #value, mode)
+  return C_resp_set_header(name, #name, value, #value, mode)
 end
 
 function resp.set_header(name, value)

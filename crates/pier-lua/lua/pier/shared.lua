@@ -12,6 +12,8 @@ local ffi_string, type, tostring, tonumber, setmetatable, rawset =
 local E_INVAL, E_NOMEM, E_EXISTS, E_NOTFOUND, E_NAN =
   base.E_INVAL, base.E_NOMEM, base.E_EXISTS, base.E_NOTFOUND, base.E_NAN
 
+local C_get, C_store, C_incr = api.shdict_get, api.shdict_store, api.shdict_incr
+
 local Dict = {}
 Dict.__index = Dict
 
@@ -34,7 +36,7 @@ end
 function Dict.get(self, key)
   key = key_of(key)
   if not key or #key == 0 then return nil, "nil key" end
-  local rc = api.shdict_get(self.idx, key, #key, 0, ptr, len, num, u32)
+  local rc = C_get(self.idx, key, #key, 0, ptr, len, num, u32)
   if rc > 0 then return value_of(rc) end
   if rc < 0 then fail(rc, "pier.shared.get") end
   return nil
@@ -44,7 +46,7 @@ end
 function Dict.get_stale(self, key)
   key = key_of(key)
   if not key or #key == 0 then return nil, "nil key" end
-  local rc = api.shdict_get(self.idx, key, #key, 1, ptr, len, num, u32)
+  local rc = C_get(self.idx, key, #key, 1, ptr, len, num, u32)
   if rc < 0 then fail(rc, "pier.shared.get_stale") end
   if rc == 0 then return nil end
   local stale = rc >= 16
@@ -73,7 +75,7 @@ local function store(self, op, key, value, exptime, flags)
   elseif tv ~= "nil" then
     return nil, "bad value type"
   end
-  local rc = api.shdict_store(self.idx, op, key, #key, vt, vs, vl, vn, tonumber(exptime) or 0, tonumber(flags) or 0)
+  local rc = C_store(self.idx, op, key, #key, vt, vs, vl, vn, tonumber(exptime) or 0, tonumber(flags) or 0)
   if rc >= 0 then return true, nil, rc == 1 end
   local e = errs[rc]
   if e then return false, e, false end
@@ -101,7 +103,7 @@ function Dict.incr(self, key, value, init, init_ttl)
   else
     init = 0
   end
-  local rc = api.shdict_incr(self.idx, key, #key, value, init, has_init, tonumber(init_ttl) or 0, num)
+  local rc = C_incr(self.idx, key, #key, value, init, has_init, tonumber(init_ttl) or 0, num)
   if rc >= 0 then return num[0], nil, rc == 1 end
   local e = errs[rc]
   if e then return nil, e, false end

@@ -72,14 +72,14 @@ pub struct PierApi {
     pub req_set_path: extern "C" fn(*const c_char, usize) -> c_int,
     pub req_set_args: extern "C" fn(*const c_char, usize) -> c_int,
     pub req_args: extern "C" fn(*mut *const PierPair) -> c_int,
-    pub req_header: extern "C" fn(*const c_char, usize, OutPtr, OutLen) -> c_int,
+    pub req_header: extern "C" fn(*const c_char, usize, *mut c_char, usize) -> c_int,
     pub req_headers: extern "C" fn(*mut *const PierPair) -> c_int,
     pub req_set_header: extern "C" fn(*const c_char, usize, *const c_char, usize, c_int) -> c_int,
-    pub var: extern "C" fn(*const c_char, usize, OutPtr, OutLen) -> c_int,
+    pub var: extern "C" fn(*const c_char, usize, *mut c_char, usize) -> c_int,
     // response
     pub resp_status: extern "C" fn() -> c_int,
     pub resp_set_status: extern "C" fn(c_int) -> c_int,
-    pub resp_header: extern "C" fn(*const c_char, usize, OutPtr, OutLen) -> c_int,
+    pub resp_header: extern "C" fn(*const c_char, usize, *mut c_char, usize) -> c_int,
     pub resp_headers: extern "C" fn(*mut *const PierPair) -> c_int,
     pub resp_set_header: extern "C" fn(*const c_char, usize, *const c_char, usize, c_int) -> c_int,
     // per-request state and flow
@@ -223,6 +223,22 @@ pub(crate) fn out(s: &[u8], p: OutPtr, n: OutLen) {
         *p = s.as_ptr().cast();
         *n = s.len();
     }
+}
+
+/// Copies a string result into the caller's buffer `(buf, cap)` if it fits
+/// and returns its length either way (the wrapper grows its buffer and
+/// calls again when the length exceeds `cap`). Used by the hottest getters:
+/// copying a header value is cheaper than handing Lua a pointer and a
+/// boxed 64-bit length, which costs two cdata allocations per call when the
+/// code runs in the interpreter.
+#[inline(always)]
+pub(crate) fn copy_out(s: &[u8], buf: *mut c_char, cap: usize) -> c_int {
+    if s.len() <= cap && !buf.is_null() {
+        // SAFETY: `buf` is the wrapper's `char[cap]` buffer, valid for `cap`
+        // bytes; `s` is Rust memory, so the ranges do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len()) };
+    }
+    c_int::try_from(s.len()).unwrap_or(E_INVAL)
 }
 
 /// Writes a value to an out-parameter if it is not NULL.

@@ -3,6 +3,7 @@
 use std::io::Write as _;
 use std::os::raw::{c_char, c_int};
 
+use super::copy_out;
 use super::{
     arg, out, valid_name, valid_value, with_view, OutLen, OutPtr, PierPair, E_INVAL, SCRATCH,
 };
@@ -147,15 +148,17 @@ pub(super) extern "C" fn args(outp: *mut *const PierPair) -> c_int {
     })
 }
 
-/// 1 and the first value if header `name` is present, 0 if not.
-pub(super) extern "C" fn header(name: *const c_char, nlen: usize, p: OutPtr, n: OutLen) -> c_int {
+/// The first value of header `name` copied to `buf` (see `copy_out`), or -1.
+pub(super) extern "C" fn header(
+    name: *const c_char,
+    nlen: usize,
+    buf: *mut c_char,
+    cap: usize,
+) -> c_int {
     let name = arg(name, nlen);
     with_view(mask::REQ_READ, |v, _| match v.req_header(name) {
-        Some(val) => {
-            out(val, p, n);
-            1
-        }
-        None => 0,
+        Some(val) => copy_out(val, buf, cap),
+        None => -1,
     })
 }
 
@@ -227,8 +230,9 @@ pub(super) extern "C" fn set_header(
     })
 }
 
-/// `pier.var.NAME`: 1 and the value, or 0 for an unknown/absent variable.
-pub(super) extern "C" fn var(name: *const c_char, nlen: usize, p: OutPtr, n: OutLen) -> c_int {
+/// `pier.var.NAME` copied to `buf` (see `copy_out`), or -1 for an
+/// unknown/absent variable.
+pub(super) extern "C" fn var(name: *const c_char, nlen: usize, p: *mut c_char, n: usize) -> c_int {
     let name = arg(name, nlen);
     with_view(mask::REQ_READ, |v, _| {
         let direct: Option<&[u8]> = match name {
@@ -246,8 +250,7 @@ pub(super) extern "C" fn var(name: *const c_char, nlen: usize, p: OutPtr, n: Out
             _ => None,
         };
         if let Some(val) = direct {
-            out(val, p, n);
-            return 1;
+            return copy_out(val, p, n);
         }
         if let Some(h) = name.strip_prefix(b"http_") {
             return SCRATCH.with_borrow_mut(|s| {
@@ -255,11 +258,8 @@ pub(super) extern "C" fn var(name: *const c_char, nlen: usize, p: OutPtr, n: Out
                 s.bytes
                     .extend(h.iter().map(|&c| if c == b'_' { b'-' } else { c }));
                 match v.req_header(&s.bytes) {
-                    Some(val) => {
-                        out(val, p, n);
-                        1
-                    }
-                    None => 0,
+                    Some(val) => copy_out(val, p, n),
+                    None => -1,
                 }
             });
         }
@@ -273,10 +273,9 @@ pub(super) extern "C" fn var(name: *const c_char, nlen: usize, p: OutPtr, n: Out
                 _ => false,
             };
             if ok {
-                out(&s.bytes, p, n);
-                1
+                copy_out(&s.bytes, p, n)
             } else {
-                0
+                -1
             }
         })
     })

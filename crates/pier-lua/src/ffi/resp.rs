@@ -3,7 +3,7 @@
 use std::os::raw::{c_char, c_int};
 
 use super::req::{apply_header, collect_headers};
-use super::{arg, out, with_view, OutLen, OutPtr, PierPair, E_INVAL};
+use super::{arg, copy_out, with_view, PierPair, E_INVAL};
 use crate::phase::mask;
 use crate::view::HttpView;
 
@@ -21,14 +21,17 @@ pub(super) extern "C" fn set_status(status: c_int) -> c_int {
     })
 }
 
-pub(super) extern "C" fn header(name: *const c_char, nlen: usize, p: OutPtr, n: OutLen) -> c_int {
+/// The first value of response header `name` copied to `buf` (see `copy_out`), or -1.
+pub(super) extern "C" fn header(
+    name: *const c_char,
+    nlen: usize,
+    buf: *mut c_char,
+    cap: usize,
+) -> c_int {
     let name = arg(name, nlen);
     with_view(mask::RESP_READ, |v, _| match v.resp_header(name) {
-        Some(val) => {
-            out(val, p, n);
-            1
-        }
-        None => 0,
+        Some(val) => copy_out(val, buf, cap),
+        None => -1,
     })
 }
 
