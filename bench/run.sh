@@ -61,7 +61,7 @@ build_pier() {
     has_proxy pier || has_proxy pier-lua || return 0
     if [ "$SKIP_BUILD" != 1 ]; then
         log "building pier: cargo build --release -p pier"
-        if ! (cd "$ROOT" && cargo build --release -p pier) >"$RUN/cargo-build.log" 2>&1; then
+        if ! (cd "$ROOT" && nice -n 10 cargo build --release -p pier) >"$RUN/cargo-build.log" 2>&1; then
             tail -n 20 "$RUN/cargo-build.log" >&2
             log "Pier does NOT build yet (cargo build --release -p pier failed; log: $RUN/cargo-build.log)."
             log "Skipping the pier and pier-lua scenarios; the peers are still measured."
