@@ -51,9 +51,13 @@
 //! 5 x 2719 (106 KiB); the [`Rate`] default 4 x 2048 (64 KiB per window) keeps
 //! the overcount under 0.13% of the window's events with probability 98%.
 //! For limits, what matters is the chance an innocent key is pushed over its
-//! limit `L`: a row's extra count averages `total / N`, so size N to a few
-//! times `events per window / L` (e.g. 100k req/s against a 10 r/s limit:
-//! N >= 16384 makes the mean extra 6 and, over 4 rows, crossing 10 rare).
+//! limit `L`: a row's extra count averages `total / N`, so N must grow with
+//! `events per window / L`; [`RateLimiter::sized_for`] takes
+//! `N = 4 * events per window / L` (e.g. 100k req/s against a 10 r/s limit:
+//! N = 40000, 3.8 MB), which keeps a wrong denial under 0.4% for any traffic
+//! and far rarer for evenly spread keys. A sketch sized below that fills up:
+//! under a flood of distinct keys far beyond its size it denies everyone,
+//! though its memory still stays put.
 //! Two unrelated keys share all H counters with probability `N^-H`
 //! ([`Inflight`]'s 4 x 8192 default: 2^-52, the pingora-limits choice), which
 //! is what matters when the threshold is far above a healthy key's count.
