@@ -1272,6 +1272,9 @@ servers = ["127.0.0.1:9000"]
         inline("pier.exit(403)", "route route-1 access")
     );
     assert_eq!(c.lua.memory_limit, 0);
+    // Inline code is config text: `$$` and `${NAME}` are expanded in it.
+    let text = format!("{BASE}[lua]\ninit = \"s = '$$ ${{X:-x}} $1'\"\n");
+    assert_eq!(ok(&text).lua.init, inline("s = '$ x $1'", "init"));
 }
 
 #[test]
