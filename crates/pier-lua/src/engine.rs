@@ -34,6 +34,8 @@ pub struct RequestCtx {
     pub(crate) body: Vec<u8>,
     pub(crate) peer: Option<std::net::SocketAddr>,
     pub(crate) retries: Option<u32>,
+    /// Set by the runner coroutine when the hook returned (see `Runners`).
+    pub(crate) done: bool,
 }
 
 impl RequestCtx {
@@ -46,6 +48,7 @@ impl RequestCtx {
             body: Vec::new(),
             peer: None,
             retries: None,
+            done: false,
         }
     }
 }
@@ -106,7 +109,20 @@ pub(crate) struct Inner {
     hooks: Vec<[Option<Function>; 7]>,
     pub timers: crate::io::Timers,
     memory_limit: usize,
+    runners: Runners,
 }
+
+/// Idle "runner" coroutines, reused across requests instead of creating a
+/// coroutine per hook run. A runner loops `f = yield(); f()` (see
+/// `lua/pier/runner.lua`); it goes back to the pool only when its hook
+/// returned normally (after an error it is dead, after `pier.exit` it is
+/// suspended inside user code: both are dropped).
+struct Runners {
+    runner: Function,
+    idle: RefCell<Vec<mlua::Thread>>,
+}
+
+const MAX_IDLE_RUNNERS: usize = 256;
 
 /// A per-thread LuaJIT state running the hooks of one [`LuaSetup`].
 /// `!Send`: create one on each worker thread.
@@ -141,7 +157,16 @@ impl LuaEngine {
             }
             hooks.push(slots);
         }
+        let runner: Function = lua
+            .load(include_str!("../lua/pier/runner.lua"))
+            .set_name("@pier/runner.lua")
+            .eval()
+            .map_err(err)?;
         let inner = Rc::new(Inner {
+            runners: Runners {
+                runner,
+                idle: RefCell::new(Vec::new()),
+            },
             lua,
             shared,
             ctx_slots: Rc::default(),
@@ -201,6 +226,11 @@ impl LuaEngine {
         self.inner.lua.used_memory()
     }
 
+    /// Idle pooled hook coroutines (a metric; see `Runners`).
+    pub fn idle_runners(&self) -> usize {
+        self.inner.runners.idle.borrow().len()
+    }
+
     /// `pier.ctx` slots handed out so far (bounded by peak concurrency).
     pub fn ctx_slots_high_water(&self) -> i32 {
         self.inner.ctx_slots.high_water()
@@ -243,10 +273,27 @@ impl LuaEngine {
         };
         self.inner.timers.start_pending();
         let err = |e| LuaError::lua(Some(phase), e);
-        let thread = self.inner.lua.create_thread(f.clone()).map_err(err)?;
-        let fut = thread.into_async::<()>(()).map_err(err)?;
+        let runners = &self.inner.runners;
+        let thread = match runners.idle.borrow_mut().pop() {
+            Some(t) => t,
+            None => self
+                .inner
+                .lua
+                .create_thread(runners.runner.clone())
+                .map_err(err)?,
+        };
+        let handle = thread.clone();
+        let fut = thread.into_async::<()>(f).map_err(err)?;
+        ctx.done = false;
         let cur = self.cur(phase, view, ctx);
         let r = Hooked { fut, cur }.await;
+        if ctx.done {
+            ctx.done = false;
+            let mut idle = runners.idle.borrow_mut();
+            if idle.len() < MAX_IDLE_RUNNERS {
+                idle.push(handle);
+            }
+        }
         self.after_hook();
         r.map_err(err)?;
         Ok(true)
@@ -421,7 +468,11 @@ impl<F: Future<Output = mlua::Result<()>> + Unpin> Future for Hooked<F> {
             Poll::Ready(r) => Poll::Ready(r),
             Poll::Pending => match self.cur.ctx {
                 // SAFETY: published only while the hook call holds the `&mut`.
-                Some(ctx) if unsafe { ctx.as_ref() }.exit.is_some() => Poll::Ready(Ok(())),
+                Some(ctx)
+                    if unsafe { ctx.as_ref() }.exit.is_some() || unsafe { ctx.as_ref() }.done =>
+                {
+                    Poll::Ready(Ok(()))
+                }
                 _ => Poll::Pending,
             },
         }

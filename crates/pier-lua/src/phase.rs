@@ -129,6 +129,8 @@ pub(crate) mod mask {
     pub const BALANCER: u32 = set(&[Balancer]);
     /// Calls that yield: `pier.sleep`, cosockets, `pier.http`.
     pub const YIELD: u32 = set(&[Access, Content, Balancer, UpstreamRequest, Timer]);
+    /// Any phase.
+    pub const ANY: u32 = (1 << 10) - 1;
     /// `pier.timer.*`.
     pub const TIMER: u32 = set(&[
         InitWorker,

@@ -545,3 +545,44 @@ fn large_values_grow_the_copy_buffer() {
     run(e.access(0, &mut v, &mut RequestCtx::new())).unwrap();
     assert_eq!(v.resp("x-echo").map(|s| s.len()), Some(10000));
 }
+
+#[test]
+fn hook_coroutines_are_reused_only_after_a_normal_return() {
+    let e = access_engine(
+        r#"
+        local mode = pier.req.get_header("x-mode")
+        COUNT = (COUNT or 0) + 1
+        if mode == "exit" then pier.exit(403) end
+        if mode == "error" then error("boom") end
+        if mode == "sleep" then pier.sleep(0.001) end
+        local x = 1 -- locals of one run never leak into the next
+        assert(seen == nil)
+        "#,
+    );
+    let req = |mode: &str| {
+        let mut v = TestView::default();
+        v.headers
+            .push((b"X-Mode".to_vec(), mode.as_bytes().to_vec()));
+        run(e.access(0, &mut v, &mut RequestCtx::new()))
+    };
+    assert_eq!(e.idle_runners(), 0);
+    req("plain").unwrap();
+    assert_eq!(e.idle_runners(), 1);
+    for _ in 0..10 {
+        req("plain").unwrap();
+        req("sleep").unwrap();
+    }
+    assert_eq!(e.idle_runners(), 1);
+    assert!(matches!(
+        req("exit").unwrap(),
+        Flow::Respond { status: 403, .. }
+    ));
+    // The exited coroutine is not returned; the idle one was used and dropped.
+    assert_eq!(e.idle_runners(), 0);
+    assert!(req("error").unwrap_err().message.contains("boom"));
+    assert_eq!(e.idle_runners(), 0);
+    req("plain").unwrap();
+    assert_eq!(e.idle_runners(), 1);
+    let count: i64 = e.lua().globals().get("COUNT").unwrap();
+    assert_eq!(count, 24);
+}

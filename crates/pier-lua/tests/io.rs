@@ -286,3 +286,33 @@ fn http_request_keepalive_and_chunked() {
         "HTTP keep-alive not reused"
     );
 }
+
+#[test]
+fn collected_sockets_free_their_slot() {
+    let (port, conns) = resp_server();
+    let code = format!(
+        r#"
+        local max = -1
+        for i = 1, 200 do
+          local s = pier.socket.tcp()
+          if s.id > max then max = s.id end
+          if i % 50 == 0 then
+            -- an open, never closed connection is closed by the collector too
+            assert(s:connect("127.0.0.1", {port}))
+          end
+        end
+        collectgarbage()
+        collectgarbage()
+        local s = pier.socket.tcp()
+        assert(s.id <= max, "slot not reused")
+        local before = s.id
+        s = nil
+        collectgarbage()
+        collectgarbage()
+        assert(pier.socket.tcp().id == before)
+        "#
+    );
+    let e = access_engine(&code);
+    run(e.access(0, &mut TestView::default(), &mut RequestCtx::new())).unwrap();
+    assert_eq!(conns.load(Ordering::SeqCst), 4);
+}

@@ -147,3 +147,46 @@ fn jit_shared_dict() {
         "#,
     );
 }
+
+/// A hook without a loop, run once per request: the pooled runner coroutine
+/// (`lua/pier/runner.lua`) gives the JIT a loop spanning requests, so the
+/// hook and the API calls compile across requests too.
+#[test]
+fn jit_one_shot_hook_across_requests() {
+    let e = access_engine(
+        "local ua = pier.req.get_header('user-agent') if ua == nil then pier.exit(403) end pier.resp.set_header('x-lua', '1') pier.ctx.n = 1",
+    );
+    e.lua()
+        .load(
+            r#"
+            EV = { stops = 0, aborts = {} }
+            jit.attach(function(what, tr, func, pc, otr, oex)
+              if what == "stop" then EV.stops = EV.stops + 1 end
+              if what == "abort" then
+                local fi = require("jit.util").funcinfo(func, pc)
+                EV.aborts[#EV.aborts + 1] = tostring(fi.source) .. ":" .. tostring(fi.currentline) .. " code " .. tostring(otr)
+              end
+            end, "trace")
+            "#,
+        )
+        .exec()
+        .unwrap();
+    run(async {
+        for _ in 0..500 {
+            let mut v = TestView::default();
+            e.access(0, &mut v, &mut RequestCtx::new()).await.unwrap();
+            assert_eq!(v.resp("x-lua").as_deref(), Some("1"));
+        }
+    });
+    let ev: Table = e.lua().globals().get("EV").unwrap();
+    let stops: i64 = ev.get("stops").unwrap();
+    let aborts: Vec<String> = ev
+        .get::<Table>("aborts")
+        .unwrap()
+        .sequence_values()
+        .map(Result::unwrap)
+        .collect();
+    eprintln!("one-shot: {stops} traces, aborts: {aborts:?}");
+    assert!(stops >= 1, "no trace compiled across requests: {aborts:?}");
+    assert!(!aborts.iter().any(|a| a.contains("pier/")), "{aborts:?}");
+}

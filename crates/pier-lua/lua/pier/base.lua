@@ -46,6 +46,7 @@ typedef struct {
   int (*shdict_flush_expired)(int, int);
   int (*shdict_keys)(int, int, const pier_pair_t **);
   int (*shdict_capacity)(int, double *, double *);
+  int (*hook_done)(void);
 } pier_api_t;
 ]]
 

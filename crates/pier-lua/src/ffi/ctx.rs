@@ -87,6 +87,14 @@ pub(super) extern "C" fn ctx_new_ref() -> c_int {
     })
 }
 
+/// Called by the runner coroutine when a pooled hook run has finished.
+pub(super) extern "C" fn hook_done() -> c_int {
+    with_ctx(crate::phase::mask::ANY, |c, _| {
+        c.done = true;
+        0
+    })
+}
+
 /// `pier.exit(status[, body])`: 0 ends the hook and continues; 100..=599
 /// answers. The wrapper yields right after, and the engine stops the hook.
 pub(super) extern "C" fn exit(

@@ -125,6 +125,7 @@ pub struct PierApi {
     pub shdict_flush_expired: extern "C" fn(c_int, c_int) -> c_int,
     pub shdict_keys: extern "C" fn(c_int, c_int, *mut *const PierPair) -> c_int,
     pub shdict_capacity: extern "C" fn(c_int, *mut f64, *mut f64) -> c_int,
+    pub hook_done: extern "C" fn() -> c_int,
 }
 
 /// The one API table; its address is what Lua casts.
@@ -168,6 +169,7 @@ pub static API: PierApi = PierApi {
     shdict_flush_expired: shdict::flush_expired,
     shdict_keys: shdict::keys,
     shdict_capacity: shdict::capacity,
+    hook_done: ctx::hook_done,
 };
 
 /// The address Lua casts to `const pier_api_t*` (fits a double: user-space
