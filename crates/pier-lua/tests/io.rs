@@ -314,5 +314,10 @@ fn collected_sockets_free_their_slot() {
     );
     let e = access_engine(&code);
     run(e.access(0, &mut TestView::default(), &mut RequestCtx::new())).unwrap();
+    // The server accepts asynchronously: wait (bounded) for the 4 accepts.
+    let t0 = std::time::Instant::now();
+    while conns.load(Ordering::SeqCst) < 4 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     assert_eq!(conns.load(Ordering::SeqCst), 4);
 }
