@@ -1,0 +1,496 @@
+//! Lua hooks at every phase, through a real Pier process and real origins: access
+//! (read headers, deny, redirect, rewrite the URI and request headers), content (answers
+//! without the origin), balancer (chooses the peer), upstream_request, header_filter,
+//! body_filter (re-framed as chunked), log, `pier.ctx` across phases, `pier.var`,
+//! `pier.now()`, and the two Lua examples.
+
+mod common;
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use common::*;
+
+/// One `[[route]]` with its `[route.lua]` table: `upstream` may be empty (content-only
+/// route), `hooks` is `phase = '''code'''` lines.
+fn lua_route(name: &str, path: &str, upstream: &str, hooks: &str) -> String {
+    let up = if upstream.is_empty() {
+        String::new()
+    } else {
+        format!("upstream = \"{upstream}\"\n")
+    };
+    format!("[[route]]\nname = \"{name}\"\npath = \"{path}\"\n{up}\n[route.lua]\n{hooks}\n\n")
+}
+
+/// `phase = '''code'''`.
+fn hook(phase: &str, code: &str) -> String {
+    format!("{phase} = '''\n{code}\n'''\n")
+}
+
+/// Upstream `app` with these servers.
+fn upstream(name: &str, addrs: &[std::net::SocketAddr]) -> String {
+    format!("[upstream.{name}]\nservers = {}\n\n", servers(addrs))
+}
+
+fn req(p: &PierProcess, method: &str, path: &str, headers: &[(&str, &str)]) -> Response {
+    RawConn::connect(p.listener("main"))
+        .request(method, path, headers, b"")
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}\n{}", p.logs()))
+}
+
+#[test]
+fn access_reads_headers_denies_redirects_and_rewrites() {
+    let o = Origin::start();
+    let access = r#"
+local ua = pier.req.get_header("User-Agent")
+if pier.req.get_header("X-Block") then
+  pier.exit(403)
+end
+local path = pier.req.get_path()
+if path == "/a/go" then
+  pier.redirect("/elsewhere?x=1", 301)
+end
+if path == "/a/rewrite" then
+  pier.req.set_uri("/a/rewritten/headers")
+end
+pier.req.set_header("X-From-Lua", "ua=" .. (ua or "none"))
+pier.req.clear_header("X-Secret")
+pier.resp.set_header("x-lua", "1")
+"#;
+    let cfg = base_config(
+        "",
+        &format!(
+            "{}{}",
+            lua_route("a", "/a/", "app", &hook("access", access)),
+            upstream("app", &[o.addr()])
+        ),
+    );
+    let p = pier(&cfg);
+
+    // Proxied, with a header the origin sees and one the client sees.
+    let r = req(
+        &p,
+        "GET",
+        "/a/headers",
+        &[("User-Agent", "tester/1.0"), ("X-Secret", "hunter2")],
+    );
+    assert_eq!(r.status, 200, "{}", r.body_str());
+    assert_eq!(r.header("x-lua"), Some("1"));
+    let seen = r.body_str().to_ascii_lowercase();
+    assert!(seen.starts_with("get /a/headers http/1.1\r\n"), "{seen}");
+    assert!(seen.contains("\r\nx-from-lua: ua=tester/1.0\r\n"), "{seen}");
+    assert!(
+        !seen.contains("hunter2"),
+        "cleared header reached the origin: {seen}"
+    );
+    let before = o.requests();
+    assert_eq!(before, 1);
+
+    // Denied: 403 from the hook, the origin never sees it.
+    let r = req(&p, "GET", "/a/hello", &[("X-Block", "yes")]);
+    assert_eq!(r.status, 403, "{:?} {}", r.headers, r.body_str());
+    assert_eq!(o.requests(), before);
+
+    // Redirect with the status asked for.
+    let r = req(&p, "GET", "/a/go", &[]);
+    assert_eq!(r.status, 301, "{:?} {}", r.headers, r.body_str());
+    assert_eq!(r.header("location"), Some("/elsewhere?x=1"));
+    assert_eq!(o.requests(), before);
+
+    // set_uri replaces the path the origin sees and keeps the query.
+    let r = req(&p, "GET", "/a/rewrite?q=1&r=two", &[]);
+    assert_eq!(r.status, 200, "{}", r.body_str());
+    let seen = r.body_str();
+    assert!(
+        seen.starts_with("GET /a/rewritten/headers?q=1&r=two HTTP/1.1\r\n"),
+        "{seen}"
+    );
+    assert_eq!(o.requests(), before + 1);
+}
+
+/// Content route config: `/c/` (content before an upstream), `/teapot` (content only),
+/// `/st/` (status from `pier.resp.set_status`).
+fn content_config(o: &Origin) -> String {
+    let content = r#"
+pier.resp.set_header("x-content", "yes")
+pier.say("hello from ", pier.req.get_method(), " ", pier.req.get_path())
+pier.print("arg a=", pier.req.get_uri_args().a)
+"#;
+    let teapot = r#"
+pier.exit(418, "short and stout\n")
+"#;
+    let status = r#"
+pier.resp.set_status(201)
+pier.say("created")
+"#;
+    base_config(
+        "",
+        &format!(
+            "{}{}{}{}",
+            // content first even though the route has an upstream.
+            lua_route("c", "/c/", "app", &hook("content", content)),
+            lua_route("teapot", "/teapot", "", &hook("content", teapot)),
+            lua_route("st", "/st/", "app", &hook("content", status)),
+            upstream("app", &[o.addr()])
+        ),
+    )
+}
+
+#[test]
+fn content_answers_without_calling_the_origin() {
+    let o = Origin::start();
+    let p = pier(&content_config(&o));
+    let mut conn = RawConn::connect(p.listener("main"));
+    for _ in 0..3 {
+        let r = conn.get("/c/x/y?a=7").unwrap();
+        assert_eq!(r.status, 200, "{:?} {}", r.headers, r.body_str());
+        assert_eq!(r.header("x-content"), Some("yes"));
+        assert_eq!(r.body_str(), "hello from GET /c/x/y\narg a=7");
+        let r = conn.get("/teapot").unwrap();
+        assert_eq!(r.status, 418);
+        assert_eq!(r.body_str(), "short and stout\n");
+    }
+    assert_eq!(o.requests(), 0, "a content hook must not call the origin");
+    assert_eq!(o.connections(), 0);
+}
+
+/// docs/lua.md: "A `content` hook always answers (status: `pier.exit`'s, else
+/// `pier.resp.set_status`'s, else 200)".
+#[test]
+#[ignore = "pier: pier.resp.set_status in a content hook is ignored (answers 200, not 201)"]
+fn content_status_comes_from_resp_set_status() {
+    let o = Origin::start();
+    let p = pier(&content_config(&o));
+    let r = req(&p, "GET", "/st/x", &[]);
+    assert_eq!(r.status, 201, "{:?} {}", r.headers, r.body_str());
+    assert_eq!(r.body_str(), "created\n");
+    assert_eq!(o.requests(), 0);
+}
+
+#[test]
+fn balancer_chooses_the_peer() {
+    let a = Origin::start_named("alpha");
+    let b = Origin::start_named("beta");
+    let bal = format!(
+        r#"
+pier.balancer.set_peer("127.0.0.1", {})
+"#,
+        b.addr().port()
+    );
+    let cfg = base_config(
+        "",
+        &format!(
+            "{}{}{}",
+            lua_route("bal", "/bal/", "two", &hook("balancer", &bal)),
+            // The same upstream without the hook: round robin over both.
+            "[[route]]\nname = \"rr\"\npath = \"/rr/\"\nupstream = \"two\"\n\n",
+            upstream("two", &[a.addr(), b.addr()])
+        ),
+    );
+    let p = pier(&cfg);
+    for _ in 0..8 {
+        let r = req(&p, "GET", "/bal/name", &[]);
+        assert_eq!(r.status, 200, "{}", r.body_str());
+        assert_eq!(r.body_str(), "beta");
+    }
+    assert_eq!(a.requests(), 0);
+    let mut names: Vec<String> = (0..4)
+        .map(|_| req(&p, "GET", "/rr/name", &[]).body_str())
+        .collect();
+    names.sort();
+    names.dedup();
+    assert_eq!(names, ["alpha", "beta"], "without the hook both serve");
+}
+
+#[test]
+fn upstream_request_edits_what_the_origin_gets() {
+    let o = Origin::start();
+    let ur = r#"
+pier.req.set_header("x-upstream-req", pier.req.get_method() .. " " .. pier.var.remote_addr)
+pier.req.add_header("x-multi", "one")
+pier.req.add_header("x-multi", "two")
+"#;
+    let cfg = base_config(
+        "",
+        &format!(
+            "{}{}",
+            lua_route("ur", "/ur/", "app", &hook("upstream_request", ur)),
+            upstream("app", &[o.addr()])
+        ),
+    );
+    let p = pier(&cfg);
+    let r = req(&p, "GET", "/ur/headers", &[]);
+    assert_eq!(r.status, 200, "{}", r.body_str());
+    let seen = r.body_str().to_ascii_lowercase();
+    assert!(
+        seen.contains("\r\nx-upstream-req: get 127.0.0.1\r\n"),
+        "{seen}"
+    );
+    assert!(seen.contains("\r\nx-multi: one\r\n"), "{seen}");
+    assert!(seen.contains("\r\nx-multi: two\r\n"), "{seen}");
+}
+
+#[test]
+fn header_filter_sets_clears_and_changes_status() {
+    let o = Origin::start_named("orig");
+    let hf = r#"
+pier.resp.set_header("x-hf", tostring(pier.resp.get_status()) .. " " .. (pier.resp.get_header("x-origin") or "none"))
+pier.resp.clear_header("x-origin")
+pier.resp.add_header("x-added", "a")
+pier.resp.add_header("x-added", "b")
+pier.resp.set_status(202)
+"#;
+    let cfg = base_config(
+        "",
+        &format!(
+            "{}{}",
+            lua_route("hf", "/hf/", "app", &hook("header_filter", hf)),
+            upstream("app", &[o.addr()])
+        ),
+    );
+    let p = pier(&cfg);
+    let mut conn = RawConn::connect(p.listener("main"));
+    for _ in 0..2 {
+        let r = conn.get("/hf/hello").unwrap();
+        assert_eq!(r.status, 202, "{:?}", r.headers);
+        assert_eq!(r.header("x-hf"), Some("200 orig"));
+        assert_eq!(r.header("x-origin"), None, "cleared by the hook");
+        assert_eq!(r.header_all("x-added"), ["a", "b"]);
+        assert_eq!(r.body_str(), "hello world\n");
+    }
+}
+
+#[test]
+fn body_filter_uppercases_and_reframes_as_chunked() {
+    let o = Origin::start();
+    let bf = r#"
+local c = pier.arg[1] or ""
+c = c:upper()
+if pier.arg[2] then
+  c = c .. "[eof]"
+end
+pier.arg[1] = c
+"#;
+    let cfg = base_config(
+        "",
+        &format!(
+            "{}{}",
+            lua_route("bf", "/bf/", "app", &hook("body_filter", bf)),
+            upstream("app", &[o.addr()])
+        ),
+    );
+    let p = pier(&cfg);
+    let mut conn = RawConn::connect(p.listener("main"));
+    let r = conn.get("/bf/hello").unwrap();
+    assert_eq!(r.status, 200);
+    assert!(
+        r.chunked,
+        "a filtered body is re-framed as chunked: {:?}",
+        r.headers
+    );
+    assert_eq!(r.header("content-length"), None);
+    assert_eq!(r.body_str(), "HELLO WORLD\n[eof]");
+
+    // A body in many pieces, on the same connection (the framing must be exact).
+    const N: usize = 300_000;
+    let r = conn.get(&format!("/bf/bytes/{N}")).unwrap();
+    assert_eq!(r.status, 200);
+    assert!(r.chunked);
+    let mut want = pattern(0, N).to_ascii_uppercase();
+    want.extend_from_slice(b"[eof]");
+    assert_eq!(r.body.len(), want.len());
+    assert!(r.body == want, "uppercased pattern body differs");
+
+    // A chunked origin body too, and the connection is still usable.
+    let r = conn.get("/bf/chunked/5000").unwrap();
+    assert!(r.chunked);
+    let mut want = pattern(0, 5000).to_ascii_uppercase();
+    want.extend_from_slice(b"[eof]");
+    assert!(r.body == want, "uppercased chunked body differs");
+    let r = conn.get("/bf/hello").unwrap();
+    assert_eq!(r.body_str(), "HELLO WORLD\n[eof]");
+}
+
+#[test]
+fn log_phase_writes_a_shared_dict_a_later_request_reads() {
+    let o = Origin::start();
+    let log = r#"
+pier.shared.logd:incr("n", 1, 0)
+pier.shared.logd:set("last", pier.var.uri .. " " .. tostring(pier.var.status))
+"#;
+    let read = r#"
+pier.say(pier.shared.logd:get("last") or "none", " ", pier.shared.logd:get("n") or 0)
+"#;
+    let cfg = base_config(
+        "[lua.shared]\nlogd = \"1m\"\n",
+        &format!(
+            "{}{}{}",
+            lua_route("lg", "/lg/", "app", &hook("log", log)),
+            lua_route("read", "/read", "", &hook("content", read)),
+            upstream("app", &[o.addr()])
+        ),
+    );
+    let p = pier(&cfg);
+    assert_eq!(req(&p, "GET", "/read", &[]).body_str(), "none 0\n");
+    let r = req(&p, "GET", "/lg/hello", &[]);
+    assert_eq!(r.status, 200);
+    // The log phase runs after the response: poll (bounded).
+    let mut last = String::new();
+    let ok = wait_until(Duration::from_secs(5), || {
+        last = req(&p, "GET", "/read", &[]).body_str();
+        last == "/lg/hello 200 1\n"
+    });
+    assert!(ok, "log phase result not seen: {last:?}");
+    let r = req(&p, "GET", "/lg/status/404", &[]);
+    assert_eq!(r.status, 404);
+    let ok = wait_until(Duration::from_secs(5), || {
+        last = req(&p, "GET", "/read", &[]).body_str();
+        last == "/lg/status/404 404 2\n"
+    });
+    assert!(ok, "log phase result not seen: {last:?}");
+}
+
+#[test]
+fn ctx_is_carried_from_access_to_header_filter() {
+    let o = Origin::start();
+    let access = r#"
+pier.ctx.tag = pier.req.get_header("x-tag") or "none"
+pier.ctx.n = 40
+"#;
+    let bal = r#"
+pier.ctx.n = pier.ctx.n + 1
+"#;
+    let hf = r#"
+pier.ctx.n = pier.ctx.n + 1
+pier.resp.set_header("x-ctx", pier.ctx.tag .. ":" .. pier.ctx.n)
+"#;
+    let cfg = base_config(
+        "",
+        &format!(
+            "{}{}",
+            lua_route(
+                "ctx",
+                "/ctx/",
+                "app",
+                &format!(
+                    "{}{}{}",
+                    hook("access", access),
+                    hook("balancer", bal),
+                    hook("header_filter", hf)
+                )
+            ),
+            upstream("app", &[o.addr()])
+        ),
+    );
+    let p = pier(&cfg);
+    let mut conn = RawConn::connect(p.listener("main"));
+    for tag in ["abc", "def", "ghi"] {
+        let r = conn
+            .request("GET", "/ctx/hello", &[("x-tag", tag)], b"")
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body_str());
+        assert_eq!(r.header("x-ctx"), Some(format!("{tag}:42").as_str()));
+    }
+    // A fresh request gets a fresh ctx.
+    let r = req(&p, "GET", "/ctx/hello", &[]);
+    assert_eq!(r.header("x-ctx"), Some("none:42"));
+}
+
+#[test]
+fn var_and_now_describe_the_request() {
+    let vars = r#"
+local v = pier.var
+pier.say(v.remote_addr, "|", v.host, "|", v.uri, "|", v.request_uri, "|",
+  v.request_method, "|", v.args or "nil", "|", v.http_x_thing or "nil", "|",
+  v.scheme, "|", v.server_port, "|", v.no_such_var == nil)
+pier.say(string.format("%.3f", pier.now()))
+"#;
+    let cfg = base_config("", &lua_route("vars", "/vars/", "", &hook("content", vars)));
+    let p = pier(&cfg);
+    let port = p.listener("main").port();
+    let before = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let r = req(&p, "GET", "/vars/x?a=1&b=2", &[("X-Thing", "val")]);
+    let after = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert_eq!(r.status, 200, "{}", r.body_str());
+    let body = r.body_str();
+    let mut lines = body.lines();
+    assert_eq!(
+        lines.next().unwrap(),
+        format!("127.0.0.1|pier.test|/vars/x|/vars/x?a=1&b=2|GET|a=1&b=2|val|http|{port}|true")
+    );
+    let now: f64 = lines.next().unwrap().parse().unwrap();
+    // Millisecond precision, within the request's lifetime (with slack for rounding).
+    assert!(
+        now >= before - 0.01 && now <= after + 0.01,
+        "pier.now() {now} not within [{before}, {after}]"
+    );
+}
+
+#[test]
+fn example_lua_access_runs_as_documented() {
+    let o = Origin::start();
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/lua-access.toml"),
+    )
+    .unwrap();
+    let origin = o.addr().to_string();
+    let p = PierProcess::launch_env(
+        bin(),
+        Some(&text),
+        &["serve", "-c", "{config}"],
+        &[
+            ("PIER_LISTEN", "127.0.0.1:0"),
+            ("PIER_ADMIN", "127.0.0.1:0"),
+            ("PIER_ORIGIN", &origin),
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let r = req(&p, "GET", "/hello", &[("User-Agent", "curl/8")]);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-lua"), Some("1"));
+    assert_eq!(r.body_str(), "hello world\n");
+    let r = req(&p, "GET", "/hello", &[("X-Block", "1")]);
+    assert_eq!(r.status, 403);
+    assert_eq!(o.requests(), 1);
+}
+
+#[test]
+fn example_lua_ratelimit_answers_429_past_ten_per_second() {
+    let o = Origin::start();
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/lua-ratelimit.toml"),
+    )
+    .unwrap();
+    let origin = o.addr().to_string();
+    let p = PierProcess::launch_env(
+        bin(),
+        Some(&text),
+        &["serve", "-c", "{config}"],
+        &[
+            ("PIER_LISTEN", "127.0.0.1:0"),
+            ("PIER_ADMIN", "127.0.0.1:0"),
+            ("PIER_ORIGIN", &origin),
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    // 25 quick requests span at most two one-second windows (checked below), each
+    // letting 10 through: 10 to 20 pass, the rest are refused.
+    let mut conn = RawConn::connect(p.listener("main"));
+    let t0 = std::time::Instant::now();
+    let statuses: Vec<u16> = (0..25)
+        .map(|_| conn.get("/hello").unwrap().status)
+        .collect();
+    if t0.elapsed() < Duration::from_millis(900) {
+        let refused = statuses.iter().filter(|s| **s == 429).count();
+        let ok = statuses.iter().filter(|s| **s == 200).count();
+        assert_eq!(refused + ok, 25, "{statuses:?}");
+        assert!((5..=15).contains(&refused), "{statuses:?}");
+        assert!(ok >= 10, "{statuses:?}");
+        assert_eq!(o.requests() as usize, ok);
+    }
+}
