@@ -171,16 +171,18 @@ impl Estimator {
     /// Conservative update: add `n > 0` to `key` but raise each of its
     /// counters only as far as `old estimate + n` (Estan and Varghese 2002).
     /// Counters that already exceed that because of collisions are left
-    /// alone, which cuts overcount several-fold on skewed traffic (see the
+    /// alone, which about halves the total overcount on skewed traffic (the
     /// `conservative_update_reduces_error` test).
     ///
     /// Lock-free: an attempt reads the key's counters, then compare-and-swaps
     /// each one it must raise from the value it read; if any changed in
-    /// between, it retries from a fresh read. Counters only grow, so a swap
-    /// that succeeds proves nobody else raised that counter since the read,
-    /// and every attempt leaves all of the key's counters at or above the
-    /// estimate it read plus `n`: no event is lost, concurrent ones may
-    /// overcount by a few.
+    /// between, it retries from a fresh read (a plain `fetch_max` would lose
+    /// one of two racing increments that read the same minimum). Counters only
+    /// grow, so a swap that succeeds proves nobody raised that counter since
+    /// the read; a committed attempt raised its minimum counter from exactly
+    /// the estimate it read, so two racing increments cannot both build on
+    /// the same old estimate. Concurrent increments may overcount by a few;
+    /// `tests/concurrency.rs` checks that none is lost with 8 threads.
     ///
     /// Only valid for increment-only use: never mix with
     /// [`Estimator::decr`] on the same estimator (a decrement after a

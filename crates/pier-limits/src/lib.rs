@@ -35,6 +35,16 @@
 //! price is that colliding keys share counters, so an estimate may be high;
 //! it is never low.
 //!
+//! # Why lock-free
+//! Every request on every worker thread touches the same limiter, so a lock
+//! would serialize all workers on it (a `Mutex<HashMap>` costs 10x the
+//! sketch per event on one thread and more with two; see bench/limits.md),
+//! and a worker descheduled while holding it would stall the others. The
+//! sketch needs none: counters are independent and only their values
+//! matter, so each is a relaxed `fetch_add`, and no code relies on an order
+//! between counters. A [`Rate`] changes windows with one compare-and-swap on a
+//! packed state word, and its counting never waits for that.
+//!
 //! # Choosing H and N
 //! Each event adds to one counter in each of H rows, at a column chosen by a
 //! per-row hash; the estimate is the minimum of the key's H counters. In one
@@ -71,8 +81,9 @@
 //!
 //! # Conservative update
 //! [`Estimator::incr_conservative`] raises a key's counters only to the old
-//! estimate plus n (Estan and Varghese), which cuts overcount several-fold
-//! when traffic is skewed (see the `conservative_update_reduces_error` test);
+//! estimate plus n (Estan and Varghese), which about halves the total
+//! overcount on skewed traffic (the `conservative_update_reduces_error` test)
+//! for ~3x the cost per event;
 //! it is increment-only, so limiters that undo a denied request's count
 //! ([`RateLimiter`]) and in-flight counts use the plain update.
 //!
