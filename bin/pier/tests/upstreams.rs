@@ -342,3 +342,45 @@ fn deny_origins_lets_other_ranges_through() {
     assert_eq!(r.status, 200, "{:?}", r.body_str());
     assert_eq!(o.requests(), 1);
 }
+
+/// A route whose Lua balancer picks `ip:port` at request time, behind a deny list.
+fn lua_peer_config(ip: &str, port: u16, deny: &str) -> String {
+    base_config(
+        &format!("[security]\ndeny_origins = [\"{deny}\"]"),
+        &format!(
+            r#"[[route]]
+upstream = "app"
+balancer = 'pier.balancer.set_peer("{ip}", {port})'
+
+[upstream.app]
+# Never used: the balancer picks the peer. TEST-NET-1, outside every deny list here.
+servers = ["192.0.2.1:80"]
+retries = 0"#
+        ),
+    )
+}
+
+#[test]
+#[ignore = "pier: the route key `balancer` (Lua, docs/config.md) is not accepted yet, and it is the only way to pick a peer at request time"]
+fn deny_origins_at_request_time_is_503_in_every_spelling() {
+    // A peer chosen at request time (here by Lua) is checked after normalising it: an
+    // IPv4-mapped IPv6 address is checked as the IPv4 address it maps.
+    let o = Origin::start();
+    let port = o.addr().port();
+    for ip in [
+        "127.0.0.1",
+        "::ffff:127.0.0.1",
+        "::ffff:7f00:1",
+        "127.1.2.3",
+    ] {
+        let p = pier(&lua_peer_config(ip, port, "127.0.0.0/8"));
+        let r = get(p.listener("main"), "/hello");
+        assert_local(&r, 503, "origin-denied");
+        assert_eq!(wait_local_count(&p, 503, "origin-denied", 1.0), 1.0, "{ip}");
+    }
+    assert_eq!(o.connections(), 0, "a denied origin was connected to");
+    // Control: the same mapped address is reached when the list does not cover it.
+    let p = pier(&lua_peer_config("::ffff:127.0.0.1", port, "10.0.0.0/8"));
+    assert_eq!(get(p.listener("main"), "/hello").status, 200);
+    assert_eq!(o.requests(), 1);
+}
