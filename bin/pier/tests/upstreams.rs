@@ -384,3 +384,45 @@ fn deny_origins_at_request_time_is_503_in_every_spelling() {
     assert_eq!(get(p.listener("main"), "/hello").status, 200);
     assert_eq!(o.requests(), 1);
 }
+
+#[test]
+fn retries_are_bounded_by_the_retry_budget() {
+    let a = Origin::start_named("alpha");
+    let dead = dead_addr();
+    // No budget at all: a connect failure is not retried even though retries = 3.
+    let p = pier(&simple_config(
+        &[a.addr(), dead],
+        "",
+        "balance = \"round_robin\"\nmax_fails = 0\nretries = 3\nretry_budget = 0.0\nretry_min_per_sec = 0",
+    ));
+    let mut failed = 0;
+    for _ in 0..10 {
+        let r = get(p.listener("main"), "/name");
+        match r.status {
+            200 => assert_eq!(r.body_str(), "alpha"),
+            _ => {
+                assert_local(&r, 502, "upstream-connect");
+                failed += 1;
+            }
+        }
+    }
+    assert!(
+        (3..=7).contains(&failed),
+        "{failed} of 10 failed with round robin over one dead server"
+    );
+    assert_eq!(p.metric_sum("pier_upstream_retries_total", &[]), 0.0);
+
+    // With a budget, the same requests all succeed: a failure is retried once, on the
+    // other server (a retry advances the round robin too, so the dead server may be
+    // every request's first pick).
+    let p = pier(&simple_config(
+        &[a.addr(), dead],
+        "",
+        "balance = \"round_robin\"\nmax_fails = 0\nretries = 3\nretry_budget = 1.0\nretry_min_per_sec = 100",
+    ));
+    for _ in 0..10 {
+        assert_eq!(get(p.listener("main"), "/name").body_str(), "alpha");
+    }
+    let retries = p.metric_sum("pier_upstream_retries_total", &[]);
+    assert!((3.0..=10.0).contains(&retries), "retries {retries}");
+}
