@@ -336,6 +336,20 @@ mod tests {
     }
 
     #[test]
+    fn real_clock_variants() {
+        // A 1-hour window so the test cannot straddle a boundary that matters.
+        let r = Rate::new(Duration::from_secs(3600));
+        assert_eq!(r.observe("k", 3), 3);
+        assert_eq!(r.observe("k", 2), 5);
+        let per_sec = r.rate("k");
+        assert!(
+            per_sec >= 5.0 / 3600.0 * 0.999 && per_sec <= 10.0 / 3600.0,
+            "{per_sec}"
+        );
+        assert_eq!(r.rate("absent"), 0.0);
+    }
+
+    #[test]
     fn stale_snapshots_count_in_the_current_window() {
         let r = rate();
         r.observe_at("k", 1, 2000);
