@@ -343,7 +343,7 @@ mod tests {
         assert_eq!(r.observe("k", 2), 5);
         let per_sec = r.rate("k");
         assert!(
-            per_sec >= 5.0 / 3600.0 * 0.999 && per_sec <= 10.0 / 3600.0,
+            (5.0 / 3600.0 * 0.999..=10.0 / 3600.0).contains(&per_sec),
             "{per_sec}"
         );
         assert_eq!(r.rate("absent"), 0.0);
