@@ -530,3 +530,56 @@ pub fn curl(args: &[&str]) -> Output {
         Duration::from_secs(40),
     )
 }
+
+// === connecting from a chosen local address ===
+
+thread_local! {
+    /// A small runtime for bind-before-connect (std's `TcpStream` cannot bind first; this
+    /// crate forbids the `unsafe` that libc would need).
+    static CONNECT_RT: tokio::runtime::Runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("connect runtime");
+}
+
+impl RawConn {
+    /// A client on an already connected socket, set up as [`RawConn::try_connect`] does
+    /// (blocking, 10 s timeouts, no delay).
+    pub fn from_stream(stream: TcpStream) -> io::Result<RawConn> {
+        stream.set_nonblocking(false)?;
+        stream.set_read_timeout(Some(DEFAULT_TIMEOUT))?;
+        stream.set_write_timeout(Some(DEFAULT_TIMEOUT))?;
+        stream.set_nodelay(true)?;
+        Ok(RawConn {
+            stream,
+            buf: Vec::with_capacity(64 * 1024),
+            eof: false,
+        })
+    }
+
+    /// Connects from `local_ip` (port chosen by the OS): on Linux every address of
+    /// 127.0.0.0/8 is local, so one test can act as several clients to per-IP limits.
+    pub fn try_connect_from(local_ip: std::net::IpAddr, addr: SocketAddr) -> io::Result<RawConn> {
+        let stream = CONNECT_RT.with(|rt| {
+            rt.block_on(async {
+                let sock = if addr.is_ipv4() {
+                    tokio::net::TcpSocket::new_v4()?
+                } else {
+                    tokio::net::TcpSocket::new_v6()?
+                };
+                sock.bind(SocketAddr::new(local_ip, 0))?;
+                let s = tokio::time::timeout(DEFAULT_TIMEOUT, sock.connect(addr))
+                    .await
+                    .map_err(|_| err(io::ErrorKind::TimedOut, format!("connect to {addr}")))??;
+                s.into_std()
+            })
+        })?;
+        Self::from_stream(stream)
+    }
+
+    /// [`RawConn::try_connect_from`] or panic.
+    pub fn connect_from(local_ip: std::net::IpAddr, addr: SocketAddr) -> RawConn {
+        Self::try_connect_from(local_ip, addr)
+            .unwrap_or_else(|e| panic!("connect from {local_ip} to {addr}: {e}"))
+    }
+}

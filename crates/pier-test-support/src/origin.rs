@@ -15,6 +15,7 @@
 //! | `/status/NNN` | that status; 1xx: the interim response (with a `link` header) then 200 `after 1xx\n`; 204/304: no body |
 //! | `/headers` | the request head exactly as received, as the body |
 //! | `/die` | head with Content-Length 1000, 10 bytes, then closes |
+//! | `/drop` | reads the request, then closes without a response |
 //! | `/close` | `Connection: close`, `closing\n`, then closes |
 //! | `/healthz` | 200 `ok\n`, or 500 while [`Origin::set_healthy`]`(false)`; counted apart |
 //! | `/ws` | WebSocket handshake (101 with a correct accept key), then echoes every frame |
@@ -410,6 +411,10 @@ impl Conn {
                 self.s.flush().await?;
                 return Ok(Next::Close);
             }
+            "drop" => {
+                self.discard_body(kind).await?;
+                return Ok(Next::Close);
+            }
             "close" => {
                 self.discard_body(kind).await?;
                 self.write_full(200, "OK", &[("connection", "close")], b"closing\n", is_head)
@@ -736,7 +741,7 @@ impl Conn {
 fn route(path: &str) -> (&str, Option<&str>) {
     const ENDPOINTS: &[&str] = &[
         "hello", "echo", "bytes", "chunked", "slow", "slowbody", "status", "headers", "die",
-        "close", "healthz", "ws", "name", "expect",
+        "drop", "close", "healthz", "ws", "name", "expect",
     ];
     let segs: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     for (i, s) in segs.iter().enumerate() {

@@ -144,6 +144,11 @@ fn die_close_and_connection_close() {
     assert!(e.to_string().contains("got 10 of 1000"), "{e}");
 
     let mut c = RawConn::connect(o.addr());
+    let e = c.request("POST", "/drop", &[], b"body").unwrap_err();
+    assert!(e.to_string().contains("closed before a response"), "{e}");
+    assert_eq!(o.requests(), 2);
+
+    let mut c = RawConn::connect(o.addr());
     let r = c.get("/close").unwrap();
     assert!(r.has_token("connection", "close"));
     assert!(c.is_closed(Duration::from_secs(5)));
