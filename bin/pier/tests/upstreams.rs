@@ -426,3 +426,34 @@ fn retries_are_bounded_by_the_retry_budget() {
     let retries = p.metric_sum("pier_upstream_retries_total", &[]);
     assert!((3.0..=10.0).contains(&retries), "retries {retries}");
 }
+
+#[test]
+fn only_idempotent_requests_are_retried_after_being_sent() {
+    let a = Origin::start_named("alpha");
+    let b = Origin::start_named("beta");
+    let p = pier(&simple_config(
+        &[a.addr(), b.addr()],
+        "",
+        "balance = \"round_robin\"\nmax_fails = 0\nretries = 1\nretry_budget = 1.0\nretry_min_per_sec = 100",
+    ));
+    let sent = || a.requests() + b.requests();
+    // POST reached an origin that then closed without answering: it may have acted on
+    // it, so Pier must not send it again.
+    let r = RawConn::connect(p.listener("main"))
+        .request("POST", "/drop", &[], b"charge the card")
+        .unwrap();
+    assert_local(&r, 502, "upstream-closed");
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(sent(), 1, "a POST was sent twice");
+    // GET is idempotent: retried once on the other server.
+    let r = get(p.listener("main"), "/drop");
+    assert_eq!(r.status, 502);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        sent(),
+        3,
+        "the GET was not retried (or retried more than once)"
+    );
+    // The retry went to the other server: both were tried.
+    assert!(a.requests() >= 1 && b.requests() >= 1);
+}
