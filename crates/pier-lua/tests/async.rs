@@ -30,7 +30,7 @@ fn sleep_yields_and_interleaves_requests() {
     let e = access_engine(
         r#"
         pier.ctx.id = pier.req.get_uri()
-        pier.sleep(0.1)
+        pier.sleep(0.2)
         assert(pier.ctx.id == pier.req.get_uri(), "ctx mixed up across a yield")
         pier.resp.set_header("x-after", pier.var.request_uri)
         "#,
@@ -44,9 +44,9 @@ fn sleep_yields_and_interleaves_requests() {
     let took = t0.elapsed();
     r1.unwrap();
     r2.unwrap();
-    assert!(took >= Duration::from_millis(100), "{took:?}");
-    // Both slept at once on one thread.
-    assert!(took < Duration::from_millis(190), "{took:?}");
+    assert!(took >= Duration::from_millis(200), "{took:?}");
+    // Both slept at once on one thread (one after the other would be >= 400 ms).
+    assert!(took < Duration::from_millis(390), "{took:?}");
     assert_eq!(v2.resp("x-after").as_deref(), Some("/second"));
     assert!(v1.resp("x-after").unwrap().starts_with("/api/items"));
 }
@@ -95,7 +95,8 @@ fn timers_at_and_every() {
     assert!(dict_str(&reg, "timer_req_err")
         .contains("API pier.req.get_method is disabled in phase timer"));
     let ticks = dict_num(&reg, "ticks").unwrap();
-    assert!((3.0..=8.0).contains(&ticks), "{ticks}");
+    // 150 ms at a 20 ms interval: about 7; fewer on a loaded machine.
+    assert!((2.0..=8.0).contains(&ticks), "{ticks}");
 }
 
 #[test]
@@ -113,7 +114,7 @@ fn timers_stop_when_the_engine_is_dropped() {
         tokio::time::sleep(Duration::from_millis(80)).await;
         drop(e);
         let at_drop = dict_num(&reg, "w").unwrap();
-        assert!(at_drop >= 3.0, "{at_drop}");
+        assert!(at_drop >= 2.0, "{at_drop}");
         tokio::time::sleep(Duration::from_millis(60)).await;
         // At most one run that was already sleeping when the engine went.
         assert!(dict_num(&reg, "w").unwrap() <= at_drop + 1.0);

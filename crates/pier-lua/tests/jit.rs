@@ -1,7 +1,8 @@
 //! The point of the FFI API: hot loops over pier.* calls must be compiled by
 //! LuaJIT. Each hook runs a 10k-iteration loop under `jit.attach` trace
 //! events; we require at least one trace to complete ("stop") and no trace
-//! abort located in, or naming, our wrappers (`@pier/*.lua`).
+//! abort located in, or naming, our wrappers (`@pier/*.lua`) other than the
+//! trace-shape ones (see HARNESS).
 
 mod support;
 
@@ -38,7 +39,14 @@ local function on_trace(what, tr, func, pc, otr, oex)
     if type(oex) == "function" then reason = reason .. " " .. where(oex, 0) end
     local at = where(func, pc)
     res.aborts[#res.aborts + 1] = at .. ": " .. reason
-    if at:find("pier/", 1, true) or reason:find("pier/", 1, true) then
+    -- Trace-shape aborts (where a root trace happened to start and end, which
+    -- varies with LuaJIT's hashed hot counters) are not caused by what the
+    -- API does: leaving/inner loop (8, 9), unroll limit (10), down-recursion
+    -- (14), return to lower frame (16). Everything else located in or naming
+    -- our wrappers counts: NYI bytecodes and fast functions, bad argument
+    -- types, unsupported C conversions or calls, type instability...
+    local shape = otr == 8 or otr == 9 or otr == 10 or otr == 14 or otr == 16
+    if not shape and (at:find("pier/", 1, true) or reason:find("pier/", 1, true)) then
       res.api_aborts = res.api_aborts + 1
     end
   end
@@ -188,5 +196,12 @@ fn jit_one_shot_hook_across_requests() {
         .collect();
     eprintln!("one-shot: {stops} traces, aborts: {aborts:?}");
     assert!(stops >= 1, "no trace compiled across requests: {aborts:?}");
-    assert!(!aborts.iter().any(|a| a.contains("pier/")), "{aborts:?}");
+    // Same rule as HARNESS: trace-shape aborts (codes 8, 9, 10, 14, 16) are not the API's.
+    let api = |a: &&String| {
+        a.contains("pier/")
+            && ![" code 8", " code 9", " code 10", " code 14", " code 16"]
+                .iter()
+                .any(|c| a.ends_with(c))
+    };
+    assert!(!aborts.iter().any(|a| api(&a)), "{aborts:?}");
 }
