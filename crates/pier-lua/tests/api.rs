@@ -586,3 +586,44 @@ fn hook_coroutines_are_reused_only_after_a_normal_return() {
     let count: i64 = e.lua().globals().get("COUNT").unwrap();
     assert_eq!(count, 24);
 }
+
+#[test]
+fn upstream_request_phase_edits_or_answers() {
+    let e = engine(setup(RouteHooks {
+        upstream_request: src(
+            "route t upstream_request",
+            r#"
+            assert(pier.get_phase() == "upstream_request")
+            pier.req.set_header("X-Forwarded-By", "pier")
+            pier.req.set_uri("/origin" .. pier.req.get_path())
+            if pier.req.get_header("x-cached") then pier.exit(304) end
+            local ok, err = pcall(pier.resp.set_header, "x", "y")
+            assert(not ok and err:find("disabled in phase upstream_request"), err)
+            "#,
+        ),
+        ..Default::default()
+    }));
+    let mut v = TestView::default();
+    assert_eq!(
+        run(e.upstream_request(0, &mut v, &mut RequestCtx::new())).unwrap(),
+        Flow::Continue
+    );
+    assert_eq!(v.req("x-forwarded-by").as_deref(), Some("pier"));
+    assert!(v.uri.starts_with(b"/origin/api/items?id=7"));
+    let mut v = TestView::default();
+    v.headers.push((b"X-Cached".to_vec(), b"1".to_vec()));
+    let flow = run(e.upstream_request(0, &mut v, &mut RequestCtx::new())).unwrap();
+    assert!(matches!(flow, Flow::Respond { status: 304, .. }));
+    // No hook: nothing to do.
+    assert_eq!(
+        run(e.access(0, &mut v, &mut RequestCtx::new())).unwrap(),
+        Flow::Continue
+    );
+}
+
+#[test]
+fn setup_is_send_and_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<pier_lua::LuaSetup>();
+    assert_send_sync::<pier_lua::LuaError>();
+}
