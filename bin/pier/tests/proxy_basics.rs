@@ -105,8 +105,11 @@ fn keep_alive_reuses_upstream_connections() {
         "one upstream connection for 20 requests"
     );
     drop(c);
-    // New client connections each time: the shared pool still reuses.
+    // New client connections each time (landing on either worker): the shared pool
+    // still reuses. The pause lets the upstream connection go back to the pool, which
+    // may happen a moment after the client has the response.
     for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(10));
         assert_eq!(get(p.listener("main"), "/hello").status, 200);
     }
     assert!(
