@@ -85,7 +85,7 @@ impl CtxSlots {
         })
     }
 
-    fn release(&self, r: i32) {
+    pub fn release(&self, r: i32) {
         if r > 0 {
             self.free.borrow_mut().push(r);
         }

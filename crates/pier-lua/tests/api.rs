@@ -627,3 +627,32 @@ fn setup_is_send_and_sync() {
     assert_send_sync::<pier_lua::LuaSetup>();
     assert_send_sync::<pier_lua::LuaError>();
 }
+
+#[test]
+fn ctx_does_not_cross_engines() {
+    // A request that started on one engine (before a reload) and continues
+    // on another must not see another request's pier.ctx there.
+    let hooks = || RouteHooks {
+        access: src("a", "pier.ctx.owner = pier.req.get_uri()"),
+        header_filter: src(
+            "h",
+            "pier.resp.set_header('x-owner', tostring(pier.ctx.owner))",
+        ),
+        ..Default::default()
+    };
+    let (old, new) = (engine(setup(hooks())), engine(setup(hooks())));
+    let mut other = TestView {
+        uri: b"/other".to_vec(),
+        ..Default::default()
+    };
+    let mut other_ctx = RequestCtx::new();
+    run(new.access(0, &mut other, &mut other_ctx)).unwrap();
+
+    let mut v = TestView::default();
+    let mut ctx = RequestCtx::new();
+    run(old.access(0, &mut v, &mut ctx)).unwrap();
+    new.header_filter(0, &mut v, &mut ctx).unwrap();
+    assert_eq!(v.resp("x-owner").as_deref(), Some("nil"));
+    new.header_filter(0, &mut other, &mut other_ctx).unwrap();
+    assert_eq!(other.resp("x-owner").as_deref(), Some("/other"));
+}

@@ -67,9 +67,17 @@ fn with_ctx(m: u32, f: impl FnOnce(&mut RequestCtx, &Current) -> c_int) -> c_int
     guard(|| f(unsafe { ctx.as_mut() }, &cur))
 }
 
-/// The registry slot of this request's `pier.ctx` table, -1 if none yet.
+/// The slot of this request's `pier.ctx` table, -1 if none yet (or if the
+/// slot belongs to another engine: a request that outlived a reload must
+/// not read a slot number in the new state's table).
 pub(super) extern "C" fn ctx_ref() -> c_int {
-    with_ctx(mask::CTX, |c, _| c.ctx_ref)
+    with_ctx(mask::CTX, |c, cur| match (&c.slots, cur.engine) {
+        // SAFETY: the engine outlives every hook call it runs.
+        (Some(slots), Some(e)) if std::rc::Rc::ptr_eq(slots, &unsafe { e.as_ref() }.ctx_slots) => {
+            c.ctx_ref
+        }
+        _ => -1,
+    })
 }
 
 /// Allocates a slot for this request's `pier.ctx` table (the Lua side
@@ -81,6 +89,9 @@ pub(super) extern "C" fn ctx_new_ref() -> c_int {
         };
         // SAFETY: the engine outlives every hook call it runs.
         let engine = unsafe { engine.as_ref() };
+        if let Some(old) = c.slots.take() {
+            old.release(c.ctx_ref);
+        }
         c.ctx_ref = engine.ctx_slots.alloc();
         c.slots = Some(engine.ctx_slots.clone());
         c.ctx_ref
