@@ -90,6 +90,24 @@ impl LuaSetup {
         global.chain(routes)
     }
 
+    /// The shared dictionaries of this setup. With `previous` (a reload),
+    /// dictionaries whose name and capacity are unchanged keep their
+    /// contents (as nginx keeps `lua_shared_dict` zones).
+    pub fn build_registry(
+        &self,
+        previous: Option<&pier_shdict::Registry>,
+    ) -> Result<pier_shdict::Registry, pier_shdict::RegistryError> {
+        let specs: Vec<(&str, usize)> = self
+            .shared_dicts
+            .iter()
+            .map(|(n, c)| (n.as_str(), *c))
+            .collect();
+        match previous {
+            Some(old) => old.reload(&specs),
+            None => pier_shdict::Registry::new(&specs),
+        }
+    }
+
     /// Compiles every chunk in a scratch state (no code runs): for
     /// `pier check` and before swapping in a reloaded config.
     pub fn validate(&self) -> Result<(), Vec<String>> {

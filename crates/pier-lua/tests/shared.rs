@@ -177,3 +177,26 @@ fn concurrent_incr_from_two_engines_loses_nothing() {
         pier_shdict::HitValue::Number((2 * REQUESTS * PER_HOOK) as f64)
     );
 }
+
+#[test]
+fn registry_from_setup_keeps_dicts_across_reload() {
+    let mut s = pier_lua::LuaSetup {
+        shared_dicts: vec![("a".into(), 1 << 16), ("b".into(), 1 << 16)],
+        ..Default::default()
+    };
+    let reg = s.build_registry(None).unwrap();
+    reg.get("a")
+        .unwrap()
+        .set(b"k", pier_shdict::Value::Number(1.0), 0, 0, 0);
+    reg.get("b")
+        .unwrap()
+        .set(b"k", pier_shdict::Value::Number(2.0), 0, 0, 0);
+    s.shared_dicts[1].1 = 1 << 17; // b resized: starts empty
+    let reg2 = s.build_registry(Some(&reg)).unwrap();
+    let mut out = Vec::new();
+    assert!(reg2.get("a").unwrap().get(b"k", 0, &mut out).is_some());
+    assert!(reg2.get("b").unwrap().get(b"k", 0, &mut out).is_none());
+    s.shared_dicts.push(("a".into(), 10));
+    assert!(s.build_registry(None).is_err());
+    assert!(s.validate().is_err());
+}
