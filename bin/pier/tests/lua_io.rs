@@ -1,0 +1,316 @@
+//! Non-blocking I/O from Lua hooks through a real Pier: cosockets talking RESP to a tiny
+//! Redis-protocol server in the test (with keep-alive), `pier.http.request` against a
+//! second origin, and `pier.sleep` suspending only its own request.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A Redis-protocol server on 127.0.0.1:0 handling GET, SET and INCR; returns its address
+/// and the count of connections it accepted (at most 100, one thread each).
+fn resp_server() -> (SocketAddr, Arc<AtomicUsize>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let data: Arc<Mutex<HashMap<String, String>>> = Arc::default();
+    let c2 = conns.clone();
+    std::thread::spawn(move || {
+        for s in l.incoming().take(100) {
+            let Ok(s) = s else { continue };
+            c2.fetch_add(1, Ordering::SeqCst);
+            let data = data.clone();
+            std::thread::spawn(move || {
+                let _ = serve_resp(s, data);
+            });
+        }
+    });
+    (addr, conns)
+}
+
+fn serve_resp(s: TcpStream, data: Arc<Mutex<HashMap<String, String>>>) -> std::io::Result<()> {
+    // Idle connections (Pier's keep-alive pool) are closed after a while.
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut w = s.try_clone()?;
+    let mut r = BufReader::new(s);
+    loop {
+        let mut line = String::new();
+        if r.read_line(&mut line)? == 0 {
+            return Ok(());
+        }
+        let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "bad RESP");
+        let n: usize = line
+            .trim_end()
+            .strip_prefix('*')
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(bad)?;
+        let mut args = Vec::with_capacity(n);
+        for _ in 0..n {
+            line.clear();
+            r.read_line(&mut line)?;
+            let len: usize = line
+                .trim_end()
+                .strip_prefix('$')
+                .and_then(|n| n.parse().ok())
+                .ok_or_else(bad)?;
+            let mut b = vec![0; len + 2];
+            r.read_exact(&mut b)?;
+            b.truncate(len);
+            args.push(String::from_utf8_lossy(&b).into_owned());
+        }
+        let reply = match args.first().map(|a| a.to_ascii_uppercase()).as_deref() {
+            Some("SET") if args.len() == 3 => {
+                data.lock()
+                    .unwrap()
+                    .insert(args[1].clone(), args[2].clone());
+                "+OK\r\n".to_owned()
+            }
+            Some("GET") if args.len() == 2 => match data.lock().unwrap().get(&args[1]) {
+                Some(v) => format!("${}\r\n{v}\r\n", v.len()),
+                None => "$-1\r\n".to_owned(),
+            },
+            Some("INCR") if args.len() == 2 => {
+                let mut d = data.lock().unwrap();
+                match d.get(&args[1]).map_or(Ok(0), |v| v.parse::<i64>()) {
+                    Ok(v) => {
+                        d.insert(args[1].clone(), (v + 1).to_string());
+                        format!(":{}\r\n", v + 1)
+                    }
+                    Err(_) => "-ERR value is not an integer\r\n".to_owned(),
+                }
+            }
+            _ => "-ERR unknown command\r\n".to_owned(),
+        };
+        w.write_all(reply.as_bytes())?;
+    }
+}
+
+/// A minimal Redis client in Lua, as user code would carry one.
+const REDIS_CLIENT: &str = r#"
+local function cmd(sock, ...)
+  local args = { ... }
+  local parts = { "*" .. #args .. "\r\n" }
+  for _, a in ipairs(args) do
+    a = tostring(a)
+    parts[#parts + 1] = "$" .. #a .. "\r\n" .. a .. "\r\n"
+  end
+  local sent, err = sock:send(parts)
+  if not sent then return nil, err end
+  local line, err = sock:receive("*l")
+  if not line then return nil, err end
+  local p = line:sub(1, 1)
+  if p == "+" then return line:sub(2) end
+  if p == ":" then return tonumber(line:sub(2)) end
+  if p == "-" then return nil, line:sub(2) end
+  if p == "$" then
+    local n = tonumber(line:sub(2))
+    if n < 0 then return nil end
+    local data, err = sock:receive(n + 2)
+    if not data then return nil, err end
+    return data:sub(1, n)
+  end
+  return nil, "bad reply " .. line
+end
+"#;
+
+fn content_route(name: &str, path: &str, code: &str) -> String {
+    format!("[[route]]\nname = \"{name}\"\npath = \"{path}\"\n\n[route.lua]\ncontent = '''\n{code}\n'''\n\n")
+}
+
+#[test]
+fn cosocket_incr_against_a_redis_protocol_server_with_keepalive() {
+    let (redis, conns) = resp_server();
+    let code = format!(
+        r#"{REDIS_CLIENT}
+local sock = pier.socket.tcp()
+sock:settimeout(2000)
+local ok, err = sock:connect("127.0.0.1", {port})
+if not ok then
+  pier.exit(502, "connect: " .. tostring(err))
+end
+local reused = sock:getreusedtimes()
+local key = pier.req.get_uri_args().key or "visits"
+local n, err = cmd(sock, "INCR", key)
+if not n then
+  pier.exit(502, "incr: " .. tostring(err))
+end
+assert(cmd(sock, "SET", "last", key) == "OK")
+assert(cmd(sock, "GET", "last") == key)
+assert(sock:setkeepalive(10000, 16))
+pier.resp.set_header("x-reused", reused)
+pier.say(n)
+"#,
+        port = redis.port()
+    );
+    let p = pier(&base_config("", &content_route("redis", "/redis", &code)));
+
+    // Sequential requests on one client connection: one worker thread, one pooled
+    // connection to the server, reused every time after the first.
+    let mut conn = RawConn::connect(p.listener("main"));
+    for i in 1..=10 {
+        let r = conn.get("/redis").unwrap();
+        assert_eq!(r.status, 200, "{}", r.body_str());
+        assert_eq!(r.body_str(), format!("{i}\n"));
+        assert_eq!(r.header("x-reused"), Some((i - 1).to_string().as_str()));
+    }
+    assert_eq!(conns.load(Ordering::SeqCst), 1, "keep-alive pool not used");
+
+    // Concurrent clients over both workers: every INCR counted, and the pool stays small
+    // (pooled per worker thread; concurrent requests may each need one).
+    let addr = p.listener("main");
+    let handles: Vec<_> = (0..4)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut conn = RawConn::connect(addr);
+                (0..25)
+                    .map(|_| {
+                        let r = conn.get("/redis?key=shared").unwrap();
+                        assert_eq!(r.status, 200, "{}", r.body_str());
+                        r.body_str().trim().parse::<u64>().unwrap()
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut all: Vec<u64> = handles
+        .into_iter()
+        .flat_map(|h| h.join().unwrap())
+        .collect();
+    all.sort_unstable();
+    assert_eq!(all, (1..=100).collect::<Vec<u64>>(), "each INCR once");
+    let c = conns.load(Ordering::SeqCst);
+    assert!(
+        c <= 1 + 4 * 2,
+        "{c} connections to the server for 110 requests"
+    );
+}
+
+#[test]
+fn cosocket_errors_are_returned_to_lua() {
+    let dead = dead_addr();
+    let code = format!(
+        r#"
+local sock = pier.socket.tcp()
+sock:settimeout(1000)
+local ok, err = sock:connect("127.0.0.1", {port})
+pier.say(tostring(ok), " ", tostring(err))
+"#,
+        port = dead.port()
+    );
+    let p = pier(&base_config("", &content_route("dead", "/dead", &code)));
+    let r = RawConn::connect(p.listener("main")).get("/dead").unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body_str(), "nil connection refused\n");
+}
+
+#[test]
+fn http_client_calls_a_second_origin() {
+    let main = Origin::start_named("main-origin");
+    let side = Origin::start_named("side");
+    let code = format!(
+        r#"
+local r, err = pier.http.request{{ url = "http://{side}/name" }}
+if not r then
+  pier.exit(502, "http: " .. tostring(err))
+end
+pier.resp.set_header("x-sub-status", r.status)
+pier.resp.set_header("x-sub-origin", r.headers["x-origin"])
+local e = assert(pier.http.request{{
+  method = "POST", url = "http://{side}/echo", body = "ping pong", timeout = 2000,
+}})
+local h = assert(pier.http.request{{ url = "http://{side}/headers", headers = {{ ["X-From"] = "lua" }} }})
+local seen = h.body:lower()
+pier.say(r.body, " ", e.status, " ", e.body, " ", seen:find("\r\nx-from: lua\r\n", 1, true) ~= nil,
+  " ", seen:sub(1, 21))
+"#,
+        side = side.addr()
+    );
+    let routes = format!(
+        "{}[[route]]\nname = \"main\"\npath = \"/\"\nupstream = \"app\"\n\n[upstream.app]\nservers = {}\n",
+        content_route("sub", "/sub", &code),
+        servers(&[main.addr()])
+    );
+    let p = pier(&base_config("", &routes));
+    let mut conn = RawConn::connect(p.listener("main"));
+    for _ in 0..5 {
+        let r = conn.get("/sub").unwrap();
+        assert_eq!(r.status, 200, "{}", r.body_str());
+        assert_eq!(r.header("x-sub-status"), Some("200"));
+        assert_eq!(r.header("x-sub-origin"), Some("side"));
+        assert_eq!(
+            r.body_str(),
+            "side 200 ping pong true get /headers http/1.1\n"
+        );
+    }
+    assert_eq!(side.requests(), 15);
+    // Pooled: one worker thread, sequential calls, one connection.
+    assert_eq!(
+        side.connections(),
+        1,
+        "pier.http did not keep the connection"
+    );
+    // The route next to it still proxies to the main origin.
+    let r = conn.get("/name").unwrap();
+    assert_eq!(r.body_str(), "main-origin");
+    assert_eq!(main.requests(), 1);
+
+    // An origin that is gone: nil and an error, the hook answers.
+    side.stop();
+    let r = conn.get("/sub").unwrap();
+    assert_eq!(r.status, 502, "{}", r.body_str());
+    assert!(r.body_str().starts_with("http: "), "{}", r.body_str());
+}
+
+#[test]
+fn sleep_suspends_only_its_request() {
+    const N: usize = 8;
+    let code = r#"
+pier.sleep(0.5)
+pier.say("slept")
+"#;
+    let fast = r#"
+pier.say("fast")
+"#;
+    let p = pier(&base_config(
+        "",
+        &format!(
+            "{}{}",
+            content_route("sleep", "/sleep", code),
+            content_route("fast", "/fast", fast)
+        ),
+    ));
+    let addr = p.listener("main");
+    let t0 = Instant::now();
+    let handles: Vec<_> = (0..N)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let r = RawConn::connect(addr).get("/sleep").unwrap();
+                assert_eq!(r.status, 200, "{}", r.body_str());
+                assert_eq!(r.body_str(), "slept\n");
+            })
+        })
+        .collect();
+    // While they sleep, other requests are served at once.
+    std::thread::sleep(Duration::from_millis(100));
+    let t1 = Instant::now();
+    let r = RawConn::connect(addr).get("/fast").unwrap();
+    assert_eq!(r.body_str(), "fast\n");
+    let fast_took = t1.elapsed();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let all = t0.elapsed();
+    assert!(all >= Duration::from_millis(500), "{all:?}");
+    // Blocking sleeps would take N * 0.5 s / 2 workers = 2 s.
+    assert!(all < Duration::from_millis(1600), "{N} sleeps took {all:?}");
+    assert!(
+        fast_took < Duration::from_millis(300),
+        "a request waited {fast_took:?} behind sleeping hooks"
+    );
+}
