@@ -200,3 +200,32 @@ fn registry_from_setup_keeps_dicts_across_reload() {
     assert!(s.build_registry(None).is_err());
     assert!(s.validate().is_err());
 }
+
+#[test]
+fn large_string_values_grow_the_copy_buffer() {
+    let e = engine(setup(RouteHooks {
+        access: src(
+            "a",
+            r#"
+            local d = pier.shared.cache
+            local big = string.rep("v", 20000)
+            assert(d:set("big", big))
+            assert(d:get("big") == big)
+            assert(d:set("small", "s"))
+            assert(d:get("small") == "s")
+            d:flush_all()
+            local v, _, stale = d:get_stale("big")
+            assert(v == big and stale)
+            assert(#pier.req.get_uri() > 0 and pier.req.get_method() == "GET" and pier.req.get_path() == "/api/items")
+            "#,
+        ),
+        ..Default::default()
+    }));
+    run(e.access(0, &mut TestView::default(), &mut RequestCtx::new())).unwrap();
+    let mut v = TestView {
+        uri: format!("/{}", "p".repeat(9000)).into_bytes(),
+        ..Default::default()
+    };
+    let e = access_engine("assert(#pier.req.get_uri() == 9001 and #pier.req.get_path() == 9001)");
+    run(e.access(0, &mut v, &mut RequestCtx::new())).unwrap();
+}

@@ -11,9 +11,9 @@ typedef struct {
   int (*phase_allowed)(uint32_t);
   double (*now)(void);
   int (*log)(int, const char *, size_t);
-  int (*req_method)(const char **, size_t *);
-  int (*req_uri)(const char **, size_t *);
-  int (*req_path)(const char **, size_t *);
+  int (*req_method)(char *, size_t);
+  int (*req_uri)(char *, size_t);
+  int (*req_path)(char *, size_t);
   int (*req_set_path)(const char *, size_t);
   int (*req_set_args)(const char *, size_t);
   int (*req_args)(const pier_pair_t **);
@@ -36,7 +36,7 @@ typedef struct {
   int (*balancer_set_peer)(const char *, size_t, int);
   int (*balancer_set_retries)(int);
   int (*shdict_index)(const char *, size_t);
-  int (*shdict_get)(int, const char *, size_t, int, const char **, size_t *, double *, uint32_t *);
+  int (*shdict_get)(int, const char *, size_t, int, char *, size_t, int *, double *, uint32_t *);
   int (*shdict_store)(int, int, const char *, size_t, int, const char *, size_t, double, double, uint32_t);
   int (*shdict_incr)(int, const char *, size_t, double, double, int, double, double *);
   int (*shdict_delete)(int, const char *, size_t);

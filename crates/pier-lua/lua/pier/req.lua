@@ -10,22 +10,36 @@ local str_format, str_byte, setmetatable, rawget = string.format, string.byte, s
 local req = {}
 local C_req_set_header = api.req_set_header
 
+local C_method, C_uri, C_path = api.req_method, api.req_uri, api.req_path
+local sbuf, scap = base.buf, base.cap
+
+-- Calls a copy-out getter `f(buf, cap)`, growing the buffer if needed.
+local function get_string(f, what)
+  local n = f(sbuf, scap)
+  if n > scap then
+    sbuf, scap = base.grow(n)
+    n = f(sbuf, scap)
+  end
+  if n < 0 then fail(n, what) end
+  return ffi_string(sbuf, n)
+end
+
 function req.get_method()
-  local rc = api.req_method(ptr, len)
-  if rc < 0 then fail(rc, "pier.req.get_method") end
-  return ffi_string(ptr[0], len[0])
+  local n = C_method(sbuf, scap)
+  if n < 0 or n > scap then return get_string(C_method, "pier.req.get_method") end
+  return ffi_string(sbuf, n)
 end
 
 function req.get_uri()
-  local rc = api.req_uri(ptr, len)
-  if rc < 0 then fail(rc, "pier.req.get_uri") end
-  return ffi_string(ptr[0], len[0])
+  local n = C_uri(sbuf, scap)
+  if n < 0 or n > scap then return get_string(C_uri, "pier.req.get_uri") end
+  return ffi_string(sbuf, n)
 end
 
 function req.get_path()
-  local rc = api.req_path(ptr, len)
-  if rc < 0 then fail(rc, "pier.req.get_path") end
-  return ffi_string(ptr[0], len[0])
+  local n = C_path(sbuf, scap)
+  if n < 0 or n > scap then return get_string(C_path, "pier.req.get_path") end
+  return ffi_string(sbuf, n)
 end
 
 -- Sets the path (starting with "/"), keeping the query, as ngx.req.set_uri.

@@ -23,10 +23,13 @@ local function key_of(key)
   return tostring(key)
 end
 
+local buf, cap = base.buf, base.cap
+local slen = ffi.new("int[1]")
+
 local function value_of(rc)
   local f = u32[0]
   if f == 0 then f = nil end
-  if rc == 4 then return ffi_string(ptr[0], len[0]), f end
+  if rc == 4 then return ffi_string(buf, slen[0]), f end
   if rc == 3 then return num[0], f end
   if rc == 1 then return num[0] ~= 0, f end
   return nil
@@ -36,7 +39,11 @@ end
 function Dict.get(self, key)
   key = key_of(key)
   if not key or #key == 0 then return nil, "nil key" end
-  local rc = C_get(self.idx, key, #key, 0, ptr, len, num, u32)
+  local rc = C_get(self.idx, key, #key, 0, buf, cap, slen, num, u32)
+  if rc == 4 and slen[0] > cap then
+    buf, cap = base.grow(slen[0])
+    rc = C_get(self.idx, key, #key, 0, buf, cap, slen, num, u32)
+  end
   if rc > 0 then return value_of(rc) end
   if rc < 0 then fail(rc, "pier.shared.get") end
   return nil
@@ -46,7 +53,11 @@ end
 function Dict.get_stale(self, key)
   key = key_of(key)
   if not key or #key == 0 then return nil, "nil key" end
-  local rc = C_get(self.idx, key, #key, 1, ptr, len, num, u32)
+  local rc = C_get(self.idx, key, #key, 1, buf, cap, slen, num, u32)
+  if (rc == 4 or rc == 20) and slen[0] > cap then
+    buf, cap = base.grow(slen[0])
+    rc = C_get(self.idx, key, #key, 1, buf, cap, slen, num, u32)
+  end
   if rc < 0 then fail(rc, "pier.shared.get_stale") end
   if rc == 0 then return nil end
   local stale = rc >= 16

@@ -4,24 +4,18 @@ use std::io::Write as _;
 use std::os::raw::{c_char, c_int};
 
 use super::copy_out;
-use super::{
-    arg, out, valid_name, valid_value, with_view, OutLen, OutPtr, PierPair, E_INVAL, SCRATCH,
-};
+use super::{arg, valid_name, valid_value, with_view, PierPair, E_INVAL, SCRATCH};
 use crate::phase::mask;
 use crate::view::HttpView;
 
-pub(super) extern "C" fn method(p: OutPtr, n: OutLen) -> c_int {
-    with_view(mask::REQ_READ, |v, _| {
-        out(v.method(), p, n);
-        0
-    })
+/// The method copied to `buf` (see `copy_out`).
+pub(super) extern "C" fn method(buf: *mut c_char, cap: usize) -> c_int {
+    with_view(mask::REQ_READ, |v, _| copy_out(v.method(), buf, cap))
 }
 
-pub(super) extern "C" fn uri(p: OutPtr, n: OutLen) -> c_int {
-    with_view(mask::REQ_READ, |v, _| {
-        out(v.uri(), p, n);
-        0
-    })
+/// The request target (`path?query`) copied to `buf` (see `copy_out`).
+pub(super) extern "C" fn uri(buf: *mut c_char, cap: usize) -> c_int {
+    with_view(mask::REQ_READ, |v, _| copy_out(v.uri(), buf, cap))
 }
 
 fn split_uri(uri: &[u8]) -> (&[u8], Option<&[u8]>) {
@@ -31,10 +25,10 @@ fn split_uri(uri: &[u8]) -> (&[u8], Option<&[u8]>) {
     }
 }
 
-pub(super) extern "C" fn path(p: OutPtr, n: OutLen) -> c_int {
+/// The path copied to `buf` (see `copy_out`).
+pub(super) extern "C" fn path(buf: *mut c_char, cap: usize) -> c_int {
     with_view(mask::REQ_READ, |v, _| {
-        out(split_uri(v.uri()).0, p, n);
-        0
+        copy_out(split_uri(v.uri()).0, buf, cap)
     })
 }
 

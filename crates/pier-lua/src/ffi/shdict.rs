@@ -8,8 +8,8 @@ use std::sync::Arc;
 use pier_shdict::{IncrError, SetResult, SharedDict, Value};
 
 use super::{
-    arg, guard, out, put, OutLen, OutPtr, PierPair, E_EXISTS, E_INVAL, E_NAN, E_NOMEM, E_NOTFOUND,
-    E_PHASE, SCRATCH,
+    arg, copy_out, guard, put, PierPair, E_EXISTS, E_INVAL, E_NAN, E_NOMEM, E_NOTFOUND, E_PHASE,
+    SCRATCH,
 };
 use crate::current::{self, Current};
 
@@ -71,6 +71,8 @@ pub(super) extern "C" fn index(name: *const c_char, n: usize) -> c_int {
         .map_or(-1, |i| i as c_int)
 }
 
+/// A string value is copied to `out_buf` when it fits (its length goes to
+/// `*len` either way; see `copy_out`).
 /// Returns the Lua type code of the value (0 nil, 1 boolean, 3 number,
 /// 4 string) plus 16 if it is stale (only with `stale != 0`).
 #[allow(clippy::too_many_arguments)]
@@ -79,8 +81,9 @@ pub(super) extern "C" fn get(
     key: *const c_char,
     klen: usize,
     stale: c_int,
-    p: OutPtr,
-    n: OutLen,
+    out_buf: *mut c_char,
+    cap: usize,
+    len: *mut c_int,
     num: *mut f64,
     flags: *mut u32,
 ) -> c_int {
@@ -105,7 +108,7 @@ pub(super) extern "C" fn get(
                     3
                 }
                 pier_shdict::HitValue::Str => {
-                    out(buf, p, n);
+                    put(len, copy_out(buf, out_buf, cap));
                     4
                 }
             };
