@@ -494,3 +494,282 @@ fn example_lua_ratelimit_answers_429_past_ten_per_second() {
         assert_eq!(o.requests() as usize, ok);
     }
 }
+
+#[test]
+fn access_flow_variants_and_request_api() {
+    let o = Origin::start();
+    let access = r#"
+local path = pier.req.get_path()
+pier.resp.set_header("x-lua", "1")
+if pier.req.get_header("X-Block") then
+  pier.exit(403, "blocked\n")
+end
+if path == "/f/say" then
+  pier.say("from access")
+  return
+end
+if path == "/f/redirect" then
+  pier.redirect("https://example.test/")
+end
+if path == "/f/headers" then
+  local h = pier.req.get_headers()
+  local multi = h["x-multi"]
+  pier.req.set_header("x-seen", table.concat({
+    type(multi) == "table" and table.concat(multi, "+") or tostring(multi),
+    h.x_under or "nil",
+    h["X-UNDER"] or "nil",
+  }, ","))
+  local args = pier.req.get_uri_args()
+  local list = args.k
+  pier.req.set_uri_args({ count = type(list) == "table" and #list or 0, flag = tostring(args.flag), sp = "a b&c" })
+end
+pier.exit(pier.OK)
+pier.resp.set_header("x-unreachable", "1")
+"#;
+    let cfg = base_config(
+        "",
+        &format!(
+            "{}{}",
+            lua_route("f", "/f/", "app", &hook("access", access)),
+            upstream("app", &[o.addr()])
+        ),
+    );
+    let p = pier(&cfg);
+
+    // Response headers set before pier.exit go out with the hook's own response.
+    let r = req(&p, "GET", "/f/hello", &[("X-Block", "1")]);
+    assert_eq!(r.status, 403);
+    assert_eq!(r.header("x-lua"), Some("1"));
+    assert_eq!(r.body_str(), "blocked\n");
+
+    // An access hook that buffered output answers 200 with it.
+    let r = req(&p, "GET", "/f/say", &[]);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body_str(), "from access\n");
+    assert_eq!(r.header("x-lua"), Some("1"));
+
+    // pier.redirect defaults to 302.
+    let r = req(&p, "GET", "/f/redirect", &[]);
+    assert_eq!(r.status, 302);
+    assert_eq!(r.header("location"), Some("https://example.test/"));
+    assert_eq!(o.requests(), 0);
+
+    // pier.exit(pier.OK) ends the hook (the line after it never runs) and proxies.
+    let r = req(&p, "GET", "/f/hello", &[]);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body_str(), "hello world\n");
+    assert_eq!(r.header("x-lua"), Some("1"));
+    assert_eq!(r.header("x-unreachable"), None);
+
+    // get_headers (repeated names as a list, `_` for `-`, any case), get_uri_args
+    // (repeated keys, bare flags) and set_uri_args (encoded) as the origin sees them.
+    let r = req(
+        &p,
+        "GET",
+        "/f/headers?k=1&k=2&k=3&flag",
+        &[("X-Multi", "a"), ("X-Multi", "b"), ("X-Under", "u")],
+    );
+    assert_eq!(r.status, 200);
+    let seen = r.body_str();
+    let line1 = seen.lines().next().unwrap();
+    assert!(line1.starts_with("GET /f/headers?"), "{seen}");
+    let query = line1
+        .trim_start_matches("GET /f/headers?")
+        .trim_end_matches(" HTTP/1.1");
+    let mut pairs: Vec<&str> = query.split('&').collect();
+    pairs.sort_unstable();
+    assert_eq!(pairs, ["count=3", "flag=true", "sp=a%20b%26c"], "{seen}");
+    assert!(
+        seen.to_ascii_lowercase()
+            .contains("\r\nx-seen: a+b,u,u\r\n"),
+        "{seen}"
+    );
+}
+
+#[test]
+fn body_filter_with_head_http10_and_an_error_mid_body() {
+    let o = Origin::start();
+    let bf = r#"
+local c = pier.arg[1]
+if c and pier.req.get_header("x-fail") and #c > 0 then
+  error("filter broke")
+end
+if c then pier.arg[1] = c:upper() end
+"#;
+    let cfg = base_config(
+        "",
+        &format!(
+            "{}{}",
+            lua_route("bf", "/bf/", "app", &hook("body_filter", bf)),
+            upstream("app", &[o.addr()])
+        ),
+    );
+    let p = pier(&cfg);
+    let mut conn = RawConn::connect(p.listener("main"));
+    // HEAD: no body to filter, and the connection stays in sync.
+    let r = conn.request("HEAD", "/bf/hello", &[], b"").unwrap();
+    assert_eq!(r.status, 200);
+    assert!(r.body.is_empty());
+    let r = conn.get("/bf/status/204").unwrap();
+    assert_eq!(r.status, 204);
+    let r = conn.get("/bf/hello").unwrap();
+    assert_eq!(r.body_str(), "HELLO WORLD\n");
+
+    // HTTP/1.0 cannot read chunked: the filtered body is close-delimited.
+    let mut c10 = RawConn::connect(p.listener("main"));
+    c10.send(b"GET /bf/hello HTTP/1.0\r\nHost: pier.test\r\n\r\n");
+    let r = c10.read_response().unwrap();
+    assert_eq!(r.status, 200);
+    assert!(!r.chunked && r.close_delimited, "{:?}", r.headers);
+    assert_eq!(r.body_str(), "HELLO WORLD\n");
+
+    // An error after the head went out: the response cannot become a 500, so the
+    // body must not look complete (no final chunk), and the error is logged.
+    let mut bad = RawConn::connect(p.listener("main"));
+    let res = bad.request("GET", "/bf/bytes/100000", &[("x-fail", "1")], b"");
+    match res {
+        Ok(r) => assert_eq!(
+            r.status, 500,
+            "a failed body filter produced a complete {} response of {} bytes",
+            r.status, r.body_len
+        ),
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof, "{e}"),
+    }
+    let ok = wait_until(Duration::from_secs(5), || {
+        p.logs().contains("route bf body_filter:4: filter broke")
+    });
+    assert!(ok, "{}", p.logs());
+    // Pier goes on.
+    let r = req(&p, "GET", "/bf/hello", &[]);
+    assert_eq!(r.body_str(), "HELLO WORLD\n");
+}
+
+#[test]
+fn log_phase_runs_for_hook_answers_too() {
+    let o = Origin::start();
+    let access = r#"
+if pier.req.get_header("x-deny") then pier.exit(401) end
+"#;
+    let log = r#"
+pier.shared.seen:set("last", pier.var.request_uri .. " " .. tostring(pier.var.status))
+"#;
+    let read = r#"
+pier.print(pier.shared.seen:get("last") or "none")
+"#;
+    let cfg = base_config(
+        "[lua.shared]\nseen = \"64k\"\n",
+        &format!(
+            "{}{}{}",
+            lua_route(
+                "l",
+                "/l/",
+                "app",
+                &format!("{}{}", hook("access", access), hook("log", log))
+            ),
+            lua_route("read", "/read", "", &hook("content", read)),
+            upstream("app", &[o.addr()])
+        ),
+    );
+    let p = pier(&cfg);
+    let r = req(&p, "GET", "/l/hello?x=1", &[("x-deny", "1")]);
+    assert_eq!(r.status, 401);
+    let mut last = String::new();
+    let ok = wait_until(Duration::from_secs(5), || {
+        last = req(&p, "GET", "/read", &[]).body_str();
+        last == "/l/hello?x=1 401"
+    });
+    assert!(ok, "log phase after a hook's 401: {last:?}");
+    let r = req(&p, "GET", "/l/status/503", &[]);
+    assert_eq!(r.status, 503);
+    let ok = wait_until(Duration::from_secs(5), || {
+        last = req(&p, "GET", "/read", &[]).body_str();
+        last == "/l/status/503 503"
+    });
+    assert!(ok, "log phase after a proxied 503: {last:?}");
+}
+
+#[test]
+fn init_file_and_pier_log() {
+    let dir = TempDir::new();
+    let init = dir.write(
+        "init.lua",
+        "function GREET(who) return \"hello, \" .. who end\nSTARTED_PHASE = pier.get_phase()\n",
+    );
+    let content = r#"
+pier.log(pier.WARN, "greeting ", pier.req.get_uri_args().who)
+pier.say(GREET(pier.req.get_uri_args().who), " ", STARTED_PHASE, " ", pier.get_phase())
+"#;
+    let top = format!("[lua]\ninit_file = \"{}\"\n", init.display());
+    let cfg = base_config(&top, &lua_route("g", "/g", "", &hook("content", content)));
+    let p = pier(&cfg);
+    let r = req(&p, "GET", "/g?who=pier", &[]);
+    assert_eq!(r.status, 200, "{}", r.body_str());
+    assert_eq!(r.body_str(), "hello, pier init content\n");
+    // pier.log goes to Pier's log with the hook's chunk name and line.
+    let ok = wait_until(Duration::from_secs(5), || {
+        p.logs().contains("route g content:2: greeting pier")
+    });
+    assert!(ok, "{}", p.logs());
+}
+
+/// docs/config.md: `[lua] package_path` adds `package.path` patterns for `require`.
+#[test]
+#[ignore = "pier: [lua] package_path is not passed to the Lua engine (pier-proxy state.rs lua_setup leaves it empty), require fails"]
+fn package_path_lets_hooks_require_modules() {
+    let dir = TempDir::new();
+    std::fs::create_dir_all(dir.path().join("lua")).unwrap();
+    dir.write(
+        "lua/greeter.lua",
+        "local M = {}\nfunction M.greet(who) return \"hello, \" .. who end\nreturn M\n",
+    );
+    let content = r#"
+local greeter = require("greeter")
+pier.say(greeter.greet(pier.req.get_uri_args().who))
+"#;
+    let top = format!(
+        "[lua]\npackage_path = [\"{}/lua/?.lua\"]\n",
+        dir.path().display()
+    );
+    let cfg = base_config(&top, &lua_route("g", "/g", "", &hook("content", content)));
+    let p = pier(&cfg);
+    let r = req(&p, "GET", "/g?who=pier", &[]);
+    assert_eq!(r.status, 200, "{}", r.body_str());
+    assert_eq!(r.body_str(), "hello, pier\n");
+}
+
+/// docs/config.md: "an allocation past it fails (the hook errors, the request gets 500)";
+/// docs/lua.md: "raises \"not enough memory\" in that hook only".
+#[test]
+#[ignore = "pier: after a hook hits [lua] memory_limit the next hook on that state also fails with not enough memory (the failed coroutine is still referenced when after_hook collects); the one after recovers"]
+fn memory_limit_fails_only_the_greedy_request() {
+    let greedy = r#"
+local t = {}
+for i = 1, 1e7 do
+  t[i] = string.rep("x", 64) .. i
+end
+pier.say(#t)
+"#;
+    let modest = r#"
+pier.say("fine")
+"#;
+    let cfg = base_config(
+        "[lua]\nmemory_limit = \"8m\"\n",
+        &format!(
+            "{}{}",
+            lua_route("greedy", "/greedy", "", &hook("content", greedy)),
+            lua_route("modest", "/modest", "", &hook("content", modest))
+        ),
+    );
+    let p = pier(&cfg);
+    let mut conn = RawConn::connect(p.listener("main"));
+    let r = conn.get("/modest").unwrap();
+    assert_eq!(r.status, 200, "before: {}", r.body_str());
+    for _ in 0..2 {
+        let r = conn.get("/greedy").unwrap();
+        assert_local(&r, 500, "hook-error");
+        let r = conn.get("/modest").unwrap();
+        assert_eq!(r.status, 200);
+        assert_eq!(r.body_str(), "fine\n");
+    }
+    assert!(p.logs().contains("not enough memory"), "{}", p.logs());
+}
