@@ -16,6 +16,7 @@
 //! | `/headers` | the request head exactly as received, as the body |
 //! | `/die` | head with Content-Length 1000, 10 bytes, then closes |
 //! | `/drop` | reads the request, then closes without a response |
+//! | `/bad/KIND` | a malformed response, then closes: `garbage`, `two-cl` (differing Content-Lengths), `cl-te` (both), `status` (4-digit status), `header` (space in a header name), `bad-chunk` (head fine, then an invalid chunk size) |
 //! | `/close` | `Connection: close`, `closing\n`, then closes |
 //! | `/healthz` | 200 `ok\n`, or 500 while [`Origin::set_healthy`]`(false)`; counted apart |
 //! | `/ws` | WebSocket handshake (101 with a correct accept key), then echoes every frame |
@@ -411,6 +412,21 @@ impl Conn {
                 self.s.flush().await?;
                 return Ok(Next::Close);
             }
+            "bad" => {
+                self.discard_body(kind).await?;
+                let kind = path.rsplit('/').next().unwrap_or("");
+                let raw: &[u8] = match kind {
+                    "two-cl" => b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello!",
+                    "cl-te" => b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+                    "status" => b"HTTP/1.1 2000 OK\r\ncontent-length: 2\r\n\r\nok",
+                    "header" => b"HTTP/1.1 200 OK\r\nbad header: x\r\ncontent-length: 2\r\n\r\nok",
+                    "bad-chunk" => b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\nmore\r\n0\r\n\r\n",
+                    _ => b"NOT HTTP AT ALL\r\n\r\n",
+                };
+                self.s.write_all(raw).await?;
+                self.s.flush().await?;
+                return Ok(Next::Close);
+            }
             "drop" => {
                 self.discard_body(kind).await?;
                 return Ok(Next::Close);
@@ -741,7 +757,7 @@ impl Conn {
 fn route(path: &str) -> (&str, Option<&str>) {
     const ENDPOINTS: &[&str] = &[
         "hello", "echo", "bytes", "chunked", "slow", "slowbody", "status", "headers", "die",
-        "drop", "close", "healthz", "ws", "name", "expect",
+        "drop", "bad", "close", "healthz", "ws", "name", "expect",
     ];
     let segs: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     for (i, s) in segs.iter().enumerate() {

@@ -287,3 +287,20 @@ fn idle_timeout_closes_keep_alive_connections() {
         || o.active_connections() == 0
     ));
 }
+
+#[test]
+fn bad_responses_are_bad() {
+    let o = Origin::start();
+    for kind in ["garbage", "status", "header"] {
+        let e = RawConn::connect(o.addr())
+            .get(&format!("/bad/{kind}"))
+            .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{kind}: {e}");
+    }
+    let r = RawConn::connect(o.addr()).get("/bad/two-cl").unwrap();
+    assert_eq!(r.header_all("content-length"), vec!["5", "6"]);
+    let e = RawConn::connect(o.addr())
+        .get("/bad/bad-chunk")
+        .unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
+}
