@@ -1,0 +1,263 @@
+//! `[[limit]]` rate rules through a real Pier process: 429 with `Retry-After` past the
+//! rate, keys counted apart (client IP, header, composite), burst, recovery after the
+//! window, dry run, and rules restricted to routes.
+//!
+//! Rates are per second on a sliding window; every run of requests here takes a few
+//! milliseconds on loopback, far under the 100 ms it would need to straddle a window
+//! boundary and shift a count by one.
+
+mod common;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use common::*;
+
+const OTHER_IP: IpAddr = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
+const LOCAL_IP: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+
+/// A catch-all route `default` and a route `api` (`/api/`), both to the origin, with
+/// `limits` (`[[limit]]` blocks) after them.
+fn limit_config(o: &Origin, limits: &str) -> String {
+    base_config(
+        "",
+        &format!(
+            r#"[[route]]
+name = "api"
+path = "/api/"
+upstream = "app"
+
+[[route]]
+name = "default"
+upstream = "app"
+
+[upstream.app]
+servers = ["{}"]
+
+{limits}
+"#,
+            o.addr()
+        ),
+    )
+}
+
+/// One request on a fresh connection from `from`, with extra headers.
+fn req_from(from: IpAddr, addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Response {
+    RawConn::connect_from(from, addr)
+        .request("GET", path, headers, b"")
+        .unwrap_or_else(|e| panic!("GET {path} from {from}: {e}"))
+}
+
+fn req(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Response {
+    req_from(LOCAL_IP, addr, path, headers)
+}
+
+/// Asserts a 429 rate-limited refusal with a sane `Retry-After` (whole seconds, at
+/// least 1, at most 2 for a per-second limit: the window plus rounding).
+#[track_caller]
+fn assert_rate_limited(r: &Response) {
+    assert_local(r, 429, "rate-limited");
+    let ra = r
+        .header("retry-after")
+        .unwrap_or_else(|| panic!("429 without Retry-After: {:?}", r.headers));
+    let secs: u64 = ra
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("Retry-After is not whole seconds: {ra:?}"));
+    assert!(
+        (1..=2).contains(&secs),
+        "Retry-After {secs} for a 10/s limit"
+    );
+}
+
+/// Sends `n` requests (fresh connections) and returns their statuses.
+fn statuses(n: usize, mut one: impl FnMut() -> Response) -> Vec<u16> {
+    (0..n).map(|_| one().status).collect()
+}
+
+fn denied(p: &PierProcess, limit: &str, dry_run: bool) -> f64 {
+    p.metric_sum(
+        "pier_limit_denied_total",
+        &[
+            ("limit", limit),
+            ("dry_run", if dry_run { "true" } else { "false" }),
+        ],
+    )
+}
+
+#[test]
+fn client_over_the_rate_gets_429_while_another_client_is_unaffected() {
+    let o = Origin::start();
+    let p = pier(&limit_config(
+        &o,
+        r#"[[limit]]
+name = "per-ip"
+key = "client_ip"
+rate = "10/s"
+"#,
+    ));
+    let a = p.listener("main");
+    for i in 0..10 {
+        let r = req(a, "/hello", &[]);
+        assert_eq!(r.status, 200, "request {i} of 10 within the rate");
+        assert_eq!(r.body_str(), "hello world\n");
+    }
+    for _ in 0..5 {
+        assert_rate_limited(&req(a, "/hello", &[]));
+    }
+    // Another client IP has its own count: all 10 of its requests pass, even while the
+    // first one is over the limit.
+    for i in 0..10 {
+        let r = req_from(OTHER_IP, a, "/hello", &[]);
+        assert_eq!(r.status, 200, "request {i} from {OTHER_IP}");
+    }
+    assert_rate_limited(&req_from(OTHER_IP, a, "/hello", &[]));
+    assert_rate_limited(&req(a, "/hello", &[]));
+    // Refused requests never reach the origin.
+    assert_eq!(o.requests(), 20);
+    assert_eq!(wait_local_count(&p, 429, "rate-limited", 7.0), 7.0);
+    assert_eq!(denied(&p, "per-ip", false), 7.0);
+}
+
+#[test]
+fn header_keyed_limit_counts_each_value_apart() {
+    let o = Origin::start();
+    let p = pier(&limit_config(
+        &o,
+        r#"[[limit]]
+name = "per-client"
+key = "header:X-Client"
+rate = "10/s"
+"#,
+    ));
+    let a = p.listener("main");
+    let ok_a = statuses(10, || req(a, "/hello", &[("X-Client", "a")]));
+    assert_eq!(ok_a, vec![200; 10]);
+    assert_rate_limited(&req(a, "/hello", &[("X-Client", "a")]));
+    // Header names are case-insensitive; the value "b" is another key.
+    let ok_b = statuses(10, || req(a, "/hello", &[("x-client", "b")]));
+    assert_eq!(ok_b, vec![200; 10], "X-Client: b is a different key");
+    assert_rate_limited(&req(a, "/hello", &[("X-CLIENT", "b")]));
+    assert_rate_limited(&req(a, "/hello", &[("X-Client", "a")]));
+    // A request without the header has no key: the rule does not apply to it.
+    let none = statuses(15, || req(a, "/hello", &[]));
+    assert_eq!(none, vec![200; 15], "requests without the key header");
+    assert_eq!(o.requests(), 35);
+    assert_eq!(denied(&p, "per-client", false), 3.0);
+}
+
+#[test]
+fn burst_allows_exactly_rate_plus_burst_then_recovers_after_the_window() {
+    let o = Origin::start();
+    let p = pier(&limit_config(
+        &o,
+        r#"[[limit]]
+name = "bursty"
+key = "client_ip"
+rate = "10/s"
+burst = 5
+"#,
+    ));
+    let a = p.listener("main");
+    // On one keep-alive connection: a refusal must not cost the connection either.
+    let mut c = RawConn::connect(a);
+    let first: Vec<u16> = (0..22).map(|_| c.get("/hello").unwrap().status).collect();
+    let mut want = vec![200; 15];
+    want.extend([429; 7]);
+    assert_eq!(first, want, "10/s with burst 5: exactly 15 pass at once");
+    assert_rate_limited(&c.get("/hello").unwrap());
+
+    // Two windows later nothing of the burst counts any more (its window is neither
+    // current nor previous): the full allowance again, exactly.
+    std::thread::sleep(Duration::from_millis(2100));
+    let again: Vec<u16> = (0..17).map(|_| c.get("/hello").unwrap().status).collect();
+    let mut want = vec![200; 15];
+    want.extend([429; 2]);
+    assert_eq!(again, want, "after the window: 15 again, then refused");
+    assert_eq!(o.requests(), 30);
+    assert_eq!(denied(&p, "bursty", false), 10.0);
+}
+
+#[test]
+fn dry_run_counts_but_never_blocks() {
+    let o = Origin::start();
+    let p = pier(&limit_config(
+        &o,
+        r#"[[limit]]
+name = "watch"
+key = "client_ip"
+rate = "10/s"
+dry_run = true
+"#,
+    ));
+    let a = p.listener("main");
+    assert_eq!(denied(&p, "watch", true), 0.0);
+    let all = statuses(25, || req(a, "/hello", &[]));
+    assert_eq!(all, vec![200; 25], "a dry-run limit never refuses");
+    assert_eq!(o.requests(), 25);
+    // The 15 requests past 10/s are counted as would-be refusals, under dry_run="true".
+    let mut n = 0.0;
+    wait_until(Duration::from_secs(5), || {
+        n = denied(&p, "watch", true);
+        n >= 15.0
+    });
+    assert_eq!(n, 15.0, "{}", p.metrics());
+    assert_eq!(denied(&p, "watch", false), 0.0);
+    assert_eq!(local_count(&p, 429, "rate-limited"), 0.0);
+}
+
+#[test]
+fn limit_restricted_to_a_route_leaves_other_routes_alone() {
+    let o = Origin::start();
+    let p = pier(&limit_config(
+        &o,
+        r#"[[limit]]
+name = "api-only"
+key = "client_ip"
+rate = "10/s"
+routes = ["api"]
+"#,
+    ));
+    let a = p.listener("main");
+    let api = statuses(14, || req(a, "/api/hello", &[]));
+    let mut want = vec![200; 10];
+    want.extend([429; 4]);
+    assert_eq!(api, want, "the api route is limited");
+    // The same client, over the limit on `api`, is not limited on `default`.
+    let other = statuses(20, || req(a, "/hello", &[]));
+    assert_eq!(other, vec![200; 20], "the default route has no limit");
+    assert_rate_limited(&req(a, "/api/hello", &[]));
+    assert_eq!(o.requests(), 30);
+    assert_eq!(denied(&p, "api-only", false), 5.0);
+}
+
+#[test]
+fn composite_key_counts_each_combination_apart() {
+    let o = Origin::start();
+    let p = pier(&limit_config(
+        &o,
+        r#"[[limit]]
+name = "ip-and-key"
+key = ["client_ip", "header:X-Api-Key"]
+rate = "5/s"
+"#,
+    ));
+    let a = p.listener("main");
+    let k1 = [("X-Api-Key", "k1")];
+    let k2 = [("X-Api-Key", "k2")];
+    assert_eq!(statuses(5, || req(a, "/hello", &k1)), vec![200; 5]);
+    assert_rate_limited(&req(a, "/hello", &k1));
+    // Same IP, other key: its own count.
+    assert_eq!(statuses(5, || req(a, "/hello", &k2)), vec![200; 5]);
+    assert_rate_limited(&req(a, "/hello", &k2));
+    // Same key, other IP: its own count.
+    assert_eq!(
+        statuses(5, || req_from(OTHER_IP, a, "/hello", &k1)),
+        vec![200; 5]
+    );
+    assert_rate_limited(&req_from(OTHER_IP, a, "/hello", &k1));
+    // A request lacking one part has no key and is not limited.
+    assert_eq!(statuses(8, || req(a, "/hello", &[])), vec![200; 8]);
+    assert_eq!(o.requests(), 23);
+    assert_eq!(denied(&p, "ip-and-key", false), 3.0);
+}
