@@ -16,6 +16,7 @@
 //! | `/headers` | the request head exactly as received, as the body |
 //! | `/die` | head with Content-Length 1000, 10 bytes, then closes |
 //! | `/drop` | reads the request, then closes without a response |
+//! | `/hop` | 200 with hop-by-hop headers: `connection: x-hop-secret`, `x-hop-secret`, `keep-alive`, `proxy-connection`, and an end-to-end `x-kept: yes` |
 //! | `/bad/KIND` | a malformed response, then closes: `garbage`, `two-cl` (differing Content-Lengths), `cl-te` (both), `status` (4-digit status), `header` (space in a header name), `bad-chunk` (head fine, then an invalid chunk size) |
 //! | `/close` | `Connection: close`, `closing\n`, then closes |
 //! | `/healthz` | 200 `ok\n`, or 500 while [`Origin::set_healthy`]`(false)`; counted apart |
@@ -465,6 +466,17 @@ impl Conn {
                 self.write_full(200, "OK", conn_hdr, b"hello world\n", is_head)
                     .await
             }
+            ("hop", _) => {
+                let mut hdrs = vec![
+                    ("connection", "x-hop-secret"),
+                    ("x-hop-secret", "1"),
+                    ("keep-alive", "timeout=5, max=100"),
+                    ("proxy-connection", "keep-alive"),
+                    ("x-kept", "yes"),
+                ];
+                hdrs.extend_from_slice(conn_hdr);
+                self.write_full(200, "OK", &hdrs, b"hop\n", is_head).await
+            }
             ("name", _) => {
                 let name = self.st.name.clone();
                 self.write_full(200, "OK", conn_hdr, name.as_bytes(), is_head)
@@ -757,7 +769,7 @@ impl Conn {
 fn route(path: &str) -> (&str, Option<&str>) {
     const ENDPOINTS: &[&str] = &[
         "hello", "echo", "bytes", "chunked", "slow", "slowbody", "status", "headers", "die",
-        "drop", "bad", "close", "healthz", "ws", "name", "expect",
+        "drop", "bad", "hop", "close", "healthz", "ws", "name", "expect",
     ];
     let segs: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     for (i, s) in segs.iter().enumerate() {

@@ -304,3 +304,12 @@ fn bad_responses_are_bad() {
         .unwrap_err();
     assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
 }
+
+#[test]
+fn hop_sends_hop_by_hop_headers() {
+    let o = Origin::start();
+    let r = get(o.addr(), "/hop");
+    assert_eq!(r.header("x-hop-secret"), Some("1"));
+    assert_eq!(r.header("x-kept"), Some("yes"));
+    assert_eq!(r.body, b"hop\n");
+}
