@@ -34,6 +34,8 @@ pub struct RequestCtx {
     pub(crate) body: Vec<u8>,
     pub(crate) peer: Option<std::net::SocketAddr>,
     pub(crate) retries: Option<u32>,
+    /// `pier.resp.set_status` in access/content: the status of a local answer.
+    pub(crate) status: Option<u16>,
     /// Set by the runner coroutine when the hook returned (see `Runners`).
     pub(crate) done: bool,
 }
@@ -48,6 +50,7 @@ impl RequestCtx {
             body: Vec::new(),
             peer: None,
             retries: None,
+            status: None,
             done: false,
         }
     }
@@ -293,6 +296,11 @@ impl LuaEngine {
             if idle.len() < MAX_IDLE_RUNNERS {
                 idle.push(handle);
             }
+        } else {
+            // A failed or exited hook's coroutine still references everything
+            // on its stack: let go of it before `after_hook` collects (after
+            // a memory-limit error that is what frees the memory).
+            drop(handle);
         }
         self.after_hook();
         r.map_err(err)?;
@@ -421,8 +429,11 @@ fn take_flow(phase: Phase, view: &mut dyn HttpView, ctx: &mut RequestCtx) -> Flo
     if !respond {
         return Flow::Continue;
     }
-    let status = match exit {
-        Some(s) if s >= 100 => s,
+    // pier.exit's status, else pier.resp.set_status's (recorded here, as the
+    // proxy's view may have no response to hold it yet), else 200.
+    let status = match (exit, ctx.status.take()) {
+        (Some(s), _) if s >= 100 => s,
+        (_, Some(s)) => s,
         _ => match view.status() {
             s @ 100..=599 => s,
             _ => 200,

@@ -656,3 +656,113 @@ fn ctx_does_not_cross_engines() {
     new.header_filter(0, &mut other, &mut other_ctx).unwrap();
     assert_eq!(other.resp("x-owner").as_deref(), Some("/other"));
 }
+
+/// A view that keeps no status before a response exists (as a proxy may).
+struct NoStatus(TestView);
+
+impl pier_lua::HttpView for NoStatus {
+    fn method(&self) -> &[u8] {
+        self.0.method()
+    }
+    fn uri(&self) -> &[u8] {
+        self.0.uri()
+    }
+    fn set_uri(&mut self, u: &[u8]) {
+        self.0.set_uri(u)
+    }
+    fn req_header(&self, n: &[u8]) -> Option<&[u8]> {
+        self.0.req_header(n)
+    }
+    fn req_headers(&self, f: &mut dyn FnMut(&[u8], &[u8])) {
+        self.0.req_headers(f)
+    }
+    fn set_req_header(&mut self, n: &[u8], v: Option<&[u8]>) {
+        self.0.set_req_header(n, v)
+    }
+    fn add_req_header(&mut self, n: &[u8], v: &[u8]) {
+        self.0.add_req_header(n, v)
+    }
+    fn client_addr(&self) -> std::net::SocketAddr {
+        self.0.client_addr()
+    }
+    fn scheme(&self) -> &[u8] {
+        self.0.scheme()
+    }
+    fn host(&self) -> &[u8] {
+        self.0.host()
+    }
+    fn server_port(&self) -> u16 {
+        self.0.server_port()
+    }
+    fn status(&self) -> u16 {
+        0
+    }
+    fn set_status(&mut self, _: u16) {}
+    fn resp_header(&self, n: &[u8]) -> Option<&[u8]> {
+        self.0.resp_header(n)
+    }
+    fn resp_headers(&self, f: &mut dyn FnMut(&[u8], &[u8])) {
+        self.0.resp_headers(f)
+    }
+    fn set_resp_header(&mut self, n: &[u8], v: Option<&[u8]>) {
+        self.0.set_resp_header(n, v)
+    }
+    fn add_resp_header(&mut self, n: &[u8], v: &[u8]) {
+        self.0.add_resp_header(n, v)
+    }
+    fn now_ns(&self) -> u64 {
+        self.0.now_ns()
+    }
+}
+
+#[test]
+fn content_status_from_set_status_without_view_status() {
+    let e = engine(setup(RouteHooks {
+        content: src(
+            "route t content",
+            "pier.resp.set_status(201) pier.say('created')",
+        ),
+        access: src(
+            "route t access",
+            "if pier.req.get_header('x-deny') then pier.resp.set_status(451) pier.say('no') end",
+        ),
+        ..Default::default()
+    }));
+    let flow = run(e.content(
+        0,
+        &mut NoStatus(TestView::default()),
+        &mut RequestCtx::new(),
+    ))
+    .unwrap();
+    assert_eq!(
+        flow,
+        Flow::Respond {
+            status: 201,
+            headers: vec![],
+            body: "created\n".into()
+        }
+    );
+    let mut v = TestView::default();
+    v.headers.push((b"X-Deny".to_vec(), b"1".to_vec()));
+    let flow = run(e.access(0, &mut NoStatus(v), &mut RequestCtx::new())).unwrap();
+    assert_eq!(
+        flow,
+        Flow::Respond {
+            status: 451,
+            headers: vec![],
+            body: "no\n".into()
+        }
+    );
+    // Without set_status: 200.
+    let e = engine(setup(RouteHooks {
+        content: src("c", "pier.say('x')"),
+        ..Default::default()
+    }));
+    let flow = run(e.content(
+        0,
+        &mut NoStatus(TestView::default()),
+        &mut RequestCtx::new(),
+    ))
+    .unwrap();
+    assert!(matches!(flow, Flow::Respond { status: 200, .. }));
+}

@@ -15,8 +15,14 @@ pub(super) extern "C" fn set_status(status: c_int) -> c_int {
     if !(100..=999).contains(&status) {
         return E_INVAL;
     }
-    with_view(mask::RESP_WRITE, |v, _| {
+    with_view(mask::RESP_WRITE, |v, cur| {
         v.set_status(status as u16);
+        if let (Some(mut ctx), Some(crate::Phase::Access | crate::Phase::Content)) =
+            (cur.ctx, cur.phase)
+        {
+            // SAFETY: published with the view, for the duration of the hook call.
+            unsafe { ctx.as_mut() }.status = Some(status as u16);
+        }
         0
     })
 }
