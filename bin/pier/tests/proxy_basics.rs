@@ -416,3 +416,24 @@ fn obs_text_header_values_pass_through_unchanged() {
         String::from_utf8_lossy(&r.body)
     );
 }
+
+#[test]
+fn hop_by_hop_response_headers_are_removed() {
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    let r = c.get("/hop").unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-kept"), Some("yes"));
+    for gone in ["x-hop-secret", "keep-alive", "proxy-connection"] {
+        assert!(
+            r.header(gone).is_none(),
+            "{gone} was relayed: {:?}",
+            r.headers
+        );
+    }
+    for v in r.header_all("connection") {
+        assert!(!v.contains("x-hop-secret"), "connection: {v}");
+    }
+    // The origin's keep-alive parameters say nothing about this connection: still open.
+    assert_eq!(c.get("/hello").unwrap().status, 200);
+}
