@@ -314,3 +314,168 @@ pier.say("fast")
         "a request waited {fast_took:?} behind sleeping hooks"
     );
 }
+
+/// Sends one RESP command to the server directly and returns the raw reply line(s).
+fn redis_cmd(addr: SocketAddr, args: &[&str]) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut req = format!("*{}\r\n", args.len());
+    for a in args {
+        req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+    }
+    s.write_all(req.as_bytes()).unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    if let Some(n) = line.trim_end().strip_prefix('$') {
+        let n: i64 = n.parse().unwrap();
+        if n < 0 {
+            return "nil".into();
+        }
+        let mut b = vec![0; n as usize + 2];
+        r.read_exact(&mut b).unwrap();
+        b.truncate(n as usize);
+        return String::from_utf8(b).unwrap();
+    }
+    line.trim_end().to_string()
+}
+
+#[test]
+fn access_hook_authorizes_against_redis() {
+    let (redis, _) = resp_server();
+    assert_eq!(redis_cmd(redis, &["SET", "token:abc", "alice"]), "+OK");
+    let o = Origin::start();
+    let access = format!(
+        r#"{REDIS_CLIENT}
+local auth = pier.req.get_header("Authorization") or ""
+local token = auth:match("^Bearer (%w+)$")
+if not token then
+  pier.exit(401, "no token\n")
+end
+local sock = pier.socket.tcp()
+sock:settimeout(2000)
+assert(sock:connect("127.0.0.1", {port}))
+local user, err = cmd(sock, "GET", "token:" .. token)
+sock:setkeepalive(10000, 8)
+if not user then
+  pier.exit(403, "unknown token\n")
+end
+pier.req.set_header("x-user", user)
+"#,
+        port = redis.port()
+    );
+    let routes = format!(
+        "[[route]]\nname = \"api\"\npath = \"/\"\nupstream = \"app\"\n\n[route.lua]\naccess = '''\n{access}\n'''\n\n[upstream.app]\nservers = {}\n",
+        servers(&[o.addr()])
+    );
+    let p = pier(&base_config("", &routes));
+    let mut conn = RawConn::connect(p.listener("main"));
+    let r = conn.get("/headers").unwrap();
+    assert_eq!((r.status, r.body_str().as_str()), (401, "no token\n"));
+    let r = conn
+        .request("GET", "/headers", &[("Authorization", "Bearer nope")], b"")
+        .unwrap();
+    assert_eq!((r.status, r.body_str().as_str()), (403, "unknown token\n"));
+    assert_eq!(o.requests(), 0);
+    let r = conn
+        .request("GET", "/headers", &[("Authorization", "Bearer abc")], b"")
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body_str());
+    assert!(
+        r.body_str()
+            .to_ascii_lowercase()
+            .contains("\r\nx-user: alice\r\n"),
+        "{}",
+        r.body_str()
+    );
+}
+
+#[test]
+fn timer_callback_does_cosocket_io() {
+    let (redis, _) = resp_server();
+    let content = format!(
+        r#"{REDIS_CLIENT}
+local by = pier.req.get_uri_args().by
+assert(pier.timer.at(0, function(premature, key)
+  local sock = pier.socket.tcp()
+  sock:settimeout(2000)
+  assert(sock:connect("127.0.0.1", {port}))
+  pier.sleep(0.01)
+  assert(cmd(sock, "SET", key, "set by a timer in phase " .. pier.get_phase()))
+  sock:close()
+end, "timer:" .. by))
+pier.say("scheduled")
+"#,
+        port = redis.port()
+    );
+    let p = pier(&base_config(
+        "",
+        &content_route("sched", "/sched", &content),
+    ));
+    let r = RawConn::connect(p.listener("main"))
+        .get("/sched?by=one")
+        .unwrap();
+    assert_eq!(r.body_str(), "scheduled\n");
+    let mut last = String::new();
+    let ok = wait_until(Duration::from_secs(5), || {
+        last = redis_cmd(redis, &["GET", "timer:one"]);
+        last != "nil"
+    });
+    assert!(ok, "the timer never wrote to the server");
+    assert_eq!(last, "set by a timer in phase timer");
+}
+
+#[test]
+fn http_client_reads_large_chunked_bodies() {
+    const N: usize = 200_000;
+    let side = Origin::start_named("side");
+    let content = format!(
+        r#"
+local r = assert(pier.http.request{{ url = "http://{side}/chunked/{N}" }})
+local sum = 0
+for i = 1, #r.body do
+  sum = (sum * 31 + r.body:byte(i)) % 2147483647
+end
+pier.say(r.status, " ", #r.body, " ", sum)
+"#,
+        side = side.addr()
+    );
+    let p = pier(&base_config("", &content_route("big", "/big", &content)));
+    let r = RawConn::connect(p.listener("main")).get("/big").unwrap();
+    assert_eq!(r.status, 200, "{}", r.body_str());
+    let sum = pattern(0, N)
+        .iter()
+        .fold(0u64, |s, &b| (s * 31 + b as u64) % 2_147_483_647);
+    assert_eq!(r.body_str(), format!("200 {N} {sum}\n"));
+}
+
+#[test]
+fn balancer_peer_that_refuses_is_a_502() {
+    let a = Origin::start_named("alpha");
+    let dead = dead_addr();
+    let bal = format!(
+        r#"
+if pier.req.get_header("x-dead") then
+  pier.balancer.set_peer("127.0.0.1", {dead_port})
+  pier.balancer.set_retries(0)
+end
+"#,
+        dead_port = dead.port()
+    );
+    let routes = format!(
+        "[[route]]\nname = \"b\"\npath = \"/\"\nupstream = \"app\"\n\n[route.lua]\nbalancer = '''\n{bal}\n'''\n\n[upstream.app]\nservers = {}\n",
+        servers(&[a.addr()])
+    );
+    let p = pier(&base_config("", &routes));
+    let r = RawConn::connect(p.listener("main"))
+        .request("GET", "/name", &[("x-dead", "1")], b"")
+        .unwrap();
+    assert_local(&r, 502, "upstream-connect");
+    assert_eq!(
+        a.requests(),
+        0,
+        "the hook's choice must not fall back silently"
+    );
+    let r = RawConn::connect(p.listener("main")).get("/name").unwrap();
+    assert_eq!(r.body_str(), "alpha");
+}
