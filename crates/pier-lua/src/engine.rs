@@ -258,7 +258,7 @@ impl LuaEngine {
             let _scope = Scope::enter(cur);
             f.call::<()>(())
         };
-        self.after_hook();
+        self.after_hook(r.is_err());
         r.map_err(|e| LuaError::lua(Some(phase), e))
     }
 
@@ -302,16 +302,18 @@ impl LuaEngine {
             // a memory-limit error that is what frees the memory).
             drop(handle);
         }
-        self.after_hook();
+        self.after_hook(r.is_err());
         r.map_err(err)?;
         Ok(true)
     }
 
-    fn after_hook(&self) {
-        if self.inner.memory_limit > 0
-            && self.inner.lua.used_memory() > self.inner.memory_limit / 10 * 9
-        {
-            // Close to the limit: collect now rather than fail the next hook.
+    /// With a memory limit, collects after a failed hook (it may have hit
+    /// the limit: LuaJIT raises "not enough memory" without an emergency
+    /// collection, so its garbage would fail the next hooks too) and when
+    /// close to the limit.
+    fn after_hook(&self, failed: bool) {
+        let limit = self.inner.memory_limit;
+        if limit > 0 && (failed || self.inner.lua.used_memory() > limit / 10 * 9) {
             let _ = self.inner.lua.gc_collect();
         }
     }

@@ -161,3 +161,42 @@ fn memory_limit_fails_the_hook_not_the_engine() {
     }
     assert!(e.used_memory() < 8 << 20, "{}", e.used_memory());
 }
+
+#[test]
+fn memory_limit_garbage_of_a_failed_hook_is_collected_at_once() {
+    // Strings this time, 8 MiB: the failed hook leaves ~7 MiB of garbage,
+    // below the 90% threshold; LuaJIT does no emergency GC on a failed
+    // allocation, so without a collection after the failure the next hook
+    // would fail too.
+    let greedy = "local t = {} for i = 1, 1e7 do t[i] = string.rep('x', 64) .. i end pier.say(#t)";
+    let s = LuaSetup {
+        routes: vec![
+            RouteHooks {
+                content: src("greedy", greedy),
+                ..Default::default()
+            },
+            RouteHooks {
+                content: src("modest", "pier.say('fine')"),
+                ..Default::default()
+            },
+        ],
+        memory_limit: 8 << 20,
+        ..Default::default()
+    };
+    let e = LuaEngine::new(Arc::new(s), registry(&[])).unwrap();
+    run(async {
+        for _ in 0..2 {
+            let err = e
+                .content(0, &mut TestView::default(), &mut RequestCtx::new())
+                .await
+                .unwrap_err();
+            assert!(err.message.contains("not enough memory"), "{}", err.message);
+            let flow = e
+                .content(1, &mut TestView::default(), &mut RequestCtx::new())
+                .await
+                .unwrap();
+            assert!(matches!(flow, pier_lua::Flow::Respond { status: 200, .. }));
+        }
+    });
+    assert!(e.used_memory() < 2 << 20, "{}", e.used_memory());
+}
