@@ -479,3 +479,53 @@ end
     let r = RawConn::connect(p.listener("main")).get("/name").unwrap();
     assert_eq!(r.body_str(), "alpha");
 }
+
+/// Requests whose hooks yield (pier.sleep) interleave on the same worker thread; each
+/// must keep seeing its own request, headers and `pier.ctx` after every resume.
+#[test]
+fn yielding_hooks_keep_their_own_request_and_ctx() {
+    let o = Origin::start();
+    let access = r#"
+local tag = pier.req.get_header("x-tag")
+pier.ctx.tag = tag
+pier.sleep(0.001 * (tonumber(tag:match("(%d+)$")) % 7))
+pier.req.set_header("x-seen", pier.ctx.tag .. "/" .. pier.req.get_header("x-tag") .. "/" .. pier.var.request_uri)
+"#;
+    let bal = r#"
+pier.sleep(0.002)
+pier.ctx.bal = pier.req.get_header("x-tag")
+"#;
+    let hf = r#"
+pier.resp.set_header("x-ctx", pier.ctx.tag .. "/" .. pier.ctx.bal)
+"#;
+    let routes = format!(
+        "[[route]]\nname = \"y\"\npath = \"/\"\nupstream = \"app\"\n\n[route.lua]\naccess = '''\n{access}\n'''\nbalancer = '''\n{bal}\n'''\nheader_filter = '''\n{hf}\n'''\n\n[upstream.app]\nservers = {}\n",
+        servers(&[o.addr()])
+    );
+    let p = pier(&base_config("", &routes));
+    let addr = p.listener("main");
+    let handles: Vec<_> = (0..6)
+        .map(|t| {
+            std::thread::spawn(move || {
+                let mut conn = RawConn::connect(addr);
+                for i in 0..25 {
+                    let tag = format!("t{t}-{i}");
+                    let path = format!("/headers?t={t}&i={i}");
+                    let r = conn.request("GET", &path, &[("x-tag", &tag)], b"").unwrap();
+                    assert_eq!(r.status, 200, "{}", r.body_str());
+                    assert_eq!(r.header("x-ctx"), Some(format!("{tag}/{tag}").as_str()));
+                    let want = format!("\r\nx-seen: {tag}/{tag}/{path}\r\n");
+                    assert!(
+                        r.body_str().to_ascii_lowercase().contains(&want),
+                        "{want:?} not in {}",
+                        r.body_str()
+                    );
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(o.requests(), 150);
+}
