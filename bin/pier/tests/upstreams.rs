@@ -357,6 +357,8 @@ fn lua_peer_config(ip: &str, port: u16, deny: &str) -> String {
         &format!(
             r#"[[route]]
 upstream = "app"
+
+[route.lua]
 balancer = 'pier.balancer.set_peer("{ip}", {port})'
 
 [upstream.app]
@@ -368,7 +370,6 @@ retries = 0"#
 }
 
 #[test]
-#[ignore = "pier: the route key `balancer` (Lua, docs/config.md) is not accepted yet, and it is the only way to pick a peer at request time"]
 fn deny_origins_at_request_time_is_503_in_every_spelling() {
     // A peer chosen at request time (here by Lua) is checked after normalising it: an
     // IPv4-mapped IPv6 address is checked as the IPv4 address it maps.
