@@ -866,3 +866,64 @@ if pier.arg[1] then pier.arg[1] = pier.arg[1]:upper() end
     assert_eq!(r.header("x-hf"), Some("200"), "{:?}", r.headers);
     assert_eq!(r.body_str(), "MADE BY CONTENT\n");
 }
+
+#[test]
+fn upstream_request_and_balancer_may_yield_and_answer() {
+    let a = Origin::start_named("alpha");
+    let b = Origin::start_named("beta");
+    let bal = format!(
+        r#"
+pier.sleep(0.01)
+if pier.req.get_header("x-beta") then
+  pier.balancer.set_peer("127.0.0.1", {})
+end
+"#,
+        b.addr().port()
+    );
+    let ur = r#"
+pier.sleep(0.01)
+if pier.req.get_header("x-deny") then
+  pier.exit(401, "denied late\n")
+end
+pier.req.set_header("x-late", "yes")
+"#;
+    let cfg = base_config(
+        "",
+        &format!(
+            "{}{}",
+            lua_route(
+                "y",
+                "/",
+                "one",
+                &format!("{}{}", hook("balancer", &bal), hook("upstream_request", ur))
+            ),
+            upstream("one", &[a.addr()])
+        ),
+    );
+    let p = pier(&cfg);
+    let mut conn = RawConn::connect(p.listener("main"));
+    let r = conn.get("/name").unwrap();
+    assert_eq!(r.body_str(), "alpha");
+    // The balancer may pick a server outside the upstream's list.
+    let r = conn
+        .request("GET", "/name", &[("x-beta", "1")], b"")
+        .unwrap();
+    assert_eq!(r.body_str(), "beta");
+    let r = conn.get("/headers").unwrap();
+    assert!(
+        r.body_str()
+            .to_ascii_lowercase()
+            .contains("\r\nx-late: yes\r\n"),
+        "{}",
+        r.body_str()
+    );
+    let before = a.requests() + b.requests();
+    let r = conn
+        .request("GET", "/name", &[("x-deny", "1")], b"")
+        .unwrap();
+    assert_eq!((r.status, r.body_str().as_str()), (401, "denied late\n"));
+    assert_eq!(a.requests() + b.requests(), before);
+    // Still in sync after the hook's answer.
+    let r = conn.get("/name").unwrap();
+    assert_eq!(r.body_str(), "alpha");
+}
