@@ -156,7 +156,6 @@ fn content_answers_without_calling_the_origin() {
 /// docs/lua.md: "A `content` hook always answers (status: `pier.exit`'s, else
 /// `pier.resp.set_status`'s, else 200)".
 #[test]
-#[ignore = "pier: pier.resp.set_status in a content hook is ignored (answers 200, not 201)"]
 fn content_status_comes_from_resp_set_status() {
     let o = Origin::start();
     let p = pier(&content_config(&o));
@@ -740,7 +739,6 @@ pier.say(greeter.greet(pier.req.get_uri_args().who))
 /// docs/config.md: "an allocation past it fails (the hook errors, the request gets 500)";
 /// docs/lua.md: "raises \"not enough memory\" in that hook only".
 #[test]
-#[ignore = "pier: after a hook hits [lua] memory_limit the next hook on that state also fails with not enough memory (the failed coroutine is still referenced when after_hook collects); the one after recovers"]
 fn memory_limit_fails_only_the_greedy_request() {
     let greedy = r#"
 local t = {}
