@@ -287,3 +287,17 @@ fn origin_response_with_content_length_and_chunked_is_not_relayed_as_is() {
         r.body_str()
     );
 }
+
+#[test]
+fn big_body_announced_with_expect_gets_413_before_any_upload() {
+    let (o, p) = limited();
+    let mut c = RawConn::connect(p.listener("main"));
+    c.send(
+        b"POST /echo HTTP/1.1\r\nhost: a\r\ncontent-length: 5000\r\nexpect: 100-continue\r\n\r\n",
+    );
+    // The client has not sent a byte of the body: the answer is the 413, not a 100.
+    let r = c.read_head_only().unwrap();
+    assert_eq!(r.status, 413, "{:?}", r.headers);
+    assert_eq!(r.pier_reason(), Some("body-too-large"));
+    assert_eq!(o.requests(), 0);
+}
