@@ -16,6 +16,8 @@
 //! | `/headers` | the request head exactly as received, as the body |
 //! | `/die` | head with Content-Length 1000, 10 bytes, then closes |
 //! | `/drop` | reads the request, then closes without a response |
+//! | `/eof/N` | N pattern bytes with neither Content-Length nor chunked: the body ends when the origin closes |
+//! | `/cookies` | three `set-cookie` headers (`a=1`, `b=2`, `c=3; Path=/`) |
 //! | `/hop` | 200 with hop-by-hop headers: `connection: x-hop-secret`, `x-hop-secret`, `keep-alive`, `proxy-connection`, and an end-to-end `x-kept: yes` |
 //! | `/bad/KIND` | a malformed response, then closes: `garbage`, `two-cl` (differing Content-Lengths), `cl-te` (both), `status` (4-digit status), `header` (space in a header name), `bad-chunk` (head fine, then an invalid chunk size) |
 //! | `/close` | `Connection: close`, `closing\n`, then closes |
@@ -428,6 +430,18 @@ impl Conn {
                 self.s.flush().await?;
                 return Ok(Next::Close);
             }
+            "eof" => {
+                self.discard_body(kind).await?;
+                let n = arg.and_then(|a| a.parse::<u64>().ok()).unwrap_or(0);
+                let h = self.head_bytes(200, "OK", &[("connection", "close")]);
+                self.s.write_all(&h).await?;
+                if !is_head {
+                    self.write_pattern(n, false).await?;
+                }
+                self.s.flush().await?;
+                // The close is what ends this body.
+                return Ok(Next::Close);
+            }
             "drop" => {
                 self.discard_body(kind).await?;
                 return Ok(Next::Close);
@@ -464,6 +478,16 @@ impl Conn {
         match (endpoint, num) {
             ("hello", _) => {
                 self.write_full(200, "OK", conn_hdr, b"hello world\n", is_head)
+                    .await
+            }
+            ("cookies", _) => {
+                let mut hdrs = vec![
+                    ("set-cookie", "a=1"),
+                    ("set-cookie", "b=2"),
+                    ("set-cookie", "c=3; Path=/"),
+                ];
+                hdrs.extend_from_slice(conn_hdr);
+                self.write_full(200, "OK", &hdrs, b"cookies\n", is_head)
                     .await
             }
             ("hop", _) => {
@@ -769,7 +793,7 @@ impl Conn {
 fn route(path: &str) -> (&str, Option<&str>) {
     const ENDPOINTS: &[&str] = &[
         "hello", "echo", "bytes", "chunked", "slow", "slowbody", "status", "headers", "die",
-        "drop", "bad", "hop", "close", "healthz", "ws", "name", "expect",
+        "drop", "bad", "hop", "eof", "cookies", "close", "healthz", "ws", "name", "expect",
     ];
     let segs: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     for (i, s) in segs.iter().enumerate() {

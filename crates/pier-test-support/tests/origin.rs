@@ -313,3 +313,18 @@ fn hop_sends_hop_by_hop_headers() {
     assert_eq!(r.header("x-kept"), Some("yes"));
     assert_eq!(r.body, b"hop\n");
 }
+
+#[test]
+fn eof_body_and_cookies() {
+    let o = Origin::start();
+    let mut c = RawConn::connect(o.addr());
+    let r = c.get("/eof/100000").unwrap();
+    assert!(r.close_delimited);
+    assert_eq!(r.body.len(), 100_000);
+    assert!(is_pattern(0, &r.body));
+    let r = get(o.addr(), "/cookies");
+    assert_eq!(
+        r.header_all("set-cookie"),
+        vec!["a=1", "b=2", "c=3; Path=/"]
+    );
+}
