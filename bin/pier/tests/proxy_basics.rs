@@ -437,3 +437,53 @@ fn hop_by_hop_response_headers_are_removed() {
     // The origin's keep-alive parameters say nothing about this connection: still open.
     assert_eq!(c.get("/hello").unwrap().status, 200);
 }
+
+#[test]
+fn close_delimited_origin_body_is_relayed_whole() {
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    let r = c.get("/eof/300000").unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body.len(), 300_000);
+    assert!(is_pattern(0, &r.body));
+    // Re-framed (chunked) the client connection lives on; close-delimited it ends.
+    if r.close_delimited {
+        assert!(c.is_closed(Duration::from_secs(5)));
+    } else {
+        assert_eq!(c.get("/hello").unwrap().status, 200);
+    }
+}
+
+#[test]
+fn repeated_headers_keep_every_value_in_order() {
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    let r = c.get("/cookies").unwrap();
+    assert_eq!(
+        r.header_all("set-cookie"),
+        vec!["a=1", "b=2", "c=3; Path=/"]
+    );
+    let r = c
+        .request(
+            "GET",
+            "/headers",
+            &[("x-multi", "one"), ("x-other", "z"), ("x-multi", "two")],
+            b"",
+        )
+        .unwrap();
+    let lines = origin_saw(&r);
+    let multi = header_lines(&lines, "x-multi").join(", ");
+    assert_eq!(multi, "one, two", "{lines:?}");
+}
+
+#[test]
+fn pipelined_posts_with_bodies() {
+    let (_o, p) = one_origin();
+    let mut c = RawConn::connect(p.listener("main"));
+    c.send(
+        b"POST /echo HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\n\r\nfirstPOST /echo HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n6\r\nsecond\r\n0\r\n\r\nGET /hello HTTP/1.1\r\nhost: a\r\n\r\n",
+    );
+    assert_eq!(c.read_response().unwrap().body, b"first");
+    assert_eq!(c.read_response().unwrap().body, b"second");
+    assert_eq!(c.read_response().unwrap().body, b"hello world\n");
+}
