@@ -196,7 +196,11 @@ async fn accept_loop(listener: TcpListener, st: Arc<State>, mut stop: oneshot::R
         tokio::select! {
             _ = &mut stop => return,
             r = listener.accept() => {
-                let Ok((sock, _)) = r else { continue };
+                let Ok((sock, _)) = r else {
+                    // EMFILE and friends: back off rather than spin.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
                 st.connections.fetch_add(1, Ordering::SeqCst);
                 st.active.fetch_add(1, Ordering::SeqCst);
                 let st = st.clone();
