@@ -1,0 +1,170 @@
+//! Connection-level bounds through a real Pier process: `max_connections` (excess
+//! refused at accept, slots freed when connections close), `max_connections_per_ip`,
+//! and `body_min_rate` (a trickling upload gets 408).
+
+mod common;
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const OTHER_IP: IpAddr = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
+const LOCAL_IP: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+
+/// A head cut short: Pier holds the connection while it waits for the rest.
+const PARTIAL: &[u8] = b"GET /hello HTTP/1.1\r\nhost: pier.test\r\n";
+
+/// Waits (5 s at most) for `pier_active_connections` to equal `n`.
+#[track_caller]
+fn wait_active(p: &PierProcess, n: f64) {
+    let mut last = None;
+    let ok = wait_until(Duration::from_secs(5), || {
+        last = p.metric_value("pier_active_connections");
+        last == Some(n)
+    });
+    assert!(ok, "pier_active_connections is {last:?}, waiting for {n}");
+}
+
+/// A connection Pier refused at accept: closed without a response byte.
+#[track_caller]
+fn assert_refused(mut c: RawConn) {
+    c.set_timeout(Duration::from_secs(3));
+    let _ = c.try_send(b"GET /hello HTTP/1.1\r\nhost: pier.test\r\n\r\n");
+    match c.read_response() {
+        Ok(r) => panic!(
+            "a connection past the limit was served: {} {:?}",
+            r.status,
+            r.body_str()
+        ),
+        Err(e) => assert!(
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+            ),
+            "expected a close, got {e}"
+        ),
+    }
+    assert!(
+        c.buffered().is_empty(),
+        "refused with bytes: {:?}",
+        c.buffered()
+    );
+}
+
+fn finish_and_get(mut c: RawConn) -> Response {
+    c.send(b"\r\n");
+    c.read_response().expect("response on a held connection")
+}
+
+#[test]
+fn max_connections_refuses_the_excess_at_accept_and_frees_slots_on_close() {
+    let o = Origin::start();
+    let p = pier(&simple_config(
+        &[o.addr()],
+        "[limits]\nmax_connections = 4\n\n[timeouts]\nclient_header = \"10s\"",
+        "",
+    ));
+    let a = p.listener("main");
+    let mut held: Vec<RawConn> = (0..4)
+        .map(|_| {
+            let mut c = RawConn::connect(a);
+            c.send(PARTIAL);
+            c
+        })
+        .collect();
+    wait_active(&p, 4.0);
+    assert_eq!(p.metric_value("pier_refused_connections_total"), Some(0.0));
+    // The fifth is refused, from any address, and counted.
+    assert_refused(RawConn::connect(a));
+    assert_refused(RawConn::connect_from(OTHER_IP, a));
+    assert_eq!(p.metric_value("pier_refused_connections_total"), Some(2.0));
+    // The held connections are unharmed: finishing a head gets an answer.
+    let r = finish_and_get(held.pop().unwrap());
+    assert_eq!(r.status, 200);
+    // Closing connections frees their slots (that one is closed too, after its answer).
+    drop(held.pop());
+    drop(held.pop());
+    wait_active(&p, 1.0);
+    for _ in 0..5 {
+        assert_eq!(get(a, "/hello").status, 200);
+    }
+    let r = finish_and_get(held.pop().unwrap());
+    assert_eq!(r.status, 200);
+    assert_eq!(p.metric_value("pier_refused_connections_total"), Some(2.0));
+}
+
+#[test]
+fn max_connections_per_ip_closes_the_excess_from_one_address_only() {
+    let o = Origin::start();
+    let p = pier(&simple_config(
+        &[o.addr()],
+        "[limits]\nmax_connections_per_ip = 2\n\n[timeouts]\nclient_header = \"10s\"",
+        "",
+    ));
+    let a = p.listener("main");
+    let mut held: Vec<RawConn> = (0..2)
+        .map(|_| {
+            let mut c = RawConn::connect_from(LOCAL_IP, a);
+            c.send(PARTIAL);
+            c
+        })
+        .collect();
+    wait_active(&p, 2.0);
+    assert_refused(RawConn::connect_from(LOCAL_IP, a));
+    // Another address has its own allowance.
+    let mut other: Vec<RawConn> = (0..2).map(|_| RawConn::connect_from(OTHER_IP, a)).collect();
+    for c in &mut other {
+        assert_eq!(c.get("/hello").unwrap().status, 200);
+    }
+    assert_refused(RawConn::connect_from(OTHER_IP, a));
+    drop(other);
+    assert!(p.metric_value("pier_refused_connections_total") >= Some(2.0));
+    // One of 127.0.0.1's connections closes: a new one from it is accepted.
+    drop(held.pop());
+    wait_active(&p, 1.0);
+    let r = RawConn::connect_from(LOCAL_IP, a).get("/hello").unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(finish_and_get(held.pop().unwrap()).status, 200);
+}
+
+#[test]
+fn trickling_upload_below_body_min_rate_gets_408_after_the_grace_time() {
+    let o = Origin::start();
+    let p = pier(&simple_config(
+        &[o.addr()],
+        "[limits]\nbody_min_rate = \"1k\"\n\n[timeouts]\nupstream_response = \"30s\"",
+        "",
+    ));
+    let mut c = RawConn::connect(p.listener("main"));
+    c.set_timeout(Duration::from_secs(20));
+    // The origin waits 20 s before answering, so only the body's pace can end this early.
+    c.send(b"POST /slow/20000 HTTP/1.1\r\nhost: pier.test\r\ncontent-length: 100000\r\n\r\n");
+    let mut writer = c.writer();
+    let start = Instant::now();
+    let trickle = std::thread::spawn(move || {
+        use std::io::Write;
+        // 20 bytes a second, far below 1 KiB/s; stops when Pier closes (bounded: 20 s).
+        for _ in 0..80 {
+            if writer.write_all(&[b'x'; 5]).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    });
+    let r = c.read_response().expect("an answer to the slow upload");
+    let took = start.elapsed();
+    assert_local(&r, 408, "body-timeout");
+    // The rate applies after the first 10 s (slow starts are normal).
+    assert!(
+        took >= Duration::from_secs(9) && took < Duration::from_secs(14),
+        "408 after {took:?}"
+    );
+    assert!(
+        c.is_closed(Duration::from_secs(3)),
+        "connection kept after 408"
+    );
+    drop(c);
+    let _ = trickle.join();
+    assert_eq!(wait_local_count(&p, 408, "body-timeout", 1.0), 1.0);
+}
