@@ -204,3 +204,60 @@ fn upstream_limited_answer_carries_retry_after() {
         assert_eq!(h.join().unwrap().status, 200);
     }
 }
+
+#[test]
+fn dry_run_concurrency_limit_counts_but_never_refuses() {
+    let o = Origin::start();
+    let p = pier(&simple_config(
+        &[o.addr()],
+        "",
+        r#"
+[[limit]]
+name = "conc-watch"
+key = "route"
+concurrent = 1
+dry_run = true
+"#,
+    ));
+    let a = p.listener("main");
+    let slow: Vec<_> = (0..3).map(|_| spawn_get(a, "/slow/300")).collect();
+    wait_origin_requests(&o, 3);
+    assert_eq!(
+        get(a, "/hello").status,
+        200,
+        "a dry-run limit never refuses"
+    );
+    for h in slow {
+        assert_eq!(h.join().unwrap().status, 200);
+    }
+    // Three requests found the one slot taken.
+    let mut n = 0.0;
+    wait_until(Duration::from_secs(5), || {
+        n = p.metric_sum(
+            "pier_limit_denied_total",
+            &[("limit", "conc-watch"), ("dry_run", "true")],
+        );
+        n >= 3.0
+    });
+    assert_eq!(n, 3.0, "{}", p.metrics());
+    assert_eq!(local_count(&p, 503, "concurrency-limited"), 0.0);
+}
+
+#[test]
+#[ignore = "pier: max_inflight_per_server answers 503 when the server round robin picked is full, even though another server of the group is free (docs: only when every server is past it)"]
+fn max_inflight_per_server_sends_to_a_free_server_before_refusing() {
+    let (oa, ob) = (Origin::start_named("a"), Origin::start_named("b"));
+    let p = pier(&simple_config(
+        &[oa.addr(), ob.addr()],
+        "[timeouts]\nupstream_response = \"10s\"",
+        "max_inflight_per_server = 1\nretries = 0",
+    ));
+    let a = p.listener("main");
+    let slow = spawn_get(a, "/slow/800");
+    let started = || oa.requests() + ob.requests() == 1;
+    assert!(wait_until(Duration::from_secs(5), started));
+    // One server is busy, the other free: every quick request must be served.
+    let quick: Vec<u16> = (0..4).map(|_| get(a, "/hello").status).collect();
+    assert_eq!(quick, vec![200; 4], "one server was free for each of them");
+    assert_eq!(slow.join().unwrap().status, 200);
+}
