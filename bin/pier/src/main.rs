@@ -81,7 +81,7 @@ fn main() -> ExitCode {
                     ExitCode::SUCCESS
                 }
                 Err(errs) => {
-                    eprint!("{errs}");
+                    eprintln!("{}", errs.to_string().trim_end());
                     eprintln!(
                         "pier: configuration {} has {} error(s)",
                         path.display(),
@@ -96,7 +96,7 @@ fn main() -> ExitCode {
                 Some(p) => match pier_config::load_file(p) {
                     Ok(c) => (c, Some(p.clone())),
                     Err(errs) => {
-                        eprint!("{errs}");
+                        eprintln!("{}", errs.to_string().trim_end());
                         return ExitCode::from(1);
                     }
                 },
@@ -106,7 +106,7 @@ fn main() -> ExitCode {
                 ) {
                     Ok(c) => (c, None),
                     Err(errs) => {
-                        eprint!("{errs}");
+                        eprintln!("{}", errs.to_string().trim_end());
                         return ExitCode::from(1);
                     }
                 },
@@ -153,12 +153,20 @@ fn usage_error(msg: &str) -> ExitCode {
 }
 
 /// Start everything, then serve signals until exit.
-fn run(cfg: Config, path: Option<PathBuf>) -> ExitCode {
+fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
     let workers = cfg.workers.max(1);
     let embedded = path.is_none() && cfg.demo_origin.is_some();
     if let Some(addr) = cfg.demo_origin {
         match demo::start(addr) {
-            Ok(a) => eprintln!("pier: demo origin serving on http://{a}"),
+            Ok(a) => {
+                eprintln!("pier: demo origin serving on http://{a}");
+                // `PIER_DEMO_PORT=0` picks a free port: point the upstreams at it.
+                for u in cfg.upstreams.values_mut() {
+                    for srv in u.servers.iter_mut().filter(|srv| srv.addr == addr) {
+                        srv.addr = a;
+                    }
+                }
+            }
             Err(e) => {
                 eprintln!("pier: cannot start the demo origin on {addr}: {e} (set PIER_DEMO_PORT to another port)");
                 return ExitCode::from(1);
@@ -381,6 +389,11 @@ fn reload(shared: &Arc<Shared>, path: &Path, generation: u64) -> Result<Duration
         .reconfigure(pool_idle(&cfg), cfg.timeouts.upstream_idle);
     check_lua(&cfg)?;
     let state = State::build(cfg, &shared.metrics, generation, Some(&old))?;
+    if let Some(setup) = &state.lua {
+        // Run `init` once here: a reload whose Lua can't start is refused.
+        pier_lua::LuaEngine::new(setup.clone(), state.shdicts.clone())
+            .map_err(|e| format!("lua: {e}"))?;
+    }
     shared.install(state);
     Ok(grace)
 }

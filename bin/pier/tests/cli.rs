@@ -84,7 +84,6 @@ balance = "fastest"
 }
 
 #[test]
-#[ignore = "pier: `pier check` prints the last error without a newline, so it runs into the summary line (eprint!(\"{errs}\") in main.rs)"]
 fn check_prints_one_error_per_line() {
     let dir = TempDir::new();
     let path = dir.write(
@@ -229,7 +228,6 @@ fn quick_mode_without_admin() {
 }
 
 #[test]
-#[ignore = "pier: with PIER_DEMO_PORT=0 the demo origin binds a free port but upstream `demo` still points at 127.0.0.1:0 (502), so the default config cannot be tested without a fixed port"]
 fn default_config_proxies_to_the_demo_origin() {
     let p = PierProcess::launch_env(
         bin(),

@@ -268,7 +268,6 @@ fn malformed_origin_responses_are_502_upstream_protocol() {
 }
 
 #[test]
-#[ignore = "pier: an origin response with both Content-Length and Transfer-Encoding is relayed with both (RFC 9112 section 6.3: an intermediary MUST remove Content-Length before forwarding, or treat it as an error)"]
 fn origin_response_with_content_length_and_chunked_is_not_relayed_as_is() {
     let o = Origin::start();
     let p = pier(&simple_config(

@@ -491,7 +491,6 @@ fn well_behaved_client_keeps_succeeding_during_the_flood() {
 /// A connection that sends nothing at all is a slowloris too: the head timeout must
 /// close it, not the (much longer) keep-alive idle timeout.
 #[test]
-#[ignore = "pier: a new connection that sends nothing waits for its first byte under client_idle (60 s), not client_header; silent connections hold max_connections slots for a minute"]
 fn silent_new_connection_is_closed_by_the_header_timeout() {
     let o = Origin::start();
     let p = pier(&simple_config(

@@ -282,7 +282,6 @@ fn reload_switches_servers_and_limits() {
 }
 
 #[test]
-#[ignore = "pier: a keep-alive connection opened before SIGHUP keeps the old config (routes, upstreams, limits) for its whole life, so a removed origin keeps getting its traffic"]
 fn reload_applies_to_kept_alive_connections() {
     let a = Origin::start_named("alpha");
     let b = Origin::start_named("beta");

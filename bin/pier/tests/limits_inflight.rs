@@ -192,7 +192,6 @@ fn max_inflight_per_server_answers_503_upstream_limited_and_recovers() {
 }
 
 #[test]
-#[ignore = "pier: the 503 upstream-limited answer (max_inflight_per_server) has no Retry-After header; [[limit]] refusals have one"]
 fn upstream_limited_answer_carries_retry_after() {
     let o = Origin::start();
     let p = pier(&inflight_config(&o));
@@ -244,7 +243,6 @@ dry_run = true
 }
 
 #[test]
-#[ignore = "pier: max_inflight_per_server answers 503 when the server round robin picked is full, even though another server of the group is free (docs: only when every server is past it)"]
 fn max_inflight_per_server_sends_to_a_free_server_before_refusing() {
     let (oa, ob) = (Origin::start_named("a"), Origin::start_named("b"));
     let p = pier(&simple_config(

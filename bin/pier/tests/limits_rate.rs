@@ -386,7 +386,6 @@ fn upstream_server_key_limits_each_server_apart() {
 }
 
 #[test]
-#[ignore = "pier: a refusal by a rule keyed on upstream_server (applied in peer_selected) is a plain local error: no Retry-After, and the rule's `status` is ignored"]
 fn upstream_server_key_refusal_has_retry_after_and_the_rule_status() {
     let (oa, ob) = (Origin::start_named("a"), Origin::start_named("b"));
     let p = pier(&upstream_server_config(&oa, &ob, "status = 503"));

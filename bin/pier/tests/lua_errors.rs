@@ -293,7 +293,6 @@ fn failing_init_at_start_is_visible() {
 /// nginx runs `init_by_lua` while loading the config, so a reload whose init fails is
 /// refused and the old workers keep serving; Pier's docs say a bad reload is refused.
 #[test]
-#[ignore = "pier: a reload whose [lua] init raises is accepted (generation bumps, pier check passes: init only runs lazily in each worker), then every Lua route answers 500"]
 fn reload_with_a_failing_init_is_refused() {
     let o = Origin::start();
     let mut p = pier(&init_config(&o, "GREETING = \"v1\"", "pier.say(GREETING)"));

@@ -713,7 +713,6 @@ pier.say(GREET(pier.req.get_uri_args().who), " ", STARTED_PHASE, " ", pier.get_p
 
 /// docs/config.md: `[lua] package_path` adds `package.path` patterns for `require`.
 #[test]
-#[ignore = "pier: [lua] package_path is not passed to the Lua engine (pier-proxy state.rs lua_setup leaves it empty), require fails"]
 fn package_path_lets_hooks_require_modules() {
     let dir = TempDir::new();
     std::fs::create_dir_all(dir.path().join("lua")).unwrap();

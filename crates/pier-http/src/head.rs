@@ -211,9 +211,17 @@ impl RequestHead {
     /// Framing and Host checks (RFC 9112 §6.3, the desync lessons).
     fn validate(&self) -> Result<BodyLen, Kind> {
         let h = &self.headers;
-        for (_, v) in h.iter() {
+        for (n, v) in h.iter() {
             // httparse already refuses CR/LF/NUL in values; be explicit.
             if v.iter().any(|&b| b == 0 || b == b'\r' || b == b'\n') {
+                return Err(Kind::InvalidHeader);
+            }
+            // `Content_Length` / `Transfer_Encoding`: servers that map `_` to
+            // `-` would frame the body differently than we do.
+            if n.contains(&b'_')
+                && (n.eq_ignore_ascii_case(b"content_length")
+                    || n.eq_ignore_ascii_case(b"transfer_encoding"))
+            {
                 return Err(Kind::InvalidHeader);
             }
         }
@@ -228,7 +236,7 @@ impl RequestHead {
                 return Err(Kind::InvalidHost);
             }
         }
-        let cl = content_length(h)?;
+        let cl = content_length(h, true)?;
         if h.has_known(TRANSFER_ENCODING) {
             if cl.is_some() {
                 return Err(Kind::ConflictingLength);
@@ -269,9 +277,14 @@ fn valid_host(v: &[u8]) -> bool {
 
 /// All Content-Length values must be the same decimal number (duplicates
 /// with equal values are tolerated, as RFC 9112 §6.3 permits).
-fn content_length(h: &Headers) -> Result<Option<u64>, Kind> {
+/// Requests (`strict`) must not carry a comma list at all: an origin may read
+/// `5,5` as 5, as an error, or by its first digits (a desync corpus Severe).
+fn content_length(h: &Headers, strict: bool) -> Result<Option<u64>, Kind> {
     let mut found: Option<u64> = None;
     for v in h.get_all_known(CONTENT_LENGTH) {
+        if strict && v.contains(&b',') {
+            return Err(Kind::InvalidContentLength);
+        }
         for part in v.split(|&b| b == b',') {
             let part = trim(part);
             let n = parse_u64(part).ok_or(Kind::InvalidContentLength)?;
@@ -419,7 +432,7 @@ impl ResponseHead {
                 None => Err(Kind::UpstreamProtocol),
             };
         }
-        match content_length(h) {
+        match content_length(h, false) {
             Ok(Some(n)) => Ok(BodyLen::Length(n)),
             Ok(None) => Ok(BodyLen::UntilClose),
             Err(_) => Err(Kind::UpstreamProtocol),

@@ -57,14 +57,7 @@ const STRICTER: &[(&str, &str, &str, Kind, &str)] = &[
 
 /// Cases where Pier's behaviour is wrong today (the assertion is kept):
 /// (file, case name, method, what is wrong). Reported to the parser's owner.
-const KNOWN_GAPS: &[(&str, &str, &str, &str)] = &[(
-    "severe.yaml",
-    "Bad Content-Length: 1000,1000",
-    "POST",
-    "Pier folds a list of equal Content-Length values (`1000,1000`) into one, as \
-     RFC 9112 §6.3 permits, but forwards the header: an origin that reads the \
-     list differently (first number, or rejects) desyncs; the corpus requires 400",
-)];
+const KNOWN_GAPS: &[(&str, &str, &str, &str)] = &[];
 
 #[derive(Deserialize)]
 struct RawCase {

@@ -40,6 +40,16 @@ struct Bufs {
     resp: ResponseHead,
 }
 
+impl Bufs {
+    /// Free the buffers' memory (idle connection); they regrow on use.
+    fn release(&mut self) {
+        self.rbuf = BytesMut::new();
+        self.ubuf = BytesMut::new();
+        self.out = Vec::new();
+        self.resp = ResponseHead::default();
+    }
+}
+
 /// Why an attempt failed, and what that allows.
 struct Fail {
     kind: Kind,
@@ -84,16 +94,39 @@ pub async fn serve_connection<H: Hooks>(
     let _ = stream.set_nodelay(true);
     let mut sess = Session::new(client, local);
     let mut b = Bufs {
-        rbuf: BytesMut::with_capacity(4096),
-        ubuf: BytesMut::with_capacity(4096),
-        out: Vec::with_capacity(1024),
+        rbuf: BytesMut::new(),
+        ubuf: BytesMut::new(),
+        out: Vec::new(),
         resp: ResponseHead::default(),
     };
     let mut drain = w.shared.drain_rx();
     let mut state = w.shared.state.load_full();
+    let mut first = true;
     loop {
         w.shared.refresh(&mut state);
-        match read_head(&mut stream, &mut b.rbuf, &mut sess, &state, &mut drain).await {
+        if b.rbuf.is_empty() && !first {
+            // Between requests: keep the buffers for a busy connection, but
+            // give them back once it has been idle a moment, so 10,000 idle
+            // keep-alive connections cost little more than their sockets.
+            let brief = Duration::from_millis(100).min(state.cfg.timeouts.client_idle);
+            if timeout(brief, stream.readable()).await.is_err() {
+                b.release();
+                sess.req = pier_http::RequestHead::default();
+            }
+        }
+        let r = read_head(
+            &mut stream,
+            &mut b.rbuf,
+            &mut sess,
+            &state,
+            &mut drain,
+            first,
+        )
+        .await;
+        first = false;
+        // A reload while this connection waited applies to its next request.
+        w.shared.refresh(&mut state);
+        match r {
             Ok(true) => {}
             Ok(false) => break,
             Err(kind) => {
@@ -111,7 +144,17 @@ pub async fn serve_connection<H: Hooks>(
             .active_requests
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut ctx = H::Ctx::default();
-        let keep = handle_request(&w, &state, &mut stream, &mut b, &mut sess, &mut ctx).await;
+        // Boxed: the connection's task stays small while it idles; the
+        // request's (larger) state machine exists only while it runs.
+        let keep = Box::pin(handle_request(
+            &w,
+            &state,
+            &mut stream,
+            &mut b,
+            &mut sess,
+            &mut ctx,
+        ))
+        .await;
         w.hooks.logging(&state, &mut sess, &mut ctx);
         w.shared
             .metrics
@@ -172,8 +215,16 @@ async fn read_head(
     sess: &mut Session,
     state: &State,
     drain: &mut tokio::sync::watch::Receiver<bool>,
+    first: bool,
 ) -> Result<bool, Kind> {
     let t = &state.cfg.timeouts;
+    // A new connection gets `client_header` to start talking (a silent
+    // connection is a slowloris too); a kept-alive one gets `client_idle`.
+    let idle = if first {
+        t.client_header
+    } else {
+        t.client_idle
+    };
     let mut header_deadline: Option<tokio::time::Instant> = None;
     loop {
         if !rbuf.is_empty() {
@@ -189,7 +240,7 @@ async fn read_head(
                 return Ok(false);
             }
             tokio::select! {
-                r = timeout(t.client_idle, stream.read_buf(rbuf)) => match r {
+                r = timeout(idle, stream.read_buf(rbuf)) => match r {
                     Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Ok(false),
                     Ok(Ok(_)) => header_deadline = Some(tokio::time::Instant::now() + t.client_header),
                 },
@@ -292,13 +343,22 @@ async fn handle_request<H: Hooks>(
         }
         // Origin protection (Pingora's connection limit): past the threshold, 503.
         let max_inflight = group.config().max_inflight_per_server as usize;
+        // A full server is skipped like a tried one; 503 only when all are full.
         if let (Some(i), true) = (idx, max_inflight > 0) {
             if group.peers()[i].active() >= max_inflight {
-                return local_fail(w, stream, b, sess, Kind::UpstreamLimited, body_pending).await;
+                last = Kind::UpstreamLimited;
+                if ntried < tried.len() {
+                    tried[ntried] = i;
+                    ntried += 1;
+                    continue;
+                }
+                return local_fail(w, stream, b, sess, last, body_pending).await;
             }
         }
-        if let Err(e) = w.hooks.peer_selected(state, sess, ctx, addr) {
-            return local_fail(w, stream, b, sess, e.kind, body_pending).await;
+        match w.hooks.peer_selected(state, sess, ctx, addr) {
+            Ok(Flow::Continue) => {}
+            Ok(Flow::Respond(r)) => return respond(w, stream, b, sess, &r, body_pending).await,
+            Err(e) => return local_fail(w, stream, b, sess, e.kind, body_pending).await,
         }
         sess.upstream = Some(addr);
         let guard = idx.map(|i| group.begin(i));
@@ -392,9 +452,16 @@ pub(crate) fn local_error(kind: Kind) -> LocalResponse {
     body.push(b' ');
     body.extend_from_slice(kind.reason().as_bytes());
     body.push(b'\n');
+    // Refusals that will pass tell the client when to come back.
+    let headers = match kind {
+        Kind::RateLimited | Kind::ConcurrencyLimited | Kind::UpstreamLimited => {
+            vec![(b"Retry-After".to_vec(), b"1".to_vec())]
+        }
+        _ => Vec::new(),
+    };
     LocalResponse {
         status: kind.status(),
-        headers: Vec::new(),
+        headers,
         body,
         reason: kind.reason(),
         kind: Some(kind),
@@ -748,6 +815,11 @@ where
             upstream_fault: false,
         });
     }
+    if body == BodyLen::Chunked && resp.headers.has_known(known::CONTENT_LENGTH) {
+        // RFC 9112 §6.3: Transfer-Encoding wins; a Content-Length beside it
+        // must not reach the client.
+        resp.headers.remove_known(known::CONTENT_LENGTH);
+    }
     if resp.headers.has_known(known::CONNECTION) && !upgrade {
         pier_http::remove_hop_by_hop(&mut resp.headers);
     }
@@ -758,7 +830,11 @@ where
     }
     let upstream_keep = resp.keep_alive() && body != BodyLen::UntilClose && !upgrade;
     // A body filter may change the length: re-frame as chunked (or close-delimited for HTTP/1.0).
-    let filtering = body != BodyLen::None && !upgrade && w.hooks.has_body_filter(state, sess);
+    // An HTTP/1.0 client can't read chunked framing either: decode it for them.
+    let filtering = body != BodyLen::None
+        && !upgrade
+        && ((sess.req.version == 0 && body == BodyLen::Chunked)
+            || w.hooks.has_body_filter(state, sess));
     if filtering {
         resp.headers.remove_known(known::CONTENT_LENGTH);
         resp.headers.remove_known(known::TRANSFER_ENCODING);

@@ -307,16 +307,16 @@ impl Hooks for PierHooks {
         s: &mut Session,
         ctx: &mut PierCtx,
         peer: SocketAddr,
-    ) -> Result<(), Error> {
+    ) -> Result<Flow, Error> {
         let route = s.route.unwrap_or(0);
         if let Some(idx) = st.peer_limits.get(route) {
             if !idx.is_empty() {
                 if let Some(r) = self.apply_limits(st, s, ctx, idx, Some(peer)) {
-                    return Err(Error::new(r.kind.unwrap_or(Kind::RateLimited)));
+                    return Ok(Flow::Respond(r));
                 }
             }
         }
-        Ok(())
+        Ok(Flow::Continue)
     }
 
     async fn upstream_request_filter(

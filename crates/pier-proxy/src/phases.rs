@@ -85,8 +85,8 @@ pub trait Hooks: 'static {
         _s: &mut Session,
         _ctx: &mut Self::Ctx,
         _peer: SocketAddr,
-    ) -> Result<(), Error> {
-        Ok(())
+    ) -> Result<Flow, Error> {
+        Ok(Flow::Continue)
     }
 
     /// Edit the request about to be sent upstream (Lua `upstream_request`).

@@ -107,7 +107,7 @@ pub fn lua_setup(cfg: &Config) -> Option<LuaSetup> {
             .collect(),
         shared_dicts: cfg.lua.shared.clone(),
         memory_limit: cfg.lua.memory_limit,
-        ..Default::default()
+        package_path: cfg.lua.package_path.clone(),
     })
 }
 

@@ -40,5 +40,6 @@ pub fn upstream_with(
         retry_min_per_sec: 10,
         pool_idle_per_server: 16,
         max_connections_per_server: 0,
+        max_inflight_per_server: 0,
     }
 }
