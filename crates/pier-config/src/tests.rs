@@ -114,7 +114,7 @@ fn defaults() {
     assert_eq!(u.retries, 1);
     assert_eq!(u.retry_budget_ratio, 0.2);
     assert_eq!(u.retry_min_per_sec, 10);
-    assert_eq!(u.pool_idle_per_server, 256);
+    assert_eq!(u.pool_idle_per_server, 1024);
     assert_eq!(u.max_connections_per_server, 0);
     assert_eq!(u.max_inflight_per_server, 0);
     assert_eq!((l.body_min_rate, l.max_connections_per_ip), (0, 0));

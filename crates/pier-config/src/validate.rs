@@ -69,7 +69,7 @@ impl Upstream {
             retries: 1,
             retry_budget_ratio: 0.2,
             retry_min_per_sec: 10,
-            pool_idle_per_server: 256,
+            pool_idle_per_server: 1024,
             max_connections_per_server: 0,
             max_inflight_per_server: 0,
         }

@@ -156,6 +156,20 @@ fn jit_shared_dict() {
     );
 }
 
+#[test]
+fn jit_limit_counters() {
+    check_compiles(
+        "limit",
+        r#"
+        local last
+        for i = 1, 10000 do
+          last = pier.limit.incr("jit-client")
+        end
+        assert(last >= 10000)
+        "#,
+    );
+}
+
 /// A hook without a loop, run once per request: the pooled runner coroutine
 /// (`lua/pier/runner.lua`) gives the JIT a loop spanning requests, so the
 /// hook and the API calls compile across requests too.

@@ -229,3 +229,32 @@ fn large_string_values_grow_the_copy_buffer() {
     let e = access_engine("assert(#pier.req.get_uri() == 9001 and #pier.req.get_path() == 9001)");
     run(e.access(0, &mut v, &mut RequestCtx::new())).unwrap();
 }
+
+/// `pier.limit` over pier-limits: counts never undercount, keys are
+/// independent, the rate estimate follows the counts, and the calls
+/// JIT-compile inside a hot loop.
+#[test]
+fn limit_counters_from_lua() {
+    let reg = registry(&[]);
+    let s = setup(RouteHooks {
+        access: src(
+            "route t access",
+            r#"
+            local key = "client-" .. tostring(math.random(1, 1e9))
+            local last
+            for i = 1, 200 do last = pier.limit.incr(key) end
+            assert(last >= 200, last)
+            assert(pier.limit.incr(key, 10) >= 210)
+            local other = key .. "-other"
+            assert(pier.limit.incr(other) >= 1)
+            assert(pier.limit.rate(key) > 0)
+            assert(pier.limit.rate("never-seen-" .. key) >= 0)
+            "#,
+        ),
+        ..Default::default()
+    });
+    let e = LuaEngine::new(Arc::new(s), reg).unwrap();
+    let mut v = TestView::default();
+    let mut ctx = RequestCtx::new();
+    run(e.access(0, &mut v, &mut ctx)).unwrap();
+}

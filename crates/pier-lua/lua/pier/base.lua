@@ -47,6 +47,8 @@ typedef struct {
   int (*shdict_keys)(int, int, const pier_pair_t **);
   int (*shdict_capacity)(int, double *, double *);
   int (*hook_done)(void);
+  double (*limit_incr)(const char *, size_t, double);
+  double (*limit_rate)(const char *, size_t);
 } pier_api_t;
 ]]
 

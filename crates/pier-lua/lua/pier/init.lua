@@ -23,6 +23,25 @@ local pier = {
   STDERR = 2, EMERG = 1, ALERT = 2, CRIT = 3, ERR = 4, WARN = 5, NOTICE = 6, INFO = 7, DEBUG = 8,
 }
 
+-- pier.limit: sliding per-second counters on a count-min sketch shared by
+-- every worker (the same estimator as [[limit]] rules; fixed memory).
+do
+  local C_incr, C_rate = api.limit_incr, api.limit_rate
+  pier.limit = {
+    -- Count n (default 1) events for key; returns the key's count in the
+    -- current one-second window (an estimate that never undercounts).
+    incr = function(key, n)
+      key = tostring(key)
+      return C_incr(key, #key, n or 1)
+    end,
+    -- Events per second for key, sliding over the last two windows.
+    rate = function(key)
+      key = tostring(key)
+      return C_rate(key, #key)
+    end,
+  }
+end
+
 function pier.get_phase()
   return base.phase_name()
 end

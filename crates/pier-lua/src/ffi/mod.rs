@@ -18,6 +18,7 @@
 //! * structs only by pointer.
 
 mod ctx;
+mod limit;
 mod req;
 mod resp;
 mod shdict;
@@ -127,6 +128,9 @@ pub struct PierApi {
     pub shdict_keys: extern "C" fn(c_int, c_int, *mut *const PierPair) -> c_int,
     pub shdict_capacity: extern "C" fn(c_int, *mut f64, *mut f64) -> c_int,
     pub hook_done: extern "C" fn() -> c_int,
+    // pier.limit: count-min sketch counters shared by all threads
+    pub limit_incr: extern "C" fn(*const c_char, usize, f64) -> f64,
+    pub limit_rate: extern "C" fn(*const c_char, usize) -> f64,
 }
 
 /// The one API table; its address is what Lua casts.
@@ -171,6 +175,8 @@ pub static API: PierApi = PierApi {
     shdict_keys: shdict::keys,
     shdict_capacity: shdict::capacity,
     hook_done: ctx::hook_done,
+    limit_incr: limit::incr,
+    limit_rate: limit::rate,
 };
 
 /// The address Lua casts to `const pier_api_t*` (fits a double: user-space
