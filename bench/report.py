@@ -9,13 +9,14 @@ import os
 import statistics
 import sys
 
-ORDER = ["pier", "nginx", "haproxy", "pier-lua", "nginx-lua"]
+ORDER = ["pier", "nginx", "haproxy", "pier-lua", "nginx-lua", "pier-limit"]
 LABEL = {
     "pier": "Pier",
     "nginx": "nginx",
     "haproxy": "HAProxy",
     "pier-lua": "Pier + Lua hook",
     "nginx-lua": "nginx + Lua hook",
+    "pier-limit": "Pier + rate limit",
 }
 # (numerator, denominator, target) ratios of requests per proxy CPU-second.
 RATIOS = [("pier", "nginx", 1.2), ("pier", "haproxy", 1.0), ("pier-lua", "nginx-lua", 1.5)]
@@ -172,15 +173,15 @@ def main():
                 w(f"| {path}, {conns} conns | " + " | ".join(cells) + " |")
             w("")
 
-        pairs = [(a, b) for a, b in (("pier-lua", "pier"), ("nginx-lua", "nginx"))
+        pairs = [(a, b) for a, b in (("pier-lua", "pier"), ("nginx-lua", "nginx"), ("pier-limit", "pier"))
                  if a in have and b in have]
         if pairs:
-            w("## Cost of the Lua access hook over the same proxy without it")
+            w("## Cost of the Lua access hook (and of Pier's rate limit) over the same proxy without it")
             w("")
             w("Drop in requests per CPU-second (1 − with-hook ÷ without-hook, medians). "
-              "Target for Pier: ≤ 10%.")
+              "Targets for Pier: Lua hook ≤ 10%, rate limit on every request ≤ 3%.")
             w("")
-            w("| scenario | " + " | ".join(LABEL[b] for _, b in pairs) + " |")
+            w("| scenario | " + " | ".join(f"{LABEL[a]} vs {LABEL[b]}" for a, b in pairs) + " |")
             w("|---|" + "---|" * len(pairs))
             for path, conns in scenarios:
                 cells = []
@@ -255,6 +256,11 @@ def target_rows(load, idle, scenarios, runs):
             if x and y:
                 o = 100 * (1 - x / y)
                 rows.append(f"| Pier Lua hook overhead ≤ 10% | {sc} | {o:+.1f}% | {yes(o <= 10)} |")
+        if "pier-limit" in have and "pier" in have:
+            x, y = m("pier-limit", path, conns, "req_per_cpu_s"), m("pier", path, conns, "req_per_cpu_s")
+            if x and y:
+                o = 100 * (1 - x / y)
+                rows.append(f"| Pier rate-limit overhead ≤ 3% | {sc} | {o:+.1f}% | {yes(o <= 3)} |")
     ip = {p: med([r["rss_kib"] for r in idle if r["proxy"] == p]) for p in ("pier", "nginx")}
     if ip["pier"] is not None and ip["nginx"] is not None:
         rows.append(f"| Pier RSS with idle conns ≤ nginx's | idle | {ip['pier'] / 1024:.1f} MB vs "

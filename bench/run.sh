@@ -10,7 +10,7 @@ BENCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$BENCH_DIR/.." && pwd)"
 
 # ---- knobs (environment) ----------------------------------------------------------------
-PROXIES="${PROXIES:-pier,nginx,haproxy,pier-lua,nginx-lua}"
+PROXIES="${PROXIES:-pier,nginx,haproxy,pier-lua,nginx-lua,pier-limit}"
 DURATION="${DURATION:-10}"          # seconds per wrk run
 CONNS="${CONNS-50,500}"             # wrk connection counts (empty: no load runs)
 PATHS="${PATHS-/hello,/4k.bin}"     # request paths (origin: /hello, /4k.bin, /100k.bin; empty: none)
@@ -58,7 +58,7 @@ drop_proxy() {
 SKIPPED=()   # "proxy: reason" lines, copied into the report
 
 build_pier() {
-    has_proxy pier || has_proxy pier-lua || return 0
+    has_proxy pier || has_proxy pier-lua || has_proxy pier-limit || return 0
     if [ "$SKIP_BUILD" != 1 ]; then
         log "building pier: cargo build --release -p pier"
         if ! (cd "$ROOT" && nice -n 10 cargo build --release -p pier) >"$RUN/cargo-build.log" 2>&1; then
@@ -66,14 +66,14 @@ build_pier() {
             log "Pier does NOT build yet (cargo build --release -p pier failed; log: $RUN/cargo-build.log)."
             log "Skipping the pier and pier-lua scenarios; the peers are still measured."
             SKIPPED+=("pier, pier-lua: \`cargo build --release -p pier\` failed (binary not ready)")
-            drop_proxy pier; drop_proxy pier-lua
+            drop_proxy pier; drop_proxy pier-lua; drop_proxy pier-limit
             return 0
         fi
     fi
     if [ ! -x "$PIER_BIN" ]; then
         log "no Pier binary at $PIER_BIN; skipping pier and pier-lua"
         SKIPPED+=("pier, pier-lua: no binary at $PIER_BIN")
-        drop_proxy pier; drop_proxy pier-lua
+        drop_proxy pier; drop_proxy pier-lua; drop_proxy pier-limit
         return 0
     fi
     if has_proxy pier-lua && [ ! -f "$PIER_LUA_CONFIG" ]; then
@@ -155,7 +155,15 @@ start_proxy() {
                 PIER_ADMIN="127.0.0.1:$(python3 "$BENCH_DIR/tool.py" port)" \
                 "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
             ;;
-        *) die "unknown proxy '$name' (known: pier, nginx, haproxy, pier-lua, nginx-lua)" ;;
+        pier-limit)
+            # The plain Pier config plus a [[limit]] checked on every request
+            # (per client IP, set high enough never to refuse): its cost alone.
+            rm -rf "$dir"; mkdir -p "$dir"
+            template "$BENCH_DIR/peers/pier/pier.toml" "$dir/pier.toml" "$port"
+            cat "$BENCH_DIR/peers/pier/limit.toml" >>"$dir/pier.toml"
+            "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
+            ;;
+        *) die "unknown proxy '$name' (known: pier, nginx, haproxy, pier-lua, nginx-lua, pier-limit)" ;;
     esac
     PROXY_PID=$!
     PIDS+=("$PROXY_PID")
