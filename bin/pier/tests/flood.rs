@@ -233,6 +233,8 @@ struct FloodReport {
     rss_bound_kib: u64,
     fates: Vec<(Fate, usize)>,
     refused_total: f64,
+    /// Waiting connections closed to admit new ones at `max_connections`.
+    evicted_total: f64,
     good: GoodTally,
     baseline_latency: Duration,
     /// After the flood sockets closed: how long until a normal burst succeeded, and its
@@ -392,6 +394,9 @@ fn run_flood() -> FloodReport {
     let refused_total = p
         .metric_value("pier_refused_connections_total")
         .unwrap_or(0.0);
+    let evicted_total = p
+        .metric_value("pier_evicted_connections_total")
+        .unwrap_or(0.0);
 
     let mut counts: Vec<(Fate, usize)> = Vec::new();
     for f in fates {
@@ -409,6 +414,7 @@ fn run_flood() -> FloodReport {
         rss_bound_kib: rss_bound,
         fates: counts,
         refused_total,
+        evicted_total,
         good,
         baseline_latency: baseline,
         recovery,
@@ -435,9 +441,11 @@ fn flood_keeps_memory_bounded_refuses_excess_and_recovers_within_a_second() {
         r.rss_bound_kib,
         r.start_rss_kib
     );
+    // Past max_connections a new connection either evicts the oldest one still
+    // waiting for a head or is refused at accept: both bound what the flood holds.
     assert!(
-        r.refused_total > 0.0,
-        "no connection refused past max_connections: {r:?}"
+        r.refused_total + r.evicted_total > 0.0,
+        "no connection refused or evicted past max_connections: {r:?}"
     );
     let (after, worst) = r
         .recovery
@@ -449,15 +457,17 @@ fn flood_keeps_memory_bounded_refuses_excess_and_recovers_within_a_second() {
         r.baseline_latency
     );
     let fate = |f: Fate| r.fates.iter().find(|(g, _)| *g == f).map_or(0, |(_, n)| *n);
-    assert!(
-        fate(Fate::Answered408) > 0,
-        "no slowloris connection got 408 at the head timeout: {:?}",
-        r.fates
-    );
+    // Slowloris connections are closed by eviction (silently, as nginx does) or by
+    // the head timeout (408; errors.rs tests it alone): never answered otherwise.
     assert_eq!(fate(Fate::AnsweredOther), 0, "{:?}", r.fates);
     assert!(
         fate(Fate::Held) > 0,
         "the flood was over before it ended: {:?}",
+        r.fates
+    );
+    assert!(
+        fate(Fate::Held) <= MAX_CONNECTIONS as usize,
+        "more flood connections held than max_connections: {:?}",
         r.fates
     );
     assert_eq!(
@@ -473,7 +483,7 @@ fn flood_keeps_memory_bounded_refuses_excess_and_recovers_within_a_second() {
 }
 
 #[test]
-#[ignore = "pier: at max_connections every new connection is refused at accept, even while the slots are held by slowloris connections that have not sent a head; the well-behaved client fails ~40-65% of its requests during the flood (it needs e.g. eviction of the oldest head-reading connection when full)"]
+
 fn well_behaved_client_keeps_succeeding_during_the_flood() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let r = run_flood();

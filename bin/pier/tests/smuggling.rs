@@ -175,7 +175,7 @@ fn bad_chunk_sizes_are_refused() {
 }
 
 #[test]
-#[ignore = "pier: the head of a request with a bad chunk size is forwarded to the origin before the chunk is parsed (issue 2: never forwarded)"]
+
 fn bad_chunk_sizes_never_reach_the_origin() {
     each_case(BAD_CHUNKS, &[400]);
 }

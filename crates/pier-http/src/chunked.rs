@@ -34,6 +34,8 @@ pub struct ChunkedScanner {
     /// Bytes of the current size line / trailer section, bounded.
     line: usize,
     trailer_bytes: usize,
+    /// A whole size line has been scanned.
+    sized: bool,
 }
 
 const MAX_SIZE_DIGITS: u8 = 16;
@@ -53,11 +55,19 @@ impl ChunkedScanner {
             size: 0,
             line: 0,
             trailer_bytes: 0,
+            sized: false,
         }
     }
 
     pub fn is_done(&self) -> bool {
         self.state == State::Done
+    }
+
+    /// Whether a complete chunk-size line has been scanned (the scanner is in
+    /// chunk data, or past it). Used to vet a body's framing before its head
+    /// is forwarded anywhere.
+    pub fn past_first_size(&self) -> bool {
+        self.sized
     }
 
     /// Scan `buf`; returns how many bytes belong to the body (all of `buf`
@@ -111,6 +121,7 @@ impl ChunkedScanner {
                         return Err(Kind::BadChunk);
                     }
                     i += 1;
+                    self.sized = true;
                     self.state = if self.size == 0 {
                         State::TrailerStart
                     } else {

@@ -38,6 +38,7 @@ struct Shard {
     latency_sum_us: AtomicU64,
     retries: AtomicU64,
     refused_connections: AtomicU64,
+    evicted_connections: AtomicU64,
     log_dropped: AtomicU64,
 }
 
@@ -53,6 +54,7 @@ impl Shard {
             latency_sum_us: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             refused_connections: AtomicU64::new(0),
+            evicted_connections: AtomicU64::new(0),
             log_dropped: AtomicU64::new(0),
         }
     }
@@ -142,6 +144,11 @@ impl Metrics {
     pub fn refused_connection(&self) {
         self.shard().refused_connections.fetch_add(1, Relaxed);
     }
+    /// An idle or head-reading connection closed to admit a new one at
+    /// `max_connections`.
+    pub fn evicted_connection(&self) {
+        self.shard().evicted_connections.fetch_add(1, Relaxed);
+    }
     pub fn log_dropped(&self, n: u64) {
         self.shard().log_dropped.fetch_add(n, Relaxed);
     }
@@ -227,6 +234,11 @@ impl Metrics {
             out,
             "# TYPE pier_refused_connections_total counter\npier_refused_connections_total {}",
             sum!(self, refused_connections)
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE pier_evicted_connections_total counter\npier_evicted_connections_total {}",
+            sum!(self, evicted_connections)
         );
         let _ = writeln!(
             out,

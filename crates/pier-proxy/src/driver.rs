@@ -89,6 +89,7 @@ pub async fn serve_connection<H: Hooks>(
     w: Arc<Worker<H>>,
     mut stream: TcpStream,
     client: SocketAddr,
+    slot: &std::rc::Rc<crate::evict::Slot>,
 ) {
     let local = stream.local_addr().unwrap_or(client);
     let _ = stream.set_nodelay(true);
@@ -104,25 +105,27 @@ pub async fn serve_connection<H: Hooks>(
     let mut first = true;
     loop {
         w.shared.refresh(&mut state);
+        // Waiting for a head: evictable when the worker is full (evict.rs).
+        let waiting = crate::evict::Waiting::enter(&w.waiting, pier_lb::clock_ms(), slot);
         if b.rbuf.is_empty() && !first {
             // Between requests: keep the buffers for a busy connection, but
             // give them back once it has been idle a moment, so 10,000 idle
             // keep-alive connections cost little more than their sockets.
             let brief = Duration::from_millis(100).min(state.cfg.timeouts.client_idle);
-            if timeout(brief, stream.readable()).await.is_err() {
-                b.release();
-                sess.req = pier_http::RequestHead::default();
+            tokio::select! {
+                r = timeout(brief, stream.readable()) => if r.is_err() {
+                    b.release();
+                    sess.req = pier_http::RequestHead::default();
+                },
+                _ = slot.wait() => break,
             }
         }
-        let r = read_head(
-            &mut stream,
-            &mut b.rbuf,
-            &mut sess,
-            &state,
-            &mut drain,
-            first,
-        )
-        .await;
+        let r = tokio::select! {
+            r = read_head(&mut stream, &mut b.rbuf, &mut sess, &state, &mut drain, first) => r,
+            // Evicted for a new connection: close without a word, as nginx does.
+            _ = slot.wait() => break,
+        };
+        drop(waiting);
         first = false;
         // A reload while this connection waited applies to its next request.
         w.shared.refresh(&mut state);
@@ -285,6 +288,19 @@ async fn handle_request<H: Hooks>(
     if let BodyLen::Length(n) = body {
         if max_body > 0 && n > max_body {
             return local_fail(w, stream, b, sess, Kind::BodyTooLarge, true).await;
+        }
+    }
+
+    // A chunked body's framing is vetted before its head goes anywhere: the
+    // bytes already read, and at least the first size line (unless the client
+    // waits for 100-continue). A bad chunk later in a streamed body cuts the
+    // origin connection mid-body instead (it is never reused).
+    if body == BodyLen::Chunked {
+        let wait = !sess.req.expects_continue();
+        match vet_chunked(stream, &mut b.rbuf, state.cfg.timeouts.client_header, wait).await {
+            Ok(()) => {}
+            Err(Kind::ClientClosed) => return false,
+            Err(k) => return local_fail(w, stream, b, sess, k, true).await,
         }
     }
 
@@ -1157,6 +1173,36 @@ impl BodyPace {
                 Ok(())
             }
             Err(_) => Err(Kind::BodyTimeout),
+        }
+    }
+}
+
+/// Scan the chunked body bytes already buffered (and, with `wait`, read until
+/// the first size line is whole, within `limit`), so that a body whose framing
+/// is bad from the start is refused before anything reaches an origin.
+/// Nothing is consumed: `pump_body` scans the same bytes again as it sends.
+async fn vet_chunked(
+    stream: &mut TcpStream,
+    rbuf: &mut BytesMut,
+    limit: Duration,
+    wait: bool,
+) -> Result<(), Kind> {
+    let mut sc = ChunkedScanner::new();
+    let mut scanned = 0;
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if rbuf.len() > scanned {
+            scanned += sc.feed(&rbuf[scanned..])?;
+        }
+        if sc.is_done() || sc.past_first_size() || !wait {
+            return Ok(());
+        }
+        // The first size line is bounded (16 digits + 4 KiB of extensions).
+        rbuf.reserve(4096);
+        match tokio::time::timeout_at(deadline, stream.read_buf(rbuf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return Err(Kind::ClientClosed),
+            Ok(Ok(_)) => {}
+            Err(_) => return Err(Kind::BodyTimeout),
         }
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod driver;
+pub mod evict;
 pub mod hooks;
 pub mod phases;
 pub mod session;
@@ -83,6 +84,9 @@ pub struct Worker<H: Hooks> {
     pub id: usize,
     pub shared: Arc<Shared>,
     pub hooks: H,
+    /// This worker's connections waiting for a request head (evictable at
+    /// `max_connections`).
+    pub waiting: std::cell::RefCell<evict::Registry>,
 }
 
 /// Run a worker: accept on its listeners until draining, serving each
@@ -95,6 +99,7 @@ pub async fn run_worker<H: Hooks>(ctx: WorkerContext, shared: Arc<Shared>, hooks
         id: ctx.id,
         shared: shared.clone(),
         hooks,
+        waiting: Default::default(),
     });
     let mut accepts = Vec::new();
     for (name, l) in ctx.listeners {
@@ -137,7 +142,15 @@ pub async fn run_worker<H: Hooks>(ctx: WorkerContext, shared: Arc<Shared>, hooks
 
 async fn accept_loop<H: Hooks>(w: Arc<Worker<H>>, listener: tokio::net::TcpListener) {
     let mut drain = w.shared.drain_rx();
+    let mut accepts = 0u32;
     loop {
+        // In a burst of connections, let the ones just accepted read their
+        // heads before accepting more: a client that speaks at once is then
+        // past the head wait (not evictable) before the burst can evict it.
+        accepts = accepts.wrapping_add(1);
+        if accepts % 16 == 0 {
+            tokio::task::yield_now().await;
+        }
         let accepted = tokio::select! {
             a = listener.accept() => a,
             _ = drain.changed() => break,
@@ -154,11 +167,22 @@ async fn accept_loop<H: Hooks>(w: Arc<Worker<H>>, listener: tokio::net::TcpListe
         let max = w.shared.state.load().cfg.limits.max_connections as i64;
         let active = w.shared.metrics.active_connections.fetch_add(1, Relaxed);
         if active >= max {
-            // Refuse at accept: memory stays a function of the config.
-            w.shared.metrics.active_connections.fetch_sub(1, Relaxed);
-            w.shared.metrics.refused_connection();
-            drop(stream);
-            continue;
+            // Full: the oldest connection waiting for a head gives up its
+            // slot (evict.rs; it closes at its next poll, briefly leaving one
+            // more open than the limit); with none old enough, refuse at
+            // accept. Either way memory stays a function of the config.
+            if w
+                .waiting
+                .borrow_mut()
+                .evict_oldest(pier_lb::clock_ms(), evict::MIN_AGE_MS)
+            {
+                w.shared.metrics.evicted_connection();
+            } else {
+                w.shared.metrics.active_connections.fetch_sub(1, Relaxed);
+                w.shared.metrics.refused_connection();
+                drop(stream);
+                continue;
+            }
         }
         // Per-client-IP connection cap (a sketch: fixed memory whatever the IP count).
         let max_ip = w.shared.state.load().cfg.limits.max_connections_per_ip;
@@ -181,7 +205,8 @@ async fn accept_loop<H: Hooks>(w: Arc<Worker<H>>, listener: tokio::net::TcpListe
         tokio::task::spawn_local(async move {
             let _ip_guard = ip_guard;
             let shared = w2.shared.clone();
-            driver::serve_connection(w2, stream, peer).await;
+            let slot = evict::Slot::new();
+            driver::serve_connection(w2, stream, peer, &slot).await;
             shared.metrics.active_connections.fetch_sub(1, Relaxed);
         });
         if *drain.borrow() {
