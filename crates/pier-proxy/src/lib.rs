@@ -148,7 +148,7 @@ async fn accept_loop<H: Hooks>(w: Arc<Worker<H>>, listener: tokio::net::TcpListe
         // heads before accepting more: a client that speaks at once is then
         // past the head wait (not evictable) before the burst can evict it.
         accepts = accepts.wrapping_add(1);
-        if accepts % 16 == 0 {
+        if accepts & 15 == 0 {
             tokio::task::yield_now().await;
         }
         let accepted = tokio::select! {
@@ -171,8 +171,7 @@ async fn accept_loop<H: Hooks>(w: Arc<Worker<H>>, listener: tokio::net::TcpListe
             // slot (evict.rs; it closes at its next poll, briefly leaving one
             // more open than the limit); with none old enough, refuse at
             // accept. Either way memory stays a function of the config.
-            if w
-                .waiting
+            if w.waiting
                 .borrow_mut()
                 .evict_oldest(pier_lb::clock_ms(), evict::MIN_AGE_MS)
             {
