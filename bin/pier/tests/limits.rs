@@ -41,7 +41,7 @@ fn max_connections_per_ip_closes_the_extra_ones() {
 }
 
 #[test]
-#[ignore = "pier: a request finding its only server at max_connections_per_server gets 503 no-healthy-upstream (the server is healthy); expected to wait for a connection or 503 upstream-limited"]
+
 fn max_connections_per_server_caps_upstream_connections() {
     let o = Origin::start();
     let p = pier(&simple_config(
@@ -74,7 +74,7 @@ fn max_connections_per_server_caps_upstream_connections() {
 }
 
 #[test]
-#[ignore = "pier: pool_idle_per_server is applied per worker (2 workers keep 2 idle connections); docs/config.md says per server in the pool shared by all workers"]
+
 fn pool_keeps_at_most_pool_idle_per_server() {
     let o = Origin::start();
     let p = pier(&simple_config(&[o.addr()], "", "pool_idle_per_server = 1"));

@@ -331,7 +331,7 @@ fn custom_status_is_used_for_refusals() {
 }
 
 #[test]
-#[ignore = "pier: a refusal with a custom `status` is counted in pier_local_responses_total under the kind's default status (429), not the status sent (503)"]
+
 fn custom_status_refusals_are_counted_under_that_status() {
     let o = Origin::start();
     let p = pier(&custom_status_config(&o));

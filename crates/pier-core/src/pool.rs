@@ -7,6 +7,10 @@
 //! socket to its own reactor (two `epoll_ctl`s) — sharing without the
 //! per-worker collapse nginx suffers (the Pingora lesson: 87% → 99.9% reuse).
 //!
+//! `max_idle_per_server` bounds a server's idle connections over all workers
+//! together: each server has one shared counter, so the bound costs one
+//! atomic add per put, like the total count beside it.
+//!
 //! Idle connections are checked without a syscall before reuse: an idle
 //! HTTP/1.1 connection has nothing to read, so any read readiness (data or
 //! EOF) the reactor recorded means the origin closed or misbehaved.
@@ -16,6 +20,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 use tokio::io::Interest;
@@ -39,15 +44,26 @@ struct Idle {
 #[repr(align(128))]
 #[derive(Default)]
 struct WorkerStacks {
-    map: Mutex<HashMap<SocketAddr, Vec<Idle>>>,
+    map: Mutex<HashMap<SocketAddr, Stack>>,
+}
+
+/// A worker's idle connections to one origin, and the count of idle
+/// connections to that origin over all workers (one counter per origin,
+/// shared by the workers' stacks), which `max_idle_per_server` bounds.
+struct Stack {
+    idle: Vec<Idle>,
+    count: Arc<AtomicUsize>,
 }
 
 pub struct Pool {
     workers: Vec<WorkerStacks>,
-    /// Per worker and origin: `max_idle_per_server / workers`, rounded up.
-    max_idle_per_worker: AtomicUsize,
+    /// Idle connections per origin, all workers together.
+    max_idle: AtomicUsize,
     idle_timeout_ms: AtomicU64,
     idle_total: AtomicUsize,
+    /// The per-origin counters; locked only when a worker's map first meets
+    /// an origin (or meets it again after a sweep emptied its stack).
+    counts: Mutex<HashMap<SocketAddr, Arc<AtomicUsize>>>,
 }
 
 impl Pool {
@@ -55,9 +71,10 @@ impl Pool {
         let n = cfg.workers.max(1);
         let p = Pool {
             workers: (0..n).map(|_| WorkerStacks::default()).collect(),
-            max_idle_per_worker: AtomicUsize::new(0),
+            max_idle: AtomicUsize::new(0),
             idle_timeout_ms: AtomicU64::new(0),
             idle_total: AtomicUsize::new(0),
+            counts: Mutex::new(HashMap::new()),
         };
         p.reconfigure(cfg.max_idle_per_server, cfg.idle_timeout);
         p
@@ -65,9 +82,7 @@ impl Pool {
 
     /// Config reloads may change the bounds.
     pub fn reconfigure(&self, max_idle_per_server: usize, idle_timeout: Duration) {
-        let n = self.workers.len();
-        self.max_idle_per_worker
-            .store(max_idle_per_server.div_ceil(n), Relaxed);
+        self.max_idle.store(max_idle_per_server, Relaxed);
         self.idle_timeout_ms
             .store(idle_timeout.as_millis() as u64, Relaxed);
     }
@@ -91,8 +106,14 @@ impl Pool {
             loop {
                 let idle = {
                     let mut map = self.workers[w].map.lock();
-                    match map.get_mut(&addr).and_then(|s| s.pop()) {
-                        Some(i) => i,
+                    let Some(stack) = map.get_mut(&addr) else {
+                        break;
+                    };
+                    match stack.idle.pop() {
+                        Some(i) => {
+                            stack.count.fetch_sub(1, Relaxed);
+                            i
+                        }
                         None => break,
                     }
                 };
@@ -114,25 +135,38 @@ impl Pool {
 
     /// Return a connection that finished a response cleanly.
     pub fn put(&self, addr: SocketAddr, worker: usize, stream: TcpStream) {
-        let max = self.max_idle_per_worker.load(Relaxed);
+        let max = self.max_idle.load(Relaxed);
         if max == 0 {
             return;
         }
         let evicted = {
             let mut map = self.workers[worker % self.workers.len()].map.lock();
-            let stack = map.entry(addr).or_default();
-            let evicted = if stack.len() >= max {
-                // Full: drop the oldest, keep the hot one.
-                Some(stack.remove(0))
-            } else {
-                self.idle_total.fetch_add(1, Relaxed);
-                None
-            };
-            stack.push(Idle {
-                stream,
-                since: Instant::now(),
+            let stack = map.entry(addr).or_insert_with(|| Stack {
+                idle: Vec::new(),
+                count: self.counts.lock().entry(addr).or_default().clone(),
             });
-            evicted
+            if stack.count.fetch_add(1, Relaxed) < max {
+                self.idle_total.fetch_add(1, Relaxed);
+                stack.idle.push(Idle {
+                    stream,
+                    since: Instant::now(),
+                });
+                None
+            } else {
+                // Full over all workers: keep the hot one in place of our
+                // oldest; with none of ours to give up, close it.
+                stack.count.fetch_sub(1, Relaxed);
+                if stack.idle.is_empty() {
+                    Some(stream)
+                } else {
+                    let oldest = stack.idle.remove(0);
+                    stack.idle.push(Idle {
+                        stream,
+                        since: Instant::now(),
+                    });
+                    Some(oldest.stream)
+                }
+            }
         };
         drop(evicted); // closed outside the lock
     }
@@ -146,12 +180,14 @@ impl Pool {
             for stack in map.values_mut() {
                 // Oldest first: stop at the first one still fresh.
                 let n = stack
+                    .idle
                     .iter()
                     .take_while(|i| i.since.elapsed() > idle_timeout)
                     .count();
-                dropped.extend(stack.drain(..n));
+                stack.count.fetch_sub(n, Relaxed);
+                dropped.extend(stack.idle.drain(..n));
             }
-            map.retain(|_, s| !s.is_empty());
+            map.retain(|_, s| !s.idle.is_empty());
         }
         self.idle_total.fetch_sub(dropped.len(), Relaxed);
         drop(dropped);
@@ -219,6 +255,30 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(50)).await;
             assert!(pool.take(addr, 0).is_none());
             assert_eq!(pool.idle_count(), 0);
+        });
+    }
+
+    #[test]
+    fn bound_is_per_server_over_all_workers() {
+        rt().block_on(async {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            let pool = Pool::new(PoolConfig {
+                workers: 2,
+                max_idle_per_server: 1,
+                idle_timeout: Duration::from_secs(5),
+            });
+            let mut keep = Vec::new();
+            for w in 0..2 {
+                let c = TcpStream::connect(addr).await.unwrap();
+                keep.push(l.accept().await.unwrap().0);
+                pool.put(addr, w, c);
+            }
+            assert_eq!(pool.idle_count(), 1, "worker 1's put went past the bound");
+            // Taking one frees the slot for any worker.
+            let c = pool.take(addr, 1).expect("worker 0's connection, stolen");
+            pool.put(addr, 1, c);
+            assert_eq!(pool.idle_count(), 1);
         });
     }
 

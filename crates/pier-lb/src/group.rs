@@ -168,6 +168,19 @@ impl Group {
         }
     }
 
+    /// After [`Group::select`] found no peer: whether some healthy, untried
+    /// peer was passed over only for being at `max_connections_per_server`.
+    /// Then the answer is "busy, come back" (503 upstream-limited with
+    /// Retry-After), not "no healthy upstream".
+    pub fn at_capacity(&self, tried: &[usize]) -> bool {
+        self.max_conns != 0
+            && self.peers.iter().enumerate().any(|(i, p)| {
+                !tried.contains(&i)
+                    && p.healthy.load(Ordering::Acquire)
+                    && p.active() >= self.max_conns
+            })
+    }
+
     fn avail(&self, i: usize, tried: &[usize], now: &Cell<u64>) -> Avail {
         if tried.contains(&i) {
             return Avail::No;

@@ -22,6 +22,14 @@ pub const BUCKETS_US: [u64; 14] = [
 /// Local responses not caused by a `pier_error::Kind`: answers made by hooks.
 pub const EXTRA_REASONS: [(&str, u16); 1] = [("hook", 0)];
 
+/// Kinds whose refusals may carry a configured status (`[[limit]] status`);
+/// each has a counter per status 400..=599 so the metric shows what was sent.
+const CUSTOM_KINDS: [Kind; 3] = [
+    Kind::RateLimited,
+    Kind::ConcurrencyLimited,
+    Kind::UpstreamLimited,
+];
+
 thread_local! {
     /// Which shard this thread writes; workers set it at start.
     pub static WORKER_ID: Cell<usize> = const { Cell::new(0) };
@@ -32,6 +40,8 @@ struct Shard {
     requests: Vec<[AtomicU64; 6]>,
     local: [AtomicU64; Kind::ALL.len()],
     extra: [AtomicU64; EXTRA_REASONS.len()],
+    /// `CUSTOM_KINDS[i]` answered with status `400 + j`.
+    custom: Box<[[AtomicU64; 200]; CUSTOM_KINDS.len()]>,
     pool_created: AtomicU64,
     pool_reused: AtomicU64,
     buckets: [AtomicU64; BUCKETS_US.len() + 1],
@@ -48,6 +58,9 @@ impl Shard {
             requests: (0..MAX_ROUTES).map(|_| Default::default()).collect(),
             local: std::array::from_fn(|_| AtomicU64::new(0)),
             extra: Default::default(),
+            custom: Box::new(std::array::from_fn(|_| {
+                std::array::from_fn(|_| AtomicU64::new(0))
+            })),
             pool_created: AtomicU64::new(0),
             pool_reused: AtomicU64::new(0),
             buckets: Default::default(),
@@ -122,6 +135,19 @@ impl Metrics {
         self.shard().local[kind.index()].fetch_add(1, Relaxed);
     }
 
+    /// A refusal of `kind` sent with `status` (a limit's configured status
+    /// may differ from the kind's own).
+    #[inline]
+    pub fn local_response_status(&self, kind: Kind, status: u16) {
+        if status != kind.status() && (400..600).contains(&status) {
+            if let Some(i) = CUSTOM_KINDS.iter().position(|k| *k == kind) {
+                self.shard().custom[i][(status - 400) as usize].fetch_add(1, Relaxed);
+                return;
+            }
+        }
+        self.local_response(kind);
+    }
+
     /// Local responses not caused by a `Kind` (limits, Lua); index into `EXTRA_REASONS`.
     #[inline]
     pub fn local_extra(&self, idx: usize) {
@@ -166,6 +192,17 @@ impl Metrics {
             .sum()
     }
 
+    /// Refusals of `kind` sent with a configured status other than its own.
+    fn custom_count(&self, kind: Kind) -> u64 {
+        let Some(i) = CUSTOM_KINDS.iter().position(|k| *k == kind) else {
+            return 0;
+        };
+        self.shards
+            .iter()
+            .map(|s| s.custom[i].iter().map(|c| c.load(Relaxed)).sum::<u64>())
+            .sum()
+    }
+
     /// Prometheus text exposition (admin listener; not a hot path).
     pub fn render(&self, out: &mut String) {
         let routes = self.routes.lock().clone();
@@ -200,6 +237,23 @@ impl Metrics {
                 k.reason()
             );
         }
+        for (i, k) in CUSTOM_KINDS.iter().enumerate() {
+            for j in 0..200 {
+                let v: u64 = self
+                    .shards
+                    .iter()
+                    .map(|s| s.custom[i][j].load(Relaxed))
+                    .sum();
+                if v > 0 {
+                    let _ = writeln!(
+                        out,
+                        "pier_local_responses_total{{status=\"{}\",reason=\"{}\"}} {v}",
+                        400 + j,
+                        k.reason()
+                    );
+                }
+            }
+        }
         for (i, (reason, status)) in EXTRA_REASONS.iter().enumerate() {
             let v: u64 = self.shards.iter().map(|s| s.extra[i].load(Relaxed)).sum();
             if *status != 0 {
@@ -220,7 +274,7 @@ impl Metrics {
                 out,
                 "pier_errors_total{{reason=\"{}\"}} {}",
                 k.reason(),
-                self.local_count(k)
+                self.local_count(k) + self.custom_count(k)
             );
         }
         let _ = writeln!(out, "# TYPE pier_upstream_connections_created_total counter\npier_upstream_connections_created_total {}", self.pool_created());

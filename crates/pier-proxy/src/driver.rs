@@ -347,8 +347,11 @@ async fn handle_request<H: Hooks>(
                 match group.select_at(key, &tried[..ntried], now_ms) {
                     Some(i) => (group.peers()[i].addr, Some(i)),
                     None => {
+                        if last == Kind::NoHealthyUpstream && group.at_capacity(&tried[..ntried]) {
+                            last = Kind::UpstreamLimited;
+                        }
                         return local_fail(w, stream, b, sess, last, body_pending).await
-                            && client_keep
+                            && client_keep;
                     }
                 }
             }
@@ -377,9 +380,23 @@ async fn handle_request<H: Hooks>(
             Err(e) => return local_fail(w, stream, b, sess, e.kind, body_pending).await,
         }
         sess.upstream = Some(addr);
-        let guard = idx.map(|i| group.begin(i));
-        let res = attempt_once(w, state, stream, b, sess, ctx, addr, stale_retry_used).await;
-        drop(guard);
+        // In flight on the server until its response is read (dropped then,
+        // before the last write to the client, so that a client that got its
+        // response finds the server free).
+        let mut inflight = idx.map(|i| group.begin(i));
+        let res = attempt_once(
+            w,
+            state,
+            stream,
+            b,
+            sess,
+            ctx,
+            addr,
+            stale_retry_used,
+            &mut inflight,
+        )
+        .await;
+        drop(inflight);
         match res {
             Ok(keep) => {
                 if let Some(i) = idx {
@@ -434,7 +451,7 @@ async fn respond<H: Hooks>(
     body_pending: bool,
 ) -> bool {
     match r.kind {
-        Some(k) => w.shared.metrics.local_response(k),
+        Some(k) => w.shared.metrics.local_response_status(k, r.status),
         None => w.shared.metrics.local_extra(0),
     }
     let close = body_pending || !sess.client_keep;
@@ -562,6 +579,7 @@ async fn attempt_once<H: Hooks>(
     ctx: &mut H::Ctx,
     addr: SocketAddr,
     fresh_only: bool,
+    inflight: &mut Option<pier_lb::ActiveGuard>,
 ) -> Result<bool, Fail> {
     let t = &state.cfg.timeouts;
     let pooled = if fresh_only {
@@ -658,6 +676,7 @@ async fn attempt_once<H: Hooks>(
             ctx,
             method,
             reused,
+            inflight,
         )
         .await?
     } else {
@@ -686,6 +705,7 @@ async fn attempt_once<H: Hooks>(
             ctx,
             method,
             false,
+            inflight,
         );
         tokio::pin!(pump, relay);
         let mut pump_done = false;
@@ -753,6 +773,7 @@ async fn relay_response<H: Hooks, R, W>(
     ctx: &mut H::Ctx,
     method: Method,
     reused: bool,
+    inflight: &mut Option<pier_lb::ActiveGuard>,
 ) -> Result<Relayed, Fail>
 where
     R: AsyncRead + Unpin,
@@ -914,6 +935,7 @@ where
     let mut upstream_reusable = upstream_keep;
     match body {
         BodyLen::None => {
+            inflight.take();
             sess.bytes_sent += out.len() as u64;
             cw.write_all(out)
                 .await
@@ -928,6 +950,9 @@ where
             out.extend_from_slice(&ubuf[..take]);
             ubuf.advance(take);
             let mut remaining = n - take as u64;
+            if remaining == 0 {
+                inflight.take();
+            }
             sess.bytes_sent += out.len() as u64;
             write_timed(cw, out, send_timeout)
                 .await
@@ -941,6 +966,9 @@ where
                 };
                 let _ = got;
                 let take = (ubuf.len() as u64).min(remaining) as usize;
+                if take as u64 == remaining {
+                    inflight.take();
+                }
                 write_timed(cw, &ubuf[..take], send_timeout)
                     .await
                     .map_err(|_| touched(Kind::ClientClosed, false))?;
@@ -959,6 +987,9 @@ where
                 .map_err(|_| Fail::up(Kind::UpstreamProtocol))?;
             out.extend_from_slice(&ubuf[..n]);
             ubuf.advance(n);
+            if sc.is_done() {
+                inflight.take();
+            }
             sess.bytes_sent += out.len() as u64;
             write_timed(cw, out, send_timeout)
                 .await
@@ -973,6 +1004,9 @@ where
                 let n = sc
                     .feed(ubuf)
                     .map_err(|_| touched(Kind::UpstreamProtocol, true))?;
+                if sc.is_done() {
+                    inflight.take();
+                }
                 write_timed(cw, &ubuf[..n], send_timeout)
                     .await
                     .map_err(|_| touched(Kind::ClientClosed, false))?;
