@@ -835,7 +835,7 @@ pier.shared.ctxlog:set(pier.ctx.id, pier.ctx.bytes)
 /// OpenResty runs header_filter and body_filter on every response, including those
 /// produced by content handlers; Pier's docs put header_filter at "response head".
 #[test]
-#[ignore = "pier: header_filter and body_filter do not run on responses made by Lua access/content hooks (only on proxied ones)"]
+
 fn filters_run_on_responses_made_by_hooks() {
     let hf = r#"
 pier.resp.set_header("x-hf", tostring(pier.resp.get_status()))

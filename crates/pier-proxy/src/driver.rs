@@ -279,7 +279,8 @@ async fn handle_request<H: Hooks>(
 
     // Route.
     let Some(route) = state.match_route(sess.req.host(), sess.req.path()) else {
-        return local_fail(w, stream, b, sess, Kind::NoRoute, body_pending).await && client_keep;
+        return local_fail(w, state, stream, b, sess, ctx, Kind::NoRoute, body_pending).await
+            && client_keep;
     };
     sess.route = Some(route);
 
@@ -287,7 +288,7 @@ async fn handle_request<H: Hooks>(
     let max_body = state.cfg.limits.max_body_bytes;
     if let BodyLen::Length(n) = body {
         if max_body > 0 && n > max_body {
-            return local_fail(w, stream, b, sess, Kind::BodyTooLarge, true).await;
+            return local_fail(w, state, stream, b, sess, ctx, Kind::BodyTooLarge, true).await;
         }
     }
 
@@ -300,15 +301,20 @@ async fn handle_request<H: Hooks>(
         match vet_chunked(stream, &mut b.rbuf, state.cfg.timeouts.client_header, wait).await {
             Ok(()) => {}
             Err(Kind::ClientClosed) => return false,
-            Err(k) => return local_fail(w, stream, b, sess, k, true).await,
+            Err(k) => return local_fail(w, state, stream, b, sess, ctx, k, true).await,
         }
     }
 
     // request_filter (Lua access/content, limits).
     match w.hooks.request_filter(state, sess, ctx).await {
         Ok(Flow::Continue) => {}
-        Ok(Flow::Respond(r)) => return respond(w, stream, b, sess, &r, body_pending).await,
-        Err(e) => return local_fail(w, stream, b, sess, e.kind, body_pending).await && client_keep,
+        Ok(Flow::Respond(r)) => {
+            return respond(w, state, stream, b, sess, ctx, &r, body_pending).await
+        }
+        Err(e) => {
+            return local_fail(w, state, stream, b, sess, ctx, e.kind, body_pending).await
+                && client_keep
+        }
     }
 
     let group = state.groups[state.routes[route].group].clone();
@@ -317,12 +323,20 @@ async fn handle_request<H: Hooks>(
 
     let choice = match w.hooks.upstream_peer(state, sess, ctx).await {
         Ok(c) => c,
-        Err(e) => return local_fail(w, stream, b, sess, e.kind, body_pending).await && client_keep,
+        Err(e) => {
+            return local_fail(w, state, stream, b, sess, ctx, e.kind, body_pending).await
+                && client_keep
+        }
     };
     match w.hooks.upstream_request_filter(state, sess, ctx).await {
         Ok(Flow::Continue) => {}
-        Ok(Flow::Respond(r)) => return respond(w, stream, b, sess, &r, body_pending).await,
-        Err(e) => return local_fail(w, stream, b, sess, e.kind, body_pending).await && client_keep,
+        Ok(Flow::Respond(r)) => {
+            return respond(w, state, stream, b, sess, ctx, &r, body_pending).await
+        }
+        Err(e) => {
+            return local_fail(w, state, stream, b, sess, ctx, e.kind, body_pending).await
+                && client_keep
+        }
     }
 
     let retries = choice.retries.unwrap_or_else(|| group.retries());
@@ -350,14 +364,25 @@ async fn handle_request<H: Hooks>(
                         if last == Kind::NoHealthyUpstream && group.at_capacity(&tried[..ntried]) {
                             last = Kind::UpstreamLimited;
                         }
-                        return local_fail(w, stream, b, sess, last, body_pending).await
+                        return local_fail(w, state, stream, b, sess, ctx, last, body_pending)
+                            .await
                             && client_keep;
                     }
                 }
             }
         };
         if pier_config::denied(&state.cfg.deny_origins, addr.ip()) {
-            return local_fail(w, stream, b, sess, Kind::OriginDenied, body_pending).await
+            return local_fail(
+                w,
+                state,
+                stream,
+                b,
+                sess,
+                ctx,
+                Kind::OriginDenied,
+                body_pending,
+            )
+            .await
                 && client_keep;
         }
         // Origin protection (Pingora's connection limit): past the threshold, 503.
@@ -371,13 +396,17 @@ async fn handle_request<H: Hooks>(
                     ntried += 1;
                     continue;
                 }
-                return local_fail(w, stream, b, sess, last, body_pending).await;
+                return local_fail(w, state, stream, b, sess, ctx, last, body_pending).await;
             }
         }
         match w.hooks.peer_selected(state, sess, ctx, addr) {
             Ok(Flow::Continue) => {}
-            Ok(Flow::Respond(r)) => return respond(w, stream, b, sess, &r, body_pending).await,
-            Err(e) => return local_fail(w, stream, b, sess, e.kind, body_pending).await,
+            Ok(Flow::Respond(r)) => {
+                return respond(w, state, stream, b, sess, ctx, &r, body_pending).await
+            }
+            Err(e) => {
+                return local_fail(w, state, stream, b, sess, ctx, e.kind, body_pending).await
+            }
         }
         sess.upstream = Some(addr);
         // In flight on the server until its response is read (dropped then,
@@ -435,18 +464,22 @@ async fn handle_request<H: Hooks>(
                     continue;
                 }
                 let consumed = f.replayable && !body_pending;
-                return local_fail(w, stream, b, sess, f.kind, !consumed).await && client_keep;
+                return local_fail(w, state, stream, b, sess, ctx, f.kind, !consumed).await
+                    && client_keep;
             }
         }
     }
 }
 
 /// Answer with a response a phase made; counted by its kind (or as a hook answer).
+#[allow(clippy::too_many_arguments)]
 async fn respond<H: Hooks>(
     w: &Worker<H>,
+    state: &State,
     stream: &mut TcpStream,
     b: &mut Bufs,
     sess: &mut Session,
+    ctx: &mut H::Ctx,
     r: &LocalResponse,
     body_pending: bool,
 ) -> bool {
@@ -455,27 +488,95 @@ async fn respond<H: Hooks>(
         None => w.shared.metrics.local_extra(0),
     }
     let close = body_pending || !sess.client_keep;
-    let ok = send_local(stream, &mut b.out, sess, r, close).await.is_ok();
+    let ok = send_answer(w, state, stream, b, sess, ctx, r, close).await;
     ok && !close
 }
 
 /// Answer with an error; `close` when the connection can't continue (e.g.
 /// an unread body). Returns whether the connection may continue.
+#[allow(clippy::too_many_arguments)]
 async fn local_fail<H: Hooks>(
     w: &Worker<H>,
+    state: &State,
     stream: &mut TcpStream,
     b: &mut Bufs,
     sess: &mut Session,
+    ctx: &mut H::Ctx,
     kind: Kind,
     close: bool,
 ) -> bool {
     w.shared.metrics.local_response(kind);
     sess.reason = kind.reason();
     let close = close || !sess.client_keep;
-    let ok = send_local(stream, &mut b.out, sess, &local_error(kind), close)
-        .await
-        .is_ok();
+    let ok = send_answer(w, state, stream, b, sess, ctx, &local_error(kind), close).await;
     ok && !close
+}
+
+/// Send a locally made response of a routed request, through the route's
+/// response filters first when it has any (as OpenResty runs header and body
+/// filters on every response, `ngx.exit`/`ngx.say` ones and error pages too).
+#[allow(clippy::too_many_arguments)]
+async fn send_answer<H: Hooks>(
+    w: &Worker<H>,
+    state: &State,
+    stream: &mut TcpStream,
+    b: &mut Bufs,
+    sess: &mut Session,
+    ctx: &mut H::Ctx,
+    r: &LocalResponse,
+    close: bool,
+) -> bool {
+    if sess.route.is_none() || !w.hooks.filters_local(state, sess) {
+        return send_local(stream, &mut b.out, sess, r, close).await.is_ok();
+    }
+    let filtered = filter_local(w, state, &mut b.resp, sess, ctx, r);
+    send_local(
+        stream,
+        &mut b.out,
+        sess,
+        filtered.as_ref().unwrap_or(r),
+        close,
+    )
+    .await
+    .is_ok()
+}
+
+/// `r` after the route's `response_filter` and `body_filter` (the whole body
+/// in one piece, marked last). A filter that fails leaves the response as it
+/// was (its error is logged by the hook layer): an answer is already due.
+fn filter_local<H: Hooks>(
+    w: &Worker<H>,
+    state: &State,
+    head: &mut ResponseHead,
+    sess: &mut Session,
+    ctx: &mut H::Ctx,
+    r: &LocalResponse,
+) -> Option<LocalResponse> {
+    *head = ResponseHead::default();
+    head.version = 1;
+    head.set_status(r.status);
+    for (n, v) in &r.headers {
+        head.headers.append(n, v);
+    }
+    w.hooks.response_filter(state, sess, head, ctx).ok()?;
+    let mut body = BytesMut::from(&r.body[..]);
+    if w.hooks.has_body_filter(state, sess) {
+        w.hooks
+            .body_filter(state, sess, ctx, &mut body, true)
+            .ok()?;
+    }
+    Some(LocalResponse {
+        status: head.status,
+        headers: head
+            .headers
+            .iter()
+            .filter(|(n, _)| !n.eq_ignore_ascii_case(b"content-length"))
+            .map(|(n, v)| (n.to_vec(), v.to_vec()))
+            .collect(),
+        body: body.to_vec(),
+        reason: r.reason,
+        kind: r.kind,
+    })
 }
 
 pub(crate) fn local_error(kind: Kind) -> LocalResponse {

@@ -379,6 +379,14 @@ impl Hooks for PierHooks {
         e.header_filter(route, &mut v, lctx).map_err(hook_error)
     }
 
+    fn filters_local(&self, st: &State, s: &Session) -> bool {
+        let (Some(route), Some(_)) = (s.route, &st.lua) else {
+            return false;
+        };
+        matches!(&*self.engine.borrow(), Some((g, e)) if *g == st.generation
+            && (e.has_hook(route, Phase::HeaderFilter) || e.has_hook(route, Phase::BodyFilter)))
+    }
+
     fn has_body_filter(&self, st: &State, s: &Session) -> bool {
         let (Some(route), Some(_)) = (s.route, &st.lua) else {
             return false;
