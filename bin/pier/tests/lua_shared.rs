@@ -440,7 +440,7 @@ fn reload_replaces_init_worker_timers() {
 /// docs/config.md: `init` runs in every state "at start and on each reload" and
 /// `init_worker` after it; background timers must not wait for a client request.
 #[test]
-#[ignore = "pier: after a SIGHUP reload the Lua engines (init, init_worker, their timers) are only rebuilt when a request reaches each worker; until then the old timers keep running and the new ones never start"]
+
 fn reload_runs_the_new_init_worker_without_traffic() {
     let o = Origin::start();
     let mut p = pier(&timer_config(&o, "v1"));

@@ -45,6 +45,11 @@ impl PierHooks {
     /// This thread's engine for the config generation `st` belongs to.
     fn engine(&self, st: &State) -> Result<Option<Rc<LuaEngine>>, Error> {
         let Some(setup) = &st.lua else {
+            // A reload that removed Lua: the old engine goes, and its timers
+            // (which hold it weakly) with it.
+            if self.engine.borrow().is_some() {
+                self.engine.borrow_mut().take();
+            }
             return Ok(None);
         };
         if let Some((g, e)) = &*self.engine.borrow() {

@@ -37,11 +37,16 @@ pub struct Shared {
     /// Open connections per client IP (`limits.max_connections_per_ip`).
     pub per_ip: pier_limits::Inflight,
     drain_tx: watch::Sender<bool>,
+    /// The generation just installed, so that workers set up a reloaded
+    /// config's per-thread parts (Lua `init`/`init_worker` and timers) at
+    /// once rather than at their next request.
+    reload_tx: watch::Sender<u64>,
 }
 
 impl Shared {
     pub fn new(state: State, pool: Pool, metrics: Metrics, access: AccessLog) -> Self {
         let (drain_tx, _) = watch::channel(false);
+        let (reload_tx, _) = watch::channel(state.generation);
         let generation = std::sync::atomic::AtomicU64::new(state.generation);
         Shared {
             state: ArcSwap::from_pointee(state),
@@ -51,6 +56,7 @@ impl Shared {
             access,
             per_ip: pier_limits::Inflight::new(),
             drain_tx,
+            reload_tx,
         }
     }
     /// Swap in a new config generation.
@@ -58,6 +64,7 @@ impl Shared {
         let g = state.generation;
         self.state.store(Arc::new(state));
         self.generation.store(g, Relaxed);
+        self.reload_tx.send_replace(g);
     }
     /// Refresh `cached` if a reload happened since it was loaded.
     #[inline]
@@ -112,6 +119,20 @@ pub async fn run_worker<H: Hooks>(ctx: WorkerContext, shared: Arc<Shared>, hooks
         };
         accepts.push(tokio::task::spawn_local(accept_loop(w.clone(), listener)));
     }
+    // A reload sets up this thread's hooks for the new config right away
+    // (Lua init/init_worker, timers), as OpenResty's new workers do. Holds
+    // the worker weakly: draining waits for the last strong reference.
+    let reloads = {
+        let weak = Arc::downgrade(&w);
+        let mut rx = shared.reload_tx.subscribe();
+        tokio::task::spawn_local(async move {
+            while rx.changed().await.is_ok() {
+                let Some(w) = weak.upgrade() else { break };
+                let st = w.shared.state.load_full();
+                w.hooks.init_worker(&st);
+            }
+        })
+    };
     // Hand the access log buffer over at least once a second.
     let flusher = {
         let shared = shared.clone();
@@ -138,6 +159,7 @@ pub async fn run_worker<H: Hooks>(ctx: WorkerContext, shared: Arc<Shared>, hooks
     }
     shared.access.flush();
     flusher.abort();
+    reloads.abort();
 }
 
 async fn accept_loop<H: Hooks>(w: Arc<Worker<H>>, listener: tokio::net::TcpListener) {
