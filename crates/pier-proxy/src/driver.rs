@@ -236,20 +236,31 @@ async fn read_head(
                 return Ok(true);
             }
         }
-        rbuf.reserve(4096);
         if rbuf.is_empty() && header_deadline.is_none() {
             // Idle keep-alive connection: wait for a first byte, or drain.
+            // Wait for readiness *without* a buffer and allocate it only
+            // once bytes are there: a 4 KiB read buffer held by every idle
+            // connection was most of its memory. Then `read_buf`, not
+            // `try_read_buf`: a short read must clear the readiness, or the
+            // next idle wait (and the release in `serve_connection`) would
+            // wake at once.
             if *drain.borrow() {
                 return Ok(false);
             }
+            let first_bytes = async {
+                stream.readable().await?;
+                rbuf.reserve(4096);
+                stream.read_buf(rbuf).await
+            };
             tokio::select! {
-                r = timeout(idle, stream.read_buf(rbuf)) => match r {
+                r = timeout(idle, first_bytes) => match r {
                     Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Ok(false),
                     Ok(Ok(_)) => header_deadline = Some(tokio::time::Instant::now() + t.client_header),
                 },
                 _ = drain.changed() => return Ok(false),
             }
         } else {
+            rbuf.reserve(4096);
             let deadline = *header_deadline
                 .get_or_insert_with(|| tokio::time::Instant::now() + t.client_header);
             match tokio::time::timeout_at(deadline, stream.read_buf(rbuf)).await {
