@@ -89,7 +89,6 @@ pub async fn serve_connection<H: Hooks>(
     w: Arc<Worker<H>>,
     mut stream: TcpStream,
     client: SocketAddr,
-    slot: &std::rc::Rc<crate::evict::Slot>,
 ) {
     let local = stream.local_addr().unwrap_or(client);
     let _ = stream.set_nodelay(true);
@@ -106,7 +105,7 @@ pub async fn serve_connection<H: Hooks>(
     loop {
         w.shared.refresh(&mut state);
         // Waiting for a head: evictable when the worker is full (evict.rs).
-        let waiting = crate::evict::Waiting::enter(&w.waiting, pier_lb::clock_ms(), slot);
+        let waiting = crate::evict::Waiting::enter(&w.waiting, pier_lb::clock_ms());
         if b.rbuf.is_empty() && !first {
             // Between requests: keep the buffers for a busy connection, but
             // give them back once it has been idle a moment, so 10,000 idle
@@ -117,13 +116,13 @@ pub async fn serve_connection<H: Hooks>(
                     b.release();
                     sess.req = pier_http::RequestHead::default();
                 },
-                _ = slot.wait() => break,
+                _ = waiting.evicted() => break,
             }
         }
         let r = tokio::select! {
             r = read_head(&mut stream, &mut b.rbuf, &mut sess, &state, &mut drain, first) => r,
             // Evicted for a new connection: close without a word, as nginx does.
-            _ = slot.wait() => break,
+            _ = waiting.evicted() => break,
         };
         drop(waiting);
         first = false;
@@ -1404,5 +1403,26 @@ where
                 pace.read_more(cr, rbuf).await?;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod size_tests {
+    use super::*;
+
+    fn size_of_future<F, Fut>(_: F) -> usize
+    where
+        F: FnOnce(Arc<Worker<crate::PierHooks>>, TcpStream, SocketAddr) -> Fut,
+    {
+        std::mem::size_of::<Fut>()
+    }
+
+    /// Every connection's task holds this future for its whole life, idle or
+    /// not: its size is most of an idle keep-alive connection's memory.
+    #[test]
+    fn connection_future_stays_small() {
+        let n = size_of_future(serve_connection::<crate::PierHooks>);
+        eprintln!("serve_connection future: {n} bytes");
+        assert!(n <= 1536, "serve_connection future grew to {n} bytes");
     }
 }

@@ -14,9 +14,9 @@
 //! workers. Entering and leaving the registry is a slab insert/remove around
 //! each head wait; the scan for the oldest happens only when full.
 
-use std::cell::{Cell, RefCell};
-use std::rc::Rc;
-use tokio::sync::Notify;
+use std::cell::RefCell;
+use std::future::poll_fn;
+use std::task::{Poll, Waker};
 
 /// A connection gets this long (in the waiting state) before it may be
 /// evicted, so a client that just connected has time to send its head even
@@ -27,45 +27,39 @@ use tokio::sync::Notify;
 /// ~155 good requests failed); 5 ms lost none in repeated runs.
 pub const MIN_AGE_MS: u64 = 5;
 
-/// One connection's eviction flag, shared between its task and the registry.
-#[derive(Default)]
-pub struct Slot {
-    evicted: Cell<bool>,
-    notify: Notify,
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mark {
+    Free,
+    Waiting,
+    Evicted,
 }
 
-impl Slot {
-    pub fn new() -> Rc<Slot> {
-        Rc::new(Slot::default())
-    }
-    /// Whether this connection was evicted (its slot now belongs to another).
-    pub fn evicted(&self) -> bool {
-        self.evicted.get()
-    }
-    /// Resolves once the connection is evicted.
-    pub async fn wait(&self) {
-        if !self.evicted.get() {
-            // `notify_one` leaves a permit when nobody waits yet.
-            self.notify.notified().await;
-        }
-    }
-    fn evict(&self) {
-        self.evicted.set(true);
-        self.notify.notify_one();
-    }
+/// One registry entry: owned by a connection from `Waiting::enter` until the
+/// guard drops (also after an eviction, so an entry is never reused under a
+/// connection that still refers to it). No allocation per connection: the
+/// connection's waker is kept here.
+struct Entry {
+    since_ms: u64,
+    mark: Mark,
+    waker: Option<Waker>,
 }
 
 /// The worker's connections that are waiting for a request head.
 #[derive(Default)]
 pub struct Registry {
-    /// (entered at, ms; the connection's slot); `None` for free entries.
-    entries: Vec<Option<(u64, Rc<Slot>)>>,
+    entries: Vec<Entry>,
     free: Vec<usize>,
+    waiting: usize,
 }
 
 impl Registry {
-    fn enter(&mut self, now_ms: u64, slot: &Rc<Slot>) -> usize {
-        let e = Some((now_ms, slot.clone()));
+    fn enter(&mut self, now_ms: u64) -> usize {
+        self.waiting += 1;
+        let e = Entry {
+            since_ms: now_ms,
+            mark: Mark::Waiting,
+            waker: None,
+        };
         match self.free.pop() {
             Some(i) => {
                 self.entries[i] = e;
@@ -78,13 +72,14 @@ impl Registry {
         }
     }
 
-    /// Leave entry `i` if it is still `slot`'s (after an eviction the entry
-    /// may already belong to another connection).
-    fn leave(&mut self, i: usize, slot: &Rc<Slot>) {
-        if matches!(&self.entries[i], Some((_, s)) if Rc::ptr_eq(s, slot)) {
-            self.entries[i] = None;
-            self.free.push(i);
+    fn leave(&mut self, i: usize) {
+        let e = &mut self.entries[i];
+        if e.mark == Mark::Waiting {
+            self.waiting -= 1;
         }
+        e.mark = Mark::Free;
+        e.waker = None;
+        self.free.push(i);
     }
 
     /// Evict the connection that has waited longest, if it has waited at
@@ -94,14 +89,17 @@ impl Registry {
             .entries
             .iter()
             .enumerate()
-            .filter_map(|(i, e)| e.as_ref().map(|(t, _)| (*t, i)))
+            .filter(|(_, e)| e.mark == Mark::Waiting)
+            .map(|(i, e)| (e.since_ms, i))
             .min();
         match oldest {
             Some((t, i)) if now_ms.saturating_sub(t) >= min_age_ms => {
-                if let Some((_, slot)) = self.entries[i].take() {
-                    slot.evict();
+                let e = &mut self.entries[i];
+                e.mark = Mark::Evicted;
+                self.waiting -= 1;
+                if let Some(w) = e.waker.take() {
+                    w.wake();
                 }
-                self.free.push(i);
                 true
             }
             _ => false,
@@ -110,27 +108,47 @@ impl Registry {
 
     /// Connections currently waiting (evictable).
     pub fn waiting(&self) -> usize {
-        self.entries.len() - self.free.len()
+        self.waiting
     }
 }
 
 /// Registered while alive: a connection waiting for a head.
 pub struct Waiting<'a> {
     reg: &'a RefCell<Registry>,
-    slot: &'a Rc<Slot>,
     i: usize,
 }
 
 impl<'a> Waiting<'a> {
-    pub fn enter(reg: &'a RefCell<Registry>, now_ms: u64, slot: &'a Rc<Slot>) -> Self {
-        let i = reg.borrow_mut().enter(now_ms, slot);
-        Waiting { reg, slot, i }
+    pub fn enter(reg: &'a RefCell<Registry>, now_ms: u64) -> Self {
+        let i = reg.borrow_mut().enter(now_ms);
+        Waiting { reg, i }
+    }
+
+    /// Resolves once this connection is evicted.
+    pub async fn evicted(&self) {
+        poll_fn(|cx| {
+            let mut r = self.reg.borrow_mut();
+            let e = &mut r.entries[self.i];
+            if e.mark == Mark::Evicted {
+                return Poll::Ready(());
+            }
+            if !e.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                e.waker = Some(cx.waker().clone());
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Whether this connection was evicted.
+    pub fn is_evicted(&self) -> bool {
+        self.reg.borrow().entries[self.i].mark == Mark::Evicted
     }
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        self.reg.borrow_mut().leave(self.i, self.slot);
+        self.reg.borrow_mut().leave(self.i);
     }
 }
 
@@ -141,44 +159,55 @@ mod tests {
     #[test]
     fn evicts_the_oldest_old_enough_and_only_waiting_ones() {
         let reg = RefCell::new(Registry::default());
-        let (a, b, c) = (Slot::new(), Slot::new(), Slot::new());
-        let wa = Waiting::enter(&reg, 1000, &a);
-        let wb = Waiting::enter(&reg, 900, &b);
+        let wa = Waiting::enter(&reg, 1000);
+        let wb = Waiting::enter(&reg, 900);
         {
-            let _wc = Waiting::enter(&reg, 100, &c);
+            let _wc = Waiting::enter(&reg, 100);
         } // c got its head: no longer evictable
         assert_eq!(reg.borrow().waiting(), 2);
         // Nobody old enough yet.
         assert!(!reg.borrow_mut().evict_oldest(950, 100));
         assert!(reg.borrow_mut().evict_oldest(1100, 100));
-        assert!(b.evicted() && !a.evicted() && !c.evicted());
+        assert!(wb.is_evicted() && !wa.is_evicted());
         assert_eq!(reg.borrow().waiting(), 1);
-        // b's entry is reused by d; b's guard must not take it away.
-        let d = Slot::new();
-        let wd = Waiting::enter(&reg, 1100, &d);
+        // An evicted entry stays its connection's until the guard drops.
+        let wd = Waiting::enter(&reg, 1100);
+        assert_ne!(wd.i, wb.i);
         drop(wb);
         assert_eq!(reg.borrow().waiting(), 2);
-        drop(wd);
-        assert_eq!(reg.borrow().waiting(), 1);
-        assert!(reg.borrow_mut().evict_oldest(1100, MIN_AGE_MS));
-        assert!(a.evicted());
+        assert!(reg.borrow_mut().evict_oldest(1200, 100));
+        assert!(wa.is_evicted() && !wd.is_evicted());
         drop(wa);
+        drop(wd);
         assert_eq!(reg.borrow().waiting(), 0);
         assert!(!reg.borrow_mut().evict_oldest(5000, MIN_AGE_MS));
         // Freed entries are reused.
-        let e = Slot::new();
-        let _we = Waiting::enter(&reg, 5000, &e);
+        let _we = Waiting::enter(&reg, 5000);
         assert_eq!(reg.borrow().entries.len(), 3, "no growth past the peak");
     }
 
     #[tokio::test]
-    async fn wait_resolves_after_eviction_even_if_it_came_first() {
+    async fn evicted_resolves_whether_it_waited_before_or_not() {
         let reg = RefCell::new(Registry::default());
-        let s = Slot::new();
-        let _w = Waiting::enter(&reg, 0, &s);
+        // Evicted before anyone waits.
+        let a = Waiting::enter(&reg, 0);
         assert!(reg.borrow_mut().evict_oldest(200, MIN_AGE_MS));
-        tokio::time::timeout(std::time::Duration::from_secs(1), s.wait())
+        tokio::time::timeout(std::time::Duration::from_secs(1), a.evicted())
             .await
-            .expect("evicted slot's wait must resolve");
+            .expect("an evicted connection's wait must resolve");
+        // Evicted while waiting: the stored waker is woken.
+        let b = Waiting::enter(&reg, 300);
+        let wait = b.evicted();
+        tokio::pin!(wait);
+        assert!(futures_poll_once(wait.as_mut()).is_pending());
+        assert!(reg.borrow_mut().evict_oldest(400, MIN_AGE_MS));
+        tokio::time::timeout(std::time::Duration::from_secs(1), wait)
+            .await
+            .expect("woken on eviction");
+    }
+
+    fn futures_poll_once<F: std::future::Future>(f: std::pin::Pin<&mut F>) -> Poll<F::Output> {
+        let mut cx = std::task::Context::from_waker(Waker::noop());
+        f.poll(&mut cx)
     }
 }

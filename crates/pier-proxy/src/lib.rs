@@ -226,8 +226,7 @@ async fn accept_loop<H: Hooks>(w: Arc<Worker<H>>, listener: tokio::net::TcpListe
         tokio::task::spawn_local(async move {
             let _ip_guard = ip_guard;
             let shared = w2.shared.clone();
-            let slot = evict::Slot::new();
-            driver::serve_connection(w2, stream, peer, &slot).await;
+            driver::serve_connection(w2, stream, peer).await;
             shared.metrics.active_connections.fetch_sub(1, Relaxed);
         });
         if *drain.borrow() {
