@@ -1,5 +1,6 @@
-//! Connection-level bounds through a real Pier process: `max_connections` (excess
-//! refused at accept, slots freed when connections close), `max_connections_per_ip`,
+//! Connection-level bounds through a real Pier process: `max_connections` (the oldest
+//! connection waiting for a head evicted, else the excess refused at accept; slots
+//! freed when connections close), `max_connections_per_ip`,
 //! and `body_min_rate` (a trickling upload gets 408).
 
 mod common;
@@ -66,32 +67,78 @@ fn max_connections_refuses_the_excess_at_accept_and_frees_slots_on_close() {
         "",
     ));
     let a = p.listener("main");
+    // Four connections in the middle of a request: none may be evicted.
     let mut held: Vec<RawConn> = (0..4)
         .map(|_| {
             let mut c = RawConn::connect(a);
-            c.send(PARTIAL);
+            c.send(b"GET /slow/1500 HTTP/1.1\r\nhost: pier.test\r\n\r\n");
             c
         })
         .collect();
     wait_active(&p, 4.0);
+    assert!(
+        wait_until(Duration::from_secs(5), || o.requests() == 4),
+        "the held requests did not reach the origin"
+    );
     assert_eq!(p.metric_value("pier_refused_connections_total"), Some(0.0));
     // The fifth is refused, from any address, and counted.
     assert_refused(RawConn::connect(a));
     assert_refused(RawConn::connect_from(OTHER_IP, a));
     assert_eq!(p.metric_value("pier_refused_connections_total"), Some(2.0));
-    // The held connections are unharmed: finishing a head gets an answer.
-    let r = finish_and_get(held.pop().unwrap());
-    assert_eq!(r.status, 200);
-    // Closing connections frees their slots (that one is closed too, after its answer).
+    assert_eq!(p.metric_value("pier_evicted_connections_total"), Some(0.0));
+    // The held requests are unharmed.
+    for c in &mut held {
+        assert_eq!(c.read_response().expect("held request").status, 200);
+    }
+    // Closing connections frees their slots.
+    drop(held.pop());
     drop(held.pop());
     drop(held.pop());
     wait_active(&p, 1.0);
     for _ in 0..5 {
         assert_eq!(get(a, "/hello").status, 200);
     }
-    let r = finish_and_get(held.pop().unwrap());
-    assert_eq!(r.status, 200);
     assert_eq!(p.metric_value("pier_refused_connections_total"), Some(2.0));
+}
+
+/// At `max_connections` a new connection takes the slot of the oldest one still
+/// waiting for a head (as nginx reclaims idle connections), so connections that
+/// hold slots without sending a request cannot lock clients out.
+#[test]
+fn max_connections_evicts_the_oldest_connection_waiting_for_a_head() {
+    let o = Origin::start();
+    // One worker: eviction is among a worker's own connections.
+    let cfg = simple_config(
+        &[o.addr()],
+        "[limits]\nmax_connections = 4\n\n[timeouts]\nclient_header = \"10s\"",
+        "",
+    )
+    .replace("workers = 2", "workers = 1");
+    let p = pier(&cfg);
+    let a = p.listener("main");
+    let mut held: Vec<RawConn> = Vec::new();
+    for _ in 0..4 {
+        let mut c = RawConn::connect(a);
+        c.send(PARTIAL);
+        held.push(c);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    wait_active(&p, 4.0);
+    std::thread::sleep(Duration::from_millis(50));
+    // A new client is served...
+    assert_eq!(get(a, "/hello").status, 200);
+    assert_eq!(p.metric_value("pier_evicted_connections_total"), Some(1.0));
+    assert_eq!(p.metric_value("pier_refused_connections_total"), Some(0.0));
+    // ...in the place of the oldest waiting connection, closed without a word.
+    let mut oldest = held.remove(0);
+    assert!(
+        oldest.is_closed(Duration::from_secs(5)),
+        "oldest not evicted"
+    );
+    // The others are unharmed: finishing a head gets an answer.
+    for c in held {
+        assert_eq!(finish_and_get(c).status, 200);
+    }
 }
 
 #[test]

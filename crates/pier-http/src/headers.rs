@@ -37,6 +37,11 @@ impl Default for Headers {
 }
 
 impl Headers {
+    /// Heap bytes this map holds (its storage's capacity).
+    pub fn capacity_bytes(&self) -> usize {
+        self.arena.capacity() + self.entries.capacity() * std::mem::size_of::<Entry>()
+    }
+
     pub fn new() -> Self {
         Headers {
             arena: Vec::new(),

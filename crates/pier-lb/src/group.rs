@@ -223,6 +223,19 @@ impl Group {
         }
     }
 
+    /// [`Group::begin`], unless the peer is already at its cap: the smaller
+    /// of `max_connections_per_server` and `extra_cap` that is set (`0` =
+    /// unset). The check and the count are one atomic step, so concurrent
+    /// workers never take the last slot twice (`select` alone is a soft,
+    /// racy filter).
+    pub fn try_begin(&self, idx: usize, extra_cap: usize) -> Option<ActiveGuard> {
+        let cap = match (self.max_conns, extra_cap) {
+            (0, c) | (c, 0) => c,
+            (a, b) => a.min(b),
+        };
+        ActiveGuard::try_new(self.peers[idx].clone(), idx, cap)
+    }
+
     /// Count a request in flight on peer `idx` until the guard drops
     /// (least_conn and random_two read it; metrics too). Panics on an index
     /// that [`Group::select`] did not return.

@@ -107,6 +107,20 @@ impl ActiveGuard {
         ActiveGuard { peer, idx }
     }
 
+    /// Count one more request on `peer` unless that would pass `max`
+    /// (`0` = no cap); exact under concurrency (compare-and-swap).
+    pub(crate) fn try_new(peer: Arc<Peer>, idx: usize, max: usize) -> Option<ActiveGuard> {
+        if max == 0 {
+            return Some(ActiveGuard::new(peer, idx));
+        }
+        peer.active
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()?;
+        Some(ActiveGuard { peer, idx })
+    }
+
     pub fn peer(&self) -> &Arc<Peer> {
         &self.peer
     }

@@ -129,3 +129,48 @@ fn passive_probe_granted_once_across_threads() {
         .sum();
     assert_eq!(probes, 1, "exactly one request probes the down peer");
 }
+
+/// `try_begin` is an exact cap: threads racing for the last slots of a peer
+/// never hold more than the cap at once.
+#[test]
+fn try_begin_never_exceeds_the_cap() {
+    let mut cfg = upstream(Balance::RoundRobin, &[1]);
+    cfg.max_connections_per_server = 3;
+    let g = Arc::new(Group::new(&cfg));
+    let held = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let start = Arc::new(Barrier::new(THREADS));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|_| {
+            let (g, held, peak, start) = (g.clone(), held.clone(), peak.clone(), start.clone());
+            thread::spawn(move || {
+                start.wait();
+                let mut got = 0;
+                for _ in 0..PER_THREAD {
+                    // The smaller of the two caps applies (here the group's 3).
+                    if let Some(guard) = g.try_begin(0, 5) {
+                        let now = held.fetch_add(1, Ordering::SeqCst) + 1;
+                        peak.fetch_max(now, Ordering::SeqCst);
+                        held.fetch_sub(1, Ordering::SeqCst);
+                        drop(guard);
+                        got += 1;
+                    }
+                }
+                got
+            })
+        })
+        .collect();
+    let got: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
+    assert!(got > 0);
+    assert!(peak.load(Ordering::SeqCst) <= 3, "peak {peak:?}");
+    assert_eq!(g.peers()[0].active(), 0);
+    // Uncapped: always granted; extra cap alone applies when the group has none.
+    let mut cfg = upstream(Balance::RoundRobin, &[1]);
+    cfg.max_connections_per_server = 0;
+    let g = Group::new(&cfg);
+    let a = g.try_begin(0, 1).expect("first");
+    assert!(g.try_begin(0, 1).is_none(), "extra cap of 1");
+    let b = g.try_begin(0, 0).expect("no cap");
+    drop((a, b));
+    assert_eq!(g.peers()[0].active(), 0);
+}

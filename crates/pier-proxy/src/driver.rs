@@ -20,6 +20,7 @@ use bytes::{Buf, BytesMut};
 use pier_error::Kind;
 use pier_http::known::{self, Known};
 use pier_http::{date, write, BodyLen, ChunkedScanner, Method, ResponseHead};
+use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,13 +41,62 @@ struct Bufs {
     resp: ResponseHead,
 }
 
+/// Heads whose storage grew past this are dropped between requests rather
+/// than kept by an idle connection (a big head is rare; a kept one is memory
+/// every idle connection would hold).
+const KEEP_HEAD_BYTES: usize = 2048;
+
 impl Bufs {
-    /// Free the buffers' memory (idle connection); they regrow on use.
-    fn release(&mut self) {
-        self.rbuf = BytesMut::new();
-        self.ubuf = BytesMut::new();
-        self.out = Vec::new();
-        self.resp = ResponseHead::default();
+    /// Between requests: hand the byte buffers back to the worker's pool, so
+    /// an idle keep-alive connection holds none (10,000 idle connections
+    /// cost little more than their sockets) while a busy one gets them back
+    /// at once. Freed buffers would otherwise sit in the allocator between
+    /// long-lived allocations (fragmentation: measured ~19 MB held but free
+    /// with 10,000 idle connections).
+    fn release(&mut self, pool: &RefCell<BufPool>) {
+        let mut p = pool.borrow_mut();
+        p.put(std::mem::take(&mut self.rbuf));
+        p.put(std::mem::take(&mut self.ubuf));
+        p.put_vec(std::mem::take(&mut self.out));
+        if self.resp.headers.capacity_bytes() > KEEP_HEAD_BYTES {
+            self.resp = ResponseHead::default();
+        }
+    }
+}
+
+/// A worker's spare I/O buffers (single-threaded, like the worker), bounded
+/// in count and in the size of what it keeps.
+#[derive(Default)]
+pub struct BufPool {
+    bytes: Vec<BytesMut>,
+    vecs: Vec<Vec<u8>>,
+}
+
+impl BufPool {
+    /// Buffers kept per worker; past it, returned buffers are freed.
+    const MAX: usize = 256;
+    /// Buffers that grew past this (large bodies) are freed, not kept.
+    const MAX_CAP: usize = 64 * 1024;
+
+    fn put(&mut self, mut b: BytesMut) {
+        if b.capacity() > 0 && b.capacity() <= Self::MAX_CAP && self.bytes.len() < Self::MAX {
+            b.clear();
+            self.bytes.push(b);
+        }
+    }
+    fn put_vec(&mut self, mut v: Vec<u8>) {
+        if v.capacity() > 0 && v.capacity() <= Self::MAX_CAP && self.vecs.len() < Self::MAX {
+            v.clear();
+            self.vecs.push(v);
+        }
+    }
+    fn take(&mut self) -> BytesMut {
+        self.bytes
+            .pop()
+            .unwrap_or_else(|| BytesMut::with_capacity(READ_CHUNK))
+    }
+    fn take_vec(&mut self) -> Vec<u8> {
+        self.vecs.pop().unwrap_or_else(|| Vec::with_capacity(1024))
     }
 }
 
@@ -107,20 +157,14 @@ pub async fn serve_connection<H: Hooks>(
         // Waiting for a head: evictable when the worker is full (evict.rs).
         let waiting = crate::evict::Waiting::enter(&w.waiting, pier_lb::clock_ms());
         if b.rbuf.is_empty() && !first {
-            // Between requests: keep the buffers for a busy connection, but
-            // give them back once it has been idle a moment, so 10,000 idle
-            // keep-alive connections cost little more than their sockets.
-            let brief = Duration::from_millis(100).min(state.cfg.timeouts.client_idle);
-            tokio::select! {
-                r = timeout(brief, stream.readable()) => if r.is_err() {
-                    b.release();
-                    sess.req = pier_http::RequestHead::default();
-                },
-                _ = waiting.evicted() => break,
+            // Between requests: the buffers go back to the worker's pool.
+            b.release(&w.bufs);
+            if sess.req.headers.capacity_bytes() > KEEP_HEAD_BYTES {
+                sess.req = pier_http::RequestHead::default();
             }
         }
         let r = tokio::select! {
-            r = read_head(&mut stream, &mut b.rbuf, &mut sess, &state, &mut drain, first) => r,
+            r = read_head(&mut stream, &mut b.rbuf, &w.bufs, &mut sess, &state, &mut drain, first) => r,
             // Evicted for a new connection: close without a word, as nginx does.
             _ = waiting.evicted() => break,
         };
@@ -167,6 +211,8 @@ pub async fn serve_connection<H: Hooks>(
             break;
         }
     }
+    // The next connection reuses them.
+    b.release(&w.bufs);
 }
 
 /// Metrics and access log for one finished request.
@@ -214,6 +260,7 @@ fn fmt_addr(buf: &mut [u8; 64], a: SocketAddr) -> usize {
 async fn read_head(
     stream: &mut TcpStream,
     rbuf: &mut BytesMut,
+    pool: &RefCell<BufPool>,
     sess: &mut Session,
     state: &State,
     drain: &mut tokio::sync::watch::Receiver<bool>,
@@ -248,6 +295,9 @@ async fn read_head(
             }
             let first_bytes = async {
                 stream.readable().await?;
+                if rbuf.capacity() == 0 {
+                    *rbuf = pool.borrow_mut().take();
+                }
                 rbuf.reserve(4096);
                 stream.read_buf(rbuf).await
             };
@@ -395,20 +445,28 @@ async fn handle_request<H: Hooks>(
             .await
                 && client_keep;
         }
-        // Origin protection (Pingora's connection limit): past the threshold, 503.
+        // In flight on the server until its response is read (dropped then,
+        // before the last write to the client, so that a client that got its
+        // response finds the server free). Taken atomically against the
+        // server's caps (`max_connections_per_server`, and Pingora-style
+        // origin protection `max_inflight_per_server`): a full server is
+        // skipped like a tried one; 503 upstream-limited only when all are.
         let max_inflight = group.config().max_inflight_per_server as usize;
-        // A full server is skipped like a tried one; 503 only when all are full.
-        if let (Some(i), true) = (idx, max_inflight > 0) {
-            if group.peers()[i].active() >= max_inflight {
-                last = Kind::UpstreamLimited;
-                if ntried < tried.len() {
-                    tried[ntried] = i;
-                    ntried += 1;
-                    continue;
+        let mut inflight = match idx {
+            Some(i) => match group.try_begin(i, max_inflight) {
+                Some(g) => Some(g),
+                None => {
+                    last = Kind::UpstreamLimited;
+                    if ntried < tried.len() {
+                        tried[ntried] = i;
+                        ntried += 1;
+                        continue;
+                    }
+                    return local_fail(w, state, stream, b, sess, ctx, last, body_pending).await;
                 }
-                return local_fail(w, state, stream, b, sess, ctx, last, body_pending).await;
-            }
-        }
+            },
+            None => None,
+        };
         match w.hooks.peer_selected(state, sess, ctx, addr) {
             Ok(Flow::Continue) => {}
             Ok(Flow::Respond(r)) => {
@@ -419,10 +477,6 @@ async fn handle_request<H: Hooks>(
             }
         }
         sess.upstream = Some(addr);
-        // In flight on the server until its response is read (dropped then,
-        // before the last write to the client, so that a client that got its
-        // response finds the server free).
-        let mut inflight = idx.map(|i| group.begin(i));
         let res = attempt_once(
             w,
             state,
@@ -719,6 +773,12 @@ async fn attempt_once<H: Hooks>(
     };
     w.shared.metrics.pool(reused);
     b.ubuf.clear();
+    if b.ubuf.capacity() == 0 {
+        b.ubuf = w.bufs.borrow_mut().take();
+    }
+    if b.out.capacity() == 0 {
+        b.out = w.bufs.borrow_mut().take_vec();
+    }
 
     // The upstream request head.
     let req = &mut sess.req;

@@ -94,6 +94,8 @@ pub struct Worker<H: Hooks> {
     /// This worker's connections waiting for a request head (evictable at
     /// `max_connections`).
     pub waiting: std::cell::RefCell<evict::Registry>,
+    /// This worker's spare I/O buffers (idle connections hold none).
+    pub bufs: std::cell::RefCell<driver::BufPool>,
 }
 
 /// Run a worker: accept on its listeners until draining, serving each
@@ -107,6 +109,7 @@ pub async fn run_worker<H: Hooks>(ctx: WorkerContext, shared: Arc<Shared>, hooks
         shared: shared.clone(),
         hooks,
         waiting: Default::default(),
+        bufs: Default::default(),
     });
     let mut accepts = Vec::new();
     for (name, l) in ctx.listeners {
