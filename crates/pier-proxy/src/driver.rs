@@ -74,7 +74,7 @@ pub struct BufPool {
 
 impl BufPool {
     /// Buffers kept per worker; past it, returned buffers are freed.
-    const MAX: usize = 256;
+    const MAX: usize = 64;
     /// Buffers that grew past this (large bodies) are freed, not kept.
     const MAX_CAP: usize = 64 * 1024;
 
