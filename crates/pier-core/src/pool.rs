@@ -189,6 +189,9 @@ impl Pool {
             }
             map.retain(|_, s| !s.idle.is_empty());
         }
+        // Counters no worker's stack refers to any more: origins met once
+        // (e.g. picked by a Lua balancer) must not grow the map for ever.
+        self.counts.lock().retain(|_, c| Arc::strong_count(c) > 1);
         self.idle_total.fetch_sub(dropped.len(), Relaxed);
         drop(dropped);
     }
@@ -302,6 +305,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(60)).await;
             pool.sweep();
             assert_eq!(pool.idle_count(), 0);
+            assert!(pool.counts.lock().is_empty(), "per-origin counters pruned");
         });
     }
 }
