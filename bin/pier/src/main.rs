@@ -10,7 +10,8 @@ mod demo;
 
 use clap::{Parser, Subcommand};
 use pier_config::Config;
-use pier_proxy::{PierHooks, Shared, State};
+use pier_phases::ConfigPhases;
+use pier_proxy::{Shared, State};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -141,7 +142,7 @@ fn main() -> ExitCode {
 
 /// Compile every Lua chunk of the config in a scratch state (check, start, reload).
 fn check_lua(cfg: &Config) -> Result<(), String> {
-    match pier_proxy::state::lua_setup(cfg) {
+    match pier_phases::lua_setup(cfg) {
         None => Ok(()),
         Some(setup) => setup.validate().map_err(|errs| errs.join("\n")),
     }
@@ -215,7 +216,10 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
     });
     let grace = cfg.grace_period;
     let state = match State::build(cfg, &metrics, 1, None) {
-        Ok(s) => s,
+        Ok(mut s) => {
+            pier_phases::prepare(&mut s);
+            s
+        }
         Err(e) => {
             eprintln!("pier: {e}");
             return ExitCode::from(1);
@@ -226,7 +230,7 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
     let worker_shared = shared.clone();
     let handles = match pier_core::spawn_workers(sockets, move |ctx| {
         let shared = worker_shared.clone();
-        async move { pier_proxy::run_worker(ctx, shared, PierHooks::new()).await }
+        async move { pier_proxy::run_worker(ctx, shared, ConfigPhases::new()).await }
     }) {
         Ok(h) => h,
         Err(e) => {
@@ -388,11 +392,11 @@ fn reload(shared: &Arc<Shared>, path: &Path, generation: u64) -> Result<Duration
         .pool
         .reconfigure(pool_idle(&cfg), cfg.timeouts.upstream_idle);
     check_lua(&cfg)?;
-    let state = State::build(cfg, &shared.metrics, generation, Some(&old))?;
-    if let Some(setup) = &state.lua {
+    let mut state = State::build(cfg, &shared.metrics, generation, Some(&old))?;
+    pier_phases::prepare(&mut state);
+    if let Some(setup) = pier_phases::setup_of(&state) {
         // Run `init` once here: a reload whose Lua can't start is refused.
-        pier_lua::LuaEngine::new(setup.clone(), state.shdicts.clone())
-            .map_err(|e| format!("lua: {e}"))?;
+        pier_lua::LuaEngine::new(setup, state.shdicts.clone()).map_err(|e| format!("lua: {e}"))?;
     }
     shared.install(state);
     Ok(grace)

@@ -313,3 +313,42 @@ fn reload_with_a_failing_init_is_refused() {
     );
     assert!(!reloaded, "the reload was accepted");
 }
+
+/// Issue 8: `pier.sleep(1e20)` in a hook used to panic the connection's task
+/// and leak its connection and request slots, so that with
+/// `max_connections = 4` four such requests left Pier refusing everyone.
+/// Hostile numbers from Lua now end the request with 500 and release every
+/// slot; the next clients are served.
+#[test]
+fn huge_sleep_costs_no_slot() {
+    let o = Origin::start();
+    let routes = route(
+        "sleepy",
+        "/sleepy/",
+        &hook(
+            "access",
+            "local d = ({ ['1'] = 1e20, ['2'] = -1, ['3'] = 0/0, ['4'] = math.huge })[pier.req.get_uri_args().d or '1']\npier.sleep(d)",
+        ),
+    );
+    let cfg = base_config(
+        "[limits]\nmax_connections = 4\n",
+        &format!(
+            "{routes}[[route]]\nname = \"rest\"\nupstream = \"app\"\n\n[upstream.app]\nservers = {}\n",
+            servers(&[o.addr()])
+        ),
+    );
+    let p = pier(&cfg);
+    for round in 0..3 {
+        for d in 1..=4 {
+            let r = RawConn::connect(p.listener("main"))
+                .get(&format!("/sleepy/x?d={d}"))
+                .unwrap();
+            assert_eq!(r.status, 500, "round {round}, d={d}");
+        }
+    }
+    assert_eq!(wait_metric(&p, "pier_active_connections", 0.0), Some(0.0));
+    assert_eq!(wait_metric(&p, "pier_active_requests", 0.0), Some(0.0));
+    assert_eq!(p.metric_value("pier_refused_connections_total"), Some(0.0));
+    let r = RawConn::connect(p.listener("main")).get("/hello").unwrap();
+    assert_eq!(r.status, 200);
+}

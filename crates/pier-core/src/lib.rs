@@ -10,6 +10,8 @@
 
 pub mod pool;
 pub mod server;
+pub mod stream;
 
 pub use pool::{Pool, PoolConfig};
 pub use server::{bind_all, bind_reuseport, spawn_workers, WorkerContext};
+pub use stream::{Alpn, Conn, Connector, PeerKey, Stream};

@@ -15,9 +15,9 @@
 //! HTTP/1.1 connection has nothing to read, so any read readiness (data or
 //! EOF) the reactor recorded means the origin closed or misbehaved.
 
+use crate::stream::{Conn, PeerKey};
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::pin::pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
@@ -35,7 +35,7 @@ pub struct PoolConfig {
 }
 
 struct Idle {
-    stream: TcpStream,
+    stream: Conn,
     since: Instant,
 }
 
@@ -44,7 +44,7 @@ struct Idle {
 #[repr(align(128))]
 #[derive(Default)]
 struct WorkerStacks {
-    map: Mutex<HashMap<SocketAddr, Stack>>,
+    map: Mutex<HashMap<PeerKey, Stack>>,
 }
 
 /// A worker's idle connections to one origin, and the count of idle
@@ -63,7 +63,7 @@ pub struct Pool {
     idle_total: AtomicUsize,
     /// The per-origin counters; locked only when a worker's map first meets
     /// an origin (or meets it again after a sweep emptied its stack).
-    counts: Mutex<HashMap<SocketAddr, Arc<AtomicUsize>>>,
+    counts: Mutex<HashMap<PeerKey, Arc<AtomicUsize>>>,
 }
 
 impl Pool {
@@ -95,9 +95,9 @@ impl Pool {
         Duration::from_millis(self.idle_timeout_ms.load(Relaxed))
     }
 
-    /// An idle connection to `addr`, if one is alive. `worker` is the calling
+    /// An idle connection for `key`, if one is alive. `worker` is the calling
     /// worker's index.
-    pub fn take(&self, addr: SocketAddr, worker: usize) -> Option<TcpStream> {
+    pub fn take(&self, key: &PeerKey, worker: usize) -> Option<Conn> {
         let idle_timeout = self.timeout();
         let me = worker % self.workers.len();
         // Own stack first (LIFO: the hottest connection), then steal.
@@ -106,7 +106,7 @@ impl Pool {
             loop {
                 let idle = {
                     let mut map = self.workers[w].map.lock();
-                    let Some(stack) = map.get_mut(&addr) else {
+                    let Some(stack) = map.get_mut(key) else {
                         break;
                     };
                     match stack.idle.pop() {
@@ -122,10 +122,10 @@ impl Pool {
                     continue; // dropped: expired
                 }
                 if w != me {
-                    if let Some(s) = adopt(idle.stream) {
+                    if let Some(s) = idle.stream.adopt() {
                         return Some(s);
                     }
-                } else if looks_alive(&idle.stream) {
+                } else if idle.stream.looks_alive() {
                     return Some(idle.stream);
                 }
             }
@@ -134,17 +134,26 @@ impl Pool {
     }
 
     /// Return a connection that finished a response cleanly.
-    pub fn put(&self, addr: SocketAddr, worker: usize, stream: TcpStream) {
+    pub fn put(&self, key: &PeerKey, worker: usize, stream: Conn) {
         let max = self.max_idle.load(Relaxed);
         if max == 0 {
             return;
         }
         let evicted = {
             let mut map = self.workers[worker % self.workers.len()].map.lock();
-            let stack = map.entry(addr).or_insert_with(|| Stack {
-                idle: Vec::new(),
-                count: self.counts.lock().entry(addr).or_default().clone(),
-            });
+            if !map.contains_key(key) {
+                let count = self.counts.lock().entry(key.clone()).or_default().clone();
+                map.insert(
+                    key.clone(),
+                    Stack {
+                        idle: Vec::new(),
+                        count,
+                    },
+                );
+            }
+            let Some(stack) = map.get_mut(key) else {
+                return;
+            };
             if stack.count.fetch_add(1, Relaxed) < max {
                 self.idle_total.fetch_add(1, Relaxed);
                 stack.idle.push(Idle {
@@ -198,7 +207,7 @@ impl Pool {
 }
 
 /// No read readiness recorded by the reactor → nothing arrived, not even EOF.
-fn looks_alive(s: &TcpStream) -> bool {
+pub(crate) fn tcp_looks_alive(s: &TcpStream) -> bool {
     let mut cx = Context::from_waker(Waker::noop());
     let fut = pin!(s.ready(Interest::READABLE));
     match fut.poll(&mut cx) {
@@ -210,7 +219,7 @@ fn looks_alive(s: &TcpStream) -> bool {
 
 /// Move a socket registered with another worker's reactor to ours, checking
 /// with a non-blocking peek that the origin has not closed it.
-fn adopt(s: TcpStream) -> Option<TcpStream> {
+pub(crate) fn tcp_adopt(s: TcpStream) -> Option<TcpStream> {
     let std = s.into_std().ok()?;
     let mut b = [0u8; 1];
     match std.peek(&mut b) {
@@ -238,6 +247,7 @@ mod tests {
         rt().block_on(async {
             let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = l.local_addr().unwrap();
+            let key = PeerKey::plain(addr);
             let pool = Pool::new(PoolConfig {
                 workers: 2,
                 max_idle_per_server: 2,
@@ -245,18 +255,18 @@ mod tests {
             });
             let c1 = TcpStream::connect(addr).await.unwrap();
             let (mut s1, _) = l.accept().await.unwrap();
-            pool.put(addr, 0, c1);
+            pool.put(&key, 0, Conn::Tcp(c1));
             assert_eq!(pool.idle_count(), 1);
-            let c = pool.take(addr, 0).expect("alive connection reused");
-            pool.put(addr, 1, c);
+            let c = pool.take(&key, 0).expect("alive connection reused");
+            pool.put(&key, 1, c);
             // Another worker's stack is used when ours is empty.
-            let c = pool.take(addr, 0).expect("stolen from worker 1");
-            pool.put(addr, 0, c);
+            let c = pool.take(&key, 0).expect("stolen from worker 1");
+            pool.put(&key, 0, c);
             // Origin closes: the pool must not hand it out.
             s1.shutdown().await.unwrap();
             drop(s1);
             tokio::time::sleep(Duration::from_millis(50)).await;
-            assert!(pool.take(addr, 0).is_none());
+            assert!(pool.take(&key, 0).is_none());
             assert_eq!(pool.idle_count(), 0);
         });
     }
@@ -266,6 +276,7 @@ mod tests {
         rt().block_on(async {
             let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = l.local_addr().unwrap();
+            let key = PeerKey::plain(addr);
             let pool = Pool::new(PoolConfig {
                 workers: 2,
                 max_idle_per_server: 1,
@@ -275,12 +286,12 @@ mod tests {
             for w in 0..2 {
                 let c = TcpStream::connect(addr).await.unwrap();
                 keep.push(l.accept().await.unwrap().0);
-                pool.put(addr, w, c);
+                pool.put(&key, w, Conn::Tcp(c));
             }
             assert_eq!(pool.idle_count(), 1, "worker 1's put went past the bound");
             // Taking one frees the slot for any worker.
-            let c = pool.take(addr, 1).expect("worker 0's connection, stolen");
-            pool.put(addr, 1, c);
+            let c = pool.take(&key, 1).expect("worker 0's connection, stolen");
+            pool.put(&key, 1, c);
             assert_eq!(pool.idle_count(), 1);
         });
     }
@@ -290,6 +301,7 @@ mod tests {
         rt().block_on(async {
             let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = l.local_addr().unwrap();
+            let key = PeerKey::plain(addr);
             let pool = Pool::new(PoolConfig {
                 workers: 1,
                 max_idle_per_server: 2,
@@ -299,7 +311,7 @@ mod tests {
             for _ in 0..3 {
                 let c = TcpStream::connect(addr).await.unwrap();
                 keep.push(l.accept().await.unwrap().0);
-                pool.put(addr, 0, c);
+                pool.put(&key, 0, Conn::Tcp(c));
             }
             assert_eq!(pool.idle_count(), 2);
             tokio::time::sleep(Duration::from_millis(60)).await;

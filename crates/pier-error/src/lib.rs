@@ -176,23 +176,51 @@ impl Kind {
     }
 }
 
-/// An error with its context. `retryable` says whether another upstream
-/// attempt may succeed (connect failures always; others only before any
-/// response byte reached the client and for idempotent requests).
+/// An error with its context and what it allows: the one error and decision
+/// model of the engine (the retry rule in the driver reads only this).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Error {
     pub kind: Kind,
+    /// The request may be sent again (to another peer or on a fresh
+    /// connection): nothing of it was consumed that can't be replayed, and
+    /// nothing of a response reached the client. Whether it *will* be also
+    /// depends on the method: see [`Error::may_retry`].
     pub retryable: bool,
+    /// Bytes of a response already went to the client: nothing to answer,
+    /// nothing to retry; the connection must close.
+    pub answered: bool,
+    /// A reused pooled connection failed before any response byte: the
+    /// origin closed it while idle. Retried once on a fresh connection, and
+    /// not the origin's fault.
+    pub stale: bool,
     /// Optional detail for logs (never sent to clients).
     pub detail: Option<String>,
 }
 
 impl Error {
+    /// An error that ends the request (no retry).
     pub fn new(kind: Kind) -> Self {
         Error {
             kind,
             retryable: matches!(kind, Kind::UpstreamConnect),
+            answered: false,
+            stale: false,
             detail: None,
+        }
+    }
+    /// An upstream failure before anything was consumed: retryable.
+    pub fn upstream(kind: Kind) -> Self {
+        Error {
+            retryable: true,
+            ..Error::new(kind)
+        }
+    }
+    /// A failure after the client got bytes of the response.
+    pub fn answered(kind: Kind) -> Self {
+        Error {
+            retryable: false,
+            answered: true,
+            ..Error::new(kind)
         }
     }
     pub fn with_detail(kind: Kind, detail: impl fmt::Display) -> Self {
@@ -203,6 +231,17 @@ impl Error {
     pub fn retryable(mut self, yes: bool) -> Self {
         self.retryable = yes;
         self
+    }
+    /// The retry rule: a retryable error may be retried for an idempotent
+    /// request, and a connect failure (timeouts included: nothing was sent)
+    /// for any request.
+    pub fn may_retry(&self, idempotent: bool) -> bool {
+        self.retryable && !self.answered && (idempotent || self.kind == Kind::UpstreamConnect)
+    }
+    /// Counts against the peer (passive health): the origin failed, and not
+    /// merely by closing an idle pooled connection.
+    pub fn blames_upstream(&self) -> bool {
+        self.kind.source() == Source::Upstream && !self.stale
     }
     pub fn status(&self) -> u16 {
         self.kind.status()
@@ -266,5 +305,25 @@ mod tests {
     fn connect_failures_retry_by_default() {
         assert!(Error::new(Kind::UpstreamConnect).retryable);
         assert!(!Error::new(Kind::UpstreamTimeout).retryable);
+    }
+
+    #[test]
+    fn retry_rule() {
+        // A connect failure (a timeout too) is retried whatever the method.
+        let c = Error::upstream(Kind::UpstreamConnect);
+        assert!(c.may_retry(false) && c.may_retry(true));
+        // Others only for idempotent requests, and never once answered.
+        let r = Error::upstream(Kind::UpstreamClosed);
+        assert!(r.may_retry(true) && !r.may_retry(false));
+        assert!(!Error::answered(Kind::UpstreamClosed).may_retry(true));
+        assert!(!Error::upstream(Kind::UpstreamClosed)
+            .retryable(false)
+            .may_retry(true));
+        // Stale pooled connections are not the origin's fault.
+        let mut s = Error::upstream(Kind::UpstreamClosed);
+        assert!(s.blames_upstream());
+        s.stale = true;
+        assert!(!s.blames_upstream());
+        assert!(!Error::new(Kind::ClientClosed).blames_upstream());
     }
 }

@@ -115,6 +115,40 @@ impl RequestHead {
         let u = self.uri();
         memchr::memchr(b'?', u).map(|i| &u[i + 1..])
     }
+    /// Become a copy of `other`, reusing storage.
+    pub fn copy_from(&mut self, other: &RequestHead) {
+        self.headers.copy_from(&other.headers);
+        self.method = other.method;
+        self.uri = other.uri;
+        self.method_kind = other.method_kind;
+        self.version = other.version;
+        self.body = other.body;
+    }
+
+    /// The authority of an absolute-form target (`http://host[:port]/p`),
+    /// which RFC 9112 §3.2.2 says replaces the Host header; with the
+    /// origin-form target that goes upstream.
+    pub fn absolute_form(&self) -> Option<(&[u8], &[u8])> {
+        let u = self.uri();
+        let rest = if u.len() > 7 && u[..7].eq_ignore_ascii_case(b"http://") {
+            &u[7..]
+        } else if u.len() > 8 && u[..8].eq_ignore_ascii_case(b"https://") {
+            &u[8..]
+        } else {
+            return None;
+        };
+        let end = rest
+            .iter()
+            .position(|&b| b == b'/' || b == b'?' || b == b'#')
+            .unwrap_or(rest.len());
+        let authority = &rest[..end];
+        // userinfo is not allowed in http(s) URIs sent to a proxy.
+        if authority.is_empty() || authority.contains(&b'@') {
+            return None;
+        }
+        Some((authority, &rest[end..]))
+    }
+
     pub fn set_uri(&mut self, uri: &[u8]) {
         let arena = self.headers.arena_mut();
         let off = arena.len();

@@ -51,6 +51,17 @@ impl Headers {
         }
     }
 
+    /// Become a copy of `other`, reusing this map's storage (no allocation
+    /// once it has grown to the usual size).
+    pub fn copy_from(&mut self, other: &Headers) {
+        self.arena.clear();
+        self.arena.extend_from_slice(&other.arena);
+        self.entries.clear();
+        self.entries.extend_from_slice(&other.entries);
+        self.slots = other.slots;
+        self.live = other.live;
+    }
+
     /// Forget every header but keep the allocations for the next request.
     pub fn clear(&mut self) {
         self.arena.clear();

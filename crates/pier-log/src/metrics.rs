@@ -78,6 +78,30 @@ pub struct Metrics {
     routes: Mutex<Vec<String>>,
     pub active_connections: AtomicI64,
     pub active_requests: AtomicI64,
+    /// Upgraded connections (WebSocket) being tunnelled now, and in all.
+    pub active_tunnels: AtomicI64,
+    pub tunnels: AtomicU64,
+    /// Requests whose task panicked (a bug: the connection was closed, its
+    /// slots released, and nothing else lost).
+    pub panics: AtomicU64,
+}
+
+/// One unit of a gauge, released on every path out (a panic's unwinding
+/// included): counters that leak on an early return or a panic are how a
+/// proxy ends up refusing every connection.
+pub struct GaugeGuard<'a>(&'a AtomicI64);
+
+impl<'a> GaugeGuard<'a> {
+    pub fn enter(g: &'a AtomicI64) -> Self {
+        g.fetch_add(1, Relaxed);
+        GaugeGuard(g)
+    }
+}
+
+impl Drop for GaugeGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
 }
 
 macro_rules! sum {
@@ -93,6 +117,9 @@ impl Metrics {
             routes: Mutex::new(Vec::new()),
             active_connections: AtomicI64::new(0),
             active_requests: AtomicI64::new(0),
+            active_tunnels: AtomicI64::new(0),
+            tunnels: AtomicU64::new(0),
+            panics: AtomicU64::new(0),
         }
     }
 
@@ -308,6 +335,17 @@ impl Metrics {
             out,
             "# TYPE pier_active_requests gauge\npier_active_requests {}",
             self.active_requests.load(Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE pier_active_tunnels gauge\npier_active_tunnels {}\n# TYPE pier_tunnels_total counter\npier_tunnels_total {}",
+            self.active_tunnels.load(Relaxed),
+            self.tunnels.load(Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP pier_panics_total Requests whose task panicked (closed; slots released).\n# TYPE pier_panics_total counter\npier_panics_total {}",
+            self.panics.load(Relaxed)
         );
         out.push_str("# HELP pier_request_duration_seconds Time from request head to last response byte.\n# TYPE pier_request_duration_seconds histogram\n");
         let mut cum = 0u64;

@@ -12,20 +12,24 @@
 //! client may be retried on another peer (bounded by the route's retries and
 //! the group's retry budget).
 
-use crate::phases::{Flow, Hooks, LocalResponse};
+use crate::phases::{Flow, LocalResponse, Phases, Step};
 use crate::session::Session;
 use crate::state::State;
 use crate::Worker;
 use bytes::{Buf, BytesMut};
-use pier_error::Kind;
+use pier_core::{PeerKey, Stream};
+use pier_error::{Error, Kind};
 use pier_http::known::{self, Known};
 use pier_http::{date, write, BodyLen, ChunkedScanner, Method, ResponseHead};
+use pier_log::metrics::GaugeGuard;
 use std::cell::RefCell;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::time::timeout;
 
 const READ_CHUNK: usize = 16 * 1024;
@@ -54,7 +58,7 @@ impl Bufs {
     /// long-lived allocations (fragmentation: measured ~19 MB held but free
     /// with 10,000 idle connections).
     /// Heads are kept (parsing reuses their storage) unless they grew large.
-    fn release(&mut self, req: &mut pier_http::RequestHead, pool: &RefCell<BufPool>) {
+    fn release(&mut self, sess: &mut Session, pool: &RefCell<BufPool>) {
         let mut p = pool.borrow_mut();
         p.put(std::mem::take(&mut self.rbuf));
         p.put(std::mem::take(&mut self.ubuf));
@@ -62,9 +66,12 @@ impl Bufs {
         if self.resp.headers.capacity_bytes() > KEEP_HEAD_BYTES {
             self.resp = ResponseHead::default();
         }
-        if req.headers.capacity_bytes() > KEEP_HEAD_BYTES {
-            *req = pier_http::RequestHead::default();
+        if sess.req.headers.capacity_bytes() > KEEP_HEAD_BYTES {
+            sess.req = pier_http::RequestHead::default();
         }
+        // The upstream request's storage goes back to the pool too (a
+        // request copies into it; idle connections hold none).
+        p.put_head(std::mem::take(&mut sess.up_req));
     }
 }
 
@@ -74,6 +81,7 @@ impl Bufs {
 pub struct BufPool {
     bytes: Vec<BytesMut>,
     vecs: Vec<Vec<u8>>,
+    heads: Vec<pier_http::RequestHead>,
 }
 
 impl BufPool {
@@ -98,6 +106,15 @@ impl BufPool {
             self.vecs.push(v);
         }
     }
+    fn put_head(&mut self, h: pier_http::RequestHead) {
+        let cap = h.headers.capacity_bytes();
+        if Self::keeps(cap, self.heads.len()) && cap <= KEEP_HEAD_BYTES {
+            self.heads.push(h);
+        }
+    }
+    pub(crate) fn take_head(&mut self) -> pier_http::RequestHead {
+        self.heads.pop().unwrap_or_default()
+    }
     fn take(&mut self) -> BytesMut {
         self.bytes
             .pop()
@@ -108,33 +125,6 @@ impl BufPool {
     }
 }
 
-/// Why an attempt failed, and what that allows.
-struct Fail {
-    kind: Kind,
-    /// Bytes of the response already went to the client: nothing to retry,
-    /// nothing to answer; the connection must close.
-    client_touched: bool,
-    /// The request can be replayed (nothing of a body was streamed).
-    replayable: bool,
-    /// A reused pooled connection failed before any response byte: the
-    /// origin closed it while idle. Retried once on a fresh connection.
-    stale: bool,
-    /// The origin (not the client) is at fault: counts as a passive failure.
-    upstream_fault: bool,
-}
-
-impl Fail {
-    fn up(kind: Kind) -> Fail {
-        Fail {
-            kind,
-            client_touched: false,
-            replayable: true,
-            stale: false,
-            upstream_fault: true,
-        }
-    }
-}
-
 enum Relayed {
     /// Response done. `upstream_reusable`, `client_keep`.
     Done(bool, bool),
@@ -142,15 +132,18 @@ enum Relayed {
     Upgrade,
 }
 
-/// Serve one client connection until it closes, idles out, or errs.
-pub async fn serve_connection<H: Hooks>(
-    w: Arc<Worker<H>>,
-    mut stream: TcpStream,
+/// Serve one client connection until it closes, idles out, or errs. The
+/// stream is any byte stream (TCP, TLS, an in-memory pipe): the driver never
+/// names a socket type.
+pub async fn serve_connection<P: Phases, S: Stream>(
+    w: Arc<Worker<P>>,
+    mut stream: S,
     client: SocketAddr,
+    local: SocketAddr,
 ) {
-    let local = stream.local_addr().unwrap_or(client);
-    let _ = stream.set_nodelay(true);
-    let mut sess = Session::new(client, local);
+    // Boxed: one allocation per connection keeps the connection's future
+    // small (session_size pins the box's size as the future's test does).
+    let mut sess = Box::new(Session::new(client, local));
     let mut b = Bufs {
         rbuf: BytesMut::new(),
         ubuf: BytesMut::new(),
@@ -166,7 +159,7 @@ pub async fn serve_connection<H: Hooks>(
         let waiting = crate::evict::Waiting::enter(&w.waiting, pier_lb::clock_ms());
         if b.rbuf.is_empty() && !first {
             // Between requests: the buffers go back to the worker's pool.
-            b.release(&mut sess.req, &w.bufs);
+            b.release(&mut sess, &w.bufs);
         }
         let r = tokio::select! {
             r = read_head(&mut stream, &mut b.rbuf, &w.bufs, &mut sess, &state, &mut drain, first) => r,
@@ -182,6 +175,7 @@ pub async fn serve_connection<H: Hooks>(
             Ok(false) => break,
             Err(kind) => {
                 sess.begin(date::now_ns());
+                sess.step = Step::Fail;
                 let _ =
                     send_local(&mut stream, &mut b.out, &mut sess, &local_error(kind), true).await;
                 w.shared.metrics.local_response(kind);
@@ -189,39 +183,77 @@ pub async fn serve_connection<H: Hooks>(
                 break;
             }
         }
+        if sess.up_req.headers.capacity_bytes() == 0 {
+            sess.up_req = w.bufs.borrow_mut().take_head();
+        }
         sess.begin(date::now_ns());
-        w.shared
-            .metrics
-            .active_requests
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut ctx = H::Ctx::default();
+        // Released on every path out, a panic's unwinding included.
+        let active = GaugeGuard::enter(&w.shared.metrics.active_requests);
+        let mut ctx = P::Ctx::default();
         // Boxed: the connection's task stays small while it idles; the
         // request's (larger) state machine exists only while it runs.
-        let keep = Box::pin(handle_request(
+        // A panic in it (a bug) costs this request and its connection only:
+        // its guards are released as the future is dropped.
+        let keep = CatchUnwind(Box::pin(handle_request(
             &w,
             &state,
             &mut stream,
             &mut b,
             &mut sess,
             &mut ctx,
-        ))
+        )))
         .await;
-        w.hooks.logging(&state, &mut sess, &mut ctx);
-        w.shared
-            .metrics
-            .active_requests
-            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        let keep = match keep {
+            Ok(keep) => {
+                sess.step = Step::Logging;
+                w.phases.logging(&state, &mut sess, &mut ctx);
+                keep
+            }
+            Err(()) => {
+                w.shared
+                    .metrics
+                    .panics
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::error!(step = ?sess.step, "request task panicked; connection closed");
+                if sess.bytes_sent == 0 {
+                    let r = local_error(Kind::Internal);
+                    let _ = send_local(&mut stream, &mut b.out, &mut sess, &r, true).await;
+                } else {
+                    sess.status = 500;
+                }
+                sess.reason = Kind::Internal.reason();
+                false
+            }
+        };
+        drop(ctx);
+        drop(active);
         finish(&w, &state, &sess, sess.route);
         if !keep || *drain.borrow() {
             break;
         }
     }
     // The next connection reuses them.
-    b.release(&mut sess.req, &w.bufs);
+    b.release(&mut sess, &w.bufs);
+}
+
+/// A future that turns a panic inside it into `Err(())`, so that the
+/// connection can answer 500 and close instead of vanishing.
+struct CatchUnwind<F>(F);
+
+impl<F: Future + Unpin> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, ()>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let f = &mut self.0;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Pin::new(f).poll(cx))) {
+            Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(_) => Poll::Ready(Err(())),
+        }
+    }
 }
 
 /// Metrics and access log for one finished request.
-fn finish<H: Hooks>(w: &Worker<H>, state: &State, sess: &Session, route: Option<usize>) {
+fn finish<P: Phases>(w: &Worker<P>, state: &State, sess: &Session, route: Option<usize>) {
     let dur_us = sess.started.elapsed().as_micros() as u64;
     let metric = route
         .map(|r| state.routes[r].metric)
@@ -262,8 +294,8 @@ fn fmt_addr(buf: &mut [u8; 64], a: SocketAddr) -> usize {
 /// `Ok(true)`: a head is parsed into `sess.req` and consumed from `rbuf`.
 /// `Ok(false)`: the client went away or idled out between requests, or we
 /// are draining: close quietly.
-async fn read_head(
-    stream: &mut TcpStream,
+async fn read_head<S: Stream>(
+    stream: &mut S,
     rbuf: &mut BytesMut,
     pool: &RefCell<BufPool>,
     sess: &mut Session,
@@ -328,21 +360,24 @@ async fn read_head(
 // === one request ===
 
 /// Returns whether the client connection may carry another request.
-async fn handle_request<H: Hooks>(
-    w: &Worker<H>,
+async fn handle_request<P: Phases, S: Stream>(
+    w: &Worker<P>,
     state: &Arc<State>,
-    stream: &mut TcpStream,
+    stream: &mut S,
     b: &mut Bufs,
     sess: &mut Session,
-    ctx: &mut H::Ctx,
+    ctx: &mut P::Ctx,
 ) -> bool {
     let body = sess.req.body_len();
     let body_pending = body != BodyLen::None;
     let client_keep = sess.req.keep_alive();
     sess.client_keep = client_keep;
+    build_upstream_request(state, sess);
 
-    // Route.
-    let Some(route) = state.match_route(sess.req.host(), sess.req.path()) else {
+    // Route (on the request as it will go: an absolute-form target's
+    // authority is its host).
+    sess.step = Step::Route;
+    let Some(route) = state.match_route(sess.up_req.host(), sess.up_req.path()) else {
         return local_fail(w, state, stream, b, sess, ctx, Kind::NoRoute, body_pending).await
             && client_keep;
     };
@@ -370,7 +405,21 @@ async fn handle_request<H: Hooks>(
     }
 
     // request_filter (Lua access/content, limits).
-    match w.hooks.request_filter(state, sess, ctx).await {
+    sess.step = Step::RequestFilter;
+    match w.phases.request_filter(state, sess, ctx).await {
+        Ok(Flow::Continue) => {}
+        Ok(Flow::Respond(r)) => {
+            return respond(w, state, stream, b, sess, ctx, &r, body_pending).await
+        }
+        Err(e) => {
+            return local_fail(w, state, stream, b, sess, ctx, e.kind, body_pending).await
+                && client_keep
+        }
+    }
+
+    // cache_lookup: a hit answers here (no-op until the cache lands).
+    sess.step = Step::CacheLookup;
+    match w.phases.cache_lookup(state, sess, ctx).await {
         Ok(Flow::Continue) => {}
         Ok(Flow::Respond(r)) => {
             return respond(w, state, stream, b, sess, ctx, &r, body_pending).await
@@ -385,14 +434,16 @@ async fn handle_request<H: Hooks>(
     let now_ms = pier_lb::clock_ms();
     group.on_request_at(now_ms);
 
-    let choice = match w.hooks.upstream_peer(state, sess, ctx).await {
+    sess.step = Step::UpstreamPeer;
+    let choice = match w.phases.upstream_peer(state, sess, ctx).await {
         Ok(c) => c,
         Err(e) => {
             return local_fail(w, state, stream, b, sess, ctx, e.kind, body_pending).await
                 && client_keep
         }
     };
-    match w.hooks.upstream_request_filter(state, sess, ctx).await {
+    sess.step = Step::UpstreamRequestFilter;
+    match w.phases.upstream_request_filter(state, sess, ctx).await {
         Ok(Flow::Continue) => {}
         Ok(Flow::Respond(r)) => {
             return respond(w, state, stream, b, sess, ctx, &r, body_pending).await
@@ -417,9 +468,9 @@ async fn handle_request<H: Hooks>(
                 let key = group.hash_key().and_then(|k| {
                     pier_lb::extract_hash_key(
                         k,
-                        |name| sess.req.headers.get(name.as_bytes()),
+                        |name| sess.up_req.headers.get(name.as_bytes()),
                         sess.client_ip.as_bytes(),
-                        sess.req.path(),
+                        sess.up_req.path(),
                     )
                 });
                 match group.select_at(key, &tried[..ntried], now_ms) {
@@ -471,7 +522,7 @@ async fn handle_request<H: Hooks>(
             },
             None => None,
         };
-        match w.hooks.peer_selected(state, sess, ctx, addr) {
+        match w.phases.peer_selected(state, sess, ctx, addr) {
             Ok(Flow::Continue) => {}
             Ok(Flow::Respond(r)) => {
                 return respond(w, state, stream, b, sess, ctx, &r, body_pending).await
@@ -502,20 +553,21 @@ async fn handle_request<H: Hooks>(
                 return keep && client_keep;
             }
             Err(f) => {
-                if f.stale && !stale_retry_used && f.replayable {
+                sess.step = Step::Fail;
+                if f.stale && !stale_retry_used && f.retryable {
                     // The pooled connection had died while idle: not the
                     // origin's fault and not a retry in the budget's sense.
                     stale_retry_used = true;
                     continue;
                 }
-                if let (Some(i), true) = (idx, f.upstream_fault) {
+                if let (Some(i), true) = (idx, f.blames_upstream()) {
                     group.report(i, false, pier_lb::clock_ms());
                 }
-                if f.client_touched {
+                if f.answered {
                     return false;
                 }
                 last = f.kind;
-                let safe = f.replayable && (idempotent || f.kind == Kind::UpstreamConnect);
+                let safe = f.may_retry(idempotent);
                 if let Some(i) = idx {
                     if ntried < tried.len() {
                         tried[ntried] = i;
@@ -531,7 +583,7 @@ async fn handle_request<H: Hooks>(
                     w.shared.metrics.retry();
                     continue;
                 }
-                let consumed = f.replayable && !body_pending;
+                let consumed = f.retryable && !body_pending;
                 return local_fail(w, state, stream, b, sess, ctx, f.kind, !consumed).await
                     && client_keep;
             }
@@ -541,13 +593,13 @@ async fn handle_request<H: Hooks>(
 
 /// Answer with a response a phase made; counted by its kind (or as a hook answer).
 #[allow(clippy::too_many_arguments)]
-async fn respond<H: Hooks>(
-    w: &Worker<H>,
+async fn respond<P: Phases, S: Stream>(
+    w: &Worker<P>,
     state: &State,
-    stream: &mut TcpStream,
+    stream: &mut S,
     b: &mut Bufs,
     sess: &mut Session,
-    ctx: &mut H::Ctx,
+    ctx: &mut P::Ctx,
     r: &LocalResponse,
     body_pending: bool,
 ) -> bool {
@@ -563,18 +615,25 @@ async fn respond<H: Hooks>(
 /// Answer with an error; `close` when the connection can't continue (e.g.
 /// an unread body). Returns whether the connection may continue.
 #[allow(clippy::too_many_arguments)]
-async fn local_fail<H: Hooks>(
-    w: &Worker<H>,
+async fn local_fail<P: Phases, S: Stream>(
+    w: &Worker<P>,
     state: &State,
-    stream: &mut TcpStream,
+    stream: &mut S,
     b: &mut Bufs,
     sess: &mut Session,
-    ctx: &mut H::Ctx,
+    ctx: &mut P::Ctx,
     kind: Kind,
     close: bool,
 ) -> bool {
     w.shared.metrics.local_response(kind);
     sess.reason = kind.reason();
+    sess.step = Step::Fail;
+    if kind == Kind::ClientClosed {
+        // 499 is a log code (nginx's): nobody is left to read an answer,
+        // so none is sent; the connection closes.
+        sess.status = kind.status();
+        return false;
+    }
     let close = close || !sess.client_keep;
     let ok = send_answer(w, state, stream, b, sess, ctx, &local_error(kind), close).await;
     ok && !close
@@ -584,17 +643,17 @@ async fn local_fail<H: Hooks>(
 /// response filters first when it has any (as OpenResty runs header and body
 /// filters on every response, `ngx.exit`/`ngx.say` ones and error pages too).
 #[allow(clippy::too_many_arguments)]
-async fn send_answer<H: Hooks>(
-    w: &Worker<H>,
+async fn send_answer<P: Phases, S: Stream>(
+    w: &Worker<P>,
     state: &State,
-    stream: &mut TcpStream,
+    stream: &mut S,
     b: &mut Bufs,
     sess: &mut Session,
-    ctx: &mut H::Ctx,
+    ctx: &mut P::Ctx,
     r: &LocalResponse,
     close: bool,
 ) -> bool {
-    if sess.route.is_none() || !w.hooks.filters_local(state, sess) {
+    if sess.route.is_none() || !w.phases.filters_local(state, sess) {
         return send_local(stream, &mut b.out, sess, r, close).await.is_ok();
     }
     let filtered = filter_local(w, state, &mut b.resp, sess, ctx, r);
@@ -612,12 +671,12 @@ async fn send_answer<H: Hooks>(
 /// `r` after the route's `response_filter` and `body_filter` (the whole body
 /// in one piece, marked last). A filter that fails leaves the response as it
 /// was (its error is logged by the hook layer): an answer is already due.
-fn filter_local<H: Hooks>(
-    w: &Worker<H>,
+fn filter_local<P: Phases>(
+    w: &Worker<P>,
     state: &State,
     head: &mut ResponseHead,
     sess: &mut Session,
-    ctx: &mut H::Ctx,
+    ctx: &mut P::Ctx,
     r: &LocalResponse,
 ) -> Option<LocalResponse> {
     *head = ResponseHead::default();
@@ -626,10 +685,10 @@ fn filter_local<H: Hooks>(
     for (n, v) in &r.headers {
         head.headers.append(n, v);
     }
-    w.hooks.response_filter(state, sess, head, ctx).ok()?;
+    w.phases.response_filter(state, sess, head, ctx).ok()?;
     let mut body = BytesMut::from(&r.body[..]);
-    if w.hooks.has_body_filter(state, sess) {
-        w.hooks
+    if w.phases.has_body_filter(state, sess) {
+        w.phases
             .body_filter(state, sess, ctx, &mut body, true)
             .ok()?;
     }
@@ -671,8 +730,8 @@ pub(crate) fn local_error(kind: Kind) -> LocalResponse {
 }
 
 /// Write a locally generated response.
-async fn send_local(
-    stream: &mut TcpStream,
+async fn send_local<W: AsyncWrite + Unpin>(
+    stream: &mut W,
     out: &mut Vec<u8>,
     sess: &mut Session,
     r: &LocalResponse,
@@ -739,39 +798,35 @@ fn skip_response_header(k: Known) -> bool {
 }
 
 #[allow(clippy::too_many_arguments)]
-async fn attempt_once<H: Hooks>(
-    w: &Worker<H>,
+async fn attempt_once<P: Phases, S: Stream>(
+    w: &Worker<P>,
     state: &State,
-    stream: &mut TcpStream,
+    stream: &mut S,
     b: &mut Bufs,
     sess: &mut Session,
-    ctx: &mut H::Ctx,
+    ctx: &mut P::Ctx,
     addr: SocketAddr,
     fresh_only: bool,
     inflight: &mut Option<pier_lb::ActiveGuard>,
-) -> Result<bool, Fail> {
+) -> Result<bool, Error> {
     let t = &state.cfg.timeouts;
+    sess.step = Step::Connect;
+    let key = PeerKey::plain(addr);
     let pooled = if fresh_only {
         None
     } else {
-        w.shared.pool.take(addr, w.id)
+        w.shared.pool.take(&key, w.id)
     };
     let reused = pooled.is_some();
     let mut up = match pooled {
         Some(s) => s,
-        None => match timeout(t.upstream_connect, TcpStream::connect(addr)).await {
-            Ok(Ok(s)) => {
-                let _ = s.set_nodelay(true);
-                s
-            }
-            Ok(Err(e)) => {
+        None => match w.shared.connector.connect(&key, t.upstream_connect).await {
+            Ok(s) => s,
+            Err(e) => {
+                // A timeout too: nothing was sent, so any method may go
+                // to another peer, and it is a 502 (docs/config.md).
                 tracing::debug!("connect {addr}: {e}");
-                return Err(Fail::up(Kind::UpstreamConnect));
-            }
-            Err(_) => {
-                let mut f = Fail::up(Kind::UpstreamConnect);
-                f.kind = Kind::UpstreamTimeout;
-                return Err(f);
+                return Err(Error::upstream(Kind::UpstreamConnect));
             }
         },
     };
@@ -784,55 +839,18 @@ async fn attempt_once<H: Hooks>(
         b.out = w.bufs.borrow_mut().take_vec();
     }
 
-    // The upstream request head.
-    let req = &mut sess.req;
-    if req.headers.has_known(known::CONNECTION) {
-        // Headers named in Connection are hop-by-hop too (RFC 9110 §7.6.1).
-        let upgrade = if req.is_upgrade() {
-            req.headers.get_known(known::UPGRADE).map(<[u8]>::to_vec)
-        } else {
-            None
-        };
-        pier_http::remove_hop_by_hop(&mut req.headers);
-        if let Some(u) = upgrade {
-            req.headers.append(b"Upgrade", &u);
-            req.headers.append(b"Connection", b"upgrade");
-        }
-    }
-    let upgrade = req.headers.has_known(known::UPGRADE);
+    // The upstream request head, from the upstream request value.
+    sess.step = Step::Send;
+    write_upstream_head(&mut b.out, sess, addr);
     let out = &mut b.out;
-    out.clear();
-    write::request_head(out, req, req.uri(), skip_request_header);
-    // X-Forwarded-For: append the client to whatever the client sent.
-    out.extend_from_slice(b"X-Forwarded-For: ");
-    for v in req.headers.get_all_known(known::X_FORWARDED_FOR) {
-        out.extend_from_slice(v);
-        out.extend_from_slice(b", ");
-    }
-    out.extend_from_slice(sess.client_ip.as_bytes());
-    out.extend_from_slice(b"\r\nX-Forwarded-Proto: http\r\n");
-    if let Some(h) = req.host() {
-        write::header(out, b"X-Forwarded-Host", h);
-    }
-    if upgrade {
-        if let Some(u) = req.headers.get_known(known::UPGRADE) {
-            write::header(out, b"Upgrade", u);
-        }
-        out.extend_from_slice(b"Connection: upgrade\r\n");
-    }
-    out.extend_from_slice(b"\r\n");
-
-    let body = req.body_len();
-    let method = req.method_kind();
+    let body = sess.req.body_len();
+    let method = sess.up_req.method_kind();
     let (mut cr, mut cw) = stream.split();
     let (mut ur, mut uw) = up.split();
 
-    let stale = |kind: Kind| Fail {
-        kind,
-        client_touched: false,
-        replayable: true,
+    let stale = |kind: Kind| Error {
         stale: reused,
-        upstream_fault: !reused,
+        ..Error::upstream(kind)
     };
 
     let relayed = if body == BodyLen::None {
@@ -890,7 +908,7 @@ async fn attempt_once<H: Hooks>(
                     pump_done = true;
                     if let Err(k) = p {
                         // The client's body is bad or too big: nothing useful can follow.
-                        break Err(Fail { kind: k, client_touched: false, replayable: false, stale: false, upstream_fault: false });
+                        break Err(Error::new(k).retryable(false));
                     }
                 }
                 r = &mut relay => {
@@ -898,8 +916,8 @@ async fn attempt_once<H: Hooks>(
                         // An origin that answered before the body ended can't be
                         // reused, and neither can the client connection.
                         Ok(Relayed::Done(up_ok, keep)) => Ok(Relayed::Done(up_ok && pump_done, keep && pump_done)),
-                        Ok(Relayed::Upgrade) => Err(Fail::up(Kind::UpstreamProtocol)),
-                        Err(mut f) => { f.replayable = false; Err(f) }
+                        Ok(Relayed::Upgrade) => Err(Error::upstream(Kind::UpstreamProtocol)),
+                        Err(mut f) => { f.retryable = false; Err(f) }
                     };
                 }
             }
@@ -909,35 +927,178 @@ async fn attempt_once<H: Hooks>(
     match relayed {
         Relayed::Done(upstream_reusable, client_keep) => {
             if upstream_reusable {
-                w.shared.pool.put(addr, w.id, up);
+                w.shared.pool.put(&key, w.id, up);
             }
             Ok(client_keep)
         }
         Relayed::Upgrade => {
-            // Tunnel both ways until either side closes (WebSocket etc.).
+            // Tunnel both ways until either side closes or both idle out
+            // (WebSocket etc.).
             if !b.rbuf.is_empty() {
                 let _ = uw.write_all(&b.rbuf).await;
                 b.rbuf.clear();
             }
-            let a = async {
-                let _ = tokio::io::copy(&mut cr, &mut uw).await;
-                let _ = uw.shutdown().await;
-            };
-            let c = async {
-                let _ = tokio::io::copy(&mut ur, &mut cw).await;
-                let _ = cw.shutdown().await;
-            };
-            tokio::join!(a, c);
+            let m = &w.shared.metrics;
+            m.tunnels.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let _tunnel = GaugeGuard::enter(&m.active_tunnels);
+            tunnel(&mut cr, &mut cw, &mut ur, &mut uw, tunnel_idle(state)).await;
             Ok(false)
         }
     }
 }
 
+/// Idle timeout of an upgraded connection.
+fn tunnel_idle(_state: &State) -> Duration {
+    Duration::from_secs(300)
+}
+
+/// Copy both ways until either side closes (its write side is then shut
+/// down) and the other finishes, or until nothing moved either way for
+/// `idle`. A drain does not cut tunnels; the end of its grace period does
+/// (the process exits).
+async fn tunnel<CR, CW, UR, UW>(cr: &mut CR, cw: &mut CW, ur: &mut UR, uw: &mut UW, idle: Duration)
+where
+    CR: AsyncRead + Unpin,
+    CW: AsyncWrite + Unpin,
+    UR: AsyncRead + Unpin,
+    UW: AsyncWrite + Unpin,
+{
+    let last = std::cell::Cell::new(tokio::time::Instant::now());
+    async fn pump<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+        r: &mut R,
+        w: &mut W,
+        last: &std::cell::Cell<tokio::time::Instant>,
+    ) {
+        let mut buf = vec![0u8; READ_CHUNK];
+        loop {
+            match r.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    last.set(tokio::time::Instant::now());
+                    if w.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = w.shutdown().await;
+    }
+    let both = async {
+        tokio::join!(pump(cr, uw, &last), pump(ur, cw, &last));
+    };
+    let watchdog = async {
+        loop {
+            let deadline = last.get() + idle;
+            tokio::time::sleep_until(deadline).await;
+            if last.get() + idle <= tokio::time::Instant::now() {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = both => {}
+        _ = watchdog => {}
+    }
+}
+
+/// Build `sess.up_req` from the request as received: hop-by-hop headers go,
+/// an absolute-form target becomes origin-form with its authority as Host
+/// (RFC 9112 §3.2.2), and whether an Upgrade goes through is decided.
+fn build_upstream_request(state: &State, sess: &mut Session) {
+    sess.upgrade = upgrade_allowed(state, &sess.req);
+    let up = &mut sess.up_req;
+    if up.headers.has_known(known::CONNECTION) {
+        // Headers named in Connection are hop-by-hop too (RFC 9110 §7.6.1).
+        pier_http::remove_hop_by_hop(&mut up.headers);
+    }
+    if let Some((authority, rest)) = sess.req.absolute_form() {
+        up.headers.insert(b"Host", authority);
+        if rest.is_empty() || rest[0] != b'/' {
+            let mut target = Vec::with_capacity(rest.len() + 1);
+            target.push(b'/');
+            target.extend_from_slice(rest);
+            up.set_uri(&target);
+        } else {
+            up.set_uri(rest);
+        }
+    }
+}
+
+/// An Upgrade goes to the origin only with `Connection: upgrade`, over
+/// HTTP/1.1, and when every protocol it names is allowed (`[http] upgrade`,
+/// default `websocket`). `h2c` never is: an h2c upgrade would let the client
+/// talk HTTP/2 to the origin past the route's hooks (h2c smuggling).
+fn upgrade_allowed(state: &State, req: &pier_http::RequestHead) -> bool {
+    if req.version != 1 || !req.is_upgrade() {
+        return false;
+    }
+    let Some(v) = req.headers.get_known(known::UPGRADE) else {
+        return false;
+    };
+    let allowed = upgrade_list(state);
+    let mut any = false;
+    for proto in v.split(|&c| c == b',') {
+        let proto = pier_http::headers::trim(proto);
+        let name = proto.split(|&c| c == b'/').next().unwrap_or(b"");
+        if name.is_empty() {
+            continue;
+        }
+        if name.eq_ignore_ascii_case(b"h2c")
+            || !allowed
+                .iter()
+                .any(|a| a.as_bytes().eq_ignore_ascii_case(name))
+        {
+            return false;
+        }
+        any = true;
+    }
+    any
+}
+
+fn upgrade_list(_state: &State) -> &[&str] {
+    &["websocket"]
+}
+
+/// The upstream request head: request line and headers of `sess.up_req`,
+/// X-Forwarded-*, a Host when the client sent none (HTTP/1.0), and the
+/// Upgrade headers when an upgrade was allowed.
+fn write_upstream_head(out: &mut Vec<u8>, sess: &Session, addr: SocketAddr) {
+    let req = &sess.up_req;
+    out.clear();
+    write::request_head(out, req, req.uri(), skip_request_header);
+    if !req.headers.has_known(known::HOST) {
+        // As nginx: the upstream's address when the client gave none.
+        out.extend_from_slice(b"Host: ");
+        let mut a = [0u8; 64];
+        let n = fmt_addr(&mut a, addr);
+        out.extend_from_slice(&a[..n]);
+        out.extend_from_slice(b"\r\n");
+    }
+    // X-Forwarded-For: append the client to whatever the client sent.
+    out.extend_from_slice(b"X-Forwarded-For: ");
+    for v in req.headers.get_all_known(known::X_FORWARDED_FOR) {
+        out.extend_from_slice(v);
+        out.extend_from_slice(b", ");
+    }
+    out.extend_from_slice(sess.client_ip.as_bytes());
+    out.extend_from_slice(b"\r\nX-Forwarded-Proto: http\r\n");
+    if let Some(h) = req.host() {
+        write::header(out, b"X-Forwarded-Host", h);
+    }
+    if sess.upgrade {
+        if let Some(u) = sess.req.headers.get_known(known::UPGRADE) {
+            write::header(out, b"Upgrade", u);
+        }
+        out.extend_from_slice(b"Connection: upgrade\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
 /// Read the origin's response head (passing 1xx through), run
 /// `response_filter`, send the head and relay the body.
 #[allow(clippy::too_many_arguments)]
-async fn relay_response<H: Hooks, R, W>(
-    w: &Worker<H>,
+async fn relay_response<P: Phases, R, W>(
+    w: &Worker<P>,
     state: &State,
     ur: &mut R,
     cw: &mut W,
@@ -945,11 +1106,11 @@ async fn relay_response<H: Hooks, R, W>(
     out: &mut Vec<u8>,
     resp: &mut ResponseHead,
     sess: &mut Session,
-    ctx: &mut H::Ctx,
+    ctx: &mut P::Ctx,
     method: Method,
     reused: bool,
     inflight: &mut Option<pier_lb::ActiveGuard>,
-) -> Result<Relayed, Fail>
+) -> Result<Relayed, Error>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -962,7 +1123,8 @@ where
         let parsed = if ubuf.is_empty() {
             None
         } else {
-            resp.parse(ubuf, &state.head_limits).map_err(Fail::up)?
+            resp.parse(ubuf, &state.head_limits)
+                .map_err(Error::upstream)?
         };
         match parsed {
             Some(n) => {
@@ -977,13 +1139,7 @@ where
                         write::response_head(out, resp, skip_response_header);
                         out.extend_from_slice(b"\r\n");
                         if cw.write_all(out).await.is_err() {
-                            return Err(Fail {
-                                kind: Kind::ClientClosed,
-                                client_touched: true,
-                                replayable: false,
-                                stale: false,
-                                upstream_fault: false,
-                            });
+                            return Err(Error::answered(Kind::ClientClosed));
                         }
                     }
                     continue;
@@ -999,33 +1155,33 @@ where
                         } else {
                             Kind::UpstreamClosed
                         };
-                        return Err(Fail {
-                            kind,
-                            client_touched: false,
-                            replayable: true,
+                        return Err(Error {
                             stale: reused && !got_any,
-                            upstream_fault: !reused || got_any,
+                            ..Error::upstream(kind)
                         });
                     }
                     Ok(Ok(_)) => got_any = true,
-                    Err(_) => return Err(Fail::up(Kind::UpstreamTimeout)),
+                    Err(_) => return Err(Error::upstream(Kind::UpstreamTimeout)),
                 }
             }
         }
     }
-    let body = resp.body_len(method).map_err(Fail::up)?;
+    let body = resp.body_len(method).map_err(Error::upstream)?;
     let upgrade = resp.status == 101;
-    if upgrade && !sess.req.headers.has_known(known::UPGRADE) {
-        return Err(Fail::up(Kind::UpstreamProtocol));
+    if upgrade && !sess.upgrade {
+        return Err(Error::upstream(Kind::UpstreamProtocol));
     }
-    if let Err(e) = w.hooks.response_filter(state, sess, resp, ctx) {
-        return Err(Fail {
-            kind: e.kind,
-            client_touched: false,
-            replayable: false,
-            stale: false,
-            upstream_fault: false,
-        });
+    sess.step = Step::UpstreamResponseFilter;
+    if let Err(e) = w.phases.upstream_response_filter(state, sess, resp, ctx) {
+        return Err(Error::new(e.kind).retryable(false));
+    }
+    if !upgrade {
+        sess.step = Step::CacheStore;
+        w.phases.cache_store(state, sess, resp, ctx);
+    }
+    sess.step = Step::ResponseFilter;
+    if let Err(e) = w.phases.response_filter(state, sess, resp, ctx) {
+        return Err(Error::new(e.kind).retryable(false));
     }
     if body == BodyLen::Chunked && resp.headers.has_known(known::CONTENT_LENGTH) {
         // RFC 9112 §6.3: Transfer-Encoding wins; a Content-Length beside it
@@ -1046,7 +1202,7 @@ where
     let filtering = body != BodyLen::None
         && !upgrade
         && ((sess.req.version == 0 && body == BodyLen::Chunked)
-            || w.hooks.has_body_filter(state, sess));
+            || w.phases.has_body_filter(state, sess));
     if filtering {
         resp.headers.remove_known(known::CONTENT_LENGTH);
         resp.headers.remove_known(known::TRANSFER_ENCODING);
@@ -1055,6 +1211,7 @@ where
         }
     }
 
+    sess.step = Step::Write;
     out.clear();
     if upgrade {
         write::response_head(out, resp, |k| {
@@ -1082,13 +1239,9 @@ where
             ubuf.clear();
         }
         sess.bytes_sent += out.len() as u64;
-        cw.write_all(out).await.map_err(|_| Fail {
-            kind: Kind::ClientClosed,
-            client_touched: true,
-            replayable: false,
-            stale: false,
-            upstream_fault: false,
-        })?;
+        cw.write_all(out)
+            .await
+            .map_err(|_| Error::answered(Kind::ClientClosed))?;
         return Ok(Relayed::Upgrade);
     }
 
@@ -1098,13 +1251,7 @@ where
             relay_filtered(w, state, ur, cw, ubuf, out, sess, ctx, body, chunked_out).await?;
         return Ok(Relayed::Done(upstream_keep && up_ok, client_keep));
     }
-    let touched = |kind: Kind, upstream_fault: bool| Fail {
-        kind,
-        client_touched: true,
-        replayable: false,
-        stale: false,
-        upstream_fault,
-    };
+    let touched = |kind: Kind, _upstream: bool| Error::answered(kind);
     let send_timeout = t.client_idle;
     let idle_read = t.upstream_response;
     let mut upstream_reusable = upstream_keep;
@@ -1159,7 +1306,7 @@ where
             let mut sc = ChunkedScanner::new();
             let n = sc
                 .feed(ubuf)
-                .map_err(|_| Fail::up(Kind::UpstreamProtocol))?;
+                .map_err(|_| Error::upstream(Kind::UpstreamProtocol))?;
             out.extend_from_slice(&ubuf[..n]);
             ubuf.advance(n);
             if sc.is_done() {
@@ -1218,35 +1365,29 @@ where
     Ok(Relayed::Done(upstream_reusable, client_keep))
 }
 
-/// Relay a response body through `Hooks::body_filter`: decode the origin's
+/// Relay a response body through `Phases::body_filter`: decode the origin's
 /// framing, filter each piece, re-frame for the client (chunked, or
 /// close-delimited for HTTP/1.0). Returns whether the origin connection ended
 /// cleanly (reusable).
 #[allow(clippy::too_many_arguments)]
-async fn relay_filtered<H: Hooks, R, W>(
-    w: &Worker<H>,
+async fn relay_filtered<P: Phases, R, W>(
+    w: &Worker<P>,
     state: &State,
     ur: &mut R,
     cw: &mut W,
     ubuf: &mut BytesMut,
     out: &mut Vec<u8>,
     sess: &mut Session,
-    ctx: &mut H::Ctx,
+    ctx: &mut P::Ctx,
     body: BodyLen,
     chunked_out: bool,
-) -> Result<bool, Fail>
+) -> Result<bool, Error>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     let t = &state.cfg.timeouts;
-    let touched = |kind: Kind, upstream_fault: bool| Fail {
-        kind,
-        client_touched: true,
-        replayable: false,
-        stale: false,
-        upstream_fault,
-    };
+    let touched = |kind: Kind, _upstream: bool| Error::answered(kind);
     // The head goes first, alone.
     sess.bytes_sent += out.len() as u64;
     write_timed(cw, out, t.client_idle)
@@ -1284,7 +1425,7 @@ where
             }
         };
         if !piece.is_empty() || eof {
-            w.hooks
+            w.phases
                 .body_filter(state, sess, ctx, &mut piece, eof)
                 .map_err(|e| touched(e.kind, false))?;
             out.clear();
@@ -1390,8 +1531,8 @@ impl BodyPace {
 /// the first size line is whole, within `limit`), so that a body whose framing
 /// is bad from the start is refused before anything reaches an origin.
 /// Nothing is consumed: `pump_body` scans the same bytes again as it sends.
-async fn vet_chunked(
-    stream: &mut TcpStream,
+async fn vet_chunked<S: Stream>(
+    stream: &mut S,
     rbuf: &mut BytesMut,
     limit: Duration,
     wait: bool,
@@ -1467,26 +1608,5 @@ where
                 pace.read_more(cr, rbuf).await?;
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod size_tests {
-    use super::*;
-
-    fn size_of_future<F, Fut>(_: F) -> usize
-    where
-        F: FnOnce(Arc<Worker<crate::PierHooks>>, TcpStream, SocketAddr) -> Fut,
-    {
-        std::mem::size_of::<Fut>()
-    }
-
-    /// Every connection's task holds this future for its whole life, idle or
-    /// not: its size is most of an idle keep-alive connection's memory.
-    #[test]
-    fn connection_future_stays_small() {
-        let n = size_of_future(serve_connection::<crate::PierHooks>);
-        eprintln!("serve_connection future: {n} bytes");
-        assert!(n <= 1536, "serve_connection future grew to {n} bytes");
     }
 }

@@ -6,18 +6,16 @@
 pub mod admin;
 pub mod driver;
 pub mod evict;
-pub mod hooks;
 pub mod phases;
 pub mod session;
 pub mod state;
 
-pub use hooks::{PierCtx, PierHooks};
-pub use phases::{Flow, Hooks, LocalResponse, NoHooks, PeerChoice};
+pub use phases::{Flow, LocalResponse, NoPhases, PeerChoice, Phases};
 pub use session::Session;
 pub use state::State;
 
 use arc_swap::ArcSwap;
-use pier_core::{Pool, WorkerContext};
+use pier_core::{Connector, Pool, WorkerContext};
 use pier_log::{AccessLog, Metrics};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -32,6 +30,8 @@ pub struct Shared {
     /// (one uncontended atomic read per request instead of an Arc clone).
     generation: std::sync::atomic::AtomicU64,
     pub pool: Pool,
+    /// Opens upstream connections (TCP; an in-memory dialer in tests).
+    pub connector: Connector,
     pub metrics: Metrics,
     pub access: AccessLog,
     /// Open connections per client IP (`limits.max_connections_per_ip`).
@@ -52,6 +52,7 @@ impl Shared {
             state: ArcSwap::from_pointee(state),
             generation,
             pool,
+            connector: Connector::tcp(),
             metrics,
             access,
             per_ip: pier_limits::Inflight::new(),
@@ -87,10 +88,10 @@ impl Shared {
 
 /// One worker thread's view: shared state plus its own hooks instance
 /// (a Lua engine is per thread).
-pub struct Worker<H: Hooks> {
+pub struct Worker<P: Phases> {
     pub id: usize,
     pub shared: Arc<Shared>,
-    pub hooks: H,
+    pub phases: P,
     /// This worker's connections waiting for a request head (evictable at
     /// `max_connections`).
     pub waiting: std::cell::RefCell<evict::Registry>,
@@ -101,13 +102,13 @@ pub struct Worker<H: Hooks> {
 /// Run a worker: accept on its listeners until draining, serving each
 /// connection as a local task. Returns once draining and every connection
 /// of this worker is closed.
-pub async fn run_worker<H: Hooks>(ctx: WorkerContext, shared: Arc<Shared>, hooks: H) {
+pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phases: P) {
     pier_log::WORKER_ID.with(|w| w.set(ctx.id));
-    hooks.init_worker(&shared.state.load());
+    phases.init_worker(&shared.state.load());
     let w = Arc::new(Worker {
         id: ctx.id,
         shared: shared.clone(),
-        hooks,
+        phases,
         waiting: Default::default(),
         bufs: Default::default(),
     });
@@ -132,7 +133,7 @@ pub async fn run_worker<H: Hooks>(ctx: WorkerContext, shared: Arc<Shared>, hooks
             while rx.changed().await.is_ok() {
                 let Some(w) = weak.upgrade() else { break };
                 let st = w.shared.state.load_full();
-                w.hooks.init_worker(&st);
+                w.phases.init_worker(&st);
             }
         })
     };
@@ -165,7 +166,7 @@ pub async fn run_worker<H: Hooks>(ctx: WorkerContext, shared: Arc<Shared>, hooks
     reloads.abort();
 }
 
-async fn accept_loop<H: Hooks>(w: Arc<Worker<H>>, listener: tokio::net::TcpListener) {
+async fn accept_loop<P: Phases>(w: Arc<Worker<P>>, listener: tokio::net::TcpListener) {
     let mut drain = w.shared.drain_rx();
     let mut accepts = 0u32;
     loop {
@@ -226,14 +227,26 @@ async fn accept_loop<H: Hooks>(w: Arc<Worker<H>>, listener: tokio::net::TcpListe
             None
         };
         let w2 = w.clone();
+        let _ = stream.set_nodelay(true);
+        let local = stream.local_addr().unwrap_or(peer);
         tokio::task::spawn_local(async move {
+            // Released however the task ends (a panic included).
             let _ip_guard = ip_guard;
-            let shared = w2.shared.clone();
-            driver::serve_connection(w2, stream, peer).await;
-            shared.metrics.active_connections.fetch_sub(1, Relaxed);
+            let _active = ActiveConnection(w2.shared.clone());
+            driver::serve_connection(w2, stream, peer, local).await;
         });
         if *drain.borrow() {
             break;
         }
+    }
+}
+
+/// One accepted connection in `pier_active_connections` (counted at accept,
+/// released on every path out of its task).
+struct ActiveConnection(Arc<Shared>);
+
+impl Drop for ActiveConnection {
+    fn drop(&mut self) {
+        self.0.metrics.active_connections.fetch_sub(1, Relaxed);
     }
 }

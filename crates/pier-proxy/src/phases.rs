@@ -35,6 +35,41 @@ pub enum Flow {
     Respond(LocalResponse),
 }
 
+/// The steps of a request, in the order the driver takes them (as Varnish's
+/// request state machine names its states). docs/phases.md draws this enum
+/// box for box; `Session::step` holds the current one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Waiting for and parsing a request head.
+    ReadHead,
+    /// Matching host and path to a route (and building the upstream request).
+    Route,
+    /// `Phases::request_filter`: limits, Lua `access`/`content`.
+    RequestFilter,
+    /// `Phases::cache_lookup`: a hit answers from here.
+    CacheLookup,
+    /// `Phases::upstream_peer`: the balancer (or a hook) picks a peer.
+    UpstreamPeer,
+    /// `Phases::upstream_request_filter`: the upstream request's last edits.
+    UpstreamRequestFilter,
+    /// A connection from the pool or the connector (per attempt).
+    Connect,
+    /// The upstream head and body go out; the response head comes back.
+    Send,
+    /// `Phases::upstream_response_filter`: the response as the origin sent it.
+    UpstreamResponseFilter,
+    /// `Phases::cache_store`: the response may be stored.
+    CacheStore,
+    /// `Phases::response_filter`: the response as the client will get it.
+    ResponseFilter,
+    /// The body, through `Phases::body_filter`, to the client.
+    Write,
+    /// `Phases::logging`, metrics and the access log.
+    Logging,
+    /// An attempt failed: retry (another peer, a fresh connection) or answer.
+    Fail,
+}
+
 /// Upstream choice a `upstream_peer` hook may make.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct PeerChoice {
@@ -44,7 +79,7 @@ pub struct PeerChoice {
     pub retries: Option<u32>,
 }
 
-pub trait Hooks: 'static {
+pub trait Phases: 'static {
     /// Per-request state carried across phases (`pier.ctx` for Lua).
     type Ctx: Default;
 
@@ -67,6 +102,30 @@ pub trait Hooks: 'static {
     }
 
     // === upstream ===
+
+    // === cache ===
+
+    /// Look the request up in a cache; `Flow::Respond` answers with a hit.
+    /// (A step with nothing in it until the cache lands.)
+    async fn cache_lookup(
+        &self,
+        _st: &State,
+        _s: &mut Session,
+        _ctx: &mut Self::Ctx,
+    ) -> Result<Flow, Error> {
+        Ok(Flow::Continue)
+    }
+
+    /// The origin's response head, after `upstream_response_filter` and
+    /// before `response_filter`: the place a cache decides to store it.
+    fn cache_store(
+        &self,
+        _st: &State,
+        _s: &mut Session,
+        _resp: &ResponseHead,
+        _ctx: &mut Self::Ctx,
+    ) {
+    }
 
     /// Choose or override the peer (Lua `balancer`).
     async fn upstream_peer(
@@ -100,6 +159,19 @@ pub trait Hooks: 'static {
     }
 
     // === response ===
+
+    /// Edit the origin's response head as it arrived, before the cache sees
+    /// it (what a cache stores); `response_filter` then edits what this
+    /// client gets.
+    fn upstream_response_filter(
+        &self,
+        _st: &State,
+        _s: &mut Session,
+        _resp: &mut ResponseHead,
+        _ctx: &mut Self::Ctx,
+    ) -> Result<(), Error> {
+        Ok(())
+    }
 
     /// Edit the response head before it goes to the client (Lua `header_filter`).
     fn response_filter(
@@ -144,8 +216,8 @@ pub trait Hooks: 'static {
 }
 
 /// The plain proxy: every phase at its default.
-pub struct NoHooks;
+pub struct NoPhases;
 
-impl Hooks for NoHooks {
+impl Phases for NoPhases {
     type Ctx = ();
 }

@@ -5,7 +5,15 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 pub struct Session {
+    /// The request as the client sent it: logs and (later) cache keys see
+    /// this, whatever hooks and header rules do.
     pub req: RequestHead,
+    /// The request as it will go upstream, built from `req` once routed:
+    /// hop-by-hop headers dropped, an absolute-form target made origin-form,
+    /// header rules and hooks (`pier.req.set_uri`, `set_header`) applied.
+    pub up_req: RequestHead,
+    /// The step the request is at (docs/phases.md; logs of a failure).
+    pub step: crate::phases::Step,
     pub client: SocketAddr,
     pub local: SocketAddr,
     /// Client IP as text, formatted once per connection (X-Forwarded-For, logs).
@@ -23,12 +31,16 @@ pub struct Session {
     /// The client asked to keep the connection (read before hop-by-hop
     /// headers are stripped for the upstream request).
     pub client_keep: bool,
+    /// An Upgrade (WebSocket) is allowed through for this request.
+    pub upgrade: bool,
 }
 
 impl Session {
     pub fn new(client: SocketAddr, local: SocketAddr) -> Self {
         Session {
             req: RequestHead::default(),
+            up_req: RequestHead::default(),
+            step: crate::phases::Step::ReadHead,
             client,
             local,
             client_ip: client.ip().to_string(),
@@ -40,11 +52,14 @@ impl Session {
             upstream: None,
             reason: "",
             client_keep: true,
+            upgrade: false,
         }
     }
 
     /// Reset per-request fields, keeping buffers (keep-alive).
     pub(crate) fn begin(&mut self, now_ns: u64) {
+        self.up_req.copy_from(&self.req);
+        self.step = crate::phases::Step::ReadHead;
         self.route = None;
         self.now_ns = now_ns;
         self.started = Instant::now();
@@ -53,5 +68,6 @@ impl Session {
         self.upstream = None;
         self.reason = "";
         self.client_keep = true;
+        self.upgrade = false;
     }
 }

@@ -1,11 +1,10 @@
 //! The running config: what a request consults, swapped whole on reload.
 
-use pier_config::{Config, HostMatch, LimitKeyPart, LimitKind, LimitRule, LuaSource, PathMatch};
+use pier_config::{Config, HostMatch, LimitKeyPart, LimitKind, LimitRule, PathMatch};
 use pier_http::HeadLimits;
 use pier_lb::Group;
 use pier_limits::{ConcurrencyLimit, ConcurrencyLimiter, RateLimit, RateLimiter};
 use pier_log::Metrics;
-use pier_lua::{LuaSetup, RouteHooks, Source};
 use pier_shdict::Registry;
 use std::sync::Arc;
 
@@ -24,8 +23,10 @@ pub struct State {
     pub groups: Vec<Arc<Group>>,
     pub head_limits: HeadLimits,
     pub generation: u64,
-    /// Lua hooks, when any route (or `[lua]`) has some.
-    pub lua: Option<Arc<LuaSetup>>,
+    /// Per-generation data of the phase implementation (for `pier-phases`:
+    /// the compiled Lua setup), set by whoever builds the state; the engine
+    /// itself never looks inside.
+    pub scripts: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// `pier.shared.NAME` dictionaries (contents survive reloads).
     pub shdicts: Arc<Registry>,
     /// `[[limit]]` rules (counters survive reloads when a rule is unchanged).
@@ -70,45 +71,6 @@ impl LimitRt {
         self.rate.as_ref().map(|r| r.denied_total()).unwrap_or(0)
             + self.conc.as_ref().map(|c| c.denied_total()).unwrap_or(0)
     }
-}
-
-/// The Lua side of a config: route hooks in route order.
-pub fn lua_setup(cfg: &Config) -> Option<LuaSetup> {
-    let any = cfg.lua.init.is_some()
-        || cfg.lua.init_worker.is_some()
-        || cfg.routes.iter().any(|r| !r.lua.is_empty());
-    if !any {
-        return None;
-    }
-    let conv = |s: &Option<LuaSource>| {
-        s.as_ref().map(|s| match s {
-            LuaSource::Inline { code, name } => Source::Inline {
-                code: code.clone(),
-                name: name.clone(),
-            },
-            LuaSource::File(p) => Source::File(p.clone()),
-        })
-    };
-    Some(LuaSetup {
-        init: conv(&cfg.lua.init),
-        init_worker: conv(&cfg.lua.init_worker),
-        routes: cfg
-            .routes
-            .iter()
-            .map(|r| RouteHooks {
-                access: conv(&r.lua.access),
-                content: conv(&r.lua.content),
-                balancer: conv(&r.lua.balancer),
-                upstream_request: conv(&r.lua.upstream_request),
-                header_filter: conv(&r.lua.header_filter),
-                body_filter: conv(&r.lua.body_filter),
-                log: conv(&r.lua.log),
-            })
-            .collect(),
-        shared_dicts: cfg.lua.shared.clone(),
-        memory_limit: cfg.lua.memory_limit,
-        package_path: cfg.lua.package_path.clone(),
-    })
 }
 
 impl State {
@@ -160,7 +122,6 @@ impl State {
             None => Registry::new(&specs),
         }
         .map_err(|e| format!("lua.shared: {e}"))?;
-        let lua = lua_setup(&cfg).map(Arc::new);
         let limits: Vec<Arc<LimitRt>> = cfg
             .rate_limits
             .iter()
@@ -193,7 +154,7 @@ impl State {
             groups,
             head_limits,
             generation,
-            lua,
+            scripts: None,
             shdicts: Arc::new(shdicts),
             limits,
             route_limits,

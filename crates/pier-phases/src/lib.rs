@@ -1,4 +1,4 @@
-//! `PierHooks`: the phases every Pier route runs — `[[limit]]` rules, then
+//! `ConfigPhases`: the phases a config file gives every route — `[[limit]]` rules, then
 //! the route's Lua hooks (pier-lua), each only when configured, so a route
 //! with neither costs two empty-slice checks.
 //!
@@ -6,21 +6,22 @@
 //! LuaJIT state is single-threaded), rebuilt when a reload bumps the config
 //! generation.
 
-use crate::phases::{Flow, Hooks, LocalResponse, PeerChoice};
-use crate::session::Session;
-use crate::state::{LimitRt, State};
 use bytes::BytesMut;
 use pier_config::LimitKeyPart;
+use pier_config::{Config, LuaSource};
 use pier_error::{Error, Kind};
 use pier_http::{Headers, ResponseHead};
 use pier_limits::Decision;
-use pier_lua::{HttpView, LuaEngine, Phase};
+use pier_lua::{HttpView, LuaEngine, LuaSetup, Phase, RouteHooks, Source};
+use pier_proxy::state::{LimitRt, State};
+use pier_proxy::{Flow, LocalResponse, PeerChoice, Phases, Session};
 use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::rc::Rc;
+use std::sync::Arc;
 
 #[derive(Default)]
-pub struct PierHooks {
+pub struct ConfigPhases {
     engine: RefCell<Option<(u64, Rc<LuaEngine>)>>,
     /// Reused buffer for limit keys (no allocation per request).
     keybuf: RefCell<Vec<u8>>,
@@ -28,7 +29,7 @@ pub struct PierHooks {
 
 /// Per-request state.
 #[derive(Default)]
-pub struct PierCtx {
+pub struct ConfigCtx {
     lua: Option<pier_lua::RequestCtx>,
     /// Concurrency-limit slots, released when the request ends.
     guards: Vec<pier_limits::Guard>,
@@ -37,14 +38,14 @@ pub struct PierCtx {
     engine: Option<Rc<LuaEngine>>,
 }
 
-impl PierHooks {
+impl ConfigPhases {
     pub fn new() -> Self {
         Self::default()
     }
 
     /// This thread's engine for the config generation `st` belongs to.
     fn engine(&self, st: &State) -> Result<Option<Rc<LuaEngine>>, Error> {
-        let Some(setup) = &st.lua else {
+        let Some(setup) = setup_of(st) else {
             // A reload that removed Lua: the old engine goes, and its timers
             // (which hold it weakly) with it.
             if self.engine.borrow().is_some() {
@@ -57,7 +58,7 @@ impl PierHooks {
                 return Ok(Some(e.clone()));
             }
         }
-        let e = LuaEngine::new(setup.clone(), st.shdicts.clone()).map_err(|e| {
+        let e = LuaEngine::new(setup, st.shdicts.clone()).map_err(|e| {
             tracing::error!(target: "pier::lua", "cannot start the Lua engine: {e}");
             Error::with_detail(Kind::HookError, e)
         })?;
@@ -72,13 +73,13 @@ impl PierHooks {
         &self,
         st: &State,
         s: &Session,
-        ctx: &mut PierCtx,
+        ctx: &mut ConfigCtx,
         phase: Phase,
     ) -> Result<Option<Rc<LuaEngine>>, Error> {
         let Some(route) = s.route else {
             return Ok(None);
         };
-        if st.lua.is_none() {
+        if st.scripts.is_none() {
             return Ok(None);
         }
         let e = match &ctx.engine {
@@ -107,13 +108,13 @@ impl PierHooks {
         for part in &rule.rule.key {
             match part {
                 LimitKeyPart::ClientIp => buf.extend_from_slice(s.client_ip.as_bytes()),
-                LimitKeyPart::Header(h) => match s.req.headers.get(h.as_bytes()) {
+                LimitKeyPart::Header(h) => match s.up_req.headers.get(h.as_bytes()) {
                     Some(v) => buf.extend_from_slice(v),
                     None => return false,
                 },
                 LimitKeyPart::Cookie(c) => {
                     match s
-                        .req
+                        .up_req
                         .headers
                         .get(b"cookie")
                         .and_then(|v| pier_lb::find_cookie(v, c.as_bytes()))
@@ -122,7 +123,7 @@ impl PierHooks {
                         None => return false,
                     }
                 }
-                LimitKeyPart::Path => buf.extend_from_slice(s.req.path()),
+                LimitKeyPart::Path => buf.extend_from_slice(s.up_req.path()),
                 LimitKeyPart::Route => {
                     if let Some(r) = s.route {
                         buf.extend_from_slice(st.routes[r].name.as_bytes());
@@ -146,7 +147,7 @@ impl PierHooks {
         &self,
         st: &State,
         s: &Session,
-        ctx: &mut PierCtx,
+        ctx: &mut ConfigCtx,
         idx: &[usize],
         peer: Option<SocketAddr>,
     ) -> Option<LocalResponse> {
@@ -229,8 +230,8 @@ fn lua_response(
     }
 }
 
-impl Hooks for PierHooks {
-    type Ctx = PierCtx;
+impl Phases for ConfigPhases {
+    type Ctx = ConfigCtx;
 
     fn init_worker(&self, st: &State) {
         // Start the engine now: runs init/init_worker and starts timers on this thread.
@@ -241,7 +242,7 @@ impl Hooks for PierHooks {
         &self,
         st: &State,
         s: &mut Session,
-        ctx: &mut PierCtx,
+        ctx: &mut ConfigCtx,
     ) -> Result<Flow, Error> {
         let route = s.route.unwrap_or(0);
         if let Some(idx) = st.route_limits.get(route) {
@@ -287,7 +288,7 @@ impl Hooks for PierHooks {
         &self,
         st: &State,
         s: &mut Session,
-        ctx: &mut PierCtx,
+        ctx: &mut ConfigCtx,
     ) -> Result<PeerChoice, Error> {
         let Some(e) = self.hook(st, s, ctx, Phase::Balancer)? else {
             return Ok(PeerChoice::default());
@@ -310,7 +311,7 @@ impl Hooks for PierHooks {
         &self,
         st: &State,
         s: &mut Session,
-        ctx: &mut PierCtx,
+        ctx: &mut ConfigCtx,
         peer: SocketAddr,
     ) -> Result<Flow, Error> {
         let route = s.route.unwrap_or(0);
@@ -328,7 +329,7 @@ impl Hooks for PierHooks {
         &self,
         st: &State,
         s: &mut Session,
-        ctx: &mut PierCtx,
+        ctx: &mut ConfigCtx,
     ) -> Result<Flow, Error> {
         let Some(e) = self.hook(st, s, ctx, Phase::UpstreamRequest)? else {
             return Ok(Flow::Continue);
@@ -364,7 +365,7 @@ impl Hooks for PierHooks {
         st: &State,
         s: &mut Session,
         resp: &mut ResponseHead,
-        ctx: &mut PierCtx,
+        ctx: &mut ConfigCtx,
     ) -> Result<(), Error> {
         if !ctx.pending.is_empty() {
             for (n, v) in ctx.pending.iter() {
@@ -385,7 +386,7 @@ impl Hooks for PierHooks {
     }
 
     fn filters_local(&self, st: &State, s: &Session) -> bool {
-        let (Some(route), Some(_)) = (s.route, &st.lua) else {
+        let (Some(route), Some(_)) = (s.route, &st.scripts) else {
             return false;
         };
         matches!(&*self.engine.borrow(), Some((g, e)) if *g == st.generation
@@ -393,7 +394,7 @@ impl Hooks for PierHooks {
     }
 
     fn has_body_filter(&self, st: &State, s: &Session) -> bool {
-        let (Some(route), Some(_)) = (s.route, &st.lua) else {
+        let (Some(route), Some(_)) = (s.route, &st.scripts) else {
             return false;
         };
         matches!(&*self.engine.borrow(), Some((g, e)) if *g == st.generation && e.has_hook(route, Phase::BodyFilter))
@@ -403,7 +404,7 @@ impl Hooks for PierHooks {
         &self,
         st: &State,
         s: &mut Session,
-        ctx: &mut PierCtx,
+        ctx: &mut ConfigCtx,
         chunk: &mut BytesMut,
         eof: bool,
     ) -> Result<(), Error> {
@@ -421,7 +422,7 @@ impl Hooks for PierHooks {
             .map_err(hook_error)
     }
 
-    fn logging(&self, st: &State, s: &mut Session, ctx: &mut PierCtx) {
+    fn logging(&self, st: &State, s: &mut Session, ctx: &mut ConfigCtx) {
         ctx.guards.clear();
         if let Ok(Some(e)) = self.hook(st, s, ctx, Phase::Log) {
             let route = s.route.unwrap_or(0);
@@ -447,32 +448,32 @@ struct View<'a> {
 
 impl HttpView for View<'_> {
     fn method(&self) -> &[u8] {
-        self.sess.req.method()
+        self.sess.up_req.method()
     }
     fn uri(&self) -> &[u8] {
-        self.sess.req.uri()
+        self.sess.up_req.uri()
     }
     fn set_uri(&mut self, uri: &[u8]) {
-        self.sess.req.set_uri(uri);
+        self.sess.up_req.set_uri(uri);
     }
     fn req_header(&self, name: &[u8]) -> Option<&[u8]> {
-        self.sess.req.headers.get(name)
+        self.sess.up_req.headers.get(name)
     }
     fn req_headers(&self, f: &mut dyn FnMut(&[u8], &[u8])) {
-        for (n, v) in self.sess.req.headers.iter() {
+        for (n, v) in self.sess.up_req.headers.iter() {
             f(n, v);
         }
     }
     fn set_req_header(&mut self, name: &[u8], value: Option<&[u8]>) {
         match value {
-            Some(v) => self.sess.req.headers.insert(name, v),
+            Some(v) => self.sess.up_req.headers.insert(name, v),
             None => {
-                self.sess.req.headers.remove(name);
+                self.sess.up_req.headers.remove(name);
             }
         }
     }
     fn add_req_header(&mut self, name: &[u8], value: &[u8]) {
-        self.sess.req.headers.append(name, value);
+        self.sess.up_req.headers.append(name, value);
     }
     fn client_addr(&self) -> SocketAddr {
         self.sess.client
@@ -481,7 +482,7 @@ impl HttpView for View<'_> {
         b"http"
     }
     fn host(&self) -> &[u8] {
-        self.sess.req.host().unwrap_or(b"")
+        self.sess.up_req.host().unwrap_or(b"")
     }
     fn server_port(&self) -> u16 {
         self.sess.local.port()
@@ -532,5 +533,89 @@ impl HttpView for View<'_> {
     }
     fn now_ns(&self) -> u64 {
         self.sess.now_ns
+    }
+}
+
+/// The Lua side of a config: route hooks in route order.
+pub fn lua_setup(cfg: &Config) -> Option<LuaSetup> {
+    let any = cfg.lua.init.is_some()
+        || cfg.lua.init_worker.is_some()
+        || cfg.routes.iter().any(|r| !r.lua.is_empty());
+    if !any {
+        return None;
+    }
+    let conv = |s: &Option<LuaSource>| {
+        s.as_ref().map(|s| match s {
+            LuaSource::Inline { code, name } => Source::Inline {
+                code: code.clone(),
+                name: name.clone(),
+            },
+            LuaSource::File(p) => Source::File(p.clone()),
+        })
+    };
+    Some(LuaSetup {
+        init: conv(&cfg.lua.init),
+        init_worker: conv(&cfg.lua.init_worker),
+        routes: cfg
+            .routes
+            .iter()
+            .map(|r| RouteHooks {
+                access: conv(&r.lua.access),
+                content: conv(&r.lua.content),
+                balancer: conv(&r.lua.balancer),
+                upstream_request: conv(&r.lua.upstream_request),
+                header_filter: conv(&r.lua.header_filter),
+                body_filter: conv(&r.lua.body_filter),
+                log: conv(&r.lua.log),
+            })
+            .collect(),
+        shared_dicts: cfg.lua.shared.clone(),
+        memory_limit: cfg.lua.memory_limit,
+        package_path: cfg.lua.package_path.clone(),
+    })
+}
+
+/// Attach this config's Lua setup to a freshly built state (its `scripts`).
+pub fn prepare(state: &mut State) {
+    state.scripts =
+        lua_setup(&state.cfg).map(|s| Arc::new(s) as Arc<dyn std::any::Any + Send + Sync>);
+}
+
+/// The Lua setup a state carries, if its config has any Lua.
+pub fn setup_of(st: &State) -> Option<Arc<LuaSetup>> {
+    st.scripts.clone()?.downcast::<LuaSetup>().ok()
+}
+
+#[cfg(test)]
+mod size_tests {
+    use super::*;
+    use std::net::SocketAddr;
+
+    fn size_of_future<F, S, Fut>(_: F) -> usize
+    where
+        F: FnOnce(Arc<pier_proxy::Worker<ConfigPhases>>, S, SocketAddr, SocketAddr) -> Fut,
+    {
+        std::mem::size_of::<Fut>()
+    }
+
+    /// Every connection's task holds this future for its whole life, idle or
+    /// not: its size is most of an idle keep-alive connection's memory.
+    #[test]
+    fn connection_future_stays_small() {
+        let n = size_of_future(
+            pier_proxy::driver::serve_connection::<ConfigPhases, tokio::net::TcpStream>,
+        );
+        eprintln!("serve_connection future: {n} bytes");
+        assert!(n <= 1536, "serve_connection future grew to {n} bytes");
+    }
+
+    /// The connection's boxed session (the request as received and the
+    /// upstream request, whose storage goes back to the worker's pool while
+    /// idle): the rest of an idle connection's memory.
+    #[test]
+    fn session_stays_small() {
+        let n = std::mem::size_of::<Session>();
+        eprintln!("Session: {n} bytes");
+        assert!(n <= 560, "Session grew to {n} bytes");
     }
 }

@@ -1,0 +1,380 @@
+//! The engine driven over in-memory streams on both sides: no socket
+//! anywhere, which is what proves the driver protocol- and stream-neutral.
+//! The client end is a `tokio::io::duplex` pipe handed to `serve_connection`;
+//! every upstream connection is a pipe made by `Connector::memory`, with an
+//! origin task on its other end.
+
+use pier_core::{Connector, PeerKey, Pool, PoolConfig};
+use pier_error::Error;
+use pier_http::{BodyLen, HeadLimits, Method, RequestHead, ResponseHead};
+use pier_log::{AccessLog, Metrics};
+use pier_proxy::{driver, Flow, Phases, Session, Shared, State, Worker};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+
+const A: &str = "10.9.0.1:80";
+const B: &str = "10.9.0.2:80";
+
+/// Phases for the test: panic on `/panic` (a bug in a phase).
+struct TestPhases;
+
+impl Phases for TestPhases {
+    type Ctx = ();
+    async fn request_filter(
+        &self,
+        _st: &State,
+        s: &mut Session,
+        _ctx: &mut (),
+    ) -> Result<Flow, Error> {
+        if s.req.path() == b"/panic" {
+            panic!("a phase panicked");
+        }
+        Ok(Flow::Continue)
+    }
+}
+
+/// What the in-memory origins saw.
+#[derive(Default)]
+struct Seen {
+    heads: Mutex<Vec<String>>,
+    dials: AtomicUsize,
+}
+
+/// An HTTP/1.1 origin on one pipe: answers every request with 200 and the
+/// request head it received as the body.
+async fn origin(mut s: DuplexStream, seen: Arc<Seen>) {
+    let mut buf = Vec::new();
+    let limits = HeadLimits::default();
+    loop {
+        let mut req = RequestHead::default();
+        let n = loop {
+            if let Ok(Some(n)) = req.parse(&buf, &limits) {
+                break n;
+            }
+            let mut chunk = [0u8; 4096];
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(k) => buf.extend_from_slice(&chunk[..k]),
+            }
+        };
+        let head = String::from_utf8_lossy(&buf[..n]).into_owned();
+        buf.drain(..n);
+        // Bodies: only Content-Length ones in these tests.
+        if let BodyLen::Length(len) = req.body_len() {
+            while (buf.len() as u64) < len {
+                let mut chunk = [0u8; 4096];
+                match s.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(k) => buf.extend_from_slice(&chunk[..k]),
+                }
+            }
+            buf.drain(..len as usize);
+        }
+        seen.heads.lock().unwrap().push(head.clone());
+        let resp = format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{}",
+            head.len(),
+            head
+        );
+        if s.write_all(resp.as_bytes()).await.is_err() {
+            return;
+        }
+    }
+}
+
+struct Engine {
+    worker: Arc<Worker<TestPhases>>,
+    seen: Arc<Seen>,
+}
+
+/// An engine whose upstream connections are pipes; dials to `down` fail as
+/// a connect timeout would.
+fn engine(extra: &str, down: Option<&'static str>) -> Engine {
+    let text = format!(
+        r#"
+[[listener]]
+name = "main"
+listen = "127.0.0.1:0"
+
+[[route]]
+name = "all"
+upstream = "o"
+
+[upstream.o]
+servers = ["{A}", "{B}"]
+{extra}
+"#
+    );
+    let cfg = pier_config::load_str(&text, "engine.toml").expect("config");
+    let metrics = Metrics::new(1);
+    let pool = Pool::new(PoolConfig {
+        workers: 1,
+        max_idle_per_server: 8,
+        idle_timeout: Duration::from_secs(30),
+    });
+    let state = State::build(cfg, &metrics, 1, None).expect("state");
+    let mut shared = Shared::new(state, pool, metrics, AccessLog::off());
+    let seen = Arc::new(Seen::default());
+    let s2 = seen.clone();
+    let down: Option<SocketAddr> = down.map(|d| d.parse().unwrap());
+    shared.connector = Connector::memory(Arc::new(move |key: &PeerKey| {
+        s2.dials.fetch_add(1, Relaxed);
+        if Some(key.addr) == down {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        let (ours, theirs) = tokio::io::duplex(64 * 1024);
+        tokio::task::spawn_local(origin(theirs, s2.clone()));
+        Ok(ours)
+    }));
+    // A worker is one thread's (RefCell inside), as in pier-core's runtime.
+    #[allow(clippy::arc_with_non_send_sync)]
+    let worker = Arc::new(Worker {
+        id: 0,
+        shared: Arc::new(shared),
+        phases: TestPhases,
+        waiting: Default::default(),
+        bufs: Default::default(),
+    });
+    Engine { worker, seen }
+}
+
+/// A client connection: its end of the pipe, the connection served on the other.
+fn connect(e: &Engine) -> DuplexStream {
+    let (client, server) = tokio::io::duplex(64 * 1024);
+    let peer: SocketAddr = "192.0.2.7:50000".parse().unwrap();
+    let local: SocketAddr = "192.0.2.1:80".parse().unwrap();
+    tokio::task::spawn_local(driver::serve_connection(
+        e.worker.clone(),
+        server,
+        peer,
+        local,
+    ));
+    client
+}
+
+/// Read one response; `None` if the connection closed first.
+async fn response(c: &mut DuplexStream, buf: &mut Vec<u8>) -> Option<(u16, String, String)> {
+    loop {
+        let mut head = ResponseHead::default();
+        if let Ok(Some(n)) = head.parse(buf, &HeadLimits::default()) {
+            let len = match head.body_len(Method::Get).ok()? {
+                BodyLen::Length(l) => l as usize,
+                _ => 0,
+            };
+            while buf.len() < n + len {
+                let mut chunk = [0u8; 4096];
+                let k = c.read(&mut chunk).await.ok()?;
+                if k == 0 {
+                    return None;
+                }
+                buf.extend_from_slice(&chunk[..k]);
+            }
+            let h = String::from_utf8_lossy(&buf[..n]).into_owned();
+            let body = String::from_utf8_lossy(&buf[n..n + len]).into_owned();
+            buf.drain(..n + len);
+            return Some((head.status, h, body));
+        }
+        let mut chunk = [0u8; 4096];
+        let k = c.read(&mut chunk).await.ok()?;
+        if k == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..k]);
+    }
+}
+
+async fn read_to_end(c: &mut DuplexStream) -> Vec<u8> {
+    let mut all = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut all)).await;
+    all
+}
+
+fn run<F: std::future::Future<Output = ()>>(f: F) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    tokio::task::LocalSet::new().block_on(&rt, async {
+        tokio::time::timeout(Duration::from_secs(30), f)
+            .await
+            .expect("test timed out");
+    });
+}
+
+#[test]
+fn proxies_over_pipes_with_keep_alive_and_pooling() {
+    run(async {
+        let e = engine("", None);
+        let mut c = connect(&e);
+        let mut buf = Vec::new();
+        for i in 0..3 {
+            let req = format!("GET /x/{i}?q=1 HTTP/1.1\r\nHost: example.test\r\n\r\n");
+            c.write_all(req.as_bytes()).await.unwrap();
+            let (status, _, body) = response(&mut c, &mut buf).await.expect("response");
+            assert_eq!(status, 200);
+            assert!(
+                body.starts_with(&format!("GET /x/{i}?q=1 HTTP/1.1\r\n")),
+                "{body}"
+            );
+            assert!(body.contains("Host: example.test\r\n"), "{body}");
+            assert!(body.contains("X-Forwarded-For: 192.0.2.7\r\n"), "{body}");
+        }
+        // Round robin over two servers, each connection pooled and reused.
+        assert_eq!(e.seen.dials.load(Relaxed), 2);
+        assert_eq!(e.seen.heads.lock().unwrap().len(), 3);
+    });
+}
+
+#[test]
+fn absolute_form_goes_upstream_in_origin_form_with_its_authority() {
+    run(async {
+        let e = engine("", None);
+        let mut c = connect(&e);
+        let mut buf = Vec::new();
+        c.write_all(b"GET http://Other.Test:8080/p?a=b HTTP/1.1\r\nHost: ignored.test\r\n\r\n")
+            .await
+            .unwrap();
+        let (status, _, body) = response(&mut c, &mut buf).await.expect("response");
+        assert_eq!(status, 200);
+        assert!(body.starts_with("GET /p?a=b HTTP/1.1\r\n"), "{body}");
+        assert!(body.contains("Host: Other.Test:8080\r\n"), "{body}");
+        assert!(!body.contains("ignored.test\r\n"), "{body}");
+        // No path at all: "/".
+        c.write_all(b"GET http://o.test HTTP/1.1\r\nHost: o.test\r\n\r\n")
+            .await
+            .unwrap();
+        let (_, _, body) = response(&mut c, &mut buf).await.expect("response");
+        assert!(body.starts_with("GET / HTTP/1.1\r\n"), "{body}");
+    });
+}
+
+#[test]
+fn http10_without_host_gets_the_upstream_host() {
+    run(async {
+        let e = engine("", None);
+        let mut c = connect(&e);
+        c.write_all(b"GET /old HTTP/1.0\r\n\r\n").await.unwrap();
+        let all = String::from_utf8(read_to_end(&mut c).await).unwrap();
+        assert!(all.starts_with("HTTP/1.1 200"), "{all}");
+        assert!(all.contains("GET /old HTTP/1.1\r\n"), "{all}");
+        assert!(
+            all.contains(&format!("Host: {A}\r\n")) || all.contains(&format!("Host: {B}\r\n")),
+            "{all}"
+        );
+    });
+}
+
+#[test]
+fn a_panicking_phase_costs_only_its_request() {
+    run(async {
+        let e = engine("", None);
+        let m = &e.worker.shared.metrics;
+        for _ in 0..5 {
+            let mut c = connect(&e);
+            c.write_all(b"GET /panic HTTP/1.1\r\nHost: a\r\n\r\n")
+                .await
+                .unwrap();
+            let all = String::from_utf8(read_to_end(&mut c).await).unwrap();
+            assert!(all.starts_with("HTTP/1.1 500 "), "{all}");
+            assert!(all.contains("Connection: close\r\n"), "{all}");
+        }
+        assert_eq!(m.panics.load(Relaxed), 5);
+        assert_eq!(m.active_requests.load(Relaxed), 0, "request slots leaked");
+        // The worker goes on serving.
+        let mut c = connect(&e);
+        let mut buf = Vec::new();
+        c.write_all(b"GET /fine HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(response(&mut c, &mut buf).await.unwrap().0, 200);
+    });
+}
+
+#[test]
+fn connect_timeout_is_retried_even_for_post() {
+    run(async {
+        // A's connects time out; with a retry the POST lands on B.
+        let e = engine("retries = 1", Some(A));
+        let mut c = connect(&e);
+        let mut buf = Vec::new();
+        for _ in 0..2 {
+            c.write_all(b"POST /p HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc")
+                .await
+                .unwrap();
+            let (status, head, _) = response(&mut c, &mut buf).await.expect("response");
+            assert_eq!(status, 200, "{head}");
+        }
+    });
+}
+
+#[test]
+fn connect_timeout_answers_502() {
+    run(async {
+        let e = engine("retries = 0", Some(A));
+        let mut c = connect(&e);
+        let mut buf = Vec::new();
+        let mut statuses = Vec::new();
+        for _ in 0..2 {
+            c.write_all(b"GET /p HTTP/1.1\r\nHost: a\r\n\r\n")
+                .await
+                .unwrap();
+            let (status, head, _) = response(&mut c, &mut buf).await.expect("response");
+            if status != 200 {
+                assert!(
+                    head.contains("x-pier-reason: upstream-connect\r\n"),
+                    "{head}"
+                );
+            }
+            statuses.push(status);
+        }
+        statuses.sort();
+        assert_eq!(statuses, [200, 502]);
+    });
+}
+
+#[test]
+fn only_allowed_upgrades_reach_the_origin() {
+    run(async {
+        let e = engine("", None);
+        let mut buf = Vec::new();
+        for (req, why) in [
+            (
+                "GET /u HTTP/1.1\r\nHost: a\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n",
+                "h2c",
+            ),
+            (
+                "GET /u HTTP/1.1\r\nHost: a\r\nUpgrade: websocket\r\n\r\n",
+                "no Connection: upgrade",
+            ),
+            (
+                "GET /u HTTP/1.1\r\nHost: a\r\nConnection: upgrade\r\nUpgrade: foo\r\n\r\n",
+                "not in the allow-list",
+            ),
+        ] {
+            let mut c = connect(&e);
+            c.write_all(req.as_bytes()).await.unwrap();
+            let (status, _, body) = response(&mut c, &mut buf).await.expect("response");
+            assert_eq!(status, 200, "{why}");
+            let lower = body.to_ascii_lowercase();
+            assert!(!lower.contains("upgrade"), "{why}: forwarded {body}");
+            assert!(!lower.contains("http2-settings"), "{why}: forwarded {body}");
+        }
+    });
+}
+
+#[test]
+fn client_closing_mid_body_gets_no_499_on_the_wire() {
+    run(async {
+        let e = engine("", None);
+        let mut c = connect(&e);
+        c.write_all(b"POST /p HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\nabc")
+            .await
+            .unwrap();
+        c.shutdown().await.unwrap();
+        let all = read_to_end(&mut c).await;
+        assert!(all.is_empty(), "sent: {:?}", String::from_utf8_lossy(&all));
+    });
+}
