@@ -99,7 +99,9 @@ def main():
     for r in failed:
         w(f"- **failed to start/check**: {r['proxy']} for {r['path']} at {r['conns']} conns (rep {r['rep']})")
     w("- cells are `median (min–max)` over repetitions; *req/CPU-s* = requests completed ÷ "
-      "the proxy's own CPU seconds (utime+stime of all its processes); *upstream conns* = new "
+      "the proxy's own CPU seconds (utime+stime of all its processes); *user µs/req* and "
+      "*sys µs/req* = the proxy's user (utime) and system (stime) CPU time ÷ requests completed; "
+      "*upstream conns* = new "
       "connections the origin accepted during the run (stub_status); *other CPU s* = CPU "
       "time used during the run by anything but the proxy, the origin and wrk (noise)")
     w("")
@@ -118,8 +120,9 @@ def main():
         w("## Throughput, latency, CPU efficiency")
         w("")
         w("| scenario | proxy | req/s | p50 ms | p99 ms | proxy CPU s | **req/CPU-s** "
+          "| user µs/req | sys µs/req "
           "| upstream conns opened | % of requests | RSS MB | errors | other CPU s |")
-        w("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for path, conns in scenarios:
             for p in proxies_in(load):
                 rs = runs(p, path, conns)
@@ -136,6 +139,8 @@ def main():
                   f"| {cell([r.get('p99_ms') for r in rs], '{:.2f}')} "
                   f"| {cell([r.get('cpu_s') for r in rs], '{:.2f}')} "
                   f"| **{kcell([r.get('req_per_cpu_s') for r in rs])}** "
+                  f"| {cell([r.get('user_us_per_req') for r in rs], '{:.1f}')} "
+                  f"| {cell([r.get('sys_us_per_req') for r in rs], '{:.1f}')} "
                   f"| {cell([r.get('upstream_conns') for r in rs], '{:.0f}')} "
                   f"| {cell(pct, '{:.2f}')} "
                   f"| {cell([r.get('rss_kib') for r in rs], '{:.1f}', 1 / 1024)} "
@@ -170,6 +175,28 @@ def main():
                     if len(per) > 1:
                         c += f" ({min(per):.2f}–{max(per):.2f})"
                     cells.append(c)
+                w(f"| {path}, {conns} conns | " + " | ".join(cells) + " |")
+            w("")
+
+        if ratios:
+            w("## User and system CPU per request: ratios")
+            w("")
+            w("µs of user (utime) and system (stime) CPU per request, summed over all the "
+              "proxy's processes; each cell is the first proxy's ÷ the second's, ratio of the "
+              "medians, with the range of the per-repetition ratios in brackets. Below 1 means "
+              "the first proxy spends less (system time is mostly the kernel's work for the "
+              "proxy's socket syscalls).")
+            w("")
+            heads = []
+            for a, b, _ in ratios:
+                heads += [f"{LABEL[a]} ÷ {LABEL[b]} user", f"{LABEL[a]} ÷ {LABEL[b]} sys"]
+            w("| scenario | " + " | ".join(heads) + " |")
+            w("|---|" + "---|" * len(heads))
+            for path, conns in scenarios:
+                cells = []
+                for a, b, _ in ratios:
+                    for key in ("user_us_per_req", "sys_us_per_req"):
+                        cells.append(ratio_cell(runs(a, path, conns), runs(b, path, conns), key))
                 w(f"| {path}, {conns} conns | " + " | ".join(cells) + " |")
             w("")
 
@@ -221,6 +248,21 @@ def main():
         out.extend(targets)
         w("")
     print("\n".join(out))
+
+
+def ratio_cell(ra, rb, key):
+    """'median(a) ÷ median(b)×' with the range of the per-repetition ratios, or '—'."""
+    ma = med([r.get(key) for r in ra])
+    mb = med([r.get(key) for r in rb])
+    if ma is None or not mb:
+        return "—"
+    byrep = {r["rep"]: r.get(key) for r in rb}
+    per = [r[key] / byrep[r["rep"]] for r in ra
+           if r.get(key) is not None and byrep.get(r["rep"])]
+    c = f"{ma / mb:.2f}×"
+    if len(per) > 1:
+        c += f" ({min(per):.2f}–{max(per):.2f})"
+    return c
 
 
 def target_rows(load, idle, scenarios, runs):

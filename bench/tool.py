@@ -7,7 +7,8 @@ Subcommands:
   check PORT [--lua]        sanity-check a proxy: GET /hello is 200 "hello world";
                             with --lua also x-lua: 1 and 403 when X-Block is sent
   tree PID                  print PID and all its descendants
-  stat PID                  print CPU seconds and RSS (KiB) of PID and all its descendants
+  stat PID                  print CPU seconds (user, sys) and RSS (KiB) of PID and all its
+                            descendants
   measure ...               run wrk against a proxy and append one JSON result line
   idle ...                  RSS of a proxy with N idle keep-alive client connections open
   pier-config SRC DST       rewrite a Pier TOML config for the benchmark (2 workers,
@@ -156,20 +157,25 @@ def tree(pid):
     return out
 
 
-def stat(pid):
-    """(cpu_seconds, rss_kib, pss_kib, nprocs) summed over the process tree.
+def stat_split(pid):
+    """(user_seconds, sys_seconds, rss_kib, pss_kib, nprocs) summed over the process tree.
 
-    CPU is utime+stime of every live process plus cutime+cstime (children that
-    already exited and were reaped), so nothing a process tree burned is lost.
+    User CPU is utime of every live process plus cutime (children that already
+    exited and were reaped); system CPU likewise stime plus cstime. So nothing a
+    process tree burned is lost: nginx's and HAProxy's workers are all counted,
+    Pier's threads are in its one process's utime/stime.
     """
-    ticks = rss = pss = n = 0
+    uticks = sticks = rss = pss = n = 0
     for p in tree(pid):
         try:
             with open(f"/proc/{p}/stat") as f:
                 s = f.read()
             fields = s[s.rindex(")") + 2 :].split()
-            # fields[0] is state (field 3); utime is field 14 -> index 11.
-            ticks += sum(int(x) for x in fields[11:15])
+            # fields[0] is state (field 3); utime, stime, cutime, cstime are
+            # fields 14-17 -> indexes 11-14.
+            ut, st, cut, cst = (int(x) for x in fields[11:15])
+            uticks += ut + cut
+            sticks += st + cst
             with open(f"/proc/{p}/status") as f:
                 for line in f:
                     if line.startswith("VmRSS:"):
@@ -184,7 +190,13 @@ def stat(pid):
             n += 1
         except (OSError, ValueError):
             continue
-    return ticks / CLK_TCK, rss, pss, n
+    return uticks / CLK_TCK, sticks / CLK_TCK, rss, pss, n
+
+
+def stat(pid):
+    """(cpu_seconds, rss_kib, pss_kib, nprocs): stat_split with user + sys CPU added up."""
+    user, sys_, rss, pss, n = stat_split(pid)
+    return user + sys_, rss, pss, n
 
 
 def busy_seconds():
@@ -233,7 +245,7 @@ def measure(a):
            "--timeout", "10s", "-H", "User-Agent: pier-bench",
            f"http://127.0.0.1:{a.port}{a.path}"]
     acc0 = origin_accepts(a.origin_port)
-    cpu0, _, _, _ = stat(a.pid)
+    user0, sys0, _, _, _ = stat_split(a.pid)
     ocpu0, _, _, _ = stat(a.origin_pid)
     busy0 = busy_seconds()
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -241,19 +253,26 @@ def measure(a):
     t0 = time.monotonic()
     p = subprocess.run(wrk, capture_output=True, text=True, timeout=a.duration + 60)
     wall = time.monotonic() - t0
-    cpu1, rss, pss, nproc = stat(a.pid)
+    user1, sys1, rss, pss, nproc = stat_split(a.pid)
     ocpu1, _, _, _ = stat(a.origin_pid)
     busy1 = busy_seconds()
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     wrk_cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     acc1 = origin_accepts(a.origin_port)
     r = parse_wrk(p.stdout)
-    cpu = cpu1 - cpu0
+    user, sys_ = user1 - user0, sys1 - sys0
+    cpu = user + sys_
+    reqs = r["requests"]
     r.update({
         "kind": "load", "proxy": a.proxy, "path": a.path, "conns": a.conns, "rep": a.rep,
         "duration": a.duration, "wall_s": round(wall, 3),
         "cpu_s": round(cpu, 3),
-        "req_per_cpu_s": (r["requests"] / cpu) if (r["requests"] and cpu > 0) else None,
+        "user_s": round(user, 3),
+        "sys_s": round(sys_, 3),
+        "req_per_cpu_s": (reqs / cpu) if (reqs and cpu > 0) else None,
+        # Per request, in microseconds (CPU time is counted in 1/CLK_TCK ticks).
+        "user_us_per_req": (user * 1e6 / reqs) if reqs else None,
+        "sys_us_per_req": (sys_ * 1e6 / reqs) if reqs else None,
         # -1: the second stub_status query's own connection.
         "upstream_conns": acc1 - acc0 - 1,
         "origin_cpu_s": round(ocpu1 - ocpu0, 3),
@@ -272,7 +291,9 @@ def measure(a):
     upc = r["upstream_conns"]
     print(f"  {a.proxy:9} {a.path:8} c={a.conns:<4} rps={r['rps'] or 0:>9.0f} "
           f"p50={r['p50_ms'] or 0:.2f}ms p99={r['p99_ms'] or 0:.2f}ms cpu={cpu:.2f}s "
-          f"req/cpu-s={r['req_per_cpu_s'] or 0:>7.0f} upstream-conns={upc} "
+          f"req/cpu-s={r['req_per_cpu_s'] or 0:>7.0f} "
+          f"user={r['user_us_per_req'] or 0:.1f}us/req sys={r['sys_us_per_req'] or 0:.1f}us/req "
+          f"upstream-conns={upc} "
           f"rss={rss / 1024:.1f}MB errs={r['socket_errors']}+{r['non_2xx']} "
           f"other-cpu={r['other_cpu_s']:.1f}s", flush=True)
     return 0 if "error" not in r else 1
@@ -460,8 +481,9 @@ def main():
     elif a.cmd == "tree":
         print(" ".join(str(p) for p in tree(a.pid)))
     elif a.cmd == "stat":
-        cpu, rss, pss, n = stat(a.pid)
-        print(f"cpu_s={cpu:.2f} rss_kib={rss} pss_kib={pss} procs={n}")
+        user, sys_, rss, pss, n = stat_split(a.pid)
+        print(f"cpu_s={user + sys_:.2f} user_s={user:.2f} sys_s={sys_:.2f} "
+              f"rss_kib={rss} pss_kib={pss} procs={n}")
     elif a.cmd == "measure":
         return measure(a)
     elif a.cmd == "idle":

@@ -126,6 +126,8 @@ impl Config {
                 path: PathMatch::Any,
                 upstream: "default".into(),
                 lua: RouteLua::default(),
+                headers: HeaderRules::default(),
+                host_header: None,
             }],
             upstreams: [("default".to_string(), upstream)].into_iter().collect(),
             limits: Limits::default(),
@@ -135,6 +137,7 @@ impl Config {
             demo_origin: None,
             lua: LuaConfig::default(),
             rate_limits: Vec::new(),
+            upgrade: validate::default_upgrade(),
         }
     }
 }

@@ -33,6 +33,9 @@ pub struct Config {
     pub lua: LuaConfig,
     /// `[[limit]]` rules, in file order.
     pub rate_limits: Vec<LimitRule>,
+    /// `[http] upgrade`: lower-cased protocol tokens a client may switch to
+    /// with `Upgrade` (default `["websocket"]`); never contains "h2c".
+    pub upgrade: Vec<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -53,6 +56,56 @@ pub struct Route {
     pub upstream: String,
     /// `[route.lua]` hooks.
     pub lua: RouteLua,
+    /// `[route.headers]`: applied after the upstream's rules (so the
+    /// route's `set` wins).
+    pub headers: HeaderRules,
+    /// The Host header sent upstream; None = use the upstream's `host_header`.
+    pub host_header: Option<HostHeader>,
+}
+
+/// Header rewrite rules (`[route.headers]`, `[upstream.NAME.headers]`).
+/// Names keep the case they were written in and are compared
+/// case-insensitively; within one table they are distinct (ignoring case).
+/// Within one scope the rules apply in the order remove, set, add; a
+/// name is never both removed and set/added in one scope.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeaderRules {
+    /// Replace (or add) these request headers before the request goes upstream.
+    pub request_set: Vec<(String, String)>,
+    /// Append these request headers (keeping any already there).
+    pub request_add: Vec<(String, String)>,
+    /// Remove these request headers (names, compared case-insensitively).
+    pub request_remove: Vec<String>,
+    /// Replace (or add) these headers in every response of the route.
+    pub response_set: Vec<(String, String)>,
+    /// Append these headers to every response of the route.
+    pub response_add: Vec<(String, String)>,
+    /// Remove these headers from every response of the route.
+    pub response_remove: Vec<String>,
+}
+
+impl HeaderRules {
+    /// No rule at all.
+    pub fn is_empty(&self) -> bool {
+        self.request_set.is_empty()
+            && self.request_add.is_empty()
+            && self.request_remove.is_empty()
+            && self.response_set.is_empty()
+            && self.response_add.is_empty()
+            && self.response_remove.is_empty()
+    }
+}
+
+/// The Host header sent upstream.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum HostHeader {
+    /// The client's Host (default; when the client sent none, the upstream server's host:port).
+    #[default]
+    Preserve,
+    /// The upstream server's host:port (nginx's default `$proxy_host`).
+    Upstream,
+    /// This literal value.
+    Literal(String),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,6 +150,10 @@ pub struct Upstream {
     /// In-flight requests per server (0 = off); past it Pier answers 503
     /// instead of piling more on the origin (Pingora's origin protection).
     pub max_inflight_per_server: u32,
+    /// `[upstream.NAME.headers]`: applied before the route's rules.
+    pub headers: HeaderRules,
+    /// The Host header sent upstream, unless the route sets its own.
+    pub host_header: HostHeader,
 }
 
 #[derive(Debug, Clone)]
@@ -168,6 +225,9 @@ pub struct Timeouts {
     pub upstream_connect: Duration,
     pub upstream_response: Duration,
     pub upstream_idle: Duration,
+    /// Idle timeout of an upgraded connection (e.g. WebSocket): closed
+    /// after this long with no byte in either direction.
+    pub tunnel_idle: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -61,6 +61,14 @@ pub struct TimeoutsSection {
     pub upstream_connect: Option<Spanned<String>>,
     pub upstream_response: Option<Spanned<String>>,
     pub upstream_idle: Option<Spanned<String>>,
+    pub tunnel_idle: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "an [http] table")]
+pub struct HttpSection {
+    /// Protocols a client may switch to with `Upgrade` (e.g. "websocket").
+    pub upgrade: Option<Vec<Spanned<String>>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -93,7 +101,46 @@ pub struct RouteEntry {
     pub regex: Option<Spanned<String>>,
     /// Required unless the route has a `content` hook.
     pub upstream: Option<Spanned<String>>,
+    pub host_header: Option<Spanned<String>>,
+    pub headers: Option<HeadersSection>,
     pub lua: Option<RouteLuaSection>,
+}
+
+/// `[route.headers]` / `[upstream.NAME.headers]`: header rewrite rules.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a headers table")]
+pub struct HeadersSection {
+    pub request_set: Option<HeaderTable>,
+    pub request_add: Option<HeaderTable>,
+    pub request_remove: Option<Vec<Spanned<String>>>,
+    pub response_set: Option<HeaderTable>,
+    pub response_add: Option<HeaderTable>,
+    pub response_remove: Option<Vec<Spanned<String>>>,
+}
+
+/// `{ "X-Env" = "prod", ... }`: header name -> value, in file order.
+#[derive(Debug, Default)]
+pub struct HeaderTable(pub Vec<(Spanned<String>, Spanned<String>)>);
+
+impl<'de> Deserialize<'de> for HeaderTable {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = HeaderTable;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a table of header names and values, e.g. { \"X-Env\" = \"prod\" }")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<HeaderTable, A::Error> {
+                // toml_edit hands the entries over in file order.
+                let mut pairs = Vec::new();
+                while let Some(entry) = map.next_entry()? {
+                    pairs.push(entry);
+                }
+                Ok(HeaderTable(pairs))
+            }
+        }
+        d.deserialize_map(V)
+    }
 }
 
 /// `[route.lua]` after a `[[route]]`: each phase inline or as a file.
@@ -186,6 +233,8 @@ pub struct UpstreamEntry {
     pub pool_idle_per_server: Option<Spanned<i64>>,
     pub max_connections_per_server: Option<Spanned<i64>>,
     pub max_inflight_per_server: Option<Spanned<i64>>,
+    pub host_header: Option<Spanned<String>>,
+    pub headers: Option<HeadersSection>,
     pub health_check: Option<HealthCheckSection>,
 }
 
@@ -310,8 +359,8 @@ impl<'de> Deserialize<'de> for SizeValue {
 
 /// Top-level sections, in the order the docs present them.
 pub const SECTIONS: &[&str] = &[
-    "server", "admin", "log", "limits", "timeouts", "security", "demo", "listener", "route",
-    "upstream", "lua", "limit",
+    "server", "admin", "log", "limits", "timeouts", "http", "security", "demo", "listener",
+    "route", "upstream", "lua", "limit",
 ];
 
 /// A `[upstream.NAME]` entry: its name (with the key's span) and its body,
@@ -331,6 +380,7 @@ pub struct RawFile {
     pub log: Option<LogSection>,
     pub limits: Option<LimitsSection>,
     pub timeouts: Option<TimeoutsSection>,
+    pub http: Option<HttpSection>,
     pub security: Option<SecuritySection>,
     pub demo: Option<DemoSection>,
     pub lua: Option<LuaSection>,
@@ -365,6 +415,7 @@ pub(crate) fn parse(text: &str) -> Result<(RawFile, Vec<RawError>), RawError> {
             "log" => file.log = section(item, span, &mut errors),
             "limits" => file.limits = section(item, span, &mut errors),
             "timeouts" => file.timeouts = section(item, span, &mut errors),
+            "http" => file.http = section(item, span, &mut errors),
             "security" => file.security = section(item, span, &mut errors),
             "demo" => file.demo = section(item, span, &mut errors),
             "lua" => file.lua = section(item, span, &mut errors),

@@ -151,6 +151,9 @@ client_idle = "2m"
 upstream_connect = "150ms"
 upstream_response = "1h"
 upstream_idle = "30s"
+tunnel_idle = "45s"
+[http]
+upgrade = ["websocket"]
 [security]
 deny_origins = ["10.0.0.0/8", "::ffff:192.168.0.0/112"]
 [demo]
@@ -218,6 +221,8 @@ fall = 5
     assert_eq!(c.timeouts.upstream_connect, Duration::from_millis(150));
     assert_eq!(c.timeouts.upstream_response, Duration::from_secs(3600));
     assert_eq!(c.timeouts.upstream_idle, Duration::from_secs(30));
+    assert_eq!(c.timeouts.tunnel_idle, Duration::from_secs(45));
+    assert_eq!(c.upgrade, ["websocket"]);
     assert_eq!(c.deny_origins.len(), 2);
     assert_eq!(c.deny_origins[1], Cidr::parse("192.168.0.0/16").unwrap());
     assert_eq!(c.demo_origin, Some(addr("[::1]:0")));
@@ -978,11 +983,16 @@ fn documented_tables() -> Vec<(&'static str, Vec<&'static str>)> {
         ("## `[log]`", fields_of::<LogSection>()),
         ("## `[limits]`", fields_of::<LimitsSection>()),
         ("## `[timeouts]`", fields_of::<TimeoutsSection>()),
+        ("## `[http]`", fields_of::<HttpSection>()),
         ("## `[security]`", fields_of::<SecuritySection>()),
         ("## `[demo]`", fields_of::<DemoSection>()),
         ("## `[[listener]]`", fields_of::<ListenerEntry>()),
         ("## `[[route]]`", fields_of::<RouteEntry>()),
         ("### `[route.lua]`", fields_of::<RouteLuaSection>()),
+        (
+            "### `[route.headers]` and `[upstream.NAME.headers]`",
+            fields_of::<HeadersSection>(),
+        ),
         ("## `[upstream.NAME]`", fields_of::<UpstreamEntry>()),
         ("### `servers` entries", fields_of::<ServerTable>()),
         (
@@ -1063,6 +1073,15 @@ fn docs_example_is_valid() {
     );
     assert_eq!(c.lua.shared, [("sessions".to_string(), 10 << 20)]);
     assert_eq!(c.rate_limits[0].routes, Some(vec!["api".to_string()]));
+    assert_eq!(c.upgrade, ["websocket"]);
+    assert_eq!(
+        c.routes[1].headers.response_add,
+        [(
+            "Strict-Transport-Security".to_string(),
+            "max-age=63072000".to_string()
+        )]
+    );
+    assert_eq!(c.upstreams["backend"].host_header, HostHeader::Upstream);
 }
 
 /// The smaller ```toml examples under the key tables are valid too, next
@@ -1075,7 +1094,12 @@ fn docs_snippets_are_valid() {
     let base = "[[listener]]\nlisten = \"127.0.0.1:0\"\n[upstream.backend]\nservers = [\"127.0.0.1:9000\"]\n";
     let api = "[[route]]\nname = \"api\"\nupstream = \"backend\"\n";
     let mut checked = 0;
-    for heading in ["### `[route.lua]`", "### `[lua.shared]`", "## `[[limit]]`"] {
+    for heading in [
+        "### `[route.lua]`",
+        "### `[route.headers]` and `[upstream.NAME.headers]`",
+        "### `[lua.shared]`",
+        "## `[[limit]]`",
+    ] {
         let text = &DOCS[DOCS.find(heading).unwrap()..];
         let body = &text[text.find("```toml\n").unwrap() + 8..];
         let body = &body[..body.find("```").unwrap()];
@@ -1086,7 +1110,7 @@ fn docs_snippets_are_valid() {
         load_file(&file).unwrap_or_else(|e| panic!("{heading}: {e}"));
         checked += 1;
     }
-    assert_eq!(checked, 3);
+    assert_eq!(checked, 4);
 }
 
 #[test]
@@ -1769,4 +1793,394 @@ fn examples_say_what_they_do() {
         .routes
         .iter()
         .all(|r| c.rate_limits[0].applies_to(&r.name) && r.lua.is_empty()));
+}
+
+// === header rules, host_header, [http] upgrade, tunnel_idle ===
+
+fn pairs(v: &[(&str, &str)]) -> Vec<(String, String)> {
+    v.iter()
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .collect()
+}
+
+fn names(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn header_rules_defaults() {
+    let c = ok(BASE);
+    assert_eq!(c.upgrade, ["websocket"]);
+    assert_eq!(c.timeouts.tunnel_idle, Duration::from_secs(300));
+    assert_eq!(c.timeouts.tunnel_idle, Timeouts::default().tunnel_idle);
+    let r = &c.routes[0];
+    assert!(r.headers.is_empty() && r.headers == HeaderRules::default());
+    assert_eq!(r.host_header, None);
+    let u = &c.upstreams["b"];
+    assert!(u.headers.is_empty());
+    assert_eq!(u.host_header, HostHeader::Preserve);
+    assert_eq!(HostHeader::default(), HostHeader::Preserve);
+    let q = Config::quick(addr("127.0.0.1:0"), vec![addr("127.0.0.1:1")], None);
+    assert_eq!(q.upgrade, ["websocket"]);
+    assert!(q.routes[0].headers.is_empty() && q.routes[0].host_header.is_none());
+    assert_eq!(q.upstreams["default"].host_header, HostHeader::Preserve);
+}
+
+#[test]
+fn header_rules_parse_in_file_order() {
+    let text = r#"
+[[listener]]
+listen = "127.0.0.1:0"
+[http]
+upgrade = ["WebSocket", "x-custom"]
+[timeouts]
+tunnel_idle = "10m"
+[[route]]
+name = "api"
+upstream = "b"
+host_header = "upstream"
+[route.headers]
+request_set = { "X-Env" = "prod", "A-First" = "1", "x-zed" = "" }
+request_add = { "X-Tag" = "a b\tc", "Forwarded" = "for=\"_hidden\"" }
+request_remove = ["X-Debug", "cookie", "Connection", "Upgrade"]
+response_set = { "Cache-Control" = "no-store", "Upgrade" = "websocket" }
+response_add = { "Strict-Transport-Security" = "max-age=63072000" }
+response_remove = ["Server", "X-Powered-By"]
+[[route]]
+name = "lit"
+upstream = "c"
+host_header = "internal.example:8443"
+[route.headers.request_set]
+"X-B" = "2"
+"X-A" = "1"
+[[route]]
+name = "keep"
+upstream = "c"
+host_header = "preserve"
+[upstream.b]
+servers = ["127.0.0.1:9000"]
+host_header = "upstream"
+[upstream.b.headers]
+request_set = { "X-Via" = "pier" }
+response_remove = ["X-Internal"]
+[upstream.c]
+servers = ["127.0.0.1:9001"]
+host_header = "[::1]:80"
+"#;
+    let c = ok(text);
+    assert_eq!(c.upgrade, ["websocket", "x-custom"]);
+    assert_eq!(c.timeouts.tunnel_idle, Duration::from_secs(600));
+    let api = &c.routes[0];
+    assert_eq!(api.host_header, Some(HostHeader::Upstream));
+    assert_eq!(
+        api.headers,
+        HeaderRules {
+            request_set: pairs(&[("X-Env", "prod"), ("A-First", "1"), ("x-zed", "")]),
+            request_add: pairs(&[("X-Tag", "a b\tc"), ("Forwarded", "for=\"_hidden\"")]),
+            request_remove: names(&["X-Debug", "cookie", "Connection", "Upgrade"]),
+            response_set: pairs(&[("Cache-Control", "no-store"), ("Upgrade", "websocket")]),
+            response_add: pairs(&[("Strict-Transport-Security", "max-age=63072000")]),
+            response_remove: names(&["Server", "X-Powered-By"]),
+        }
+    );
+    assert!(!api.headers.is_empty());
+    let lit = &c.routes[1];
+    assert_eq!(
+        lit.host_header,
+        Some(HostHeader::Literal("internal.example:8443".into()))
+    );
+    // A [route.headers.request_set] table keeps its order too.
+    assert_eq!(
+        lit.headers.request_set,
+        pairs(&[("X-B", "2"), ("X-A", "1")])
+    );
+    assert_eq!(c.routes[2].host_header, Some(HostHeader::Preserve));
+    assert!(c.routes[2].headers.is_empty());
+    let b = &c.upstreams["b"];
+    assert_eq!(b.host_header, HostHeader::Upstream);
+    assert_eq!(b.headers.request_set, pairs(&[("X-Via", "pier")]));
+    assert_eq!(b.headers.response_remove, names(&["X-Internal"]));
+    assert_eq!(
+        c.upstreams["c"].host_header,
+        HostHeader::Literal("[::1]:80".into())
+    );
+
+    // Any single non-empty rule makes the set non-empty.
+    for key in [
+        "request_set = { A = \"1\" }",
+        "request_add = { A = \"1\" }",
+        "request_remove = [\"A\"]",
+        "response_set = { A = \"1\" }",
+        "response_add = { A = \"1\" }",
+        "response_remove = [\"A\"]",
+    ] {
+        let c = ok(&format!("{BASE}[upstream.b.headers]\n{key}\n"));
+        assert!(!c.upstreams["b"].headers.is_empty(), "{key}");
+    }
+    // Empty tables and lists are fine and mean nothing.
+    let c = ok(&format!(
+        "{BASE}[upstream.b.headers]\nrequest_set = {{}}\nresponse_remove = []\n[http]\nupgrade = []\n"
+    ));
+    assert!(c.upstreams["b"].headers.is_empty());
+    assert!(c.upgrade.is_empty());
+}
+
+#[test]
+fn host_header_values() {
+    let up = |v: &str| format!("{BASE}host_header = {v:?}\n");
+    for (v, want) in [
+        ("preserve", HostHeader::Preserve),
+        ("upstream", HostHeader::Upstream),
+        ("example.com", HostHeader::Literal("example.com".into())),
+        (
+            "Example.COM:8080",
+            HostHeader::Literal("Example.COM:8080".into()),
+        ),
+        ("10.0.0.1", HostHeader::Literal("10.0.0.1".into())),
+        ("[2001:db8::1]", HostHeader::Literal("[2001:db8::1]".into())),
+        ("[::1]:443", HostHeader::Literal("[::1]:443".into())),
+    ] {
+        assert_eq!(ok(&up(v)).upstreams["b"].host_header, want, "{v}");
+    }
+    for v in [
+        "",
+        "a b",
+        "a/b",
+        "example.com/",
+        "a\r\nX-Evil: 1",
+        "host:",
+        "host:99999",
+        "host:8x",
+        ":80",
+        "[::1",
+        "[nope]:80",
+        "[::1]x",
+        "user@host",
+    ] {
+        one_error(&up(v), "8:15", "upstream `b`: `host_header`:");
+        let errs = errors(&up(v));
+        assert!(errs[0].contains("is not \"preserve\", \"upstream\" or a host[:port]"));
+    }
+    one_error(
+        &BASE.replace(
+            "upstream = \"b\"\n",
+            "upstream = \"b\"\nhost_header = \"a b\"\n",
+        ),
+        "5:15",
+        "route `route-1`: `host_header`: \"a b\" is not",
+    );
+}
+
+#[test]
+fn header_rule_errors() {
+    // A second route (lines 8-11); the rule under test is on line 12.
+    let route = |body: &str| {
+        format!("{BASE}[[route]]\nname = \"r\"\nupstream = \"b\"\n[route.headers]\n{body}\n")
+    };
+    one_error(
+        &route("request_set = { \"Bad Name\" = \"x\" }"),
+        "12:17",
+        "route `r`: `headers.request_set`: \"Bad Name\" is not a valid header name",
+    );
+    one_error(
+        &route("response_remove = [\"X:Y\"]"),
+        "12:20",
+        "route `r`: `headers.response_remove`: \"X:Y\" is not a valid header name",
+    );
+    one_error(
+        &route("request_add = { \"\" = \"x\" }"),
+        "12:17",
+        "is not a valid header name",
+    );
+    for v in [r"a\rb", r"a\nb", r"a\u0000b", r"a\u0007b", r"\u007f"] {
+        one_error(
+            &route(&format!("request_add = {{ \"X-A\" = \"{v}\" }}")),
+            "12:25",
+            "route `r`: `headers.request_add`: header value",
+        );
+    }
+    one_error(
+        &route("response_set = { \"X-A\" = \"a\\r\\nSet-Cookie: x=1\" }"),
+        "12:26",
+        "(no CR, LF, NUL or other control characters)",
+    );
+    // Host: use host_header.
+    for key in ["request_set", "request_add", "request_remove"] {
+        let body = if key == "request_remove" {
+            format!("{key} = [\"host\"]")
+        } else {
+            format!("{key} = {{ \"Host\" = \"x\" }}")
+        };
+        let errs = errors(&route(&body));
+        assert_eq!(errs.len(), 1, "{errs:#?}");
+        assert!(
+            errs[0].contains(&format!("route `r`: `headers.{key}`: the request header `"))
+                && errs[0].contains("use `host_header`"),
+            "{}",
+            errs[0]
+        );
+    }
+    // Framing and hop-by-hop request headers, in any case.
+    for name in [
+        "Content-Length",
+        "transfer-encoding",
+        "Connection",
+        "Upgrade",
+        "TE",
+        "Keep-Alive",
+    ] {
+        for key in ["request_set", "request_add"] {
+            one_error(
+                &route(&format!("{key} = {{ \"{name}\" = \"x\" }}")),
+                "12:17",
+                &format!("`headers.{key}`: the request header `{name}` cannot be changed by a header rule"),
+            );
+        }
+    }
+    for name in ["Content-Length", "Transfer-Encoding"] {
+        one_error(
+            &route(&format!("request_remove = [\"{name}\"]")),
+            "12:19",
+            "it frames the message",
+        );
+    }
+    // Response rules on framing headers and Connection.
+    for name in ["Content-Length", "Transfer-Encoding", "Connection"] {
+        for key in ["response_set", "response_add"] {
+            one_error(
+                &route(&format!("{key} = {{ \"{name}\" = \"x\" }}")),
+                "12:18",
+                &format!("`headers.{key}`: the response header `{name}` cannot be changed"),
+            );
+        }
+        one_error(
+            &route(&format!("response_remove = [\"{}\"]", name.to_lowercase())),
+            "12:20",
+            "`headers.response_remove`: the response header",
+        );
+    }
+    // Names are case-insensitive: one table may not name a header twice.
+    one_error(
+        &route("request_set = { \"X-A\" = \"1\", \"x-a\" = \"2\" }"),
+        "12:30",
+        "`headers.request_set`: \"x-a\" is given twice (header names are case-insensitive)",
+    );
+    one_error(
+        &route("response_remove = [\"Server\", \"SERVER\"]"),
+        "12:30",
+        "\"SERVER\" is given twice",
+    );
+    // Removed and set in one scope: contradictory.
+    one_error(
+        &route("request_add = { \"X-A\" = \"1\" }\nrequest_remove = [\"x-a\"]"),
+        "13:19",
+        "`headers.request_remove`: \"x-a\" is also in `request_add`",
+    );
+    one_error(
+        &route("response_set = { \"X-A\" = \"1\" }\nresponse_remove = [\"X-A\"]"),
+        "13:20",
+        "is also in `response_set`",
+    );
+    // Request and response rules are separate: the same name in both is fine.
+    ok(&route(
+        "request_remove = [\"X-A\"]\nresponse_set = { \"X-A\" = \"1\" }",
+    ));
+    // Schema: a table, not an array of pairs; string values; known keys only.
+    one_error(
+        &route("request_set = [[\"X-A\", \"1\"]]"),
+        "12:15",
+        "a table of header names and values",
+    );
+    one_error(
+        &route("request_set = { \"X-A\" = 1 }"),
+        "12:25",
+        "expected a string",
+    );
+    one_error(
+        &route("request_sett = {}"),
+        "12:1",
+        "unknown field `request_sett`",
+    );
+    one_error(
+        &route("request_remove = \"X-A\""),
+        "12:18",
+        "expected an array",
+    );
+    // The same checks on an upstream, named after it.
+    one_error(
+        &format!("{BASE}[upstream.b.headers]\nrequest_set = {{ \"Host\" = \"x\" }}\n"),
+        "9:17",
+        "upstream `b`: `headers.request_set`: the request header `Host`",
+    );
+    one_error(
+        &format!("{BASE}[upstream.b.headers]\nresponse_add = {{ \"X Y\" = \"x\" }}\n"),
+        "9:18",
+        "upstream `b`: `headers.response_add`:",
+    );
+}
+
+#[test]
+fn header_rules_on_a_content_route() {
+    let text = "[[listener]]\nlisten = \"127.0.0.1:0\"\n[[route]]\nname = \"hello\"\n[route.lua]\ncontent = 'pier.say(\"hi\")'\n[route.headers]\n";
+    // Response rules apply to Pier-made responses too.
+    let c = ok(&format!("{text}response_set = {{ \"X-A\" = \"1\" }}\n"));
+    assert_eq!(c.routes[0].headers.response_set, pairs(&[("X-A", "1")]));
+    // Request rules and host_header could never apply.
+    one_error(
+        &format!("{text}request_set = {{ \"X-A\" = \"1\" }}\n"),
+        "3:1",
+        "route `hello`: request header rules (`headers.request_*`) need an `upstream`",
+    );
+    one_error(
+        &text.replace(
+            "name = \"hello\"\n",
+            "name = \"hello\"\nhost_header = \"upstream\"\n",
+        ),
+        "5:15",
+        "route `hello`: `host_header` needs an `upstream`",
+    );
+}
+
+#[test]
+fn upgrade_and_tunnel_errors() {
+    one_error(
+        &format!("{BASE}[http]\nupgrade = [\"websocket\", \"h2c\"]\n"),
+        "9:25",
+        "`upgrade`: h2c upgrades are never forwarded: they let a client talk past the route's hooks",
+    );
+    one_error(
+        &format!("{BASE}[http]\nupgrade = [\"H2C\"]\n"),
+        "9:12",
+        "h2c upgrades are never forwarded",
+    );
+    one_error(
+        &format!("{BASE}[http]\nupgrade = [\"web socket\"]\n"),
+        "9:12",
+        "`upgrade`: \"web socket\" is not a protocol name",
+    );
+    one_error(
+        &format!("{BASE}[http]\nupgrade = [\"HTTP/2.0\"]\n"),
+        "9:12",
+        "is not a protocol name",
+    );
+    one_error(
+        &format!("{BASE}[http]\nupgrade = [\"websocket\", \"WebSocket\"]\n"),
+        "9:25",
+        "`upgrade`: \"WebSocket\" is given twice",
+    );
+    one_error(
+        &format!("{BASE}[http]\nupgrade = \"websocket\"\n"),
+        "9:11",
+        "expected an array",
+    );
+    one_error(
+        &format!("{BASE}[http]\nupgrades = []\n"),
+        "9:1",
+        "unknown field `upgrades`, expected `upgrade`",
+    );
+    one_error(
+        &format!("{BASE}[timeouts]\ntunnel_idle = \"0s\"\n"),
+        "9:15",
+        "`tunnel_idle` must be greater than zero",
+    );
 }

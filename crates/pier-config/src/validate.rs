@@ -52,6 +52,7 @@ impl Default for Timeouts {
             upstream_connect: Duration::from_secs(3),
             upstream_response: Duration::from_secs(60),
             upstream_idle: Duration::from_secs(60),
+            tunnel_idle: Duration::from_secs(300),
         }
     }
 }
@@ -72,8 +73,15 @@ impl Upstream {
             pool_idle_per_server: 1024,
             max_connections_per_server: 0,
             max_inflight_per_server: 0,
+            headers: HeaderRules::default(),
+            host_header: HostHeader::Preserve,
         }
     }
+}
+
+/// `[http] upgrade` when the key is absent.
+pub fn default_upgrade() -> Vec<String> {
+    vec!["websocket".to_string()]
 }
 
 impl HealthCheck {
@@ -252,6 +260,7 @@ pub(crate) fn validate(
     let access_log = access_log(&mut c, file.log.and_then(|l| l.access));
     let limits = limits(&mut c, file.limits.unwrap_or_default());
     let timeouts = timeouts(&mut c, file.timeouts.unwrap_or_default());
+    let upgrade = upgrade(&mut c, file.http.unwrap_or_default().upgrade);
     let lua = lua_config(&mut c, file.lua.unwrap_or_default(), base);
 
     let mut deny_origins = Vec::new();
@@ -331,6 +340,7 @@ pub(crate) fn validate(
         demo_origin,
         lua,
         rate_limits,
+        upgrade,
     })
 }
 
@@ -403,7 +413,232 @@ fn timeouts(c: &mut Check, t: TimeoutsSection) -> Timeouts {
             d.upstream_response,
         ),
         upstream_idle: c.duration(&t.upstream_idle, "upstream_idle", d.upstream_idle),
+        tunnel_idle: c.duration(&t.tunnel_idle, "tunnel_idle", d.tunnel_idle),
     }
+}
+
+/// `[http] upgrade`: protocol tokens, lower-cased; never h2c.
+fn upgrade(c: &mut Check, v: Option<Vec<Spanned<String>>>) -> Vec<String> {
+    let Some(list) = v else {
+        return default_upgrade();
+    };
+    let mut out: Vec<String> = Vec::new();
+    for p in &list {
+        let s = p.get_ref();
+        if !is_token(s) {
+            c.err(
+                sp(p),
+                format!("`upgrade`: {s:?} is not a protocol name (an HTTP token such as \"websocket\", without a version)"),
+            );
+            continue;
+        }
+        let lower = s.to_ascii_lowercase();
+        if lower == "h2c" {
+            c.err(
+                sp(p),
+                "`upgrade`: h2c upgrades are never forwarded: they let a client talk past the route's hooks",
+            );
+        } else if out.contains(&lower) {
+            c.err(sp(p), format!("`upgrade`: {s:?} is given twice"));
+        } else {
+            out.push(lower);
+        }
+    }
+    out
+}
+
+// === header rules ===
+
+/// Why a header rule may not name this header, if it may not.
+/// `request`: a request rule; `remove`: a remove list.
+fn managed_header(name: &str, request: bool, remove: bool) -> Option<&'static str> {
+    let n = name.to_ascii_lowercase();
+    match n.as_str() {
+        "host" if request => Some("use `host_header` to choose the Host sent upstream"),
+        "content-length" | "transfer-encoding" => {
+            Some("Pier writes it from the body (it frames the message)")
+        }
+        "connection" if !request => Some("it is a hop-by-hop header Pier manages itself"),
+        "connection" | "upgrade" | "te" | "keep-alive" if request && !remove => {
+            Some("it is a hop-by-hop header Pier manages itself")
+        }
+        _ => None,
+    }
+}
+
+/// A header value: no CR, LF, NUL or other control character (tab is fine).
+fn check_header_value(v: &str) -> Result<(), String> {
+    match v.chars().find(|&ch| ch.is_ascii_control() && ch != '\t') {
+        None => Ok(()),
+        Some(ch) => Err(format!(
+            "header value {v:?} contains the control character {ch:?} (no CR, LF, NUL or other control characters)"
+        )),
+    }
+}
+
+/// `[route.headers]` or `[upstream.NAME.headers]`; `scope` is "route `api`"
+/// or "upstream `b`".
+fn header_rules(c: &mut Check, scope: &str, h: Option<&HeadersSection>) -> HeaderRules {
+    let Some(h) = h else {
+        return HeaderRules::default();
+    };
+    let table = |c: &mut Check, key: &str, t: &Option<HeaderTable>, request: bool| {
+        let mut out: Vec<(String, String)> = Vec::new();
+        for (name, value) in t.iter().flat_map(|t| &t.0) {
+            let n = name.get_ref();
+            let ok = header_name(c, scope, key, name, request, false, &out_names(&out));
+            if let Err(msg) = check_header_value(value.get_ref()) {
+                c.err(sp(value), format!("{scope}: `headers.{key}`: {msg}"));
+            } else if ok {
+                out.push((n.clone(), value.get_ref().clone()));
+            }
+        }
+        out
+    };
+    let request_set = table(c, "request_set", &h.request_set, true);
+    let request_add = table(c, "request_add", &h.request_add, true);
+    let response_set = table(c, "response_set", &h.response_set, false);
+    let response_add = table(c, "response_add", &h.response_add, false);
+    let list = |c: &mut Check,
+                key: &str,
+                l: &Option<Vec<Spanned<String>>>,
+                request: bool,
+                set: &[(String, String)],
+                add: &[(String, String)]| {
+        let mut out: Vec<String> = Vec::new();
+        for name in l.iter().flatten() {
+            let seen: Vec<&str> = out.iter().map(String::as_str).collect();
+            if !header_name(c, scope, key, name, request, true, &seen) {
+                continue;
+            }
+            let n = name.get_ref();
+            let other = if request { "request" } else { "response" };
+            if let Some(op) = [("set", set), ("add", add)]
+                .into_iter()
+                .find(|(_, rules)| rules.iter().any(|(x, _)| x.eq_ignore_ascii_case(n)))
+                .map(|(op, _)| op)
+            {
+                c.err(
+                    sp(name),
+                    format!("{scope}: `headers.{key}`: {n:?} is also in `{other}_{op}`; remove it or set it, not both"),
+                );
+                continue;
+            }
+            out.push(n.clone());
+        }
+        out
+    };
+    let request_remove = list(
+        c,
+        "request_remove",
+        &h.request_remove,
+        true,
+        &request_set,
+        &request_add,
+    );
+    let response_remove = list(
+        c,
+        "response_remove",
+        &h.response_remove,
+        false,
+        &response_set,
+        &response_add,
+    );
+    HeaderRules {
+        request_set,
+        request_add,
+        request_remove,
+        response_set,
+        response_add,
+        response_remove,
+    }
+}
+
+fn out_names(v: &[(String, String)]) -> Vec<&str> {
+    v.iter().map(|(n, _)| n.as_str()).collect()
+}
+
+/// Checks one header name of `headers.{key}`; false (error recorded) when
+/// it is unusable. `seen`: names earlier in the same table or list.
+fn header_name(
+    c: &mut Check,
+    scope: &str,
+    key: &str,
+    name: &Spanned<String>,
+    request: bool,
+    remove: bool,
+    seen: &[&str],
+) -> bool {
+    let n = name.get_ref();
+    let msg = if !is_token(n) {
+        format!(
+            "{n:?} is not a valid header name (an HTTP token: letters, digits and !#$%&'*+-.^_`|~)"
+        )
+    } else if let Some(why) = managed_header(n, request, remove) {
+        let what = if request { "request" } else { "response" };
+        format!("the {what} header `{n}` cannot be changed by a header rule: {why}")
+    } else if seen.iter().any(|s| s.eq_ignore_ascii_case(n)) {
+        format!("{n:?} is given twice (header names are case-insensitive)")
+    } else {
+        return true;
+    };
+    c.err(sp(name), format!("{scope}: `headers.{key}`: {msg}"));
+    false
+}
+
+/// `host_header = "preserve" | "upstream" | "HOST[:PORT]"`.
+fn host_header(c: &mut Check, scope: &str, v: &Spanned<String>) -> Option<HostHeader> {
+    match parse_host_header(v.get_ref()) {
+        Ok(h) => Some(h),
+        Err(msg) => {
+            c.err(sp(v), format!("{scope}: `host_header`: {msg}"));
+            None
+        }
+    }
+}
+
+fn parse_host_header(s: &str) -> Result<HostHeader, String> {
+    match s {
+        "preserve" => return Ok(HostHeader::Preserve),
+        "upstream" => return Ok(HostHeader::Upstream),
+        _ => {}
+    }
+    let bad = |why: &str| {
+        format!("{s:?} is not \"preserve\", \"upstream\" or a host[:port] ({why}), e.g. \"api.example.com\" or \"10.0.0.1:8080\"")
+    };
+    let port = if let Some(rest) = s.strip_prefix('[') {
+        let (v6, after) = rest.split_once(']').ok_or_else(|| bad("no `]`"))?;
+        if v6.parse::<std::net::Ipv6Addr>().is_err() {
+            return Err(bad("bad IPv6 address"));
+        }
+        match after {
+            "" => None,
+            a => Some(a.strip_prefix(':').ok_or_else(|| bad("junk after `]`"))?),
+        }
+    } else {
+        let (h, p) = match s.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (s, None),
+        };
+        if h.is_empty() {
+            return Err(bad("empty host"));
+        }
+        if !h
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._~".contains(&b))
+        {
+            return Err(bad(
+                "a host is letters, digits, `-`, `.`, `_` and `~`; no spaces, `/` or control characters",
+            ));
+        }
+        p
+    };
+    if let Some(p) = port {
+        if p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()) || p.parse::<u16>().is_err() {
+            return Err(bad("bad port"));
+        }
+    }
+    Ok(HostHeader::Literal(s.to_string()))
 }
 
 /// `upstreams_malformed`: `upstream` was not a table (reported), so
@@ -440,7 +675,7 @@ fn route(
         None => {
             if lua.content.is_none() {
                 c.err(
-                    span,
+                    span.clone(),
                     format!("route `{name}`: missing `upstream` (only a route with a `content` Lua hook may leave it out)"),
                 );
             }
@@ -500,12 +735,40 @@ fn route(
     } else {
         PathMatch::Any
     };
+    let scope = format!("route `{name}`");
+    let headers = header_rules(c, &scope, r.headers.as_ref());
+    let host_header = r
+        .host_header
+        .as_ref()
+        .and_then(|h| host_header(c, &scope, h));
+    // Without an upstream no request goes out: request rules could never apply.
+    if r.upstream.is_none() {
+        if let Some(h) = &r.host_header {
+            c.err(
+                sp(h),
+                format!("route `{name}`: `host_header` needs an `upstream`"),
+            );
+        }
+        if !headers.request_set.is_empty()
+            || !headers.request_add.is_empty()
+            || !headers.request_remove.is_empty()
+        {
+            c.err(
+                span,
+                format!(
+                    "route `{name}`: request header rules (`headers.request_*`) need an `upstream`"
+                ),
+            );
+        }
+    }
     Route {
         name,
         host,
         path,
         upstream: target,
         lua,
+        headers,
+        host_header,
     }
 }
 
@@ -678,6 +941,13 @@ fn upstream(
     };
 
     let d = Upstream::with_defaults(name, Vec::new());
+    let scope = format!("upstream `{name}`");
+    let headers = header_rules(c, &scope, e.headers.as_ref());
+    let host_header = e
+        .host_header
+        .as_ref()
+        .and_then(|h| host_header(c, &scope, h))
+        .unwrap_or(d.host_header.clone());
     let health_check = e.health_check.as_ref().map(|h| health(c, name, h));
     let retry_budget_ratio = match &e.retry_budget {
         None => d.retry_budget_ratio,
@@ -727,6 +997,8 @@ fn upstream(
             0,
             10_000_000,
         ) as u32,
+        headers,
+        host_header,
     }
 }
 

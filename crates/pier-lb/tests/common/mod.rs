@@ -41,5 +41,7 @@ pub fn upstream_with(
         pool_idle_per_server: 16,
         max_connections_per_server: 0,
         max_inflight_per_server: 0,
+        headers: Default::default(),
+        host_header: Default::default(),
     }
 }
