@@ -17,6 +17,7 @@ use crate::session::Session;
 use crate::state::State;
 use crate::Worker;
 use bytes::{Buf, BytesMut};
+use pier_config::HostHeader;
 use pier_core::{PeerKey, Stream};
 use pier_error::{Error, Kind};
 use pier_http::known::{self, Known};
@@ -443,6 +444,7 @@ async fn handle_request<P: Phases, S: Stream>(
         }
     };
     sess.step = Step::UpstreamRequestFilter;
+    apply_request_rules(state, route, &mut sess.up_req);
     match w.phases.upstream_request_filter(state, sess, ctx).await {
         Ok(Flow::Continue) => {}
         Ok(Flow::Respond(r)) => {
@@ -653,7 +655,8 @@ async fn send_answer<P: Phases, S: Stream>(
     r: &LocalResponse,
     close: bool,
 ) -> bool {
-    if sess.route.is_none() || !w.phases.filters_local(state, sess) {
+    let rules = sess.route.is_some_and(|i| state.routes[i].response_rules);
+    if sess.route.is_none() || !(rules || w.phases.filters_local(state, sess)) {
         return send_local(stream, &mut b.out, sess, r, close).await.is_ok();
     }
     let filtered = filter_local(w, state, &mut b.resp, sess, ctx, r);
@@ -685,6 +688,7 @@ fn filter_local<P: Phases>(
     for (n, v) in &r.headers {
         head.headers.append(n, v);
     }
+    apply_response_rules(state, sess.route, head);
     w.phases.response_filter(state, sess, head, ctx).ok()?;
     let mut body = BytesMut::from(&r.body[..]);
     if w.phases.has_body_filter(state, sess) {
@@ -841,7 +845,7 @@ async fn attempt_once<P: Phases, S: Stream>(
 
     // The upstream request head, from the upstream request value.
     sess.step = Step::Send;
-    write_upstream_head(&mut b.out, sess, addr);
+    write_upstream_head(&mut b.out, state, sess, addr);
     let out = &mut b.out;
     let body = sess.req.body_len();
     let method = sess.up_req.method_kind();
@@ -948,8 +952,8 @@ async fn attempt_once<P: Phases, S: Stream>(
 }
 
 /// Idle timeout of an upgraded connection.
-fn tunnel_idle(_state: &State) -> Duration {
-    Duration::from_secs(300)
+fn tunnel_idle(state: &State) -> Duration {
+    state.cfg.timeouts.tunnel_idle
 }
 
 /// Copy both ways until either side closes (its write side is then shut
@@ -1055,19 +1059,73 @@ fn upgrade_allowed(state: &State, req: &pier_http::RequestHead) -> bool {
     any
 }
 
-fn upgrade_list(_state: &State) -> &[&str] {
-    &["websocket"]
+fn upgrade_list(state: &State) -> &[String] {
+    &state.cfg.upgrade
+}
+
+/// `[route.headers]` / `[upstream.NAME.headers]` request rules, and a literal
+/// `host_header`, onto the upstream request.
+fn apply_request_rules(state: &State, route: usize, req: &mut pier_http::RequestHead) {
+    let r = &state.routes[route];
+    if r.request_rules {
+        for rules in &r.header_rules {
+            for n in &rules.request_remove {
+                req.headers.remove(n.as_bytes());
+            }
+            for (n, v) in &rules.request_set {
+                req.headers.insert(n.as_bytes(), v.as_bytes());
+            }
+            for (n, v) in &rules.request_add {
+                req.headers.append(n.as_bytes(), v.as_bytes());
+            }
+        }
+    }
+    if let HostHeader::Literal(h) = &r.host_header {
+        req.headers.insert(b"Host", h.as_bytes());
+    }
+}
+
+/// Response rules onto a response head (proxied or Pier-made).
+fn apply_response_rules(state: &State, route: Option<usize>, resp: &mut ResponseHead) {
+    let Some(r) = route.map(|i| &state.routes[i]) else {
+        return;
+    };
+    if !r.response_rules {
+        return;
+    }
+    for rules in &r.header_rules {
+        for n in &rules.response_remove {
+            resp.headers.remove(n.as_bytes());
+        }
+        for (n, v) in &rules.response_set {
+            resp.headers.insert(n.as_bytes(), v.as_bytes());
+        }
+        for (n, v) in &rules.response_add {
+            resp.headers.append(n.as_bytes(), v.as_bytes());
+        }
+    }
 }
 
 /// The upstream request head: request line and headers of `sess.up_req`,
 /// X-Forwarded-*, a Host when the client sent none (HTTP/1.0), and the
 /// Upgrade headers when an upgrade was allowed.
-fn write_upstream_head(out: &mut Vec<u8>, sess: &Session, addr: SocketAddr) {
+fn write_upstream_head(out: &mut Vec<u8>, state: &State, sess: &Session, addr: SocketAddr) {
     let req = &sess.up_req;
     out.clear();
-    write::request_head(out, req, req.uri(), skip_request_header);
-    if !req.headers.has_known(known::HOST) {
-        // As nginx: the upstream's address when the client gave none.
+    let host_is_peer = matches!(
+        sess.route.map(|r| &state.routes[r].host_header),
+        Some(HostHeader::Upstream)
+    );
+    if host_is_peer {
+        write::request_head(out, req, req.uri(), |k| {
+            k == known::HOST || skip_request_header(k)
+        });
+    } else {
+        write::request_head(out, req, req.uri(), skip_request_header);
+    }
+    if host_is_peer || !req.headers.has_known(known::HOST) {
+        // `host_header = "upstream"`, or as nginx does when the client gave
+        // none: the server's address.
         out.extend_from_slice(b"Host: ");
         let mut a = [0u8; 64];
         let n = fmt_addr(&mut a, addr);
@@ -1082,7 +1140,9 @@ fn write_upstream_head(out: &mut Vec<u8>, sess: &Session, addr: SocketAddr) {
     }
     out.extend_from_slice(sess.client_ip.as_bytes());
     out.extend_from_slice(b"\r\nX-Forwarded-Proto: http\r\n");
-    if let Some(h) = req.host() {
+    // The host the client asked for (an absolute-form target's authority).
+    let asked = sess.req.absolute_form().map(|(a, _)| a).or(sess.req.host());
+    if let Some(h) = asked {
         write::header(out, b"X-Forwarded-Host", h);
     }
     if sess.upgrade {
@@ -1180,6 +1240,9 @@ where
         w.phases.cache_store(state, sess, resp, ctx);
     }
     sess.step = Step::ResponseFilter;
+    if !upgrade {
+        apply_response_rules(state, sess.route, resp);
+    }
     if let Err(e) = w.phases.response_filter(state, sess, resp, ctx) {
         return Err(Error::new(e.kind).retryable(false));
     }

@@ -1,6 +1,8 @@
 //! The running config: what a request consults, swapped whole on reload.
 
-use pier_config::{Config, HostMatch, LimitKeyPart, LimitKind, LimitRule, PathMatch};
+use pier_config::{
+    Config, HeaderRules, HostHeader, HostMatch, LimitKeyPart, LimitKind, LimitRule, PathMatch,
+};
 use pier_http::HeadLimits;
 use pier_lb::Group;
 use pier_limits::{ConcurrencyLimit, ConcurrencyLimiter, RateLimit, RateLimiter};
@@ -15,6 +17,13 @@ pub struct RouteRt {
     pub group: usize,
     /// Stable metrics slot.
     pub metric: usize,
+    /// Header rules: the upstream's, then the route's (each applied in the
+    /// order remove, set, add); empty ones are skipped.
+    pub header_rules: Vec<HeaderRules>,
+    pub request_rules: bool,
+    pub response_rules: bool,
+    /// The Host sent upstream: the route's, else the upstream's.
+    pub host_header: HostHeader,
 }
 
 pub struct State {
@@ -97,13 +106,41 @@ impl State {
         let routes: Vec<RouteRt> = cfg
             .routes
             .iter()
-            .map(|r| RouteRt {
-                name: r.name.clone(),
-                host: r.host.clone(),
-                path: r.path.clone(),
-                // Validated by pier-config: the upstream exists.
-                group: names.iter().position(|n| **n == r.upstream).unwrap_or(0),
-                metric: metrics.route_index(&r.name),
+            .map(|r| {
+                let up = cfg.upstreams.get(&r.upstream);
+                let header_rules: Vec<HeaderRules> = up
+                    .map(|u| &u.headers)
+                    .into_iter()
+                    .chain(std::iter::once(&r.headers))
+                    .filter(|h| !h.is_empty())
+                    .cloned()
+                    .collect();
+                let request_rules = header_rules.iter().any(|h| {
+                    !(h.request_set.is_empty()
+                        && h.request_add.is_empty()
+                        && h.request_remove.is_empty())
+                });
+                let response_rules = header_rules.iter().any(|h| {
+                    !(h.response_set.is_empty()
+                        && h.response_add.is_empty()
+                        && h.response_remove.is_empty())
+                });
+                RouteRt {
+                    name: r.name.clone(),
+                    host: r.host.clone(),
+                    path: r.path.clone(),
+                    // Validated by pier-config: the upstream exists.
+                    group: names.iter().position(|n| **n == r.upstream).unwrap_or(0),
+                    metric: metrics.route_index(&r.name),
+                    header_rules,
+                    request_rules,
+                    response_rules,
+                    host_header: r
+                        .host_header
+                        .clone()
+                        .or_else(|| up.map(|u| u.host_header.clone()))
+                        .unwrap_or_default(),
+                }
             })
             .collect();
         let head_limits = HeadLimits {

@@ -74,6 +74,23 @@ async fn origin(mut s: DuplexStream, seen: Arc<Seen>) {
             buf.drain(..len as usize);
         }
         seen.heads.lock().unwrap().push(head.clone());
+        if head.contains("Upgrade: websocket\r\n") {
+            // Switch, then echo whatever comes until the other side closes.
+            let _ = s
+                .write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n")
+                .await;
+            let mut chunk = [0u8; 4096];
+            loop {
+                match s.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(k) => {
+                        if s.write_all(&chunk[..k]).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        }
         let resp = format!(
             "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{}",
             head.len(),
@@ -93,8 +110,13 @@ struct Engine {
 /// An engine whose upstream connections are pipes; dials to `down` fail as
 /// a connect timeout would.
 fn engine(extra: &str, down: Option<&'static str>) -> Engine {
+    engine_with("", "", extra, down)
+}
+
+fn engine_with(top: &str, route: &str, upstream: &str, down: Option<&'static str>) -> Engine {
     let text = format!(
         r#"
+{top}
 [[listener]]
 name = "main"
 listen = "127.0.0.1:0"
@@ -102,10 +124,11 @@ listen = "127.0.0.1:0"
 [[route]]
 name = "all"
 upstream = "o"
+{route}
 
 [upstream.o]
 servers = ["{A}", "{B}"]
-{extra}
+{upstream}
 "#
     );
     let cfg = pier_config::load_str(&text, "engine.toml").expect("config");
@@ -376,5 +399,135 @@ fn client_closing_mid_body_gets_no_499_on_the_wire() {
         c.shutdown().await.unwrap();
         let all = read_to_end(&mut c).await;
         assert!(all.is_empty(), "sent: {:?}", String::from_utf8_lossy(&all));
+    });
+}
+
+#[test]
+fn header_rules_and_host_header() {
+    run(async {
+        let e = engine_with(
+            "",
+            "host_header = \"upstream\"\n[route.headers]\nrequest_remove = [\"X-Debug\"]\nrequest_set = { \"X-Env\" = \"route\" }\nresponse_add = { \"X-Resp\" = \"r\" }\nresponse_remove = [\"X-Secret\"]\n",
+            "[upstream.o.headers]\nrequest_set = { \"X-Env\" = \"upstream\", \"X-Up\" = \"1\" }\nrequest_add = { \"X-Multi\" = \"b\" }\n",
+            None,
+        );
+        let mut c = connect(&e);
+        let mut buf = Vec::new();
+        c.write_all(b"GET /h HTTP/1.1\r\nHost: client.test\r\nX-Debug: 1\r\nX-Multi: a\r\n\r\n")
+            .await
+            .unwrap();
+        let (status, head, body) = response(&mut c, &mut buf).await.expect("response");
+        assert_eq!(status, 200);
+        // Upstream rules, then the route's: the route's set wins.
+        assert!(body.contains("X-Env: route\r\n"), "{body}");
+        assert!(!body.contains("X-Env: upstream"), "{body}");
+        assert!(body.contains("X-Up: 1\r\n"), "{body}");
+        assert!(
+            body.contains("X-Multi: a\r\n") && body.contains("X-Multi: b\r\n"),
+            "{body}"
+        );
+        assert!(!body.contains("X-Debug"), "{body}");
+        // host_header = "upstream": the server's address; the client's host
+        // is still told in X-Forwarded-Host.
+        assert!(
+            body.contains(&format!("Host: {A}\r\n")) || body.contains(&format!("Host: {B}\r\n")),
+            "{body}"
+        );
+        assert!(!body.contains("\nHost: client.test\r\n"), "{body}");
+        assert!(body.contains("X-Forwarded-Host: client.test\r\n"), "{body}");
+        assert!(head.contains("X-Resp: r\r\n"), "{head}");
+        // The request as received is kept for logs: the session's `req`.
+    });
+}
+
+#[test]
+fn response_rules_apply_to_pier_made_answers() {
+    run(async {
+        // A refuses: its request gets a 502 made by Pier, with the route's headers.
+        let e = engine_with(
+            "",
+            "[route.headers]\nresponse_set = { \"Strict-Transport-Security\" = \"max-age=60\" }\n",
+            "retries = 0\n",
+            Some(A),
+        );
+        let mut c = connect(&e);
+        let mut buf = Vec::new();
+        let mut statuses = Vec::new();
+        for _ in 0..2 {
+            c.write_all(b"GET /h HTTP/1.1\r\nHost: a\r\n\r\n")
+                .await
+                .unwrap();
+            let (status, head, _) = response(&mut c, &mut buf).await.expect("response");
+            // Proxied and Pier-made alike.
+            assert!(
+                head.contains("Strict-Transport-Security: max-age=60\r\n"),
+                "{head}"
+            );
+            statuses.push(status);
+        }
+        statuses.sort();
+        assert_eq!(statuses, [200, 502]);
+    });
+}
+
+#[test]
+fn literal_host_header() {
+    run(async {
+        let e = engine_with("", "host_header = \"backend.internal:8443\"", "", None);
+        let mut c = connect(&e);
+        let mut buf = Vec::new();
+        c.write_all(b"GET /h HTTP/1.1\r\nHost: client.test\r\n\r\n")
+            .await
+            .unwrap();
+        let (_, _, body) = response(&mut c, &mut buf).await.expect("response");
+        assert!(body.contains("Host: backend.internal:8443\r\n"), "{body}");
+    });
+}
+
+#[test]
+fn upgrades_can_be_switched_off() {
+    run(async {
+        let e = engine_with("[http]\nupgrade = []\n", "", "", None);
+        let mut c = connect(&e);
+        let mut buf = Vec::new();
+        c.write_all(
+            b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let (status, _, body) = response(&mut c, &mut buf).await.expect("response");
+        assert_eq!(status, 200);
+        assert!(!body.to_ascii_lowercase().contains("upgrade"), "{body}");
+    });
+}
+
+#[test]
+fn tunnels_are_counted_and_idle_out() {
+    run(async {
+        let e = engine_with("[timeouts]\ntunnel_idle = \"300ms\"\n", "", "", None);
+        let m = &e.worker.shared.metrics;
+        let mut c = connect(&e);
+        let mut buf = Vec::new();
+        c.write_all(
+            b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let (status, _, _) = response(&mut c, &mut buf).await.expect("101");
+        assert_eq!(status, 101);
+        c.write_all(b"ping").await.unwrap();
+        let mut got = [0u8; 4];
+        c.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"ping");
+        assert_eq!(m.active_tunnels.load(Relaxed), 1);
+        // Nothing moves: the tunnel closes (bounded by run's deadline).
+        let rest = read_to_end(&mut c).await;
+        assert!(rest.is_empty());
+        assert_eq!(m.tunnels.load(Relaxed), 1);
+        let t0 = std::time::Instant::now();
+        while m.active_tunnels.load(Relaxed) != 0 && t0.elapsed() < Duration::from_secs(10) {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(m.active_tunnels.load(Relaxed), 0);
     });
 }
