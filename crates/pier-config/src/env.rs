@@ -10,6 +10,20 @@
 //! - Comments are not expanded: a comment can mention `${PIER_LISTEN}`
 //!   without that variable having to exist.
 //!
+//! A variable's value is data, never TOML: it is fitted to the place it lands
+//! in, so it cannot end a string or start a table.
+//! - Inside a basic string (`"…"`, `"""…"""`) it is escaped: `\` and `"`
+//!   get a backslash, control characters become `\n`, `\t`, `\uXXXX`.
+//! - A literal string (`'…'`, `'''…'''`) has no escapes, so a value it could
+//!   not hold as is (a `'`, a newline in `'…'`, `'''`, control characters) is
+//!   an error that says to use a basic string.
+//! - Outside strings (`workers = ${N}`) the value must be a bare scalar:
+//!   letters, digits and `_ - + . :` (numbers, booleans, dates, times); anything
+//!   else is an error that says to quote the reference.
+//!
+//! Defaults (`${NAME:-default}`) and `$$` are the config author's own text and
+//! are inserted as written.
+//!
 //! Expansion shifts byte offsets, so it also returns a [`SourceMap`] that
 //! maps offsets in the expanded text back to the original for error messages.
 
@@ -155,7 +169,16 @@ pub fn expand(
                 Ok((end, name, default)) => {
                     let value = match (lookup(name), default) {
                         (Some(v), Some(d)) if v.is_empty() => Some(d.to_string()),
-                        (Some(v), _) => Some(v),
+                        (Some(v), _) => match fit(&v, state) {
+                            Ok(v) => Some(v),
+                            Err(why) => {
+                                errors.push(EnvError {
+                                    offset: start,
+                                    message: format!("environment variable `{name}` {why}"),
+                                });
+                                None
+                            }
+                        },
                         (None, Some(d)) => Some(d.to_string()),
                         (None, None) => {
                             errors.push(EnvError {
@@ -198,6 +221,61 @@ pub fn expand(
         Ok((out, map))
     } else {
         Err(errors)
+    }
+}
+
+/// Fits a variable's value to the lexical context it is substituted into,
+/// so that it stays one value: escaped in basic strings, checked elsewhere.
+/// `Err` says why it cannot go there.
+fn fit(value: &str, state: Lex) -> Result<String, &'static str> {
+    let control = |c: char| c.is_control() && c != '\t';
+    match state {
+        Lex::Basic | Lex::MlBasic => {
+            let mut out = String::with_capacity(value.len() + 8);
+            for c in value.chars() {
+                match c {
+                    '"' => out.push_str("\\\""),
+                    '\\' => out.push_str("\\\\"),
+                    '\n' => out.push_str("\\n"),
+                    '\r' => out.push_str("\\r"),
+                    '\t' => out.push_str("\\t"),
+                    c if c.is_control() => out.push_str(&format!("\\u{:04X}", c as u32)),
+                    c => out.push(c),
+                }
+            }
+            Ok(out)
+        }
+        Lex::Literal => {
+            if value.contains(['\'', '\n', '\r']) || value.chars().any(control) {
+                Err(
+                    "contains a quote, a newline or a control character, which a 'literal' \
+                     string cannot hold: use a \"basic\" string around the reference",
+                )
+            } else {
+                Ok(value.to_string())
+            }
+        }
+        Lex::MlLiteral => {
+            if value.contains("'") || value.chars().any(|c| control(c) && c != '\n') {
+                Err(
+                    "contains a quote or a control character, which a '''literal''' \
+                     string cannot hold: use a \"basic\" string around the reference",
+                )
+            } else {
+                Ok(value.to_string())
+            }
+        }
+        Lex::Normal | Lex::Comment => {
+            if value
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'+' | b'.' | b':'))
+            {
+                Ok(value.to_string())
+            } else {
+                Err("is not a bare number, boolean or date outside a string: \
+                     put the reference inside quotes (\"${NAME}\") to use it as a string")
+            }
+        }
     }
 }
 
@@ -244,6 +322,9 @@ mod tests {
             "HOST" => Some("10.0.0.1".into()),
             "EMPTY" => Some(String::new()),
             "PORT" => Some("8080".into()),
+            "EVIL" => Some("x\"\n[admin]\nlisten=\"0.0.0.0:1\"".into()),
+            "WIN" => Some("C:\\dir\t'q'".into()),
+            "CTRL" => Some("a\u{1}b\u{7f}".into()),
             _ => None,
         }
     }
@@ -266,6 +347,56 @@ mod tests {
         assert_eq!(ok("r = '\\.png$'\ns = \"$x\""), "r = '\\.png$'\ns = \"$x\"");
         // Outside strings too.
         assert_eq!(ok("workers = ${NOPE:-4}"), "workers = 4");
+    }
+
+    /// What `key` holds once the expanded text is parsed as TOML.
+    fn parsed(text: &str) -> String {
+        let out = ok(text);
+        let t: toml::Table = toml::from_str(&out).unwrap_or_else(|e| panic!("{out:?}: {e}"));
+        assert_eq!(t.len(), 1, "{out:?} gave more than one key: {t:?}");
+        t["key"].as_str().expect("a string").to_string()
+    }
+
+    #[test]
+    fn values_stay_values_in_basic_strings() {
+        let evil = env("EVIL").unwrap();
+        assert_eq!(parsed("key = \"${EVIL}\""), evil);
+        assert_eq!(parsed("key = \"<${EVIL}>\""), format!("<{evil}>"));
+        assert_eq!(parsed("key = \"\"\"${EVIL}\"\"\""), evil);
+        assert_eq!(parsed("key = \"${WIN}\""), "C:\\dir\t'q'");
+        assert_eq!(parsed("key = \"${CTRL}\""), "a\u{1}b\u{7f}");
+        // Defaults are the author's text, inserted as written.
+        assert_eq!(parsed("key = \"${NOPE:-a\\tb}\""), "a\tb");
+    }
+
+    #[test]
+    fn values_a_literal_string_cannot_hold_are_errors() {
+        assert_eq!(parsed("key = '${HOST}'"), "10.0.0.1");
+        assert_eq!(parsed("key = '''${HOST}'''"), "10.0.0.1");
+        // A multi-line literal holds newlines and double quotes as they are.
+        assert_eq!(parsed("key = '''${EVIL}'''"), env("EVIL").unwrap());
+        for text in [
+            "key = '${EVIL}'",
+            "key = '''${WIN}'''",
+            "key = '${WIN}'",
+            "key = '${CTRL}'",
+        ] {
+            let errs = expand(text, &env).unwrap_err();
+            assert_eq!(errs.len(), 1, "{text}: {errs:?}");
+            assert_eq!(errs[0].offset, text.find("${").unwrap());
+            assert!(errs[0].message.contains("literal"), "{errs:?}");
+        }
+    }
+
+    #[test]
+    fn bare_values_must_be_scalars() {
+        assert_eq!(ok("n = ${PORT}"), "n = 8080");
+        assert_eq!(ok("n = ${HOST}"), "n = 10.0.0.1");
+        for text in ["n = ${EVIL}", "n = ${WIN}", "n = [${EVIL}]"] {
+            let errs = expand(text, &env).unwrap_err();
+            assert_eq!(errs.len(), 1, "{text}: {errs:?}");
+            assert!(errs[0].message.contains("inside quotes"), "{errs:?}");
+        }
     }
 
     #[test]

@@ -382,6 +382,31 @@ fn env_expansion() {
 }
 
 #[test]
+fn env_values_cannot_inject_toml() {
+    // The issue's value, and one whose quotes balance so that textual
+    // substitution would have produced valid TOML with an `[admin]` table.
+    for evil in [
+        "x\"\n[admin]\nlisten=\"0.0.0.0:1\"",
+        "x\"\n[admin]\nlisten=\"0.0.0.0:1",
+    ] {
+        let lookup = |n: &str| (n == "EVIL").then(|| evil.to_string());
+        let text = "[[listener]]\nlisten = \"127.0.0.1:7000\"\nname = \"${EVIL}\"\n";
+        let c = load_str_with_env(text, "t.toml", &lookup).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.listeners[0].name, evil);
+        assert_eq!(c.admin, None, "a variable opened an [admin] table");
+        // Outside a string it cannot be a value at all: refused, at its `${`.
+        let text = "[server]\nworkers = ${EVIL}\n";
+        let errs = load_str_with_env(text, "t.toml", &lookup)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            errs.starts_with("t.toml:2:11: environment variable `EVIL` is not a bare"),
+            "{errs}"
+        );
+    }
+}
+
+#[test]
 fn positions_after_expansion_point_into_the_original_text() {
     let lookup = |n: &str| (n == "LONG").then(|| "x".repeat(50));
     // The error on line 3 sits after a 50-byte substitution on line 2.
