@@ -81,7 +81,19 @@ impl ChunkedScanner {
     pub fn feed_data(
         &mut self,
         buf: &[u8],
+        on_data: impl FnMut(std::ops::Range<usize>),
+    ) -> Result<usize, Kind> {
+        self.feed_parts(buf, on_data, |_| {})
+    }
+
+    /// Like `feed_data`, also reporting where the trailer section lies in
+    /// `buf` (every byte after the last chunk's size line, up to and
+    /// including the final CRLF), for clients that keep trailers.
+    pub fn feed_parts(
+        &mut self,
+        buf: &[u8],
         mut on_data: impl FnMut(std::ops::Range<usize>),
+        mut on_trailer: impl FnMut(std::ops::Range<usize>),
     ) -> Result<usize, Kind> {
         let mut i = 0;
         while i < buf.len() {
@@ -152,6 +164,7 @@ impl ChunkedScanner {
                     self.state = State::Size { digits: 0 };
                 }
                 State::TrailerStart => {
+                    on_trailer(i..i + 1);
                     i += 1;
                     if b == b'\r' {
                         self.state = State::TrailerLf { empty: true };
@@ -164,6 +177,7 @@ impl ChunkedScanner {
                     self.bump_trailer()?;
                 }
                 State::TrailerLine => {
+                    on_trailer(i..i + 1);
                     i += 1;
                     if b == b'\r' {
                         self.state = State::TrailerLf { empty: false };
@@ -176,6 +190,7 @@ impl ChunkedScanner {
                     if b != b'\n' {
                         return Err(Kind::BadChunk);
                     }
+                    on_trailer(i..i + 1);
                     i += 1;
                     if empty {
                         self.state = State::Done;
@@ -245,6 +260,39 @@ mod tests {
         c.feed_data(b, |r| data.extend_from_slice(&b[r])).unwrap();
         assert_eq!(data, b"helloabc");
         assert!(c.is_done());
+    }
+
+    #[test]
+    fn trailer_spans() {
+        let b = b"3\r\nabc\r\n0\r\nx-a: 1\r\nx-b: 2\r\n\r\nNEXT";
+        for split in 0..b.len() {
+            let mut c = ChunkedScanner::new();
+            let (mut data, mut trailer) = (Vec::new(), Vec::new());
+            let mut used = 0;
+            for part in [&b[..split], &b[split..]] {
+                used += c
+                    .feed_parts(
+                        part,
+                        |r| data.extend_from_slice(&part[r]),
+                        |r| trailer.extend_from_slice(&part[r]),
+                    )
+                    .unwrap();
+            }
+            assert!(c.is_done());
+            assert_eq!(used, b.len() - 4, "split at {split}");
+            assert_eq!(data, b"abc");
+            assert_eq!(trailer, b"x-a: 1\r\nx-b: 2\r\n\r\n", "split at {split}");
+        }
+        // No trailers: the section is the final CRLF.
+        let mut c = ChunkedScanner::new();
+        let mut trailer = Vec::new();
+        c.feed_parts(
+            b"0\r\n\r\n",
+            |_| {},
+            |r| trailer.extend_from_slice(&b"0\r\n\r\n"[r]),
+        )
+        .unwrap();
+        assert_eq!(trailer, b"\r\n");
     }
 
     #[test]

@@ -1,10 +1,11 @@
 //! HTTP/1 for Pier: heads with fixed-slot header maps (`headers`, `known`),
 //! the parser and its anti-smuggling checks (`head`), the validating chunked
-//! scanner (`chunked`), head serialisation (`write`) and the cached `Date`
+//! scanner (`chunked`), whole-body decoding for clients (`body`), head serialisation (`write`) and the cached `Date`
 //! (`date`). Parsing is httparse's; what is Pier's own is the zero-allocation
 //! header storage and the framing policy.
 #![forbid(unsafe_code)]
 
+pub mod body;
 pub mod chunked;
 pub mod date;
 pub mod head;
@@ -12,6 +13,7 @@ pub mod headers;
 pub mod known;
 pub mod write;
 
+pub use body::BodyDecoder;
 pub use chunked::ChunkedScanner;
 pub use head::{remove_hop_by_hop, BodyLen, HeadLimits, Method, RequestHead, ResponseHead};
 pub use headers::Headers;
