@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pier_config::{HealthCheck, HealthKind};
+use pier_http::{write, HeadLimits, ResponseHead};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -111,10 +112,13 @@ async fn check_loop(
 
 fn http_request(path: &str, host: Option<&str>, addr: SocketAddr) -> Vec<u8> {
     let host = host.map_or_else(|| addr.to_string(), str::to_owned);
-    format!(
-        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nUser-Agent: pier-health\r\n\r\n"
-    )
-    .into_bytes()
+    let mut out = Vec::with_capacity(96 + path.len() + host.len());
+    write::request_line(&mut out, b"GET", path.as_bytes());
+    write::header(&mut out, b"Host", host.as_bytes());
+    write::header(&mut out, b"Connection", b"close");
+    write::header(&mut out, b"User-Agent", b"pier-health");
+    out.extend_from_slice(b"\r\n");
+    out
 }
 
 /// Why a check failed (logged on transitions).
@@ -123,7 +127,7 @@ pub(crate) enum CheckError {
     Timeout,
     Connect(io::ErrorKind),
     Io(io::ErrorKind),
-    /// Closed or garbled before a status line.
+    /// Closed or garbled before the end of a response head.
     BadResponse,
     Status(u16),
 }
@@ -134,13 +138,13 @@ impl fmt::Display for CheckError {
             CheckError::Timeout => f.write_str("timed out"),
             CheckError::Connect(k) => write!(f, "connect: {k}"),
             CheckError::Io(k) => write!(f, "i/o: {k}"),
-            CheckError::BadResponse => f.write_str("no valid HTTP status line"),
+            CheckError::BadResponse => f.write_str("no valid HTTP response head"),
             CheckError::Status(s) => write!(f, "status {s}"),
         }
     }
 }
 
-/// One check, all of it (connect, send, read the status line) within `timeout`.
+/// One check, all of it (connect, send, read the response head) within `timeout`.
 pub(crate) async fn check(
     addr: SocketAddr,
     kind: &HealthKind,
@@ -175,53 +179,43 @@ pub(crate) async fn check(
         .unwrap_or(Err(CheckError::Timeout))
 }
 
-/// Read until the end of the status line (bounded buffer) and parse it.
+/// Largest response head a check reads.
+const MAX_HEAD: usize = 16 * 1024;
+
+/// Read the response head (bounded) with Pier's HTTP/1 codec; its status.
 async fn read_status(stream: &mut TcpStream) -> Result<u16, CheckError> {
-    let mut buf = [0u8; 256];
-    let mut len = 0;
+    let mut buf = Vec::with_capacity(512);
+    let mut chunk = [0u8; 1024];
     loop {
-        if let Some(status) = parse_status_line(&buf[..len])? {
+        if let Some(status) = parse_head(&buf)? {
             return Ok(status);
         }
-        if len == buf.len() {
+        if buf.len() >= MAX_HEAD {
             return Err(CheckError::BadResponse);
         }
         let n = stream
-            .read(&mut buf[len..])
+            .read(&mut chunk)
             .await
             .map_err(|e| CheckError::Io(e.kind()))?;
         if n == 0 {
             return Err(CheckError::BadResponse);
         }
-        len += n;
+        buf.extend_from_slice(&chunk[..n]);
     }
 }
 
-/// `Ok(None)` = need more bytes. Accepts `HTTP/1.x NNN[ reason]`; any
-/// three-digit code (100..=999) is a status, as a proxy must tolerate.
-pub(crate) fn parse_status_line(buf: &[u8]) -> Result<Option<u16>, CheckError> {
-    const PREFIX: &[u8] = b"HTTP/1.";
-    let have = buf.len().min(PREFIX.len());
-    if buf[..have] != PREFIX[..have] {
-        return Err(CheckError::BadResponse);
-    }
-    let Some(eol) = buf.iter().position(|&b| b == b'\n') else {
-        return Ok(None);
+/// `Ok(None)` = need more bytes. Any three-digit code (100..=999) is a
+/// status, as a proxy must tolerate; the head is parsed by `pier-http`.
+pub(crate) fn parse_head(buf: &[u8]) -> Result<Option<u16>, CheckError> {
+    let limits = HeadLimits {
+        max_header_bytes: MAX_HEAD,
+        ..HeadLimits::default()
     };
-    let line = &buf[..eol];
-    let line = line.strip_suffix(b"\r").unwrap_or(line);
-    match line {
-        [_, _, _, _, _, _, _, minor, b' ', d0, d1, d2, rest @ ..]
-            if minor.is_ascii_digit()
-                && [d0, d1, d2].iter().all(|d| d.is_ascii_digit())
-                && (rest.is_empty() || rest[0] == b' ')
-                && *d0 != b'0' =>
-        {
-            Ok(Some(
-                u16::from(d0 - b'0') * 100 + u16::from(d1 - b'0') * 10 + u16::from(d2 - b'0'),
-            ))
-        }
-        _ => Err(CheckError::BadResponse),
+    let mut head = ResponseHead::default();
+    match head.parse(buf, &limits) {
+        Ok(Some(_)) => Ok(Some(head.status)),
+        Ok(None) => Ok(None),
+        Err(_) => Err(CheckError::BadResponse),
     }
 }
 
@@ -230,30 +224,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn status_line_parsing() {
-        assert_eq!(parse_status_line(b"HTTP/1.1 200 OK\r\n"), Ok(Some(200)));
-        assert_eq!(parse_status_line(b"HTTP/1.0 503\r\n"), Ok(Some(503)));
-        assert_eq!(parse_status_line(b"HTTP/1.1 299 x\n"), Ok(Some(299)));
-        assert_eq!(parse_status_line(b"HTTP/1.1 999 odd\r\n"), Ok(Some(999)));
-        assert_eq!(parse_status_line(b"HTTP/1.1 20"), Ok(None));
-        assert_eq!(parse_status_line(b"HTT"), Ok(None));
-        assert_eq!(parse_status_line(b""), Ok(None));
+    fn head_parsing() {
+        assert_eq!(parse_head(b"HTTP/1.1 200 OK\r\n\r\n"), Ok(Some(200)));
+        assert_eq!(parse_head(b"HTTP/1.0 503\r\n\r\n"), Ok(Some(503)));
+        assert_eq!(parse_head(b"HTTP/1.1 299 x\n\n"), Ok(Some(299)));
         assert_eq!(
-            parse_status_line(b"SSH-2.0-OpenSSH\r\n"),
-            Err(CheckError::BadResponse)
+            parse_head(b"HTTP/1.1 999 odd\r\nContent-Length: 0\r\n\r\n"),
+            Ok(Some(999))
         );
-        assert_eq!(
-            parse_status_line(b"HTTP/1.1 2000 OK\r\n"),
-            Err(CheckError::BadResponse)
-        );
-        assert_eq!(
-            parse_status_line(b"HTTP/1.1 abc\r\n"),
-            Err(CheckError::BadResponse)
-        );
-        assert_eq!(
-            parse_status_line(b"HTTP/1.1 099\r\n"),
-            Err(CheckError::BadResponse)
-        );
+        // The status line alone is not a response yet.
+        assert_eq!(parse_head(b"HTTP/1.1 200 OK\r\n"), Ok(None));
+        assert_eq!(parse_head(b"HTTP/1.1 20"), Ok(None));
+        assert_eq!(parse_head(b"HTT"), Ok(None));
+        assert_eq!(parse_head(b""), Ok(None));
+        for bad in [
+            &b"SSH-2.0-OpenSSH\r\n"[..],
+            b"HTTP/1.1 2000 OK\r\n\r\n",
+            b"HTTP/1.1 abc\r\n\r\n",
+            b"HTTP/1.1 099\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nbad header: x\r\n\r\n",
+        ] {
+            assert_eq!(
+                parse_head(bad),
+                Err(CheckError::BadResponse),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use common::upstream_with;
 use pier_config::{Balance, HealthCheck, HealthKind, UpstreamServer};
+use pier_http::{HeadLimits, RequestHead};
 use pier_lb::{clock_ms, spawn_health_checks, Group};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -27,6 +28,8 @@ struct Origin {
     good: Arc<AtomicUsize>,
     bad: Arc<AtomicUsize>,
     first_request: Arc<Mutex<Vec<u8>>>,
+    /// Connections accepted and not yet answered.
+    in_flight: Arc<AtomicUsize>,
     task: JoinHandle<()>,
 }
 
@@ -42,19 +45,25 @@ impl Origin {
         let good = Arc::new(AtomicUsize::new(0));
         let bad = Arc::new(AtomicUsize::new(0));
         let first_request = Arc::new(Mutex::new(Vec::new()));
-        let (s, g, b, f) = (
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let (s, g, b, f, i) = (
             status.clone(),
             good.clone(),
             bad.clone(),
             first_request.clone(),
+            in_flight.clone(),
         );
         let task = tokio::spawn(async move {
             loop {
                 let Ok((conn, _)) = listener.accept().await else {
                     return;
                 };
-                let (s, g, b, f) = (s.clone(), g.clone(), b.clone(), f.clone());
-                tokio::spawn(async move { answer(conn, &s, &g, &b, &f).await });
+                i.fetch_add(1, Ordering::SeqCst);
+                let (s, g, b, f, i) = (s.clone(), g.clone(), b.clone(), f.clone(), i.clone());
+                tokio::spawn(async move {
+                    answer(conn, &s, &g, &b, &f).await;
+                    i.fetch_sub(1, Ordering::SeqCst);
+                });
             }
         });
         Origin {
@@ -63,6 +72,7 @@ impl Origin {
             good,
             bad,
             first_request,
+            in_flight,
             task,
         }
     }
@@ -88,8 +98,10 @@ async fn answer(
 ) {
     let mut buf = Vec::with_capacity(512);
     let mut chunk = [0u8; 512];
+    // Read the whole request head (pier-http's parser says when it is there).
     let read = tokio::time::timeout(Duration::from_secs(2), async {
-        while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
+        let mut head = RequestHead::default();
+        while buf.len() < 8192 && !matches!(head.parse(&buf, &HeadLimits::default()), Ok(Some(_))) {
             match conn.read(&mut chunk).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
@@ -150,9 +162,10 @@ fn group(addrs: &[SocketAddr], hc: Option<HealthCheck>) -> Arc<Group> {
     Arc::new(Group::new(&upstream_with(Balance::RoundRobin, servers, hc)))
 }
 
-/// Poll `cond` every 5 ms for at most 5 s.
+/// Poll `cond` every 5 ms for at most 20 s (generous: a loaded machine is slow, and
+/// a condition that holds costs no more than its own time).
 async fn wait_for(what: &str, cond: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while !cond() {
         assert!(
             tokio::time::Instant::now() < deadline,
@@ -214,7 +227,8 @@ async fn http_check_closed_and_hung_connections_fail() {
     let closing = Origin::start(CLOSE).await;
     let hanging = Origin::start(HANG).await;
     let mut hc = http_check(1, 2);
-    hc.timeout = Duration::from_millis(100);
+    // Far below the hanging origin's 3 s, far above a check's time on a loaded machine.
+    hc.timeout = Duration::from_millis(1000);
     let g = group(&[closing.addr, hanging.addr], Some(hc));
     let (tx, rx) = watch::channel(false);
     let tasks = spawn_health_checks(std::slice::from_ref(&g), rx);
@@ -262,7 +276,8 @@ async fn tcp_check_follows_listener() {
     let (tx, rx) = watch::channel(false);
     let tasks = spawn_health_checks(std::slice::from_ref(&g), rx);
     let peer = g.peers()[0].clone();
-    tokio::time::sleep(Duration::from_millis(120)).await;
+    // Connects count as good answers at the origin: two checks have passed.
+    wait_for("two tcp checks", || origin.good.load(Ordering::SeqCst) >= 2).await;
     assert!(peer.is_healthy());
 
     let addr = origin.stop().await;
@@ -313,10 +328,29 @@ async fn checkers_stop_when_sender_dropped_and_skip_unchecked_groups() {
             .expect("checker stops when the sender is gone")
             .unwrap();
     }
-    // Let a request sent just before the stop be answered, then watch.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // A check may have connected just before the stop. Our own request, answered,
+    // means the origin has accepted every connection before it (the backlog is FIFO);
+    // once every answer is done, nothing new may arrive: that watch is what is tested
+    // (the checkers ran every 50 ms).
+    let mut sentinel = TcpStream::connect(origin.addr).await.unwrap();
+    sentinel
+        .write_all(b"GET /sentinel HTTP/1.1\r\nHost: t\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let _ = sentinel.read_to_end(&mut answer).await;
+    assert!(answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
+    wait_for("answers to finish", || {
+        origin.in_flight.load(Ordering::SeqCst) == 0
+    })
+    .await;
     let after = origin.good.load(Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        origin.in_flight.load(Ordering::SeqCst),
+        0,
+        "a check connected after stop"
+    );
     assert_eq!(
         origin.good.load(Ordering::SeqCst),
         after,
