@@ -1,10 +1,16 @@
 //! Clients that show exactly what came over the wire: a raw TCP HTTP/1.1 client that
 //! keeps one socket across requests, and a `curl` wrapper.
+//!
+//! Requests are raw bytes on purpose (tests send malformed ones); responses are read
+//! with Pier's own codec (`pier_http`): heads with `ResponseHead::parse`, framing with
+//! `body_len`, bodies with `BodyDecoder` (the validating chunked scanner underneath).
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use pier_http::{write, BodyDecoder, BodyLen, HeadLimits, Method, ResponseHead};
 
 use crate::ws;
 
@@ -91,6 +97,10 @@ fn err(kind: io::ErrorKind, msg: impl Into<String>) -> io::Error {
     io::Error::new(kind, msg.into())
 }
 
+fn lossy(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
 impl RawConn {
     /// Connects (10 s timeout) or panics.
     pub fn connect(addr: SocketAddr) -> RawConn {
@@ -153,18 +163,18 @@ impl RawConn {
         headers: &[(&str, &str)],
         body: &[u8],
     ) -> io::Result<Response> {
-        let mut req = format!("{method} {path} HTTP/1.1\r\n");
+        let mut bytes = Vec::with_capacity(256 + body.len());
+        write::request_line(&mut bytes, method.as_bytes(), path.as_bytes());
         if !headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("host")) {
-            req.push_str("host: pier.test\r\n");
+            write::header(&mut bytes, b"host", b"pier.test");
         }
         for (n, v) in headers {
-            req.push_str(&format!("{n}: {v}\r\n"));
+            write::header(&mut bytes, n.as_bytes(), v.as_bytes());
         }
         if !body.is_empty() {
-            req.push_str(&format!("content-length: {}\r\n", body.len()));
+            write::header_u64(&mut bytes, b"content-length", body.len() as u64);
         }
-        req.push_str("\r\n");
-        let mut bytes = req.into_bytes();
+        bytes.extend_from_slice(b"\r\n");
         bytes.extend_from_slice(body);
         self.try_send(&bytes)?;
         if method.eq_ignore_ascii_case("HEAD") {
@@ -181,7 +191,7 @@ impl RawConn {
 
     /// Reads one response head, whatever its status (a 1xx too), and no body.
     pub fn read_head_only(&mut self) -> io::Result<Response> {
-        self.read_head()
+        Ok(self.read_head()?.0)
     }
 
     /// Reads one response (skipping and recording 1xx interim ones).
@@ -209,162 +219,113 @@ impl RawConn {
     ) -> io::Result<Response> {
         let mut interim = Vec::new();
         loop {
-            let mut resp = self.read_head()?;
+            let (mut resp, head) = self.read_head()?;
             if (100..200).contains(&resp.status) && resp.status != 101 {
                 interim.push((resp.status, resp.headers));
                 continue;
             }
             resp.interim = interim;
-            if no_body || resp.status == 101 || resp.status == 204 || resp.status == 304 {
-                return Ok(resp);
-            }
-            let te_chunked = resp
-                .header_all("transfer-encoding")
-                .iter()
-                .flat_map(|v| v.split(','))
-                .next_back()
-                .is_some_and(|t| t.trim().eq_ignore_ascii_case("chunked"));
-            let mut keep = |resp: &mut Response, piece: &[u8]| {
-                resp.body_len += piece.len() as u64;
-                match sink.as_mut() {
-                    Some(s) => s(piece),
-                    None => resp.body.extend_from_slice(piece),
-                }
-            };
-            if te_chunked {
-                resp.chunked = true;
-                self.read_chunked(&mut resp, &mut keep)?;
-            } else if let Some(cl) = resp.header("content-length") {
-                let cl: u64 = cl.trim().parse().map_err(|_| {
+            let framing = if no_body {
+                BodyLen::None
+            } else {
+                head.body_len(Method::Get).map_err(|e| {
                     err(
                         io::ErrorKind::InvalidData,
-                        format!("bad content-length {cl:?}"),
+                        format!(
+                            "bad body framing ({e:?}): content-length {:?}, transfer-encoding {:?}",
+                            resp.header_all("content-length"),
+                            resp.header_all("transfer-encoding")
+                        ),
                     )
-                })?;
-                let mut left = cl;
-                while left > 0 {
-                    if self.buf.is_empty() && self.fill()? == 0 {
-                        return Err(err(
-                            io::ErrorKind::UnexpectedEof,
+                })?
+            };
+            resp.chunked = framing == BodyLen::Chunked;
+            resp.close_delimited = framing == BodyLen::UntilClose;
+            let mut body = BodyDecoder::new(framing);
+            while !body.is_done() {
+                if self.buf.is_empty() && self.fill()? == 0 {
+                    if body.eof() {
+                        break;
+                    }
+                    let msg = match body.remaining() {
+                        Some(left) => {
+                            let cl = match framing {
+                                BodyLen::Length(n) => n,
+                                _ => 0,
+                            };
                             format!(
                                 "connection closed inside the body: got {} of {cl} bytes (status {})",
                                 cl - left,
                                 resp.status
+                            )
+                        }
+                        None => "connection closed inside a chunk".to_string(),
+                    };
+                    return Err(err(io::ErrorKind::UnexpectedEof, msg));
+                }
+                let used = body
+                    .decode(&self.buf, |piece| {
+                        resp.body_len += piece.len() as u64;
+                        match sink.as_mut() {
+                            Some(s) => s(piece),
+                            None => resp.body.extend_from_slice(piece),
+                        }
+                    })
+                    .map_err(|e| {
+                        err(
+                            io::ErrorKind::InvalidData,
+                            format!(
+                                "bad chunked body ({e:?}) near {:?}",
+                                String::from_utf8_lossy(&self.buf[..self.buf.len().min(200)])
                             ),
-                        ));
-                    }
-                    let n = (self.buf.len() as u64).min(left) as usize;
-                    let piece: Vec<u8> = self.buf.drain(..n).collect();
-                    keep(&mut resp, &piece);
-                    left -= n as u64;
-                }
-            } else {
-                resp.close_delimited = true;
-                loop {
-                    if self.buf.is_empty() && self.fill()? == 0 {
-                        break;
-                    }
-                    let piece = std::mem::take(&mut self.buf);
-                    keep(&mut resp, &piece);
-                }
+                        )
+                    })?;
+                self.buf.drain(..used);
             }
+            let trailers = body
+                .trailers()
+                .map_err(|e| err(io::ErrorKind::InvalidData, format!("bad trailers ({e:?})")))?;
+            resp.trailers = trailers.iter().map(|(n, v)| (lossy(n), lossy(v))).collect();
             return Ok(resp);
         }
     }
 
-    fn read_chunked(
-        &mut self,
-        resp: &mut Response,
-        keep: &mut dyn FnMut(&mut Response, &[u8]),
-    ) -> io::Result<()> {
-        loop {
-            let line = self.read_line()?;
-            let size = line.split(|b| *b == b';').next().unwrap_or(&[]);
-            let size = std::str::from_utf8(size)
-                .ok()
-                .and_then(|s| u64::from_str_radix(s.trim(), 16).ok())
-                .ok_or_else(|| {
-                    err(
-                        io::ErrorKind::InvalidData,
-                        format!("bad chunk size line {:?}", String::from_utf8_lossy(&line)),
-                    )
-                })?;
-            if size == 0 {
-                loop {
-                    let t = self.read_line()?;
-                    if t.is_empty() {
-                        return Ok(());
-                    }
-                    let t = String::from_utf8_lossy(&t).into_owned();
-                    let (n, v) = t.split_once(':').ok_or_else(|| {
-                        err(io::ErrorKind::InvalidData, format!("bad trailer {t:?}"))
-                    })?;
-                    resp.trailers
-                        .push((n.trim().to_string(), v.trim().to_string()));
-                }
-            }
-            let mut left = size;
-            while left > 0 {
-                if self.buf.is_empty() && self.fill()? == 0 {
-                    return Err(err(
-                        io::ErrorKind::UnexpectedEof,
-                        "connection closed inside a chunk",
-                    ));
-                }
-                let n = (self.buf.len() as u64).min(left) as usize;
-                let piece: Vec<u8> = self.buf.drain(..n).collect();
-                keep(resp, &piece);
-                left -= n as u64;
-            }
-            if !self.read_line()?.is_empty() {
-                return Err(err(
-                    io::ErrorKind::InvalidData,
-                    "chunk data not followed by CRLF",
-                ));
-            }
-        }
-    }
-
-    fn read_head(&mut self) -> io::Result<Response> {
+    /// Reads one response head with Pier's codec: the client's view of it, and the codec's.
+    fn read_head(&mut self) -> io::Result<(Response, ResponseHead)> {
+        let limits = HeadLimits {
+            max_header_bytes: MAX_HEAD,
+            ..HeadLimits::default()
+        };
         loop {
             if !self.buf.is_empty() {
-                let mut hdrs = [httparse::EMPTY_HEADER; 256];
-                let mut r = httparse::Response::new(&mut hdrs);
-                match r.parse(&self.buf) {
-                    Ok(httparse::Status::Complete(n)) => {
+                let mut head = ResponseHead::default();
+                match head.parse(&self.buf, &limits) {
+                    Ok(Some(n)) => {
                         let resp = Response {
-                            status: r.code.unwrap_or(0),
-                            reason: r.reason.unwrap_or("").to_string(),
-                            minor_version: r.version.unwrap_or(1),
-                            headers: r
+                            status: head.status,
+                            reason: lossy(head.reason()),
+                            minor_version: head.version,
+                            headers: head
                                 .headers
                                 .iter()
-                                .map(|h| {
-                                    (
-                                        h.name.to_string(),
-                                        String::from_utf8_lossy(h.value).into_owned(),
-                                    )
-                                })
+                                .map(|(n, v)| (lossy(n), lossy(v)))
                                 .collect(),
                             ..Response::default()
                         };
                         self.buf.drain(..n);
-                        return Ok(resp);
+                        return Ok((resp, head));
                     }
-                    Ok(httparse::Status::Partial) => {}
+                    Ok(None) => {}
                     Err(e) => {
                         return Err(err(
                             io::ErrorKind::InvalidData,
                             format!(
-                                "bad response head ({e}): {:?}",
+                                "bad response head ({e:?}): {:?}",
                                 String::from_utf8_lossy(&self.buf[..self.buf.len().min(200)])
                             ),
                         ))
                     }
                 }
-            }
-            if self.buf.len() > MAX_HEAD {
-                return Err(err(io::ErrorKind::InvalidData, "response head too large"));
             }
             if self.fill()? == 0 {
                 let msg = if self.buf.is_empty() {
@@ -376,25 +337,6 @@ impl RawConn {
                     )
                 };
                 return Err(err(io::ErrorKind::UnexpectedEof, msg));
-            }
-        }
-    }
-
-    fn read_line(&mut self) -> io::Result<Vec<u8>> {
-        loop {
-            if let Some(i) = self.buf.windows(2).position(|w| w == b"\r\n") {
-                let line = self.buf[..i].to_vec();
-                self.buf.drain(..i + 2);
-                return Ok(line);
-            }
-            if self.buf.len() > 64 * 1024 {
-                return Err(err(io::ErrorKind::InvalidData, "line too long"));
-            }
-            if self.fill()? == 0 {
-                return Err(err(
-                    io::ErrorKind::UnexpectedEof,
-                    "connection closed inside a line",
-                ));
             }
         }
     }

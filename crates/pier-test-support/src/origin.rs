@@ -37,6 +37,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
+use pier_error::Kind;
+use pier_http::head::MAX_HEADERS_HARD;
+use pier_http::{write, BodyDecoder, BodyLen, HeadLimits, RequestHead};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
@@ -217,10 +220,18 @@ async fn accept_loop(listener: TcpListener, st: Arc<State>, mut stop: oneshot::R
 
 // === request head ===
 
+/// Parser bounds: far above Pier's, so Pier's own limits are what tests meet.
+const LIMITS: HeadLimits = HeadLimits {
+    max_header_bytes: MAX_HEAD,
+    max_headers: MAX_HEADERS_HARD,
+    max_uri_bytes: MAX_HEAD,
+};
+
+/// A request head as parsed by Pier's codec, plus owned copies for convenience.
 struct Head {
+    req: RequestHead,
     method: String,
     path: String,
-    minor_version: u8,
     headers: Vec<(String, String)>,
     raw: Bytes,
 }
@@ -241,36 +252,13 @@ impl Head {
             .any(|t| t.trim().eq_ignore_ascii_case(token))
     }
 
-    fn body_kind(&self) -> BodyKind {
-        if let Some(te) = self.header("transfer-encoding") {
-            if te
-                .rsplit(',')
-                .next()
-                .is_some_and(|t| t.trim().eq_ignore_ascii_case("chunked"))
-            {
-                return BodyKind::Chunked;
-            }
-        }
-        match self.header("content-length") {
-            Some(v) => BodyKind::Length(v.trim().parse().unwrap_or(0)),
-            None => BodyKind::None,
-        }
+    fn body_kind(&self) -> BodyLen {
+        self.req.body_len()
     }
 
     fn wants_close(&self) -> bool {
-        if self.minor_version == 0 {
-            !self.has_token("connection", "keep-alive")
-        } else {
-            self.has_token("connection", "close")
-        }
+        !self.req.keep_alive()
     }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum BodyKind {
-    None,
-    Length(u64),
-    Chunked,
 }
 
 // === connection ===
@@ -324,34 +312,38 @@ impl Conn {
                 self.buf.advance(2);
             }
             if !self.buf.is_empty() {
-                let mut hdrs = [httparse::EMPTY_HEADER; 256];
-                let mut req = httparse::Request::new(&mut hdrs);
-                match req.parse(&self.buf) {
-                    Ok(httparse::Status::Complete(n)) => {
+                let mut req = RequestHead::default();
+                match req.parse(&self.buf, &LIMITS) {
+                    Ok(Some(n)) => {
+                        let lossy = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
                         let head = Head {
-                            method: req.method.unwrap_or("").to_string(),
-                            path: req.path.unwrap_or("").to_string(),
-                            minor_version: req.version.unwrap_or(1),
+                            method: lossy(req.method()),
+                            path: lossy(req.uri()),
                             headers: req
                                 .headers
                                 .iter()
-                                .map(|h| {
-                                    (
-                                        h.name.to_string(),
-                                        String::from_utf8_lossy(h.value).into_owned(),
-                                    )
-                                })
+                                .map(|(n, v)| (lossy(n), lossy(v)))
                                 .collect(),
-                            raw: Bytes::new(),
+                            raw: self.buf.split_to(n).freeze(),
+                            req,
                         };
-                        let raw = self.buf.split_to(n).freeze();
-                        return Ok(Some(Head { raw, ..head }));
+                        return Ok(Some(head));
                     }
-                    Ok(httparse::Status::Partial) => {}
+                    Ok(None) => {}
+                    Err(Kind::HeadersTooLarge | Kind::UriTooLong) => {
+                        self.write_simple(
+                            431,
+                            "Too Large",
+                            &[("connection", "close")],
+                            b"head too large\n",
+                        )
+                        .await?;
+                        return Err(io::Error::new(io::ErrorKind::InvalidData, "head too large"));
+                    }
                     Err(e) => {
                         // Counted: a malformed request that reached the origin was forwarded.
                         self.st.requests.fetch_add(1, Ordering::SeqCst);
-                        let body = format!("origin could not parse the request: {e}\n");
+                        let body = format!("origin could not parse the request: {e:?}\n");
                         self.write_simple(
                             400,
                             "Bad Request",
@@ -359,19 +351,9 @@ impl Conn {
                             body.as_bytes(),
                         )
                         .await?;
-                        return Err(io::Error::new(io::ErrorKind::InvalidData, e.to_string()));
+                        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{e:?}")));
                     }
                 }
-            }
-            if self.buf.len() > MAX_HEAD {
-                self.write_simple(
-                    431,
-                    "Too Large",
-                    &[("connection", "close")],
-                    b"head too large\n",
-                )
-                .await?;
-                return Err(io::Error::new(io::ErrorKind::InvalidData, "head too large"));
             }
             if self.fill().await? == 0 {
                 if self.buf.is_empty() {
@@ -394,7 +376,7 @@ impl Conn {
         let close = head.wants_close();
         let kind = head.body_kind();
         let has_body =
-            matches!(kind, BodyKind::Chunked) || matches!(kind, BodyKind::Length(n) if n > 0);
+            matches!(kind, BodyLen::Chunked) || matches!(kind, BodyLen::Length(n) if n > 0);
         if has_body && head.has_token("expect", "100-continue") {
             self.s.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
         }
@@ -575,11 +557,12 @@ impl Conn {
             ("status", Some(code)) if (100..=999).contains(&code) => {
                 let code = code as u16;
                 if code < 200 {
-                    let interim = format!(
-                        "HTTP/1.1 {code} Interim\r\nlink: </style.css>; rel=preload\r\nx-origin: {}\r\n\r\n",
-                        self.st.name
-                    );
-                    self.s.write_all(interim.as_bytes()).await?;
+                    let mut interim = Vec::with_capacity(128);
+                    write::status_line(&mut interim, code, b"Interim");
+                    write::header(&mut interim, b"link", b"</style.css>; rel=preload");
+                    write::header(&mut interim, b"x-origin", self.st.name.as_bytes());
+                    interim.extend_from_slice(b"\r\n");
+                    self.s.write_all(&interim).await?;
                     self.write_full(200, "OK", conn_hdr, b"after 1xx\n", is_head)
                         .await
                 } else if code == 204 || code == 304 {
@@ -602,18 +585,14 @@ impl Conn {
     // --- writing ---
 
     fn head_bytes(&self, status: u16, reason: &str, headers: &[(&str, &str)]) -> Vec<u8> {
-        let mut h = format!(
-            "HTTP/1.1 {status} {reason}\r\nx-origin: {}\r\n",
-            self.st.name
-        );
+        let mut h = Vec::with_capacity(256);
+        write::status_line(&mut h, status, reason.as_bytes());
+        write::header(&mut h, b"x-origin", self.st.name.as_bytes());
         for (n, v) in headers {
-            h.push_str(n);
-            h.push_str(": ");
-            h.push_str(v);
-            h.push_str("\r\n");
+            write::header(&mut h, n.as_bytes(), v.as_bytes());
         }
-        h.push_str("\r\n");
-        h.into_bytes()
+        h.extend_from_slice(b"\r\n");
+        h
     }
 
     async fn write_full(
@@ -676,7 +655,7 @@ impl Conn {
 
     // --- bodies ---
 
-    async fn discard_body(&mut self, kind: BodyKind) -> io::Result<()> {
+    async fn discard_body(&mut self, kind: BodyLen) -> io::Result<()> {
         let mut r = BodyReader::new(kind);
         while r.next(self).await?.is_some() {}
         Ok(())
@@ -685,7 +664,7 @@ impl Conn {
     async fn echo(
         &mut self,
         head: &Head,
-        kind: BodyKind,
+        kind: BodyLen,
         is_head: bool,
         conn_hdr: &[(&str, &str)],
     ) -> io::Result<()> {
@@ -696,12 +675,12 @@ impl Conn {
         let mut hdrs: Vec<(&str, &str)> = vec![("content-type", ct.as_str())];
         let len_s;
         match kind {
-            BodyKind::Chunked => hdrs.push(("transfer-encoding", "chunked")),
-            BodyKind::Length(n) => {
+            BodyLen::Chunked => hdrs.push(("transfer-encoding", "chunked")),
+            BodyLen::Length(n) => {
                 len_s = n.to_string();
                 hdrs.push(("content-length", len_s.as_str()));
             }
-            BodyKind::None => hdrs.push(("content-length", "0")),
+            BodyLen::None | BodyLen::UntilClose => hdrs.push(("content-length", "0")),
         }
         hdrs.extend_from_slice(conn_hdr);
         let h = self.head_bytes(200, "OK", &hdrs);
@@ -711,7 +690,7 @@ impl Conn {
             if is_head {
                 continue;
             }
-            if kind == BodyKind::Chunked {
+            if kind == BodyLen::Chunked {
                 self.s
                     .write_all(format!("{:x}\r\n", p.len()).as_bytes())
                     .await?;
@@ -721,7 +700,7 @@ impl Conn {
                 self.s.write_all(&p).await?;
             }
         }
-        if kind == BodyKind::Chunked && !is_head {
+        if kind == BodyLen::Chunked && !is_head {
             let mut end = b"0\r\n".to_vec();
             for (n, v) in &r.trailers {
                 end.extend_from_slice(format!("{n}: {v}\r\n").as_bytes());
@@ -774,22 +753,6 @@ impl Conn {
             }
         }
     }
-
-    async fn read_line(&mut self) -> io::Result<Bytes> {
-        loop {
-            if let Some(i) = self.buf.windows(2).position(|w| w == b"\r\n") {
-                let line = self.buf.split_to(i).freeze();
-                self.buf.advance(2);
-                return Ok(line);
-            }
-            if self.buf.len() > 64 * 1024 {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, "line too long"));
-            }
-            if self.fill().await? == 0 {
-                return Err(io::ErrorKind::UnexpectedEof.into());
-            }
-        }
-    }
 }
 
 /// Splits a path into the endpoint and its argument: the first segment naming an
@@ -808,92 +771,48 @@ fn route(path: &str) -> (&str, Option<&str>) {
     ("", None)
 }
 
-/// Streams a request body out of a connection in pieces of at most [`PIECE`] bytes.
+/// Streams a request body out of a connection piece by piece, decoded by Pier's codec
+/// (`BodyDecoder`: Content-Length, or chunked through the validating scanner).
 struct BodyReader {
-    kind: BodyKind,
-    /// Bytes left of the Content-Length body or of the current chunk.
-    left: u64,
-    /// A chunk's data is done and its CRLF must follow.
-    need_crlf: bool,
-    done: bool,
+    dec: BodyDecoder,
     trailers: Vec<(String, String)>,
 }
 
 impl BodyReader {
-    fn new(kind: BodyKind) -> BodyReader {
-        let (left, done) = match kind {
-            BodyKind::None => (0, true),
-            BodyKind::Length(n) => (n, n == 0),
-            BodyKind::Chunked => (0, false),
-        };
+    fn new(kind: BodyLen) -> BodyReader {
         BodyReader {
-            kind,
-            left,
-            need_crlf: false,
-            done,
+            dec: BodyDecoder::new(kind),
             trailers: Vec::new(),
         }
     }
 
-    async fn take(&mut self, c: &mut Conn) -> io::Result<Bytes> {
-        if c.buf.is_empty() && c.fill().await? == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        let n = (c.buf.len() as u64).min(self.left).min(PIECE as u64) as usize;
-        self.left -= n as u64;
-        Ok(c.buf.split_to(n).freeze())
-    }
-
+    /// The next piece of payload (what one read brought, at most a buffer's worth);
+    /// `None` at the end of the body.
     async fn next(&mut self, c: &mut Conn) -> io::Result<Option<Bytes>> {
-        if self.done {
-            return Ok(None);
-        }
-        if self.kind != BodyKind::Chunked {
-            let p = self.take(c).await?;
-            if self.left == 0 {
-                self.done = true;
-            }
-            return Ok(Some(p));
-        }
         loop {
-            if self.left > 0 {
-                let p = self.take(c).await?;
-                if self.left == 0 {
-                    self.need_crlf = true;
-                }
-                return Ok(Some(p));
-            }
-            if self.need_crlf {
-                if !c.read_line().await?.is_empty() {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        "chunk without CRLF",
-                    ));
-                }
-                self.need_crlf = false;
-            }
-            let line = c.read_line().await?;
-            let size = line.split(|b| *b == b';').next().unwrap_or(&[]);
-            let size = std::str::from_utf8(size)
-                .ok()
-                .and_then(|s| u64::from_str_radix(s.trim(), 16).ok())
-                .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad chunk size"))?;
-            if size == 0 {
-                loop {
-                    let t = c.read_line().await?;
-                    if t.is_empty() {
-                        break;
-                    }
-                    let t = String::from_utf8_lossy(&t);
-                    if let Some((n, v)) = t.split_once(':') {
-                        self.trailers
-                            .push((n.trim().to_string(), v.trim().to_string()));
-                    }
-                }
-                self.done = true;
+            if self.dec.is_done() {
                 return Ok(None);
             }
-            self.left = size;
+            if c.buf.is_empty() && c.fill().await? == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            let mut piece = BytesMut::new();
+            let used = self
+                .dec
+                .decode(&c.buf, |p| piece.extend_from_slice(p))
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{e:?}")))?;
+            c.buf.advance(used);
+            if self.dec.is_done() {
+                let trailers = self
+                    .dec
+                    .trailers()
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{e:?}")))?;
+                let lossy = |b: &[u8]| String::from_utf8_lossy(b).trim().to_string();
+                self.trailers = trailers.iter().map(|(n, v)| (lossy(n), lossy(v))).collect();
+            }
+            if !piece.is_empty() {
+                return Ok(Some(piece.freeze()));
+            }
         }
     }
 }
