@@ -1,6 +1,7 @@
 //! The demo origin the embedded default config starts, so that `pier` alone
 //! shows a working proxy. Deliberately tiny; real deployments remove `[demo]`.
 
+use pier_http::{write, BodyDecoder, HeadLimits, Method, RequestHead};
 use std::net::SocketAddr;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -29,9 +30,21 @@ pub fn start(addr: SocketAddr) -> std::io::Result<SocketAddr> {
     Ok(bound)
 }
 
+/// Largest request head the demo reads.
+const MAX_HEAD: usize = 64 * 1024;
+
 async fn serve(mut s: tokio::net::TcpStream) {
     let _ = s.set_nodelay(true);
+    let limits = HeadLimits {
+        max_header_bytes: MAX_HEAD,
+        max_uri_bytes: MAX_HEAD,
+        ..HeadLimits::default()
+    };
     let mut buf = Vec::with_capacity(4096);
+    let mut req = RequestHead::default();
+    // The body of the request being skipped, if any.
+    let mut body: Option<BodyDecoder> = None;
+    let mut out = Vec::with_capacity(256);
     loop {
         let mut chunk = [0u8; 4096];
         let n = match s.read(&mut chunk).await {
@@ -40,27 +53,54 @@ async fn serve(mut s: tokio::net::TcpStream) {
         };
         buf.extend_from_slice(&chunk[..n]);
         loop {
-            let mut h = [httparse::EMPTY_HEADER; 64];
-            let mut req = httparse::Request::new(&mut h);
-            let used = match req.parse(&buf) {
-                Ok(httparse::Status::Complete(n)) => n,
-                Ok(httparse::Status::Partial) if buf.len() < 65536 => break,
-                _ => return,
+            if let Some(b) = &mut body {
+                let Ok(used) = b.decode(&buf, |_| {}) else {
+                    return;
+                };
+                buf.drain(..used);
+                if !b.is_done() {
+                    break;
+                }
+                body = None;
+            }
+            let used = match req.parse(&buf, &limits) {
+                Ok(Some(n)) => n,
+                Ok(None) => break,
+                Err(_) => {
+                    out.clear();
+                    write::status_line(&mut out, 400, b"");
+                    write::header(&mut out, b"Connection", b"close");
+                    write::header(&mut out, b"Content-Length", b"0");
+                    out.extend_from_slice(b"\r\n");
+                    let _ = s.write_all(&out).await;
+                    return;
+                }
             };
-            let path = req.path.unwrap_or("/");
-            let body: &[u8] = match path {
-                "/hello" => b"hello world\n",
-                "/healthz" => b"ok\n",
+            buf.drain(..used);
+            let answer: &[u8] = match req.path() {
+                b"/hello" => b"hello world\n",
+                b"/healthz" => b"ok\n",
                 _ => b"Hello from Pier's demo origin. Point Pier at your own origin with:\n  pier proxy --listen 127.0.0.1:8080 --to 127.0.0.1:3000\n",
             };
-            let head = format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nServer: pier-demo-origin\r\n\r\n",
-                body.len()
-            );
-            buf.drain(..used);
-            if s.write_all(head.as_bytes()).await.is_err() || s.write_all(body).await.is_err() {
+            let is_head = req.method_kind() == Method::Head;
+            let close = !req.keep_alive();
+            out.clear();
+            write::status_line(&mut out, 200, b"OK");
+            write::header(&mut out, b"Content-Type", b"text/plain");
+            write::header_u64(&mut out, b"Content-Length", answer.len() as u64);
+            write::header(&mut out, b"Server", b"pier-demo-origin");
+            if close {
+                write::header(&mut out, b"Connection", b"close");
+            }
+            out.extend_from_slice(b"\r\n");
+            if !is_head {
+                out.extend_from_slice(answer);
+            }
+            if s.write_all(&out).await.is_err() || close {
                 return;
             }
+            // Skip a request body (the demo answers without reading it).
+            body = Some(BodyDecoder::new(req.body_len()));
         }
     }
 }
