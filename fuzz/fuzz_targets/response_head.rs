@@ -11,7 +11,7 @@ fn tchar(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
-/// Decode `rest` with `framing`, whole or cut at `cut`: (verdict, used, payload, done).
+/// Decode `rest` with `framing`, cut at `cut`: (verdict, used, payload, done).
 fn decode(framing: BodyLen, rest: &[u8], cut: usize) -> (bool, usize, Vec<u8>, bool) {
     let mut d = BodyDecoder::new(framing);
     let mut payload = Vec::new();
@@ -26,7 +26,8 @@ fn decode(framing: BodyLen, rest: &[u8], cut: usize) -> (bool, usize, Vec<u8>, b
                 assert!(d.is_done() || n == piece.len(), "stopped early, not done");
                 used += n;
             }
-            Err(_) => return (false, used, payload, false),
+            // Where it failed is the verdict; bytes consumed before it depend on the cut.
+            Err(_) => return (false, 0, payload, false),
         }
     }
     if d.is_done() {

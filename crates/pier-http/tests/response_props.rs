@@ -40,7 +40,8 @@ fn decode(framing: BodyLen, rest: &[u8], cut: usize) -> (bool, usize, Vec<u8>, b
                 assert!(d.is_done() || n == piece.len(), "stopped early, not done");
                 used += n;
             }
-            Err(_) => return (false, used, payload, false),
+            // Where it failed is the verdict; bytes consumed before it depend on the cut.
+            Err(_) => return (false, 0, payload, false),
         }
     }
     if d.is_done() {
