@@ -12,7 +12,9 @@
 //! client may be retried on another peer (bounded by the route's retries and
 //! the group's retry budget).
 
+use crate::h1::{H1RequestSink, H1RequestSource, H1ResponseSink, H1ResponseSource};
 use crate::phases::{Flow, LocalResponse, Phases, Step};
+use crate::protocol::{BodySize, RequestSink, RequestSource, ResponseSink, ResponseSource};
 use crate::session::Session;
 use crate::state::State;
 use crate::Worker;
@@ -21,7 +23,7 @@ use pier_config::HostHeader;
 use pier_core::{PeerKey, Stream};
 use pier_error::{Error, Kind};
 use pier_http::known::{self, Known};
-use pier_http::{date, write, BodyLen, ChunkedScanner, Method, ResponseHead};
+use pier_http::{date, write, BodyLen, ChunkedScanner, ResponseHead};
 use pier_log::metrics::GaugeGuard;
 use std::cell::RefCell;
 use std::future::Future;
@@ -29,11 +31,11 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::timeout;
 
-const READ_CHUNK: usize = 16 * 1024;
+use crate::h1::READ_CHUNK;
 
 /// Per-connection buffers, reused for every request on the connection.
 struct Bufs {
@@ -177,8 +179,18 @@ pub async fn serve_connection<P: Phases, S: Stream>(
             Err(kind) => {
                 sess.begin(date::now_ns());
                 sess.step = Step::Fail;
-                let _ =
-                    send_local(&mut stream, &mut b.out, &mut sess, &local_error(kind), true).await;
+                let r = local_error(kind);
+                local_head(&mut b.resp, &r);
+                let _ = write_local(
+                    &mut stream,
+                    &mut b.out,
+                    &mut b.resp,
+                    &mut sess,
+                    r.reason,
+                    &r.body,
+                    true,
+                )
+                .await;
                 w.shared.metrics.local_response(kind);
                 finish(&w, &state, &sess, None);
                 break;
@@ -218,7 +230,17 @@ pub async fn serve_connection<P: Phases, S: Stream>(
                 tracing::error!(step = ?sess.step, "request task panicked; connection closed");
                 if sess.bytes_sent == 0 {
                     let r = local_error(Kind::Internal);
-                    let _ = send_local(&mut stream, &mut b.out, &mut sess, &r, true).await;
+                    local_head(&mut b.resp, &r);
+                    let _ = write_local(
+                        &mut stream,
+                        &mut b.out,
+                        &mut b.resp,
+                        &mut sess,
+                        r.reason,
+                        &r.body,
+                        true,
+                    )
+                    .await;
                 } else {
                     sess.status = 500;
                 }
@@ -641,9 +663,11 @@ async fn local_fail<P: Phases, S: Stream>(
     ok && !close
 }
 
-/// Send a locally made response of a routed request, through the route's
-/// response filters first when it has any (as OpenResty runs header and body
-/// filters on every response, `ngx.exit`/`ngx.say` ones and error pages too).
+/// Send a Pier-made response (an error, a limit's refusal, a Lua
+/// `content`/`pier.exit` answer) down the same pipeline as a proxied one:
+/// the route's response rules, its `response_filter` and `body_filter`
+/// when it has any (as OpenResty runs header and body filters on every
+/// response), then the session's writer.
 #[allow(clippy::too_many_arguments)]
 async fn send_answer<P: Phases, S: Stream>(
     w: &Worker<P>,
@@ -655,59 +679,93 @@ async fn send_answer<P: Phases, S: Stream>(
     r: &LocalResponse,
     close: bool,
 ) -> bool {
-    let rules = sess.route.is_some_and(|i| state.routes[i].response_rules);
-    if sess.route.is_none() || !(rules || w.phases.filters_local(state, sess)) {
-        return send_local(stream, &mut b.out, sess, r, close).await.is_ok();
+    local_head(&mut b.resp, r);
+    let mut filtered_body = None;
+    if sess.route.is_some() {
+        apply_response_rules(state, sess.route, &mut b.resp);
+        if w.phases.filters_local(state, sess) {
+            // A filter that fails leaves the response as it was (the hook
+            // layer logs its error): an answer is already due.
+            sess.step = Step::ResponseFilter;
+            if w.phases
+                .response_filter(state, sess, &mut b.resp, ctx)
+                .is_err()
+            {
+                local_head(&mut b.resp, r);
+            } else if w.phases.has_body_filter(state, sess) {
+                let mut body = BytesMut::from(&r.body[..]);
+                if w.phases
+                    .body_filter(state, sess, ctx, &mut body, true)
+                    .is_ok()
+                {
+                    filtered_body = Some(body);
+                }
+            }
+        }
     }
-    let filtered = filter_local(w, state, &mut b.resp, sess, ctx, r);
-    send_local(
-        stream,
-        &mut b.out,
-        sess,
-        filtered.as_ref().unwrap_or(r),
-        close,
-    )
-    .await
-    .is_ok()
+    let body = filtered_body.as_deref().unwrap_or(&r.body);
+    write_local(stream, &mut b.out, &mut b.resp, sess, r.reason, body, close)
+        .await
+        .is_ok()
 }
 
-/// `r` after the route's `response_filter` and `body_filter` (the whole body
-/// in one piece, marked last). A filter that fails leaves the response as it
-/// was (its error is logged by the hook layer): an answer is already due.
-fn filter_local<P: Phases>(
-    w: &Worker<P>,
-    state: &State,
-    head: &mut ResponseHead,
-    sess: &mut Session,
-    ctx: &mut P::Ctx,
-    r: &LocalResponse,
-) -> Option<LocalResponse> {
-    *head = ResponseHead::default();
+/// The head of a Pier-made response.
+fn local_head(head: &mut ResponseHead, r: &LocalResponse) {
+    head.headers.clear();
     head.version = 1;
     head.set_status(r.status);
+    head.headers.append(b"Server", b"pier");
+    let mut has_ct = false;
     for (n, v) in &r.headers {
+        has_ct |= n.eq_ignore_ascii_case(b"content-type");
         head.headers.append(n, v);
     }
-    apply_response_rules(state, sess.route, head);
-    w.phases.response_filter(state, sess, head, ctx).ok()?;
-    let mut body = BytesMut::from(&r.body[..]);
-    if w.phases.has_body_filter(state, sess) {
-        w.phases
-            .body_filter(state, sess, ctx, &mut body, true)
-            .ok()?;
+    if !has_ct {
+        head.headers.append(b"Content-Type", b"text/plain");
     }
-    Some(LocalResponse {
-        status: head.status,
-        headers: head
-            .headers
-            .iter()
-            .filter(|(n, _)| !n.eq_ignore_ascii_case(b"content-length"))
-            .map(|(n, v)| (n.to_vec(), v.to_vec()))
-            .collect(),
-        body: body.to_vec(),
-        reason: r.reason,
-        kind: r.kind,
-    })
+    if !r.reason.is_empty() {
+        head.headers.append(b"x-pier-reason", r.reason.as_bytes());
+    }
+}
+
+/// Write a Pier-made response through the session's writer.
+#[allow(clippy::too_many_arguments)]
+async fn write_local<S: Stream>(
+    stream: &mut S,
+    out: &mut Vec<u8>,
+    head: &mut ResponseHead,
+    sess: &mut Session,
+    reason: &'static str,
+    body: &[u8],
+    close: bool,
+) -> Result<(), Error> {
+    // The writer frames the body itself.
+    head.headers.remove_known(known::CONTENT_LENGTH);
+    head.headers.remove_known(known::TRANSFER_ENCODING);
+    if !reason.is_empty() {
+        sess.reason = reason;
+    }
+    sess.status = head.status;
+    sess.step = Step::Write;
+    let (_, cw) = stream.split();
+    let mut snk = H1ResponseSink::new(
+        cw,
+        out,
+        sess.req.version,
+        sess.req.method_kind(),
+        !close,
+        Duration::from_secs(10),
+        sess.now_ns,
+    );
+    let r = async {
+        snk.write_head(head, BodySize::Length(body.len() as u64))
+            .await?;
+        snk.write_body(body).await?;
+        snk.finish(None).await
+    }
+    .await;
+    sess.bytes_sent += snk.bytes_sent();
+    r
 }
 
 pub(crate) fn local_error(kind: Kind) -> LocalResponse {
@@ -733,45 +791,6 @@ pub(crate) fn local_error(kind: Kind) -> LocalResponse {
     }
 }
 
-/// Write a locally generated response.
-async fn send_local<W: AsyncWrite + Unpin>(
-    stream: &mut W,
-    out: &mut Vec<u8>,
-    sess: &mut Session,
-    r: &LocalResponse,
-    close: bool,
-) -> std::io::Result<()> {
-    out.clear();
-    write::status_line(out, r.status, b"");
-    date::with_date(sess.now_ns, |d| write::header(out, b"Date", d));
-    write::header(out, b"Server", b"pier");
-    let mut has_ct = false;
-    for (n, v) in &r.headers {
-        has_ct |= n.eq_ignore_ascii_case(b"content-type");
-        write::header(out, n, v);
-    }
-    if !has_ct {
-        write::header(out, b"Content-Type", b"text/plain");
-    }
-    if !r.reason.is_empty() {
-        write::header(out, b"x-pier-reason", r.reason.as_bytes());
-        sess.reason = r.reason;
-    }
-    write::header_u64(out, b"Content-Length", r.body.len() as u64);
-    if close {
-        write::header(out, b"Connection", b"close");
-    } else if sess.req.version == 0 {
-        write::header(out, b"Connection", b"keep-alive");
-    }
-    out.extend_from_slice(b"\r\n");
-    if sess.req.method_kind() != Method::Head {
-        out.extend_from_slice(&r.body);
-    }
-    sess.status = r.status;
-    sess.bytes_sent += out.len() as u64;
-    stream.write_all(out).await
-}
-
 // === one attempt against one origin ===
 
 /// Request headers Pier writes itself or never forwards.
@@ -786,18 +805,6 @@ fn skip_request_header(k: Known) -> bool {
             | known::X_FORWARDED_FOR
             | known::X_FORWARDED_PROTO
             | known::X_FORWARDED_HOST
-    )
-}
-
-fn skip_response_header(k: Known) -> bool {
-    matches!(
-        k,
-        known::CONNECTION
-            | known::KEEP_ALIVE
-            | known::PROXY_CONNECTION
-            | known::TE
-            | known::UPGRADE
-            | known::PROXY_AUTHENTICATE
     )
 }
 
@@ -846,73 +853,81 @@ async fn attempt_once<P: Phases, S: Stream>(
     // The upstream request head, from the upstream request value.
     sess.step = Step::Send;
     write_upstream_head(&mut b.out, state, sess, addr);
-    let out = &mut b.out;
     let body = sess.req.body_len();
     let method = sess.up_req.method_kind();
-    let (mut cr, mut cw) = stream.split();
-    let (mut ur, mut uw) = up.split();
-
-    let stale = |kind: Kind| Error {
-        stale: reused,
-        ..Error::upstream(kind)
-    };
+    let (mut cr, cw) = stream.split();
+    let (ur, mut uw) = up.split();
+    if uw.write_all(&b.out).await.is_err() {
+        return Err(Error {
+            stale: reused,
+            ..Error::upstream(Kind::UpstreamClosed)
+        });
+    }
+    // A pooled connection that closes before answering died while idle;
+    // retried once on a fresh one, but only when no body was consumed.
+    let mut src = H1ResponseSource::new(
+        ur,
+        &mut b.ubuf,
+        &state.head_limits,
+        method,
+        reused && body == BodyLen::None,
+        t.upstream_response,
+    );
+    let mut snk = H1ResponseSink::new(
+        cw,
+        &mut b.out,
+        sess.req.version,
+        sess.req.method_kind(),
+        sess.client_keep,
+        t.client_idle,
+        sess.now_ns,
+    );
 
     let relayed = if body == BodyLen::None {
-        if uw.write_all(out).await.is_err() {
-            return Err(stale(Kind::UpstreamClosed));
-        }
-        relay_response(
+        relay(
             w,
             state,
-            &mut ur,
-            &mut cw,
-            &mut b.ubuf,
-            out,
+            &mut src,
+            &mut snk,
             &mut b.resp,
             sess,
             ctx,
-            method,
-            reused,
             inflight,
         )
-        .await?
+        .await
     } else {
-        if uw.write_all(out).await.is_err() {
-            return Err(stale(Kind::UpstreamClosed));
-        }
         // Stream the request body while reading the response: an origin may
         // answer (100-continue, early errors, echo) before the body ends.
-        let max_body = state.cfg.limits.max_body_bytes;
-        let pace = BodyPace {
-            read_timeout: t.client_idle,
-            min_rate: state.cfg.limits.body_min_rate,
-            started: Instant::now(),
-            got: 0,
-        };
-        let pump = pump_body(&mut cr, &mut b.rbuf, &mut uw, body, max_body, pace);
-        let relay = relay_response(
+        let mut body_src = H1RequestSource::new(
+            &mut cr,
+            &mut b.rbuf,
+            body,
+            state.cfg.limits.max_body_bytes,
+            t.client_idle,
+            state.cfg.limits.body_min_rate,
+        );
+        let mut body_snk = H1RequestSink::new(&mut uw, body);
+        let pump = pump(&mut body_src, &mut body_snk);
+        let relay = relay(
             w,
             state,
-            &mut ur,
-            &mut cw,
-            &mut b.ubuf,
-            out,
+            &mut src,
+            &mut snk,
             &mut b.resp,
             sess,
             ctx,
-            method,
-            false,
             inflight,
         );
         tokio::pin!(pump, relay);
         let mut pump_done = false;
-        let r = loop {
+        loop {
             tokio::select! {
                 p = &mut pump, if !pump_done => {
                     pump_done = true;
-                    if let Err(k) = p {
-                        // The client's body is bad or too big: nothing useful can follow.
-                        break Err(Error::new(k).retryable(false));
+                    if let Err(e) = p {
+                        // The client's body is bad or too big, or the origin
+                        // stopped reading it: nothing useful can follow.
+                        break Err(e.retryable(false));
                     }
                 }
                 r = &mut relay => {
@@ -921,23 +936,28 @@ async fn attempt_once<P: Phases, S: Stream>(
                         // reused, and neither can the client connection.
                         Ok(Relayed::Done(up_ok, keep)) => Ok(Relayed::Done(up_ok && pump_done, keep && pump_done)),
                         Ok(Relayed::Upgrade) => Err(Error::upstream(Kind::UpstreamProtocol)),
-                        Err(mut f) => { f.retryable = false; Err(f) }
+                        Err(f) => Err(f.retryable(false)),
                     };
                 }
             }
-        };
-        r?
+        }
     };
-    match relayed {
+    sess.bytes_sent += snk.bytes_sent();
+    match relayed? {
         Relayed::Done(upstream_reusable, client_keep) => {
+            drop((src, snk));
             if upstream_reusable {
                 w.shared.pool.put(&key, w.id, up);
             }
             Ok(client_keep)
         }
         Relayed::Upgrade => {
-            // Tunnel both ways until either side closes or both idle out
-            // (WebSocket etc.).
+            // The 101 and whatever followed it, then a tunnel both ways
+            // until either side closes or both idle out (WebSocket etc.).
+            let early = src.take_early();
+            let sent = snk.write_switch(&b.resp, &early).await;
+            sess.bytes_sent += snk.bytes_sent();
+            sent?;
             if !b.rbuf.is_empty() {
                 let _ = uw.write_all(&b.rbuf).await;
                 b.rbuf.clear();
@@ -945,10 +965,116 @@ async fn attempt_once<P: Phases, S: Stream>(
             let m = &w.shared.metrics;
             m.tunnels.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let _tunnel = GaugeGuard::enter(&m.active_tunnels);
-            tunnel(&mut cr, &mut cw, &mut ur, &mut uw, tunnel_idle(state)).await;
+            tunnel(&mut cr, &mut snk.w, &mut src.r, &mut uw, tunnel_idle(state)).await;
             Ok(false)
         }
     }
+}
+
+/// The request body from the client to the origin, piece by piece.
+async fn pump<Src: RequestSource, Snk: RequestSink>(
+    src: &mut Src,
+    snk: &mut Snk,
+) -> Result<(), Error> {
+    while let Some(piece) = src.read_body().await? {
+        snk.write_body(piece).await?;
+    }
+    snk.finish(src.trailers()).await
+}
+
+/// The response, whatever the protocols on either side: heads (interim
+/// ones passed through), the response steps, then the body through the
+/// route's body filter when it has one. The origin's in-flight slot is
+/// released as soon as its body is read (before the last client write).
+#[allow(clippy::too_many_arguments)]
+async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
+    w: &Worker<P>,
+    state: &State,
+    src: &mut Src,
+    snk: &mut Snk,
+    resp: &mut ResponseHead,
+    sess: &mut Session,
+    ctx: &mut P::Ctx,
+    inflight: &mut Option<pier_lb::ActiveGuard>,
+) -> Result<Relayed, Error> {
+    loop {
+        src.read_head(resp).await?;
+        if (100..200).contains(&resp.status) && resp.status != 101 {
+            // 100 Continue, 103 Early Hints.
+            snk.write_interim(resp).await?;
+            continue;
+        }
+        break;
+    }
+    let upgrade = resp.status == 101;
+    if upgrade && !sess.upgrade {
+        return Err(Error::upstream(Kind::UpstreamProtocol));
+    }
+    sess.step = Step::UpstreamResponseFilter;
+    if let Err(e) = w.phases.upstream_response_filter(state, sess, resp, ctx) {
+        return Err(Error::new(e.kind).retryable(false));
+    }
+    if !upgrade {
+        sess.step = Step::CacheStore;
+        w.phases.cache_store(state, sess, resp, ctx);
+        apply_response_rules(state, sess.route, resp);
+    }
+    sess.step = Step::ResponseFilter;
+    if let Err(e) = w.phases.response_filter(state, sess, resp, ctx) {
+        return Err(Error::new(e.kind).retryable(false));
+    }
+    if upgrade {
+        sess.status = resp.status;
+        return Ok(Relayed::Upgrade);
+    }
+    if resp.headers.has_known(known::CONNECTION) {
+        pier_http::remove_hop_by_hop(&mut resp.headers);
+    }
+    let mut size = src.body_size();
+    let filtering = size != BodySize::None && w.phases.has_body_filter(state, sess);
+    if filtering {
+        // A body filter may change the length.
+        size = BodySize::Stream;
+    }
+    if size == BodySize::Stream {
+        // The writer frames it (chunked, or close-delimited for HTTP/1.0);
+        // RFC 9112 §6.3: a Content-Length beside chunked must not pass.
+        resp.headers.remove_known(known::CONTENT_LENGTH);
+        resp.headers.remove_known(known::TRANSFER_ENCODING);
+    }
+    sess.step = Step::Write;
+    sess.status = resp.status;
+    snk.write_head(resp, size).await?;
+    let mut piece = filtering.then(BytesMut::new);
+    loop {
+        let Some((data, last)) = src.read_body().await? else {
+            break;
+        };
+        if last {
+            inflight.take();
+        }
+        match &mut piece {
+            None => snk.write_body(data).await?,
+            Some(p) => {
+                p.clear();
+                p.extend_from_slice(data);
+                w.phases
+                    .body_filter(state, sess, ctx, p, false)
+                    .map_err(|e| Error::answered(e.kind))?;
+                snk.write_body(p).await?;
+            }
+        }
+    }
+    inflight.take();
+    if let Some(p) = &mut piece {
+        p.clear();
+        w.phases
+            .body_filter(state, sess, ctx, p, true)
+            .map_err(|e| Error::answered(e.kind))?;
+        snk.write_body(p).await?;
+    }
+    snk.finish(src.trailers()).await?;
+    Ok(Relayed::Done(src.reusable(), snk.keep_alive()))
 }
 
 /// Idle timeout of an upgraded connection.
@@ -1154,442 +1280,6 @@ fn write_upstream_head(out: &mut Vec<u8>, state: &State, sess: &Session, addr: S
     out.extend_from_slice(b"\r\n");
 }
 
-/// Read the origin's response head (passing 1xx through), run
-/// `response_filter`, send the head and relay the body.
-#[allow(clippy::too_many_arguments)]
-async fn relay_response<P: Phases, R, W>(
-    w: &Worker<P>,
-    state: &State,
-    ur: &mut R,
-    cw: &mut W,
-    ubuf: &mut BytesMut,
-    out: &mut Vec<u8>,
-    resp: &mut ResponseHead,
-    sess: &mut Session,
-    ctx: &mut P::Ctx,
-    method: Method,
-    reused: bool,
-    inflight: &mut Option<pier_lb::ActiveGuard>,
-) -> Result<Relayed, Error>
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-{
-    let t = &state.cfg.timeouts;
-    let deadline = tokio::time::Instant::now() + t.upstream_response;
-    let mut got_any = false;
-    // Head (and any 1xx before it).
-    loop {
-        let parsed = if ubuf.is_empty() {
-            None
-        } else {
-            resp.parse(ubuf, &state.head_limits)
-                .map_err(Error::upstream)?
-        };
-        match parsed {
-            Some(n) => {
-                ubuf.advance(n);
-                if resp.status == 101 {
-                    break;
-                }
-                if (100..200).contains(&resp.status) {
-                    // 100 Continue, 103 Early Hints: pass to HTTP/1.1 clients.
-                    if sess.req.version == 1 {
-                        out.clear();
-                        write::response_head(out, resp, skip_response_header);
-                        out.extend_from_slice(b"\r\n");
-                        if cw.write_all(out).await.is_err() {
-                            return Err(Error::answered(Kind::ClientClosed));
-                        }
-                    }
-                    continue;
-                }
-                break;
-            }
-            None => {
-                ubuf.reserve(READ_CHUNK);
-                match tokio::time::timeout_at(deadline, ur.read_buf(ubuf)).await {
-                    Ok(Ok(0)) | Ok(Err(_)) => {
-                        let kind = if got_any {
-                            Kind::UpstreamProtocol
-                        } else {
-                            Kind::UpstreamClosed
-                        };
-                        return Err(Error {
-                            stale: reused && !got_any,
-                            ..Error::upstream(kind)
-                        });
-                    }
-                    Ok(Ok(_)) => got_any = true,
-                    Err(_) => return Err(Error::upstream(Kind::UpstreamTimeout)),
-                }
-            }
-        }
-    }
-    let body = resp.body_len(method).map_err(Error::upstream)?;
-    let upgrade = resp.status == 101;
-    if upgrade && !sess.upgrade {
-        return Err(Error::upstream(Kind::UpstreamProtocol));
-    }
-    sess.step = Step::UpstreamResponseFilter;
-    if let Err(e) = w.phases.upstream_response_filter(state, sess, resp, ctx) {
-        return Err(Error::new(e.kind).retryable(false));
-    }
-    if !upgrade {
-        sess.step = Step::CacheStore;
-        w.phases.cache_store(state, sess, resp, ctx);
-    }
-    sess.step = Step::ResponseFilter;
-    if !upgrade {
-        apply_response_rules(state, sess.route, resp);
-    }
-    if let Err(e) = w.phases.response_filter(state, sess, resp, ctx) {
-        return Err(Error::new(e.kind).retryable(false));
-    }
-    if body == BodyLen::Chunked && resp.headers.has_known(known::CONTENT_LENGTH) {
-        // RFC 9112 §6.3: Transfer-Encoding wins; a Content-Length beside it
-        // must not reach the client.
-        resp.headers.remove_known(known::CONTENT_LENGTH);
-    }
-    if resp.headers.has_known(known::CONNECTION) && !upgrade {
-        pier_http::remove_hop_by_hop(&mut resp.headers);
-    }
-    let mut client_keep = sess.client_keep && body != BodyLen::UntilClose;
-    // An HTTP/1.0 client can't read chunked framing: close-delimit instead.
-    if sess.req.version == 0 && body == BodyLen::Chunked {
-        client_keep = false;
-    }
-    let upstream_keep = resp.keep_alive() && body != BodyLen::UntilClose && !upgrade;
-    // A body filter may change the length: re-frame as chunked (or close-delimited for HTTP/1.0).
-    // An HTTP/1.0 client can't read chunked framing either: decode it for them.
-    let filtering = body != BodyLen::None
-        && !upgrade
-        && ((sess.req.version == 0 && body == BodyLen::Chunked)
-            || w.phases.has_body_filter(state, sess));
-    if filtering {
-        resp.headers.remove_known(known::CONTENT_LENGTH);
-        resp.headers.remove_known(known::TRANSFER_ENCODING);
-        if sess.req.version == 0 {
-            client_keep = false;
-        }
-    }
-
-    sess.step = Step::Write;
-    out.clear();
-    if upgrade {
-        write::response_head(out, resp, |k| {
-            matches!(k, known::KEEP_ALIVE | known::PROXY_CONNECTION)
-        });
-    } else {
-        write::response_head(out, resp, skip_response_header);
-        if !resp.headers.has_known(known::DATE) {
-            date::with_date(sess.now_ns, |d| write::header(out, b"Date", d));
-        }
-        if filtering && sess.req.version == 1 {
-            out.extend_from_slice(b"Transfer-Encoding: chunked\r\n");
-        }
-        if !client_keep {
-            out.extend_from_slice(b"Connection: close\r\n");
-        } else if sess.req.version == 0 {
-            out.extend_from_slice(b"Connection: keep-alive\r\n");
-        }
-    }
-    out.extend_from_slice(b"\r\n");
-    sess.status = resp.status;
-    if upgrade {
-        if !ubuf.is_empty() {
-            out.extend_from_slice(ubuf);
-            ubuf.clear();
-        }
-        sess.bytes_sent += out.len() as u64;
-        cw.write_all(out)
-            .await
-            .map_err(|_| Error::answered(Kind::ClientClosed))?;
-        return Ok(Relayed::Upgrade);
-    }
-
-    if filtering {
-        let chunked_out = sess.req.version == 1;
-        let up_ok =
-            relay_filtered(w, state, ur, cw, ubuf, out, sess, ctx, body, chunked_out).await?;
-        return Ok(Relayed::Done(upstream_keep && up_ok, client_keep));
-    }
-    let touched = |kind: Kind, _upstream: bool| Error::answered(kind);
-    let send_timeout = t.client_idle;
-    let idle_read = t.upstream_response;
-    let mut upstream_reusable = upstream_keep;
-    match body {
-        BodyLen::None => {
-            inflight.take();
-            sess.bytes_sent += out.len() as u64;
-            cw.write_all(out)
-                .await
-                .map_err(|_| touched(Kind::ClientClosed, false))?;
-            if !ubuf.is_empty() {
-                upstream_reusable = false; // bytes after a bodiless response
-            }
-        }
-        BodyLen::Length(n) => {
-            // Head and whatever body already arrived go out in one write.
-            let take = (ubuf.len() as u64).min(n) as usize;
-            out.extend_from_slice(&ubuf[..take]);
-            ubuf.advance(take);
-            let mut remaining = n - take as u64;
-            if remaining == 0 {
-                inflight.take();
-            }
-            sess.bytes_sent += out.len() as u64;
-            write_timed(cw, out, send_timeout)
-                .await
-                .map_err(|_| touched(Kind::ClientClosed, false))?;
-            while remaining > 0 {
-                ubuf.reserve(READ_CHUNK);
-                let got = match timeout(idle_read, ur.read_buf(ubuf)).await {
-                    Ok(Ok(0)) | Ok(Err(_)) => return Err(touched(Kind::UpstreamClosed, true)),
-                    Ok(Ok(g)) => g,
-                    Err(_) => return Err(touched(Kind::UpstreamTimeout, true)),
-                };
-                let _ = got;
-                let take = (ubuf.len() as u64).min(remaining) as usize;
-                if take as u64 == remaining {
-                    inflight.take();
-                }
-                write_timed(cw, &ubuf[..take], send_timeout)
-                    .await
-                    .map_err(|_| touched(Kind::ClientClosed, false))?;
-                ubuf.advance(take);
-                remaining -= take as u64;
-                sess.bytes_sent += take as u64;
-            }
-            if !ubuf.is_empty() {
-                upstream_reusable = false;
-            }
-        }
-        BodyLen::Chunked => {
-            let mut sc = ChunkedScanner::new();
-            let n = sc
-                .feed(ubuf)
-                .map_err(|_| Error::upstream(Kind::UpstreamProtocol))?;
-            out.extend_from_slice(&ubuf[..n]);
-            ubuf.advance(n);
-            if sc.is_done() {
-                inflight.take();
-            }
-            sess.bytes_sent += out.len() as u64;
-            write_timed(cw, out, send_timeout)
-                .await
-                .map_err(|_| touched(Kind::ClientClosed, false))?;
-            while !sc.is_done() {
-                ubuf.reserve(READ_CHUNK);
-                match timeout(idle_read, ur.read_buf(ubuf)).await {
-                    Ok(Ok(0)) | Ok(Err(_)) => return Err(touched(Kind::UpstreamClosed, true)),
-                    Ok(Ok(_)) => {}
-                    Err(_) => return Err(touched(Kind::UpstreamTimeout, true)),
-                }
-                let n = sc
-                    .feed(ubuf)
-                    .map_err(|_| touched(Kind::UpstreamProtocol, true))?;
-                if sc.is_done() {
-                    inflight.take();
-                }
-                write_timed(cw, &ubuf[..n], send_timeout)
-                    .await
-                    .map_err(|_| touched(Kind::ClientClosed, false))?;
-                ubuf.advance(n);
-                sess.bytes_sent += n as u64;
-            }
-            if !ubuf.is_empty() {
-                upstream_reusable = false;
-            }
-        }
-        BodyLen::UntilClose => {
-            out.extend_from_slice(ubuf);
-            ubuf.clear();
-            sess.bytes_sent += out.len() as u64;
-            write_timed(cw, out, send_timeout)
-                .await
-                .map_err(|_| touched(Kind::ClientClosed, false))?;
-            loop {
-                ubuf.reserve(READ_CHUNK);
-                match timeout(idle_read, ur.read_buf(ubuf)).await {
-                    Ok(Ok(0)) => break,
-                    Ok(Err(_)) => return Err(touched(Kind::UpstreamClosed, true)),
-                    Ok(Ok(_)) => {}
-                    Err(_) => return Err(touched(Kind::UpstreamTimeout, true)),
-                }
-                write_timed(cw, ubuf, send_timeout)
-                    .await
-                    .map_err(|_| touched(Kind::ClientClosed, false))?;
-                sess.bytes_sent += ubuf.len() as u64;
-                ubuf.clear();
-            }
-        }
-    }
-    Ok(Relayed::Done(upstream_reusable, client_keep))
-}
-
-/// Relay a response body through `Phases::body_filter`: decode the origin's
-/// framing, filter each piece, re-frame for the client (chunked, or
-/// close-delimited for HTTP/1.0). Returns whether the origin connection ended
-/// cleanly (reusable).
-#[allow(clippy::too_many_arguments)]
-async fn relay_filtered<P: Phases, R, W>(
-    w: &Worker<P>,
-    state: &State,
-    ur: &mut R,
-    cw: &mut W,
-    ubuf: &mut BytesMut,
-    out: &mut Vec<u8>,
-    sess: &mut Session,
-    ctx: &mut P::Ctx,
-    body: BodyLen,
-    chunked_out: bool,
-) -> Result<bool, Error>
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-{
-    let t = &state.cfg.timeouts;
-    let touched = |kind: Kind, _upstream: bool| Error::answered(kind);
-    // The head goes first, alone.
-    sess.bytes_sent += out.len() as u64;
-    write_timed(cw, out, t.client_idle)
-        .await
-        .map_err(|_| touched(Kind::ClientClosed, false))?;
-    let mut remaining = match body {
-        BodyLen::Length(n) => n,
-        _ => u64::MAX,
-    };
-    let mut scanner = ChunkedScanner::new();
-    let mut piece = BytesMut::with_capacity(READ_CHUNK);
-    let mut origin_closed = false;
-    loop {
-        // Decode what has arrived into `piece`.
-        piece.clear();
-        let eof = match body {
-            BodyLen::Chunked => {
-                let n = scanner
-                    .feed_data(ubuf, |r| piece.extend_from_slice(&ubuf[r]))
-                    .map_err(|_| touched(Kind::UpstreamProtocol, true))?;
-                ubuf.advance(n);
-                scanner.is_done()
-            }
-            BodyLen::UntilClose => {
-                piece.extend_from_slice(ubuf);
-                ubuf.clear();
-                origin_closed
-            }
-            _ => {
-                let take = (ubuf.len() as u64).min(remaining) as usize;
-                piece.extend_from_slice(&ubuf[..take]);
-                ubuf.advance(take);
-                remaining -= take as u64;
-                remaining == 0
-            }
-        };
-        if !piece.is_empty() || eof {
-            w.phases
-                .body_filter(state, sess, ctx, &mut piece, eof)
-                .map_err(|e| touched(e.kind, false))?;
-            out.clear();
-            if chunked_out {
-                if !piece.is_empty() {
-                    let mut hex = [0u8; 16];
-                    out.extend_from_slice(hex_len(&mut hex, piece.len()));
-                    out.extend_from_slice(b"\r\n");
-                    out.extend_from_slice(&piece);
-                    out.extend_from_slice(b"\r\n");
-                }
-                if eof {
-                    out.extend_from_slice(b"0\r\n\r\n");
-                }
-            } else {
-                out.extend_from_slice(&piece);
-            }
-            if !out.is_empty() {
-                sess.bytes_sent += out.len() as u64;
-                write_timed(cw, out, t.client_idle)
-                    .await
-                    .map_err(|_| touched(Kind::ClientClosed, false))?;
-            }
-        }
-        if eof {
-            return Ok(!origin_closed && ubuf.is_empty());
-        }
-        ubuf.reserve(READ_CHUNK);
-        match timeout(t.upstream_response, ur.read_buf(ubuf)).await {
-            Ok(Ok(0)) if body == BodyLen::UntilClose => origin_closed = true,
-            Ok(Ok(0)) | Ok(Err(_)) => return Err(touched(Kind::UpstreamClosed, true)),
-            Ok(Ok(_)) => {}
-            Err(_) => return Err(touched(Kind::UpstreamTimeout, true)),
-        }
-    }
-}
-
-/// Lower-case hex of `n` without allocating (chunk sizes).
-fn hex_len(buf: &mut [u8; 16], mut n: usize) -> &[u8] {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = HEX[n & 15];
-        n >>= 4;
-        if n == 0 {
-            return &buf[i..];
-        }
-    }
-}
-
-async fn write_timed<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    data: &[u8],
-    t: Duration,
-) -> std::io::Result<()> {
-    match timeout(t, w.write_all(data)).await {
-        Ok(r) => r,
-        Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
-    }
-}
-
-/// Minimum body rate applies after this grace time (slow starts are normal).
-const MIN_RATE_GRACE: Duration = Duration::from_secs(10);
-
-/// How a request body must arrive: per-read idle timeout, and (after a grace
-/// period) a minimum average rate, so a trickling upload can't hold a
-/// connection and an origin slot forever (slow-POST attacks).
-struct BodyPace {
-    read_timeout: Duration,
-    min_rate: u64,
-    started: Instant,
-    got: u64,
-}
-
-impl BodyPace {
-    async fn read_more<R: AsyncRead + Unpin>(
-        &mut self,
-        cr: &mut R,
-        rbuf: &mut BytesMut,
-    ) -> Result<(), Kind> {
-        rbuf.reserve(READ_CHUNK);
-        match timeout(self.read_timeout, cr.read_buf(rbuf)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => Err(Kind::ClientClosed),
-            Ok(Ok(n)) => {
-                self.got += n as u64;
-                if self.min_rate > 0 {
-                    let el = self.started.elapsed();
-                    if el > MIN_RATE_GRACE
-                        && self.got * 1000 / (el.as_millis() as u64).max(1) < self.min_rate
-                    {
-                        return Err(Kind::BodyTimeout);
-                    }
-                }
-                Ok(())
-            }
-            Err(_) => Err(Kind::BodyTimeout),
-        }
-    }
-}
-
 /// Scan the chunked body bytes already buffered (and, with `wait`, read until
 /// the first size line is whole, within `limit`), so that a body whose framing
 /// is bad from the start is refused before anything reaches an origin.
@@ -1616,60 +1306,6 @@ async fn vet_chunked<S: Stream>(
             Ok(Ok(0)) | Ok(Err(_)) => return Err(Kind::ClientClosed),
             Ok(Ok(_)) => {}
             Err(_) => return Err(Kind::BodyTimeout),
-        }
-    }
-}
-
-/// Stream the request body from the client to the origin, exactly as framed
-/// (chunked bodies verbatim, validated by the scanner).
-async fn pump_body<R, W>(
-    cr: &mut R,
-    rbuf: &mut BytesMut,
-    uw: &mut W,
-    body: BodyLen,
-    max_body: u64,
-    mut pace: BodyPace,
-) -> Result<(), Kind>
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-{
-    match body {
-        BodyLen::None | BodyLen::UntilClose => Ok(()),
-        BodyLen::Length(mut remaining) => loop {
-            let take = (rbuf.len() as u64).min(remaining) as usize;
-            if take > 0 {
-                uw.write_all(&rbuf[..take])
-                    .await
-                    .map_err(|_| Kind::UpstreamClosed)?;
-                rbuf.advance(take);
-                remaining -= take as u64;
-            }
-            if remaining == 0 {
-                return Ok(());
-            }
-            pace.read_more(cr, rbuf).await?;
-        },
-        BodyLen::Chunked => {
-            let mut sc = ChunkedScanner::new();
-            let mut total = 0u64;
-            loop {
-                if !rbuf.is_empty() {
-                    let n = sc.feed(rbuf)?;
-                    total += n as u64;
-                    if max_body > 0 && total > max_body {
-                        return Err(Kind::BodyTooLarge);
-                    }
-                    uw.write_all(&rbuf[..n])
-                        .await
-                        .map_err(|_| Kind::UpstreamClosed)?;
-                    rbuf.advance(n);
-                }
-                if sc.is_done() {
-                    return Ok(());
-                }
-                pace.read_more(cr, rbuf).await?;
-            }
         }
     }
 }

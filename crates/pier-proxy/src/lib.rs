@@ -6,7 +6,9 @@
 pub mod admin;
 pub mod driver;
 pub mod evict;
+pub mod h1;
 pub mod phases;
+pub mod protocol;
 pub mod session;
 pub mod state;
 

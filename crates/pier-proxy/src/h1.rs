@@ -1,0 +1,638 @@
+//! HTTP/1.1 behind the session interfaces (`protocol`): parsing and framing
+//! come from pier-http (the one HTTP/1 codec in the tree); this module adds
+//! the I/O — buffers, timeouts, pacing — over any stream half.
+//!
+//! Bodies are decoded on the way in and framed again on the way out, as
+//! Pingora does: the two sides' framings are independent (a chunked origin
+//! body reaches an HTTP/1.0 client close-delimited, a body filter's output
+//! is re-chunked), and nothing of one side's framing can leak to the other.
+
+use crate::protocol::{BodySize, RequestSink, RequestSource, ResponseSink, ResponseSource};
+use bytes::{Buf, BytesMut};
+use pier_error::{Error, Kind};
+use pier_http::known::{self, Known};
+use pier_http::{date, write, BodyLen, ChunkedScanner, HeadLimits, Headers, Method, ResponseHead};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::time::timeout;
+
+pub(crate) const READ_CHUNK: usize = 16 * 1024;
+
+async fn write_timed<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    data: &[u8],
+    t: Duration,
+) -> std::io::Result<()> {
+    match timeout(t, w.write_all(data)).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
+    }
+}
+
+/// Lower-case hex of `n` without allocating (chunk sizes).
+pub(crate) fn hex_len(buf: &mut [u8; 16], mut n: usize) -> &[u8] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = HEX[n & 15];
+        n >>= 4;
+        if n == 0 {
+            return &buf[i..];
+        }
+    }
+}
+
+fn chunk_prefix(out: &mut Vec<u8>, len: usize) {
+    let mut hex = [0u8; 16];
+    out.extend_from_slice(hex_len(&mut hex, len));
+    out.extend_from_slice(b"\r\n");
+}
+
+fn write_trailers(out: &mut Vec<u8>, trailers: Option<&Headers>) {
+    out.extend_from_slice(b"0\r\n");
+    if let Some(t) = trailers {
+        for (n, v) in t.iter() {
+            write::header(out, n, v);
+        }
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Most trailer bytes kept from a chunked body (they are passed on whole).
+const MAX_TRAILER_BYTES: usize = 16 * 1024;
+
+/// Decode what `buf` holds of a chunked body: data into `piece`, the
+/// trailer section's raw bytes into `trailer` (bounded); parsed into
+/// `fields` once the body ends.
+fn feed_chunked(
+    scanner: &mut ChunkedScanner,
+    buf: &[u8],
+    piece: &mut Vec<u8>,
+    trailer: &mut Vec<u8>,
+    fields: &mut Headers,
+) -> Result<usize, Kind> {
+    let n = scanner.feed_parts(
+        buf,
+        |r| piece.extend_from_slice(&buf[r]),
+        |r| trailer.extend_from_slice(&buf[r]),
+    )?;
+    if trailer.len() > MAX_TRAILER_BYTES {
+        return Err(Kind::BadChunk);
+    }
+    if scanner.is_done() && trailer.len() > 2 {
+        let mut raw = [httparse::EMPTY_HEADER; 64];
+        match httparse::parse_headers(trailer, &mut raw) {
+            Ok(httparse::Status::Complete((_, hs))) => {
+                for h in hs {
+                    fields.append(h.name.as_bytes(), h.value);
+                }
+            }
+            _ => return Err(Kind::BadChunk),
+        }
+        trailer.clear();
+    }
+    Ok(n)
+}
+
+/// Response headers Pier writes itself or never forwards.
+pub(crate) fn skip_response_header(k: Known) -> bool {
+    matches!(
+        k,
+        known::CONNECTION
+            | known::KEEP_ALIVE
+            | known::PROXY_CONNECTION
+            | known::TE
+            | known::UPGRADE
+            | known::PROXY_AUTHENTICATE
+    )
+}
+
+// === client side ===
+
+/// Minimum body rate applies after this grace time (slow starts are normal).
+const MIN_RATE_GRACE: Duration = Duration::from_secs(10);
+
+/// The client's request body over HTTP/1.1: Content-Length or chunked,
+/// read with a per-read idle timeout and (after a grace period) a minimum
+/// average rate, so a trickling upload can't hold a connection and an
+/// origin slot forever (slow-POST attacks).
+pub struct H1RequestSource<'a, R> {
+    pub r: R,
+    pub buf: &'a mut BytesMut,
+    framing: BodyLen,
+    remaining: u64,
+    scanner: ChunkedScanner,
+    /// Decoded bytes of a chunked body (data ranges between framing).
+    piece: Vec<u8>,
+    trailer: Vec<u8>,
+    trailers: Headers,
+    /// Bytes of `buf` handed out by the last read, consumed at the next.
+    lent: usize,
+    total: u64,
+    max_body: u64,
+    read_timeout: Duration,
+    min_rate: u64,
+    started: Instant,
+    got: u64,
+}
+
+impl<'a, R: AsyncRead + Unpin> H1RequestSource<'a, R> {
+    pub fn new(
+        r: R,
+        buf: &'a mut BytesMut,
+        framing: BodyLen,
+        max_body: u64,
+        read_timeout: Duration,
+        min_rate: u64,
+    ) -> Self {
+        H1RequestSource {
+            r,
+            buf,
+            framing,
+            remaining: match framing {
+                BodyLen::Length(n) => n,
+                _ => 0,
+            },
+            scanner: ChunkedScanner::new(),
+            piece: Vec::new(),
+            trailer: Vec::new(),
+            trailers: Headers::new(),
+            lent: 0,
+            total: 0,
+            max_body,
+            read_timeout,
+            min_rate,
+            started: Instant::now(),
+            got: 0,
+        }
+    }
+
+    async fn read_more(&mut self) -> Result<(), Kind> {
+        self.buf.reserve(READ_CHUNK);
+        match timeout(self.read_timeout, self.r.read_buf(self.buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => Err(Kind::ClientClosed),
+            Ok(Ok(n)) => {
+                self.got += n as u64;
+                if self.min_rate > 0 {
+                    let el = self.started.elapsed();
+                    if el > MIN_RATE_GRACE
+                        && self.got * 1000 / (el.as_millis() as u64).max(1) < self.min_rate
+                    {
+                        return Err(Kind::BodyTimeout);
+                    }
+                }
+                Ok(())
+            }
+            Err(_) => Err(Kind::BodyTimeout),
+        }
+    }
+
+    async fn next(&mut self) -> Result<Option<&[u8]>, Kind> {
+        self.buf.advance(std::mem::take(&mut self.lent));
+        match self.framing {
+            BodyLen::None | BodyLen::UntilClose => Ok(None),
+            BodyLen::Length(_) => {
+                if self.remaining == 0 {
+                    return Ok(None);
+                }
+                if self.buf.is_empty() {
+                    self.read_more().await?;
+                }
+                let take = (self.buf.len() as u64).min(self.remaining) as usize;
+                self.remaining -= take as u64;
+                self.lent = take;
+                Ok(Some(&self.buf[..take]))
+            }
+            BodyLen::Chunked => loop {
+                if self.scanner.is_done() {
+                    return Ok(None);
+                }
+                if !self.buf.is_empty() {
+                    self.piece.clear();
+                    let n = feed_chunked(
+                        &mut self.scanner,
+                        self.buf,
+                        &mut self.piece,
+                        &mut self.trailer,
+                        &mut self.trailers,
+                    )?;
+                    self.buf.advance(n);
+                    self.total += self.piece.len() as u64;
+                    if self.max_body > 0 && self.total > self.max_body {
+                        return Err(Kind::BodyTooLarge);
+                    }
+                    if !self.piece.is_empty() {
+                        return Ok(Some(&self.piece));
+                    }
+                    if self.scanner.is_done() {
+                        return Ok(None);
+                    }
+                }
+                self.read_more().await?;
+            },
+        }
+    }
+}
+
+impl<R: AsyncRead + Unpin> RequestSource for H1RequestSource<'_, R> {
+    async fn read_body(&mut self) -> Result<Option<&[u8]>, Error> {
+        self.next()
+            .await
+            .map_err(|k| Error::new(k).retryable(false))
+    }
+    fn trailers(&self) -> Option<&Headers> {
+        (!self.trailers.is_empty()).then_some(&self.trailers)
+    }
+}
+
+/// The response to an HTTP/1.x client. The head waits in `out` for the
+/// first body bytes, so a small response is one write.
+pub struct H1ResponseSink<'a, W> {
+    pub w: W,
+    out: &'a mut Vec<u8>,
+    /// The client's minor version: 0 for HTTP/1.0.
+    version: u8,
+    head_only: bool,
+    keep: bool,
+    chunked: bool,
+    pending: bool,
+    sent: u64,
+    timeout: Duration,
+    now_ns: u64,
+}
+
+impl<'a, W: AsyncWrite + Unpin> H1ResponseSink<'a, W> {
+    /// `keep`: the client wants the connection kept (and may have it).
+    pub fn new(
+        w: W,
+        out: &'a mut Vec<u8>,
+        version: u8,
+        method: Method,
+        keep: bool,
+        timeout: Duration,
+        now_ns: u64,
+    ) -> Self {
+        H1ResponseSink {
+            w,
+            out,
+            version,
+            head_only: method == Method::Head,
+            keep,
+            chunked: false,
+            pending: false,
+            sent: 0,
+            timeout,
+            now_ns,
+        }
+    }
+
+    async fn flush_out(&mut self) -> Result<(), Error> {
+        self.pending = false;
+        if self.out.is_empty() {
+            return Ok(());
+        }
+        self.sent += self.out.len() as u64;
+        let r = write_timed(&mut self.w, self.out, self.timeout).await;
+        self.out.clear();
+        r.map_err(|_| Error::answered(Kind::ClientClosed))
+    }
+
+    /// A 101 head as the origin sent it, with any bytes that followed it
+    /// (the tunnel's first), in one write.
+    pub async fn write_switch(&mut self, head: &ResponseHead, early: &[u8]) -> Result<(), Error> {
+        self.out.clear();
+        write::response_head(self.out, head, |k| {
+            matches!(k, known::KEEP_ALIVE | known::PROXY_CONNECTION)
+        });
+        self.out.extend_from_slice(b"\r\n");
+        self.out.extend_from_slice(early);
+        self.keep = false;
+        self.flush_out().await
+    }
+}
+
+impl<W: AsyncWrite + Unpin> ResponseSink for H1ResponseSink<'_, W> {
+    async fn write_interim(&mut self, head: &ResponseHead) -> Result<(), Error> {
+        // 100 Continue, 103 Early Hints: HTTP/1.0 clients can't take them.
+        if self.version == 0 {
+            return Ok(());
+        }
+        self.out.clear();
+        write::response_head(self.out, head, skip_response_header);
+        self.out.extend_from_slice(b"\r\n");
+        self.flush_out().await
+    }
+
+    async fn write_head(&mut self, head: &ResponseHead, size: BodySize) -> Result<(), Error> {
+        let out = &mut *self.out;
+        out.clear();
+        write::response_head(out, head, skip_response_header);
+        if !head.headers.has_known(known::DATE) {
+            date::with_date(self.now_ns, |d| write::header(out, b"Date", d));
+        }
+        match size {
+            BodySize::None => {}
+            BodySize::Length(n) => {
+                if !head.headers.has_known(known::CONTENT_LENGTH) {
+                    write::header_u64(out, b"Content-Length", n);
+                }
+            }
+            BodySize::Stream if self.head_only => {}
+            BodySize::Stream => {
+                if self.version == 1 {
+                    out.extend_from_slice(b"Transfer-Encoding: chunked\r\n");
+                    self.chunked = true;
+                } else {
+                    // HTTP/1.0 can't read chunked framing: close-delimit.
+                    self.keep = false;
+                }
+            }
+        }
+        if !self.keep {
+            out.extend_from_slice(b"Connection: close\r\n");
+        } else if self.version == 0 {
+            out.extend_from_slice(b"Connection: keep-alive\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+        self.pending = true;
+        Ok(())
+    }
+
+    async fn write_body(&mut self, data: &[u8]) -> Result<(), Error> {
+        if self.head_only || data.is_empty() {
+            return Ok(());
+        }
+        if self.chunked {
+            chunk_prefix(self.out, data.len());
+            self.out.extend_from_slice(data);
+            self.out.extend_from_slice(b"\r\n");
+            return self.flush_out().await;
+        }
+        if self.pending {
+            // Head and the first body bytes in one write.
+            self.out.extend_from_slice(data);
+            return self.flush_out().await;
+        }
+        self.sent += data.len() as u64;
+        write_timed(&mut self.w, data, self.timeout)
+            .await
+            .map_err(|_| Error::answered(Kind::ClientClosed))
+    }
+
+    async fn finish(&mut self, trailers: Option<&Headers>) -> Result<(), Error> {
+        if self.chunked && !self.head_only {
+            write_trailers(self.out, trailers);
+        }
+        self.flush_out().await
+    }
+
+    fn keep_alive(&self) -> bool {
+        self.keep
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.sent
+    }
+}
+
+// === origin side ===
+
+/// The request body to an HTTP/1.1 origin, framed as its head announced
+/// (Content-Length as is, or chunked again).
+pub struct H1RequestSink<W> {
+    pub w: W,
+    chunked: bool,
+}
+
+impl<W: AsyncWrite + Unpin> H1RequestSink<W> {
+    pub fn new(w: W, framing: BodyLen) -> Self {
+        H1RequestSink {
+            w,
+            chunked: framing == BodyLen::Chunked,
+        }
+    }
+}
+
+impl<W: AsyncWrite + Unpin> RequestSink for H1RequestSink<W> {
+    async fn write_body(&mut self, data: &[u8]) -> Result<(), Error> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let r = if self.chunked {
+            let mut hex = [0u8; 16];
+            let mut pre = [0u8; 18];
+            let h = hex_len(&mut hex, data.len());
+            pre[..h.len()].copy_from_slice(h);
+            pre[h.len()..h.len() + 2].copy_from_slice(b"\r\n");
+            let n = h.len() + 2;
+            async {
+                self.w.write_all(&pre[..n]).await?;
+                self.w.write_all(data).await?;
+                self.w.write_all(b"\r\n").await
+            }
+            .await
+        } else {
+            self.w.write_all(data).await
+        };
+        r.map_err(|_| Error::new(Kind::UpstreamClosed).retryable(false))
+    }
+
+    async fn finish(&mut self, trailers: Option<&Headers>) -> Result<(), Error> {
+        if !self.chunked {
+            return Ok(());
+        }
+        let mut out = Vec::with_capacity(8);
+        write_trailers(&mut out, trailers);
+        self.w
+            .write_all(&out)
+            .await
+            .map_err(|_| Error::new(Kind::UpstreamClosed).retryable(false))
+    }
+}
+
+/// An HTTP/1.1 origin's response: heads (1xx first), then the body decoded
+/// from Content-Length, chunked or close-delimited framing.
+pub struct H1ResponseSource<'a, R> {
+    pub r: R,
+    pub buf: &'a mut BytesMut,
+    limits: &'a HeadLimits,
+    method: Method,
+    /// A pooled connection: an EOF before any byte means it died idle.
+    reused: bool,
+    head_deadline: tokio::time::Instant,
+    read_timeout: Duration,
+    framing: BodyLen,
+    keep: bool,
+    remaining: u64,
+    scanner: ChunkedScanner,
+    piece: Vec<u8>,
+    trailer: Vec<u8>,
+    trailers: Headers,
+    lent: usize,
+    done: bool,
+    eof: bool,
+}
+
+impl<'a, R: AsyncRead + Unpin> H1ResponseSource<'a, R> {
+    pub fn new(
+        r: R,
+        buf: &'a mut BytesMut,
+        limits: &'a HeadLimits,
+        method: Method,
+        reused: bool,
+        read_timeout: Duration,
+    ) -> Self {
+        H1ResponseSource {
+            r,
+            buf,
+            limits,
+            method,
+            reused,
+            head_deadline: tokio::time::Instant::now() + read_timeout,
+            read_timeout,
+            framing: BodyLen::None,
+            keep: false,
+            remaining: 0,
+            scanner: ChunkedScanner::new(),
+            piece: Vec::new(),
+            trailer: Vec::new(),
+            trailers: Headers::new(),
+            lent: 0,
+            done: false,
+            eof: false,
+        }
+    }
+
+    /// Bytes read past the 101 head (the tunnel's first).
+    pub fn take_early(&mut self) -> BytesMut {
+        self.buf.split()
+    }
+
+    async fn read_more(&mut self) -> Result<usize, Kind> {
+        self.buf.reserve(READ_CHUNK);
+        match timeout(self.read_timeout, self.r.read_buf(self.buf)).await {
+            Ok(Ok(n)) => Ok(n),
+            Ok(Err(_)) => Err(Kind::UpstreamClosed),
+            Err(_) => Err(Kind::UpstreamTimeout),
+        }
+    }
+
+    async fn next(&mut self) -> Result<Option<(&[u8], bool)>, Kind> {
+        self.buf.advance(std::mem::take(&mut self.lent));
+        if self.done {
+            return Ok(None);
+        }
+        match self.framing {
+            BodyLen::None => {
+                self.done = true;
+                Ok(None)
+            }
+            BodyLen::Length(_) => {
+                if self.remaining == 0 {
+                    self.done = true;
+                    return Ok(None);
+                }
+                if self.buf.is_empty() && self.read_more().await? == 0 {
+                    return Err(Kind::UpstreamClosed);
+                }
+                let take = (self.buf.len() as u64).min(self.remaining) as usize;
+                self.remaining -= take as u64;
+                self.lent = take;
+                Ok(Some((&self.buf[..take], self.remaining == 0)))
+            }
+            BodyLen::UntilClose => {
+                if self.buf.is_empty() && self.read_more().await? == 0 {
+                    self.done = true;
+                    self.eof = true;
+                    return Ok(None);
+                }
+                self.lent = self.buf.len();
+                Ok(Some((&self.buf[..], false)))
+            }
+            BodyLen::Chunked => loop {
+                if !self.buf.is_empty() {
+                    self.piece.clear();
+                    let n = feed_chunked(
+                        &mut self.scanner,
+                        self.buf,
+                        &mut self.piece,
+                        &mut self.trailer,
+                        &mut self.trailers,
+                    )
+                    .map_err(|_| Kind::UpstreamProtocol)?;
+                    self.buf.advance(n);
+                    if !self.piece.is_empty() {
+                        return Ok(Some((&self.piece, self.scanner.is_done())));
+                    }
+                }
+                if self.scanner.is_done() {
+                    self.done = true;
+                    return Ok(None);
+                }
+                if self.read_more().await? == 0 {
+                    return Err(Kind::UpstreamClosed);
+                }
+            },
+        }
+    }
+}
+
+impl<R: AsyncRead + Unpin> ResponseSource for H1ResponseSource<'_, R> {
+    async fn read_head(&mut self, head: &mut ResponseHead) -> Result<(), Error> {
+        let mut got_any = !self.buf.is_empty();
+        loop {
+            if !self.buf.is_empty() {
+                if let Some(n) = head.parse(self.buf, self.limits).map_err(Error::upstream)? {
+                    self.buf.advance(n);
+                    if head.status >= 200 {
+                        self.framing = head.body_len(self.method).map_err(Error::upstream)?;
+                        self.keep = head.keep_alive() && self.framing != BodyLen::UntilClose;
+                        if let BodyLen::Length(n) = self.framing {
+                            self.remaining = n;
+                        }
+                    }
+                    // A fresh deadline for whatever head comes next.
+                    self.head_deadline = tokio::time::Instant::now() + self.read_timeout;
+                    return Ok(());
+                }
+            }
+            self.buf.reserve(READ_CHUNK);
+            match tokio::time::timeout_at(self.head_deadline, self.r.read_buf(self.buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => {
+                    let kind = if got_any {
+                        Kind::UpstreamProtocol
+                    } else {
+                        Kind::UpstreamClosed
+                    };
+                    return Err(Error {
+                        stale: self.reused && !got_any,
+                        ..Error::upstream(kind)
+                    });
+                }
+                Ok(Ok(_)) => got_any = true,
+                Err(_) => return Err(Error::upstream(Kind::UpstreamTimeout)),
+            }
+        }
+    }
+
+    fn body_size(&self) -> BodySize {
+        match self.framing {
+            BodyLen::None => BodySize::None,
+            BodyLen::Length(n) => BodySize::Length(n),
+            BodyLen::Chunked | BodyLen::UntilClose => BodySize::Stream,
+        }
+    }
+
+    async fn read_body(&mut self) -> Result<Option<(&[u8], bool)>, Error> {
+        self.next().await.map_err(Error::answered)
+    }
+
+    fn trailers(&self) -> Option<&Headers> {
+        (!self.trailers.is_empty()).then_some(&self.trailers)
+    }
+
+    fn reusable(&self) -> bool {
+        self.done && self.keep && !self.eof && self.buf.len() == self.lent
+    }
+}
