@@ -56,7 +56,8 @@
 //! #   balance: Balance::RoundRobin, health_check: None, max_fails: 3,
 //! #   passive_recover: Duration::from_secs(10), retries: 1, retry_budget_ratio: 0.2,
 //! #   retry_min_per_sec: 10, pool_idle_per_server: 8, max_connections_per_server: 0,
-//! #   max_inflight_per_server: 0 };
+//! #   max_inflight_per_server: 0, headers: Default::default(),
+//! #   host_header: Default::default() };
 //! let group = pier_lb::Group::new(&cfg);
 //! let now = pier_lb::clock_ms();
 //! group.on_request_at(now);
