@@ -104,3 +104,45 @@ async fn serve(mut s: tokio::net::TcpStream) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::time::Duration;
+
+    /// Everything the demo writes on one connection until it closes.
+    fn exchange(send: &[u8]) -> String {
+        let addr = super::start("127.0.0.1:0".parse().unwrap()).unwrap();
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(send).unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn keep_alive_bodies_head_and_close() {
+        // A POST body (chunked, then by length) is skipped, not read as the next
+        // request; HEAD gets no body; `Connection: close` ends the exchange.
+        let out = exchange(
+            b"POST /hello HTTP/1.1\r\nHost: d\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nGET\r\n0\r\n\r\n\
+              POST /healthz HTTP/1.1\r\nHost: d\r\nContent-Length: 4\r\n\r\nGET \
+              HEAD /hello HTTP/1.1\r\nHost: d\r\n\r\n\
+              GET /hello HTTP/1.1\r\nHost: d\r\nConnection: close\r\n\r\n",
+        );
+        assert_eq!(out.matches("HTTP/1.1 200 OK\r\n").count(), 4, "{out}");
+        assert_eq!(out.matches("hello world\n").count(), 2, "{out}");
+        assert_eq!(out.matches("ok\n").count(), 1, "{out}");
+        assert!(
+            out.ends_with("Connection: close\r\n\r\nhello world\n"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn a_bad_head_gets_400_and_a_close() {
+        let out = exchange(b"GET / HTTP/1.1\r\nHost: d\r\nBad Header\r\n\r\n");
+        assert!(out.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{out}");
+    }
+}
