@@ -1,5 +1,8 @@
 //! The admin listener: `/healthz` and Prometheus `/metrics`. Not a hot path,
-//! so it favours plainness over speed.
+//! so it favours plainness over speed. Requests are read with pier-http's
+//! codec, the one HTTP/1 parser in the tree (two small GET endpoints don't
+//! call for a server crate; the live dashboard of the analytics issue, with
+//! server-sent events, may move this plane onto hyper).
 
 use crate::Shared;
 use std::fmt::Write as _;
@@ -29,21 +32,11 @@ pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
                 if buf.len() > 16384 {
                     return;
                 }
-                let mut headers = [httparse_header(); 32];
-                let mut req = pier_http_request(&mut headers);
-                match req.parse(&buf) {
-                    Ok(httparse::Status::Complete(n)) => {
-                        let path = req
-                            .path
-                            .unwrap_or("/")
-                            .split('?')
-                            .next()
-                            .unwrap_or("/")
-                            .to_string();
-                        let close = req.headers.iter().any(|h| {
-                            h.name.eq_ignore_ascii_case("connection")
-                                && h.value.eq_ignore_ascii_case(b"close")
-                        });
+                let mut req = pier_http::RequestHead::default();
+                match req.parse(&buf, &ADMIN_LIMITS) {
+                    Ok(Some(n)) => {
+                        let path = String::from_utf8_lossy(req.path()).into_owned();
+                        let close = !req.keep_alive();
                         buf.drain(..n);
                         let (status, ctype, body) = route(&path, &shared);
                         let head = format!(
@@ -60,7 +53,7 @@ pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
                             return;
                         }
                     }
-                    Ok(httparse::Status::Partial) => continue,
+                    Ok(None) => continue,
                     Err(_) => {
                         let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").await;
                         return;
@@ -71,13 +64,11 @@ pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
     }
 }
 
-fn httparse_header() -> httparse::Header<'static> {
-    httparse::EMPTY_HEADER
-}
-
-fn pier_http_request<'h, 'b>(h: &'h mut [httparse::Header<'b>]) -> httparse::Request<'h, 'b> {
-    httparse::Request::new(h)
-}
+const ADMIN_LIMITS: pier_http::HeadLimits = pier_http::HeadLimits {
+    max_header_bytes: 16384,
+    max_headers: 64,
+    max_uri_bytes: 4096,
+};
 
 fn route(path: &str, shared: &Shared) -> (&'static str, &'static str, String) {
     match path {

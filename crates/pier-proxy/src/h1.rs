@@ -81,15 +81,7 @@ fn feed_chunked(
         return Err(Kind::BadChunk);
     }
     if scanner.is_done() && trailer.len() > 2 {
-        let mut raw = [httparse::EMPTY_HEADER; 64];
-        match httparse::parse_headers(trailer, &mut raw) {
-            Ok(httparse::Status::Complete((_, hs))) => {
-                for h in hs {
-                    fields.append(h.name.as_bytes(), h.value);
-                }
-            }
-            _ => return Err(Kind::BadChunk),
-        }
+        pier_http::headers::parse_trailer_section(trailer, fields)?;
         trailer.clear();
     }
     Ok(n)
