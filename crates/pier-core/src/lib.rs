@@ -8,6 +8,8 @@
 //! collapse the way it does with per-worker pools, metrics, and config.
 #![forbid(unsafe_code)]
 
+pub mod evict;
+pub mod lifecycle;
 pub mod pool;
 pub mod server;
 pub mod stream;

@@ -159,7 +159,7 @@ pub async fn serve_connection<P: Phases, S: Stream>(
     loop {
         w.shared.refresh(&mut state);
         // Waiting for a head: evictable when the worker is full (evict.rs).
-        let waiting = crate::evict::Waiting::enter(&w.waiting, pier_lb::clock_ms());
+        let waiting = pier_core::evict::Waiting::enter(&w.waiting, pier_lb::clock_ms());
         if b.rbuf.is_empty() && !first {
             // Between requests: the buffers go back to the worker's pool.
             b.release(&mut sess, &w.bufs);

@@ -1,11 +1,13 @@
-//! Pier's request pipeline: the phase trait (`phases`), the HTTP/1.1 driver
-//! that runs a request through it (`driver`), the running config (`state`)
-//! and the admin endpoints (`admin`).
+//! Pier's request engine: the phase trait and the step enum (`phases`), the
+//! session interfaces (`protocol`) and their HTTP/1 implementation (`h1`),
+//! the driver that takes a request through the steps (`driver`), the
+//! running config (`state`) and the admin endpoints (`admin`). Phase
+//! implementations (the config's limits and Lua hooks: `pier-phases`) plug
+//! in from outside; this crate builds no LuaJIT.
 #![forbid(unsafe_code)]
 
 pub mod admin;
 pub mod driver;
-pub mod evict;
 pub mod h1;
 pub mod phases;
 pub mod protocol;
@@ -17,6 +19,8 @@ pub use session::Session;
 pub use state::State;
 
 use arc_swap::ArcSwap;
+use pier_core::evict;
+use pier_core::lifecycle::{Admission, Lifecycle};
 use pier_core::{Connector, Pool, WorkerContext};
 use pier_log::{AccessLog, Metrics};
 use std::sync::atomic::Ordering::Relaxed;
@@ -38,17 +42,15 @@ pub struct Shared {
     pub access: AccessLog,
     /// Open connections per client IP (`limits.max_connections_per_ip`).
     pub per_ip: pier_limits::Inflight,
-    drain_tx: watch::Sender<bool>,
-    /// The generation just installed, so that workers set up a reloaded
-    /// config's per-thread parts (Lua `init`/`init_worker` and timers) at
-    /// once rather than at their next request.
-    reload_tx: watch::Sender<u64>,
+    /// Drain, and the generation just installed (so that workers set up a
+    /// reloaded config's per-thread parts — Lua `init`/`init_worker` and
+    /// timers — at once rather than at their next request).
+    pub lifecycle: Lifecycle,
 }
 
 impl Shared {
     pub fn new(state: State, pool: Pool, metrics: Metrics, access: AccessLog) -> Self {
-        let (drain_tx, _) = watch::channel(false);
-        let (reload_tx, _) = watch::channel(state.generation);
+        let lifecycle = Lifecycle::new(state.generation);
         let generation = std::sync::atomic::AtomicU64::new(state.generation);
         Shared {
             state: ArcSwap::from_pointee(state),
@@ -58,8 +60,7 @@ impl Shared {
             metrics,
             access,
             per_ip: pier_limits::Inflight::new(),
-            drain_tx,
-            reload_tx,
+            lifecycle,
         }
     }
     /// Swap in a new config generation.
@@ -67,7 +68,7 @@ impl Shared {
         let g = state.generation;
         self.state.store(Arc::new(state));
         self.generation.store(g, Relaxed);
-        self.reload_tx.send_replace(g);
+        self.lifecycle.announce_reload(g);
     }
     /// Refresh `cached` if a reload happened since it was loaded.
     #[inline]
@@ -77,14 +78,14 @@ impl Shared {
         }
     }
     pub fn drain_rx(&self) -> watch::Receiver<bool> {
-        self.drain_tx.subscribe()
+        self.lifecycle.drain_rx()
     }
     /// Stop accepting, close idle keep-alive connections, finish in-flight requests.
     pub fn start_drain(&self) {
-        self.drain_tx.send_replace(true);
+        self.lifecycle.start_drain();
     }
     pub fn draining(&self) -> bool {
-        *self.drain_tx.borrow()
+        self.lifecycle.draining()
     }
 }
 
@@ -123,14 +124,18 @@ pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phas
                 continue;
             }
         };
-        accepts.push(tokio::task::spawn_local(accept_loop(w.clone(), listener)));
+        accepts.push(tokio::task::spawn_local(pier_core::lifecycle::accept_loop(
+            listener,
+            shared.drain_rx(),
+            Admit(w.clone()),
+        )));
     }
     // A reload sets up this thread's hooks for the new config right away
     // (Lua init/init_worker, timers), as OpenResty's new workers do. Holds
     // the worker weakly: draining waits for the last strong reference.
     let reloads = {
         let weak = Arc::downgrade(&w);
-        let mut rx = shared.reload_tx.subscribe();
+        let mut rx = shared.lifecycle.reloads();
         tokio::task::spawn_local(async move {
             while rx.changed().await.is_ok() {
                 let Some(w) = weak.upgrade() else { break };
@@ -168,33 +173,27 @@ pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phas
     reloads.abort();
 }
 
-async fn accept_loop<P: Phases>(w: Arc<Worker<P>>, listener: tokio::net::TcpListener) {
-    let mut drain = w.shared.drain_rx();
-    let mut accepts = 0u32;
-    loop {
-        // In a burst of connections, let the ones just accepted read their
-        // heads before accepting more: a client that speaks at once is then
-        // past the head wait (not evictable) before the burst can evict it.
-        accepts = accepts.wrapping_add(1);
-        if accepts & 15 == 0 {
-            tokio::task::yield_now().await;
-        }
-        let accepted = tokio::select! {
-            a = listener.accept() => a,
-            _ = drain.changed() => break,
-        };
-        let (stream, peer) = match accepted {
-            Ok(x) => x,
-            Err(e) => {
-                // EMFILE and friends: back off instead of spinning.
-                tracing::warn!("accept: {e}");
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
-            }
-        };
+/// Who gets in: `limits.max_connections` (evicting the oldest connection
+/// waiting for a head before refusing) and `limits.max_connections_per_ip`;
+/// admitted connections are served by the HTTP/1 driver.
+struct Admit<P: Phases>(Arc<Worker<P>>);
+
+/// A connection's slots, released however its task ends (a panic included).
+struct Slot {
+    _active: ActiveConnection,
+    _per_ip: Option<pier_limits::Guard>,
+}
+
+impl<P: Phases> Admission for Admit<P> {
+    type Slot = Slot;
+
+    fn admit(&self, peer: std::net::SocketAddr) -> Option<Slot> {
+        let w = &self.0;
         let max = w.shared.state.load().cfg.limits.max_connections as i64;
-        let active = w.shared.metrics.active_connections.fetch_add(1, Relaxed);
-        if active >= max {
+        let before = w.shared.metrics.active_connections.fetch_add(1, Relaxed);
+        // Counted from here; a refusal below gives it back as it drops.
+        let active = ActiveConnection(w.shared.clone());
+        if before >= max {
             // Full: the oldest connection waiting for a head gives up its
             // slot (evict.rs; it closes at its next poll, briefly leaving one
             // more open than the limit); with none old enough, refuse at
@@ -205,41 +204,40 @@ async fn accept_loop<P: Phases>(w: Arc<Worker<P>>, listener: tokio::net::TcpList
             {
                 w.shared.metrics.evicted_connection();
             } else {
-                w.shared.metrics.active_connections.fetch_sub(1, Relaxed);
                 w.shared.metrics.refused_connection();
-                drop(stream);
-                continue;
+                return None;
             }
         }
         // Per-client-IP connection cap (a sketch: fixed memory whatever the IP count).
         let max_ip = w.shared.state.load().cfg.limits.max_connections_per_ip;
-        let ip_guard = if max_ip > 0 {
+        let per_ip = if max_ip > 0 {
             let ip = pier_config::normalize(peer.ip());
             let (g, n) = match ip {
                 std::net::IpAddr::V4(v4) => w.shared.per_ip.incr(&v4.octets()[..]),
                 std::net::IpAddr::V6(v6) => w.shared.per_ip.incr(&v6.octets()[..]),
             };
             if n > max_ip as isize {
-                w.shared.metrics.active_connections.fetch_sub(1, Relaxed);
                 w.shared.metrics.refused_connection();
-                continue;
+                return None;
             }
             Some(g)
         } else {
             None
         };
-        let w2 = w.clone();
+        Some(Slot {
+            _active: active,
+            _per_ip: per_ip,
+        })
+    }
+
+    fn serve(&self, stream: tokio::net::TcpStream, peer: std::net::SocketAddr, slot: Slot) {
+        let w = self.0.clone();
         let _ = stream.set_nodelay(true);
         let local = stream.local_addr().unwrap_or(peer);
         tokio::task::spawn_local(async move {
-            // Released however the task ends (a panic included).
-            let _ip_guard = ip_guard;
-            let _active = ActiveConnection(w2.shared.clone());
-            driver::serve_connection(w2, stream, peer, local).await;
+            let _slot = slot;
+            driver::serve_connection(w, stream, peer, local).await;
         });
-        if *drain.borrow() {
-            break;
-        }
     }
 }
 
