@@ -27,6 +27,9 @@ pub(crate) struct Current {
     /// The body chunk in `body_filter`, with its eof flag.
     pub chunk: Option<NonNull<BytesMut>>,
     pub eof: bool,
+    /// Who owns the cosockets created now: the request's id
+    /// ([`RequestCtx`]), or a timer run's; 0 outside both.
+    pub owner: u64,
 }
 
 impl Current {
@@ -37,6 +40,7 @@ impl Current {
         engine: None,
         chunk: None,
         eof: false,
+        owner: 0,
     };
 
     /// Whether the current phase is in `mask` (see [`crate::phase::mask`]).
@@ -51,6 +55,16 @@ impl Current {
 
 thread_local! {
     static CURRENT: Cell<Current> = const { Cell::new(Current::NONE) };
+    static NEXT_OWNER: Cell<u64> = const { Cell::new(1) };
+}
+
+/// A new owner id (a request or a timer run), unique on this thread.
+pub(crate) fn new_owner() -> u64 {
+    NEXT_OWNER.with(|n| {
+        let id = n.get();
+        n.set(id + 1);
+        id
+    })
 }
 
 #[inline(always)]

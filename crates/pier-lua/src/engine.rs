@@ -14,6 +14,7 @@ use pier_shdict::Registry;
 
 use crate::current::{self, Current, Scope};
 use crate::error::LuaError;
+use crate::limits::LuaLimits;
 use crate::phase::Phase;
 use crate::setup::LuaSetup;
 use crate::view::HttpView;
@@ -38,6 +39,9 @@ pub struct RequestCtx {
     pub(crate) status: Option<u16>,
     /// Set by the runner coroutine when the hook returned (see `Runners`).
     pub(crate) done: bool,
+    /// Unique on this thread: owns the request's cosockets, which are
+    /// closed when this is dropped.
+    pub(crate) id: u64,
 }
 
 impl RequestCtx {
@@ -52,6 +56,7 @@ impl RequestCtx {
             retries: None,
             status: None,
             done: false,
+            id: current::new_owner(),
         }
     }
 }
@@ -67,6 +72,8 @@ impl Drop for RequestCtx {
         if let Some(slots) = self.slots.take() {
             slots.release(self.ctx_ref);
         }
+        // As OpenResty: a request's cosockets end with it.
+        crate::io::free_owner(self.id);
     }
 }
 
@@ -112,6 +119,7 @@ pub(crate) struct Inner {
     hooks: Vec<[Option<Function>; 7]>,
     pub timers: crate::io::Timers,
     memory_limit: usize,
+    pub limits: LuaLimits,
     runners: Runners,
 }
 
@@ -140,6 +148,16 @@ impl LuaEngine {
     /// is first used inside the thread's `LocalSet` (or at
     /// [`start_timers`](Self::start_timers)).
     pub fn new(setup: Arc<LuaSetup>, shared: Arc<Registry>) -> Result<Self, LuaError> {
+        Self::with_limits(setup, shared, LuaLimits::default())
+    }
+
+    /// [`new`](Self::new) with explicit bounds (the `[lua]` config keys;
+    /// see [`LuaLimits`]).
+    pub fn with_limits(
+        setup: Arc<LuaSetup>,
+        shared: Arc<Registry>,
+        limits: LuaLimits,
+    ) -> Result<Self, LuaError> {
         let err = |e| LuaError::lua(None, e);
         // SAFETY: `ffi` and `debug` are "unsafe" libraries for mlua: Lua code
         // can corrupt memory with them. Hook code is the operator's own
@@ -176,6 +194,7 @@ impl LuaEngine {
             hooks,
             timers: crate::io::Timers::default(),
             memory_limit: setup.memory_limit,
+            limits,
         });
         *weak_slot.borrow_mut() = Rc::downgrade(&inner);
         let engine = LuaEngine { inner };
@@ -240,6 +259,7 @@ impl LuaEngine {
     }
 
     fn cur(&self, phase: Phase, view: &mut dyn HttpView, ctx: &mut RequestCtx) -> Current {
+        let owner = ctx.id;
         Current {
             phase: Some(phase),
             view: Some(current::view_ptr(view)),
@@ -247,6 +267,7 @@ impl LuaEngine {
             engine: Some(NonNull::from(&*self.inner)),
             chunk: None,
             eof: false,
+            owner,
         }
     }
 
@@ -479,15 +500,18 @@ impl<F: Future<Output = mlua::Result<()>> + Unpin> Future for Hooked<F> {
         let _scope = Scope::enter(self.cur);
         match Pin::new(&mut self.fut).poll(cx) {
             Poll::Ready(r) => Poll::Ready(r),
-            Poll::Pending => match self.cur.ctx {
-                // SAFETY: published only while the hook call holds the `&mut`.
-                Some(ctx)
-                    if unsafe { ctx.as_ref() }.exit.is_some() || unsafe { ctx.as_ref() }.done =>
-                {
+            Poll::Pending => {
+                let ended = self.cur.ctx.is_some_and(|ctx| {
+                    // SAFETY: published only while the hook call holds the `&mut`.
+                    let ctx = unsafe { ctx.as_ref() };
+                    ctx.exit.is_some() || ctx.done
+                });
+                if ended {
                     Poll::Ready(Ok(()))
+                } else {
+                    Poll::Pending
                 }
-                _ => Poll::Pending,
-            },
+            }
         }
     }
 }

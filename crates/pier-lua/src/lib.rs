@@ -13,15 +13,27 @@
 //!   embedded in the binary.
 //!
 //! See `docs/lua.md` for the API, the phase table and measurements.
-#![allow(unsafe_code)] // This crate is the FFI boundary: every block says why it is sound.
+//!
+//! The `extern "C"` API is not reachable from safe Rust: the table and its
+//! `unsafe extern "C"` functions are private to this crate.
+//!
+//! ```compile_fail
+//! // The FFI table is private: safe code cannot pass it pointers.
+//! let _ = &pier_lua::ffi::API;
+//! ```
+// This crate is the FFI boundary: `unsafe` is allowed here, and every
+// block says why it is sound.
+#![allow(unsafe_code)]
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
 #[doc(hidden)]
 pub mod bench_support;
 mod current;
 mod engine;
 mod error;
-pub mod ffi;
+mod ffi;
 mod io;
+mod limits;
 mod modules;
 mod phase;
 mod setup;
@@ -29,6 +41,7 @@ mod view;
 
 pub use engine::{LuaEngine, RequestCtx};
 pub use error::LuaError;
+pub use limits::{LuaLimits, MAX_DURATION_SECS};
 pub use phase::Phase;
 pub use setup::{LuaSetup, RouteHooks, Source};
 pub use view::HttpView;

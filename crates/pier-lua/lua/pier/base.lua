@@ -66,7 +66,7 @@ local M = {
   int = ffi.new("int[1]"),
   u32 = ffi.new("uint32_t[1]"),
   E_PHASE = -2, E_INVAL = -3, E_INTERNAL = -4, E_NOMEM = -5,
-  E_EXISTS = -6, E_NOTFOUND = -7, E_NAN = -8,
+  E_EXISTS = -6, E_NOTFOUND = -7, E_NAN = -8, E_DURATION = -9, E_TOO_LARGE = -10,
 }
 
 -- A reusable copy-out buffer for getters returning `len` (filled when
@@ -99,6 +99,10 @@ function M.fail(rc, what)
     error("bad argument to " .. what, 3)
   elseif rc == -4 then
     error("internal error in " .. what, 3)
+  elseif rc == -9 then
+    error("bad argument to " .. what .. ": invalid duration (seconds from 0 to one year)", 3)
+  elseif rc == -10 then
+    error(what .. ": response body too large (lua.max_response_body)", 3)
   end
   error(what .. " failed (" .. tostring(rc) .. ")", 3)
 end

@@ -32,7 +32,9 @@ do
     -- current one-second window (an estimate that never undercounts).
     incr = function(key, n)
       key = tostring(key)
-      return C_incr(key, #key, n or 1)
+      local r = C_incr(key, #key, tonumber(n or 1) or -1)
+      if r < 0 then error("bad argument #2 to pier.limit.incr (a whole number from 0 to 1e9 expected)", 2) end
+      return r
     end,
     -- Events per second for key, sliding over the last two windows.
     rate = function(key)

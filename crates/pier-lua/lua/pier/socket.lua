@@ -1,6 +1,7 @@
--- pier.socket.tcp() objects: a plain table holding the id of a Rust-side
--- socket; methods call the (yielding) natives. An ffi.gc anchor frees the
--- Rust slot when the object is collected.
+-- pier.socket.tcp() objects: a plain table holding the handle (slot index
+-- and generation) of a Rust-side socket; methods call the (yielding)
+-- natives. An ffi.gc anchor frees the Rust slot when the object is
+-- collected; the request's end frees it too (a stale handle then fails).
 local ffi = require "ffi"
 local base = require "pier.base"
 
@@ -20,8 +21,9 @@ function Sock.receive(self, pattern) return n_receive(self.id, pattern) end
 -- Returns an iterator reading up to (and consuming) `pattern`.
 function Sock.receiveuntil(self, pattern)
   if type(pattern) ~= "string" or #pattern == 0 then error("bad argument #1 to receiveuntil (string expected)", 2) end
-  local id = self.id
-  return function() return n_until(id, pattern) end
+  -- The iterator holds the object (not just its id), so the socket lives
+  -- as long as the iterator does.
+  return function() return n_until(self.id, pattern) end
 end
 function Sock.settimeout(self, ms) n_settimeout(self.id, tonumber(ms) or 0) end
 function Sock.setkeepalive(self, idle_ms, pool_size) return n_keepalive(self.id, idle_ms, pool_size) end

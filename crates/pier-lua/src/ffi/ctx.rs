@@ -7,22 +7,22 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::{arg, guard, out, put, OutLen, OutPtr, E_INVAL, E_PHASE};
+use super::{arg, guard, out, put, OutLen, OutPtr, E_INVAL, E_PHASE, E_TOO_LARGE};
 use crate::current::{self, Current};
 use crate::engine::RequestCtx;
 use crate::phase::mask;
 
-pub(super) extern "C" fn phase() -> c_int {
+pub(super) unsafe extern "C" fn phase() -> c_int {
     current::get().phase.map_or(-1, |p| p as c_int)
 }
 
-pub(super) extern "C" fn phase_allowed(m: u32) -> c_int {
+pub(super) unsafe extern "C" fn phase_allowed(m: u32) -> c_int {
     c_int::from(current::get().allows(m))
 }
 
 /// Seconds since the epoch, millisecond precision, from the request's clock
 /// snapshot (wall clock outside a request).
-pub(super) extern "C" fn now() -> f64 {
+pub(super) unsafe extern "C" fn now() -> f64 {
     let ns = current::get()
         .view
         // SAFETY: see `with_view`; `now_ns` takes `&self`.
@@ -38,8 +38,9 @@ pub(crate) fn wall_ns() -> u64 {
 }
 
 /// `pier.log(level, msg)`: levels as nginx (4 err, 5 warn, 6 notice, 7 info, 8 debug).
-pub(super) extern "C" fn log(level: c_int, p: *const c_char, n: usize) -> c_int {
-    let msg = String::from_utf8_lossy(arg(p, n));
+pub(super) unsafe extern "C" fn log(level: c_int, p: *const c_char, n: usize) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let msg = String::from_utf8_lossy(unsafe { arg(p, n) });
     let phase = current::get().phase.map_or("none", |p| p.name());
     guard(|| {
         match level {
@@ -70,7 +71,7 @@ fn with_ctx(m: u32, f: impl FnOnce(&mut RequestCtx, &Current) -> c_int) -> c_int
 /// The slot of this request's `pier.ctx` table, -1 if none yet (or if the
 /// slot belongs to another engine: a request that outlived a reload must
 /// not read a slot number in the new state's table).
-pub(super) extern "C" fn ctx_ref() -> c_int {
+pub(super) unsafe extern "C" fn ctx_ref() -> c_int {
     with_ctx(mask::CTX, |c, cur| match (&c.slots, cur.engine) {
         // SAFETY: the engine outlives every hook call it runs.
         (Some(slots), Some(e)) if std::rc::Rc::ptr_eq(slots, &unsafe { e.as_ref() }.ctx_slots) => {
@@ -82,7 +83,7 @@ pub(super) extern "C" fn ctx_ref() -> c_int {
 
 /// Allocates a slot for this request's `pier.ctx` table (the Lua side
 /// stores the table at that index of its slot array).
-pub(super) extern "C" fn ctx_new_ref() -> c_int {
+pub(super) unsafe extern "C" fn ctx_new_ref() -> c_int {
     with_ctx(mask::CTX, |c, cur| {
         let Some(engine) = cur.engine else {
             return E_PHASE;
@@ -99,7 +100,7 @@ pub(super) extern "C" fn ctx_new_ref() -> c_int {
 }
 
 /// Called by the runner coroutine when a pooled hook run has finished.
-pub(super) extern "C" fn hook_done() -> c_int {
+pub(super) unsafe extern "C" fn hook_done() -> c_int {
     with_ctx(crate::phase::mask::ANY, |c, _| {
         c.done = true;
         0
@@ -108,7 +109,7 @@ pub(super) extern "C" fn hook_done() -> c_int {
 
 /// `pier.exit(status[, body])`: 0 ends the hook and continues; 100..=599
 /// answers. The wrapper yields right after, and the engine stops the hook.
-pub(super) extern "C" fn exit(
+pub(super) unsafe extern "C" fn exit(
     status: c_int,
     body: *const c_char,
     blen: usize,
@@ -117,8 +118,12 @@ pub(super) extern "C" fn exit(
     if status != 0 && !(100..=599).contains(&status) {
         return E_INVAL;
     }
-    let body = arg(body, blen);
-    with_ctx(mask::EXIT, |c, _| {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let body = unsafe { arg(body, blen) };
+    with_ctx(mask::EXIT, |c, cur| {
+        if has_body != 0 && body.len() > max_body(cur) {
+            return E_TOO_LARGE;
+        }
         c.exit = Some(status as u16);
         if has_body != 0 {
             c.body.clear();
@@ -128,8 +133,9 @@ pub(super) extern "C" fn exit(
     })
 }
 
-pub(super) extern "C" fn redirect(uri: *const c_char, n: usize, status: c_int) -> c_int {
-    let uri = arg(uri, n);
+pub(super) unsafe extern "C" fn redirect(uri: *const c_char, n: usize, status: c_int) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let uri = unsafe { arg(uri, n) };
     if uri.is_empty() || !super::valid_value(uri) || !matches!(status, 301 | 302 | 303 | 307 | 308)
     {
         return E_INVAL;
@@ -141,12 +147,25 @@ pub(super) extern "C" fn redirect(uri: *const c_char, n: usize, status: c_int) -
     })
 }
 
-pub(super) extern "C" fn say(p: *const c_char, n: usize) -> c_int {
-    let s = arg(p, n);
-    with_ctx(mask::SAY, |c, _| {
+pub(super) unsafe extern "C" fn say(p: *const c_char, n: usize) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let s = unsafe { arg(p, n) };
+    with_ctx(mask::SAY, |c, cur| {
+        if c.body.len().saturating_add(s.len()) > max_body(cur) {
+            return E_TOO_LARGE;
+        }
         c.body.extend_from_slice(s);
         0
     })
+}
+
+/// `[lua] max_response_body` of the engine running the hook.
+fn max_body(cur: &Current) -> usize {
+    match cur.engine {
+        // SAFETY: the engine outlives every hook call it runs.
+        Some(e) => unsafe { e.as_ref() }.limits.max_response_body,
+        None => crate::limits::LuaLimits::DEFAULT.max_response_body,
+    }
 }
 
 fn chunk(cur: &Current) -> Option<NonNull<bytes::BytesMut>> {
@@ -158,39 +177,64 @@ fn chunk(cur: &Current) -> Option<NonNull<bytes::BytesMut>> {
 }
 
 /// The current body chunk and its eof flag (`pier.arg[1]`, `pier.arg[2]`).
-pub(super) extern "C" fn body_chunk(p: OutPtr, n: OutLen, eof: *mut c_int) -> c_int {
+pub(super) unsafe extern "C" fn body_chunk(p: OutPtr, n: OutLen, eof: *mut c_int) -> c_int {
     let cur = current::get();
     let Some(ch) = chunk(&cur) else {
         return E_PHASE;
     };
-    // SAFETY: published by `body_filter` for the duration of the hook call.
-    out(unsafe { ch.as_ref() }, p, n);
-    put(eof, c_int::from(cur.eof));
+    // SAFETY: the chunk is published by `body_filter` for the duration of
+    // the hook call; out-pointers from Lua are NULL or writable (ffi contract).
+    unsafe { out(ch.as_ref(), p, n) };
+    // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+    unsafe { put(eof, c_int::from(cur.eof)) };
     0
 }
 
 /// Replaces the current body chunk (`pier.arg[1] = s`).
-pub(super) extern "C" fn body_set_chunk(p: *const c_char, n: usize) -> c_int {
+pub(super) unsafe extern "C" fn body_set_chunk(p: *const c_char, n: usize) -> c_int {
     let cur = current::get();
     let Some(mut ch) = chunk(&cur) else {
         return E_PHASE;
     };
-    let s = arg(p, n);
     guard(|| {
-        // SAFETY: as in `body_chunk`; `s` is a Lua string, not the chunk.
-        let ch = unsafe { ch.as_mut() };
-        ch.clear();
-        ch.extend_from_slice(s);
+        // Copy before write: `(p, n)` may point into the chunk itself (a
+        // hook passing the pointer `body_chunk` gave it, or a part of it),
+        // so it is read in full before the chunk is touched, and no `&mut`
+        // to the chunk exists while the argument slice is alive.
+        CHUNK_COPY.with_borrow_mut(|copy| {
+            copy.clear();
+            // SAFETY: `(ptr, len)` arguments from Lua are valid for the call
+            // (ffi contract); the slice is dropped before the chunk is borrowed.
+            copy.extend_from_slice(unsafe { arg(p, n) });
+            // SAFETY: as in `body_chunk`; no other reference to the chunk is alive.
+            let ch = unsafe { ch.as_mut() };
+            ch.clear();
+            ch.extend_from_slice(copy);
+            // Do not keep a huge chunk's copy around.
+            if copy.capacity() > 1 << 20 {
+                *copy = Vec::new();
+            }
+        });
         0
     })
 }
 
+thread_local! {
+    /// `body_set_chunk`'s copy of its argument.
+    static CHUNK_COPY: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// `pier.balancer.set_peer(ip, port)`: an IP literal (no DNS here).
-pub(super) extern "C" fn balancer_set_peer(p: *const c_char, n: usize, port: c_int) -> c_int {
+pub(super) unsafe extern "C" fn balancer_set_peer(
+    p: *const c_char,
+    n: usize,
+    port: c_int,
+) -> c_int {
     let Ok(port) = u16::try_from(port) else {
         return E_INVAL;
     };
-    let Some(ip) = std::str::from_utf8(arg(p, n))
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let Some(ip) = std::str::from_utf8(unsafe { arg(p, n) })
         .ok()
         .and_then(|s| s.parse::<IpAddr>().ok())
     else {
@@ -202,7 +246,7 @@ pub(super) extern "C" fn balancer_set_peer(p: *const c_char, n: usize, port: c_i
     })
 }
 
-pub(super) extern "C" fn balancer_set_retries(n: c_int) -> c_int {
+pub(super) unsafe extern "C" fn balancer_set_retries(n: c_int) -> c_int {
     let Ok(n) = u32::try_from(n) else {
         return E_INVAL;
     };

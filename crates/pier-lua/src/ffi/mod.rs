@@ -7,6 +7,13 @@
 //! linker-proof (no `--export-dynamic`, nothing for the linker to drop) and
 //! calls through these pointers are compiled by the JIT like `ffi.C` calls.
 //!
+//! Every function is an `unsafe extern "C" fn`, reachable only through the
+//! crate-private table (Lua casts its address). Their common safety
+//! contract ("the ffi contract" in `SAFETY` comments): every `(ptr, len)`
+//! argument is NULL or valid for reads of `len` bytes for the duration of
+//! the call, and every out-pointer is NULL or valid for writes of its type
+//! (the Lua wrappers pass Lua strings and `ffi.new` arrays).
+//!
 //! Conventions, for every function:
 //! * no request pointer: the request comes from [`crate::current`];
 //! * strings in as `(ptr, len)`, strings out through `(*ptr, *len)`
@@ -43,6 +50,10 @@ pub const E_EXISTS: c_int = -6;
 pub const E_NOTFOUND: c_int = -7;
 /// Shared dict: `incr` on a non-number.
 pub const E_NAN: c_int = -8;
+/// A time argument (TTL) that is NaN, infinite, negative or over a year.
+pub const E_DURATION: c_int = -9;
+/// A body past its bound (`[lua] max_response_body`).
+pub const E_TOO_LARGE: c_int = -10;
 
 /// A key/value pair handed to Lua in bulk (`get_headers`, `get_uri_args`).
 /// `vlen < 0` means "no value" (a query arg without `=`, i.e. `true`).
@@ -59,43 +70,47 @@ pub type OutPtr = *mut *const c_char;
 pub type OutLen = *mut usize;
 
 /// The API table. Field order and types must match `pier_api_t` in
-/// `lua/pier/base.lua`.
+/// `lua/pier/base.lua`. Crate-private, as are the functions: only Lua (and
+/// the crate's own tests) can call them, through the address [`api_addr`]
+/// gives, which takes `unsafe` to use.
 #[repr(C)]
-pub struct PierApi {
-    pub phase: extern "C" fn() -> c_int,
-    pub phase_allowed: extern "C" fn(u32) -> c_int,
-    pub now: extern "C" fn() -> f64,
-    pub log: extern "C" fn(c_int, *const c_char, usize) -> c_int,
+pub(crate) struct PierApi {
+    phase: unsafe extern "C" fn() -> c_int,
+    phase_allowed: unsafe extern "C" fn(u32) -> c_int,
+    now: unsafe extern "C" fn() -> f64,
+    log: unsafe extern "C" fn(c_int, *const c_char, usize) -> c_int,
     // request
-    pub req_method: extern "C" fn(*mut c_char, usize) -> c_int,
-    pub req_uri: extern "C" fn(*mut c_char, usize) -> c_int,
-    pub req_path: extern "C" fn(*mut c_char, usize) -> c_int,
-    pub req_set_path: extern "C" fn(*const c_char, usize) -> c_int,
-    pub req_set_args: extern "C" fn(*const c_char, usize) -> c_int,
-    pub req_args: extern "C" fn(*mut *const PierPair) -> c_int,
-    pub req_header: extern "C" fn(*const c_char, usize, *mut c_char, usize) -> c_int,
-    pub req_headers: extern "C" fn(*mut *const PierPair) -> c_int,
-    pub req_set_header: extern "C" fn(*const c_char, usize, *const c_char, usize, c_int) -> c_int,
-    pub var: extern "C" fn(*const c_char, usize, *mut c_char, usize) -> c_int,
+    req_method: unsafe extern "C" fn(*mut c_char, usize) -> c_int,
+    req_uri: unsafe extern "C" fn(*mut c_char, usize) -> c_int,
+    req_path: unsafe extern "C" fn(*mut c_char, usize) -> c_int,
+    req_set_path: unsafe extern "C" fn(*const c_char, usize) -> c_int,
+    req_set_args: unsafe extern "C" fn(*const c_char, usize) -> c_int,
+    req_args: unsafe extern "C" fn(*mut *const PierPair) -> c_int,
+    req_header: unsafe extern "C" fn(*const c_char, usize, *mut c_char, usize) -> c_int,
+    req_headers: unsafe extern "C" fn(*mut *const PierPair) -> c_int,
+    req_set_header:
+        unsafe extern "C" fn(*const c_char, usize, *const c_char, usize, c_int) -> c_int,
+    var: unsafe extern "C" fn(*const c_char, usize, *mut c_char, usize) -> c_int,
     // response
-    pub resp_status: extern "C" fn() -> c_int,
-    pub resp_set_status: extern "C" fn(c_int) -> c_int,
-    pub resp_header: extern "C" fn(*const c_char, usize, *mut c_char, usize) -> c_int,
-    pub resp_headers: extern "C" fn(*mut *const PierPair) -> c_int,
-    pub resp_set_header: extern "C" fn(*const c_char, usize, *const c_char, usize, c_int) -> c_int,
+    resp_status: unsafe extern "C" fn() -> c_int,
+    resp_set_status: unsafe extern "C" fn(c_int) -> c_int,
+    resp_header: unsafe extern "C" fn(*const c_char, usize, *mut c_char, usize) -> c_int,
+    resp_headers: unsafe extern "C" fn(*mut *const PierPair) -> c_int,
+    resp_set_header:
+        unsafe extern "C" fn(*const c_char, usize, *const c_char, usize, c_int) -> c_int,
     // per-request state and flow
-    pub ctx_ref: extern "C" fn() -> c_int,
-    pub ctx_new_ref: extern "C" fn() -> c_int,
-    pub exit: extern "C" fn(c_int, *const c_char, usize, c_int) -> c_int,
-    pub redirect: extern "C" fn(*const c_char, usize, c_int) -> c_int,
-    pub say: extern "C" fn(*const c_char, usize) -> c_int,
-    pub body_chunk: extern "C" fn(OutPtr, OutLen, *mut c_int) -> c_int,
-    pub body_set_chunk: extern "C" fn(*const c_char, usize) -> c_int,
-    pub balancer_set_peer: extern "C" fn(*const c_char, usize, c_int) -> c_int,
-    pub balancer_set_retries: extern "C" fn(c_int) -> c_int,
+    ctx_ref: unsafe extern "C" fn() -> c_int,
+    ctx_new_ref: unsafe extern "C" fn() -> c_int,
+    exit: unsafe extern "C" fn(c_int, *const c_char, usize, c_int) -> c_int,
+    redirect: unsafe extern "C" fn(*const c_char, usize, c_int) -> c_int,
+    say: unsafe extern "C" fn(*const c_char, usize) -> c_int,
+    body_chunk: unsafe extern "C" fn(OutPtr, OutLen, *mut c_int) -> c_int,
+    body_set_chunk: unsafe extern "C" fn(*const c_char, usize) -> c_int,
+    balancer_set_peer: unsafe extern "C" fn(*const c_char, usize, c_int) -> c_int,
+    balancer_set_retries: unsafe extern "C" fn(c_int) -> c_int,
     // shared dicts
-    pub shdict_index: extern "C" fn(*const c_char, usize) -> c_int,
-    pub shdict_get: extern "C" fn(
+    shdict_index: unsafe extern "C" fn(*const c_char, usize) -> c_int,
+    shdict_get: unsafe extern "C" fn(
         c_int,
         *const c_char,
         usize,
@@ -106,7 +121,7 @@ pub struct PierApi {
         *mut f64,
         *mut u32,
     ) -> c_int,
-    pub shdict_store: extern "C" fn(
+    shdict_store: unsafe extern "C" fn(
         c_int,
         c_int,
         *const c_char,
@@ -118,23 +133,23 @@ pub struct PierApi {
         f64,
         u32,
     ) -> c_int,
-    pub shdict_incr:
-        extern "C" fn(c_int, *const c_char, usize, f64, f64, c_int, f64, *mut f64) -> c_int,
-    pub shdict_delete: extern "C" fn(c_int, *const c_char, usize) -> c_int,
-    pub shdict_ttl: extern "C" fn(c_int, *const c_char, usize, *mut f64) -> c_int,
-    pub shdict_expire: extern "C" fn(c_int, *const c_char, usize, f64) -> c_int,
-    pub shdict_flush_all: extern "C" fn(c_int) -> c_int,
-    pub shdict_flush_expired: extern "C" fn(c_int, c_int) -> c_int,
-    pub shdict_keys: extern "C" fn(c_int, c_int, *mut *const PierPair) -> c_int,
-    pub shdict_capacity: extern "C" fn(c_int, *mut f64, *mut f64) -> c_int,
-    pub hook_done: extern "C" fn() -> c_int,
+    shdict_incr:
+        unsafe extern "C" fn(c_int, *const c_char, usize, f64, f64, c_int, f64, *mut f64) -> c_int,
+    shdict_delete: unsafe extern "C" fn(c_int, *const c_char, usize) -> c_int,
+    shdict_ttl: unsafe extern "C" fn(c_int, *const c_char, usize, *mut f64) -> c_int,
+    shdict_expire: unsafe extern "C" fn(c_int, *const c_char, usize, f64) -> c_int,
+    shdict_flush_all: unsafe extern "C" fn(c_int) -> c_int,
+    shdict_flush_expired: unsafe extern "C" fn(c_int, c_int) -> c_int,
+    shdict_keys: unsafe extern "C" fn(c_int, c_int, *mut *const PierPair) -> c_int,
+    shdict_capacity: unsafe extern "C" fn(c_int, *mut f64, *mut f64) -> c_int,
+    hook_done: unsafe extern "C" fn() -> c_int,
     // pier.limit: count-min sketch counters shared by all threads
-    pub limit_incr: extern "C" fn(*const c_char, usize, f64) -> f64,
-    pub limit_rate: extern "C" fn(*const c_char, usize) -> f64,
+    limit_incr: unsafe extern "C" fn(*const c_char, usize, f64) -> f64,
+    limit_rate: unsafe extern "C" fn(*const c_char, usize) -> f64,
 }
 
 /// The one API table; its address is what Lua casts.
-pub static API: PierApi = PierApi {
+static API: PierApi = PierApi {
     phase: ctx::phase,
     phase_allowed: ctx::phase_allowed,
     now: ctx::now,
@@ -180,8 +195,9 @@ pub static API: PierApi = PierApi {
 };
 
 /// The address Lua casts to `const pier_api_t*` (fits a double: user-space
-/// addresses are below 2^47).
-pub fn api_addr() -> usize {
+/// addresses are below 2^47). A plain number: calling through it takes
+/// `unsafe` code (or LuaJIT's FFI).
+pub(crate) fn api_addr() -> usize {
     &API as *const PierApi as usize
 }
 
@@ -210,24 +226,30 @@ pub(crate) fn with_view(mask: u32, f: impl FnOnce(&mut dyn HttpView, &Current) -
 }
 
 /// The bytes of a `(ptr, len)` argument from Lua.
+///
+/// # Safety
+/// `p` is NULL or valid for reads of `n` bytes, unchanged while the slice
+/// lives (a Lua string or cdata buffer passed to the running call).
 #[inline(always)]
-pub(crate) fn arg<'a>(p: *const c_char, n: usize) -> &'a [u8] {
+pub(crate) unsafe fn arg<'a>(p: *const c_char, n: usize) -> &'a [u8] {
     if p.is_null() || n == 0 {
         return &[];
     }
-    // SAFETY: Lua passes a string (or cdata buffer) pointer with its exact
-    // length; it stays alive for the duration of the call.
+    // SAFETY: the caller's contract (above).
     unsafe { std::slice::from_raw_parts(p.cast::<u8>(), n) }
 }
 
 /// Writes a string result to the out-parameters.
+///
+/// # Safety
+/// `p` and `n` are NULL or valid for writes (the wrappers pass `ffi.new`
+/// one-element arrays).
 #[inline(always)]
-pub(crate) fn out(s: &[u8], p: OutPtr, n: OutLen) {
+pub(crate) unsafe fn out(s: &[u8], p: OutPtr, n: OutLen) {
     if p.is_null() || n.is_null() {
         return;
     }
-    // SAFETY: the wrappers pass `ffi.new` one-element arrays, never NULL
-    // (checked above), valid for writes.
+    // SAFETY: non-NULL (checked above) and writable (the caller's contract).
     unsafe {
         *p = s.as_ptr().cast();
         *n = s.len();
@@ -240,21 +262,27 @@ pub(crate) fn out(s: &[u8], p: OutPtr, n: OutLen) {
 /// copying a header value is cheaper than handing Lua a pointer and a
 /// boxed 64-bit length, which costs two cdata allocations per call when the
 /// code runs in the interpreter.
+///
+/// # Safety
+/// `buf` is NULL or valid for writes of `cap` bytes and does not overlap `s`.
 #[inline(always)]
-pub(crate) fn copy_out(s: &[u8], buf: *mut c_char, cap: usize) -> c_int {
+pub(crate) unsafe fn copy_out(s: &[u8], buf: *mut c_char, cap: usize) -> c_int {
     if s.len() <= cap && !buf.is_null() {
-        // SAFETY: `buf` is the wrapper's `char[cap]` buffer, valid for `cap`
-        // bytes; `s` is Rust memory, so the ranges do not overlap.
+        // SAFETY: `buf` is writable for `cap >= s.len()` bytes and disjoint
+        // from `s` (the caller's contract).
         unsafe { std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len()) };
     }
     c_int::try_from(s.len()).unwrap_or(E_INVAL)
 }
 
 /// Writes a value to an out-parameter if it is not NULL.
+///
+/// # Safety
+/// `p` is NULL or valid for writes of a `T`.
 #[inline(always)]
-pub(crate) fn put<T>(p: *mut T, v: T) {
+pub(crate) unsafe fn put<T>(p: *mut T, v: T) {
     if !p.is_null() {
-        // SAFETY: a non-NULL out-parameter from an `ffi.new` array.
+        // SAFETY: non-NULL and writable (the caller's contract).
         unsafe { *p = v }
     }
 }
@@ -274,7 +302,10 @@ thread_local! {
 
 impl Scratch {
     /// Turns `spans` (offsets into `bytes`) into `pairs` and publishes them.
-    pub(crate) fn publish(&mut self, outp: *mut *const PierPair) -> c_int {
+    ///
+    /// # Safety
+    /// `outp` is NULL or valid for writes of a pointer.
+    pub(crate) unsafe fn publish(&mut self, outp: *mut *const PierPair) -> c_int {
         self.pairs.clear();
         let base = self.bytes.as_ptr();
         for &(k, kl, v, vl) in &self.spans {
@@ -287,7 +318,8 @@ impl Scratch {
                 vlen: vl,
             });
         }
-        put(outp, self.pairs.as_ptr());
+        // SAFETY: the caller's contract (above).
+        unsafe { put(outp, self.pairs.as_ptr()) };
         c_int::try_from(self.pairs.len()).unwrap_or(c_int::MAX)
     }
 }

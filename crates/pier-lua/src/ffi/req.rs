@@ -9,13 +9,19 @@ use crate::phase::mask;
 use crate::view::HttpView;
 
 /// The method copied to `buf` (see `copy_out`).
-pub(super) extern "C" fn method(buf: *mut c_char, cap: usize) -> c_int {
-    with_view(mask::REQ_READ, |v, _| copy_out(v.method(), buf, cap))
+pub(super) unsafe extern "C" fn method(buf: *mut c_char, cap: usize) -> c_int {
+    // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+    with_view(mask::REQ_READ, |v, _| unsafe {
+        copy_out(v.method(), buf, cap)
+    })
 }
 
 /// The request target (`path?query`) copied to `buf` (see `copy_out`).
-pub(super) extern "C" fn uri(buf: *mut c_char, cap: usize) -> c_int {
-    with_view(mask::REQ_READ, |v, _| copy_out(v.uri(), buf, cap))
+pub(super) unsafe extern "C" fn uri(buf: *mut c_char, cap: usize) -> c_int {
+    // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+    with_view(mask::REQ_READ, |v, _| unsafe {
+        copy_out(v.uri(), buf, cap)
+    })
 }
 
 fn split_uri(uri: &[u8]) -> (&[u8], Option<&[u8]>) {
@@ -26,15 +32,17 @@ fn split_uri(uri: &[u8]) -> (&[u8], Option<&[u8]>) {
 }
 
 /// The path copied to `buf` (see `copy_out`).
-pub(super) extern "C" fn path(buf: *mut c_char, cap: usize) -> c_int {
+pub(super) unsafe extern "C" fn path(buf: *mut c_char, cap: usize) -> c_int {
     with_view(mask::REQ_READ, |v, _| {
-        copy_out(split_uri(v.uri()).0, buf, cap)
+        // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+        unsafe { copy_out(split_uri(v.uri()).0, buf, cap) }
     })
 }
 
 /// Replaces the path, keeping the query (as `ngx.req.set_uri`).
-pub(super) extern "C" fn set_path(p: *const c_char, n: usize) -> c_int {
-    let new_path = arg(p, n);
+pub(super) unsafe extern "C" fn set_path(p: *const c_char, n: usize) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let new_path = unsafe { arg(p, n) };
     if new_path.first() != Some(&b'/')
         || new_path
             .iter()
@@ -57,8 +65,9 @@ pub(super) extern "C" fn set_path(p: *const c_char, n: usize) -> c_int {
 }
 
 /// Replaces the query string (already encoded by the Lua wrapper).
-pub(super) extern "C" fn set_args(p: *const c_char, n: usize) -> c_int {
-    let query = arg(p, n);
+pub(super) unsafe extern "C" fn set_args(p: *const c_char, n: usize) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let query = unsafe { arg(p, n) };
     if query.iter().any(|&c| c <= b' ' || c == b'#' || c == 0x7f) {
         return E_INVAL;
     }
@@ -105,13 +114,14 @@ fn unescape_into(s: &[u8], out: &mut Vec<u8>) {
 }
 
 /// The decoded query args, in order (duplicates kept: the wrapper makes lists).
-pub(super) extern "C" fn args(outp: *mut *const PierPair) -> c_int {
+pub(super) unsafe extern "C" fn args(outp: *mut *const PierPair) -> c_int {
     with_view(mask::REQ_READ, |v, _| {
         SCRATCH.with_borrow_mut(|s| {
             s.bytes.clear();
             s.spans.clear();
             let Some(q) = split_uri(v.uri()).1 else {
-                return s.publish(outp);
+                // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+                return unsafe { s.publish(outp) };
             };
             for part in q.split(|&c| c == b'&') {
                 if part.is_empty() {
@@ -137,27 +147,30 @@ pub(super) extern "C" fn args(outp: *mut *const PierPair) -> c_int {
                 };
                 s.spans.push((ks, kl, vs, vl));
             }
-            s.publish(outp)
+            // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+            unsafe { s.publish(outp) }
         })
     })
 }
 
 /// The first value of header `name` copied to `buf` (see `copy_out`), or -1.
-pub(super) extern "C" fn header(
+pub(super) unsafe extern "C" fn header(
     name: *const c_char,
     nlen: usize,
     buf: *mut c_char,
     cap: usize,
 ) -> c_int {
-    let name = arg(name, nlen);
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let name = unsafe { arg(name, nlen) };
     with_view(mask::REQ_READ, |v, _| match v.req_header(name) {
-        Some(val) => copy_out(val, buf, cap),
+        // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+        Some(val) => unsafe { copy_out(val, buf, cap) },
         None => -1,
     })
 }
 
 /// Collects `name, value` lines, names lowercased, into the scratch pairs.
-pub(super) fn collect_headers(
+pub(super) unsafe fn collect_headers(
     each: impl FnOnce(&mut dyn FnMut(&[u8], &[u8])),
     outp: *mut *const PierPair,
 ) -> c_int {
@@ -172,13 +185,15 @@ pub(super) fn collect_headers(
             bytes.extend_from_slice(val);
             spans.push((ks, k.len(), vs, val.len() as isize));
         });
-        s.publish(outp)
+        // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+        unsafe { s.publish(outp) }
     })
 }
 
-pub(super) extern "C" fn headers(outp: *mut *const PierPair) -> c_int {
+pub(super) unsafe extern "C" fn headers(outp: *mut *const PierPair) -> c_int {
     with_view(mask::REQ_READ, |v, _| {
-        collect_headers(|f| v.req_headers(f), outp)
+        // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+        unsafe { collect_headers(|f| v.req_headers(f), outp) }
     })
 }
 
@@ -202,14 +217,15 @@ pub(super) fn apply_header(
     0
 }
 
-pub(super) extern "C" fn set_header(
+pub(super) unsafe extern "C" fn set_header(
     name: *const c_char,
     nlen: usize,
     val: *const c_char,
     vlen: usize,
     mode: c_int,
 ) -> c_int {
-    let (name, val) = (arg(name, nlen), arg(val, vlen));
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let (name, val) = unsafe { (arg(name, nlen), arg(val, vlen)) };
     with_view(mask::REQ_WRITE, |v, _| {
         // Two closures need the view: go through a raw reborrow per call.
         let vp: *mut dyn HttpView = v;
@@ -219,6 +235,7 @@ pub(super) extern "C" fn set_header(
             mode,
             // SAFETY: only one of the two closures runs, once.
             |k, x| unsafe { (*vp).set_req_header(k, x) },
+            // SAFETY: as above.
             |k, x| unsafe { (*vp).add_req_header(k, x) },
         )
     })
@@ -226,8 +243,14 @@ pub(super) extern "C" fn set_header(
 
 /// `pier.var.NAME` copied to `buf` (see `copy_out`), or -1 for an
 /// unknown/absent variable.
-pub(super) extern "C" fn var(name: *const c_char, nlen: usize, p: *mut c_char, n: usize) -> c_int {
-    let name = arg(name, nlen);
+pub(super) unsafe extern "C" fn var(
+    name: *const c_char,
+    nlen: usize,
+    p: *mut c_char,
+    n: usize,
+) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let name = unsafe { arg(name, nlen) };
     with_view(mask::REQ_READ, |v, _| {
         let direct: Option<&[u8]> = match name {
             b"request_method" => Some(v.method()),
@@ -244,7 +267,8 @@ pub(super) extern "C" fn var(name: *const c_char, nlen: usize, p: *mut c_char, n
             _ => None,
         };
         if let Some(val) = direct {
-            return copy_out(val, p, n);
+            // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+            return unsafe { copy_out(val, p, n) };
         }
         if let Some(h) = name.strip_prefix(b"http_") {
             return SCRATCH.with_borrow_mut(|s| {
@@ -252,7 +276,8 @@ pub(super) extern "C" fn var(name: *const c_char, nlen: usize, p: *mut c_char, n
                 s.bytes
                     .extend(h.iter().map(|&c| if c == b'_' { b'-' } else { c }));
                 match v.req_header(&s.bytes) {
-                    Some(val) => copy_out(val, p, n),
+                    // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+                    Some(val) => unsafe { copy_out(val, p, n) },
                     None => -1,
                 }
             });
@@ -267,7 +292,8 @@ pub(super) extern "C" fn var(name: *const c_char, nlen: usize, p: *mut c_char, n
                 _ => false,
             };
             if ok {
-                copy_out(&s.bytes, p, n)
+                // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+                unsafe { copy_out(&s.bytes, p, n) }
             } else {
                 -1
             }

@@ -7,11 +7,11 @@ use super::{arg, copy_out, with_view, PierPair, E_INVAL};
 use crate::phase::mask;
 use crate::view::HttpView;
 
-pub(super) extern "C" fn status() -> c_int {
+pub(super) unsafe extern "C" fn status() -> c_int {
     with_view(mask::RESP_READ, |v, _| c_int::from(v.status()))
 }
 
-pub(super) extern "C" fn set_status(status: c_int) -> c_int {
+pub(super) unsafe extern "C" fn set_status(status: c_int) -> c_int {
     if !(100..=999).contains(&status) {
         return E_INVAL;
     }
@@ -28,33 +28,37 @@ pub(super) extern "C" fn set_status(status: c_int) -> c_int {
 }
 
 /// The first value of response header `name` copied to `buf` (see `copy_out`), or -1.
-pub(super) extern "C" fn header(
+pub(super) unsafe extern "C" fn header(
     name: *const c_char,
     nlen: usize,
     buf: *mut c_char,
     cap: usize,
 ) -> c_int {
-    let name = arg(name, nlen);
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let name = unsafe { arg(name, nlen) };
     with_view(mask::RESP_READ, |v, _| match v.resp_header(name) {
-        Some(val) => copy_out(val, buf, cap),
+        // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+        Some(val) => unsafe { copy_out(val, buf, cap) },
         None => -1,
     })
 }
 
-pub(super) extern "C" fn headers(outp: *mut *const PierPair) -> c_int {
+pub(super) unsafe extern "C" fn headers(outp: *mut *const PierPair) -> c_int {
     with_view(mask::RESP_READ, |v, _| {
-        collect_headers(|f| v.resp_headers(f), outp)
+        // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+        unsafe { collect_headers(|f| v.resp_headers(f), outp) }
     })
 }
 
-pub(super) extern "C" fn set_header(
+pub(super) unsafe extern "C" fn set_header(
     name: *const c_char,
     nlen: usize,
     val: *const c_char,
     vlen: usize,
     mode: c_int,
 ) -> c_int {
-    let (name, val) = (arg(name, nlen), arg(val, vlen));
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let (name, val) = unsafe { (arg(name, nlen), arg(val, vlen)) };
     with_view(mask::RESP_WRITE, |v, _| {
         let vp: *mut dyn HttpView = v;
         apply_header(
@@ -63,6 +67,7 @@ pub(super) extern "C" fn set_header(
             mode,
             // SAFETY: only one of the two closures runs, once, while `v` is unused.
             |k, x| unsafe { (*vp).set_resp_header(k, x) },
+            // SAFETY: as above.
             |k, x| unsafe { (*vp).add_resp_header(k, x) },
         )
     })

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use pier_shdict::{IncrError, SetResult, SharedDict, Value};
 
 use super::{
-    arg, copy_out, guard, put, PierPair, E_EXISTS, E_INVAL, E_NAN, E_NOMEM, E_NOTFOUND, E_PHASE,
-    SCRATCH,
+    arg, copy_out, guard, put, PierPair, E_DURATION, E_EXISTS, E_INVAL, E_NAN, E_NOMEM, E_NOTFOUND,
+    E_PHASE, SCRATCH,
 };
 use crate::current::{self, Current};
 
@@ -27,13 +27,9 @@ fn now_ms(cur: &Current) -> u64 {
     }
 }
 
-/// Seconds (Lua) to whole milliseconds, rounding a positive sub-ms TTL up.
+/// Seconds (Lua) to whole milliseconds (see [`crate::limits::secs_to_ms`]).
 fn secs_to_ms(s: f64) -> Option<u64> {
-    if !s.is_finite() || s < 0.0 {
-        return None;
-    }
-    let ms = (s * 1000.0).ceil();
-    Some(ms as u64)
+    crate::limits::secs_to_ms(s).ok()
 }
 
 /// Runs `f` on dict `idx` of the engine running the current hook.
@@ -57,8 +53,9 @@ fn with_dict(idx: c_int, f: impl FnOnce(&Arc<SharedDict>, &Current) -> c_int) ->
 }
 
 /// The index of dict `name`, or -1.
-pub(super) extern "C" fn index(name: *const c_char, n: usize) -> c_int {
-    let name = arg(name, n);
+pub(super) unsafe extern "C" fn index(name: *const c_char, n: usize) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let name = unsafe { arg(name, n) };
     let cur = current::get();
     let Some(engine) = cur.engine else {
         return E_PHASE;
@@ -76,7 +73,7 @@ pub(super) extern "C" fn index(name: *const c_char, n: usize) -> c_int {
 /// Returns the Lua type code of the value (0 nil, 1 boolean, 3 number,
 /// 4 string) plus 16 if it is stale (only with `stale != 0`).
 #[allow(clippy::too_many_arguments)]
-pub(super) extern "C" fn get(
+pub(super) unsafe extern "C" fn get(
     idx: c_int,
     key: *const c_char,
     klen: usize,
@@ -87,7 +84,8 @@ pub(super) extern "C" fn get(
     num: *mut f64,
     flags: *mut u32,
 ) -> c_int {
-    let key = arg(key, klen);
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let key = unsafe { arg(key, klen) };
     with_dict(idx, |d, cur| {
         VALUE.with_borrow_mut(|buf| {
             let now = now_ms(cur);
@@ -97,18 +95,22 @@ pub(super) extern "C" fn get(
                 d.get(key, now, buf)
             };
             let Some(hit) = hit else { return 0 };
-            put(flags, hit.flags);
+            // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+            unsafe { put(flags, hit.flags) };
             let code = match hit.value {
                 pier_shdict::HitValue::Bool(b) => {
-                    put(num, if b { 1.0 } else { 0.0 });
+                    // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+                    unsafe { put(num, if b { 1.0 } else { 0.0 }) };
                     1
                 }
                 pier_shdict::HitValue::Number(x) => {
-                    put(num, x);
+                    // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+                    unsafe { put(num, x) };
                     3
                 }
                 pier_shdict::HitValue::Str => {
-                    put(len, copy_out(buf, out_buf, cap));
+                    // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+                    unsafe { put(len, copy_out(buf, out_buf, cap)) };
                     4
                 }
             };
@@ -120,7 +122,7 @@ pub(super) extern "C" fn get(
 /// `op`: 0 set, 1 safe_set, 2 add, 3 safe_add, 4 replace. `vtype` is the
 /// Lua type code. Returns 0 stored, 1 stored with a live entry evicted.
 #[allow(clippy::too_many_arguments)]
-pub(super) extern "C" fn store(
+pub(super) unsafe extern "C" fn store(
     idx: c_int,
     op: c_int,
     key: *const c_char,
@@ -132,16 +134,18 @@ pub(super) extern "C" fn store(
     ttl: f64,
     flags: u32,
 ) -> c_int {
-    let key = arg(key, klen);
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let key = unsafe { arg(key, klen) };
     let value = match vtype {
         0 => Value::Nil,
         1 => Value::Bool(vnum != 0.0),
         3 => Value::Number(vnum),
-        4 => Value::Str(arg(vp, vlen)),
+        // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+        4 => Value::Str(unsafe { arg(vp, vlen) }),
         _ => return E_INVAL,
     };
     let Some(ttl_ms) = secs_to_ms(ttl) else {
-        return E_INVAL;
+        return E_DURATION;
     };
     with_dict(idx, |d, cur| {
         let now = now_ms(cur);
@@ -167,7 +171,7 @@ pub(super) extern "C" fn store(
 /// `incr(key, by, init?, init_ttl?)`: the new value in `*outv`; returns 0,
 /// or 1 if storing `init` evicted a live entry.
 #[allow(clippy::too_many_arguments)]
-pub(super) extern "C" fn incr(
+pub(super) unsafe extern "C" fn incr(
     idx: c_int,
     key: *const c_char,
     klen: usize,
@@ -177,15 +181,17 @@ pub(super) extern "C" fn incr(
     init_ttl: f64,
     outv: *mut f64,
 ) -> c_int {
-    let key = arg(key, klen);
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let key = unsafe { arg(key, klen) };
     let Some(ttl_ms) = secs_to_ms(init_ttl) else {
-        return E_INVAL;
+        return E_DURATION;
     };
     with_dict(idx, |d, cur| {
         let init = (has_init != 0).then_some(init);
         match d.incr(key, by, init, ttl_ms, now_ms(cur)) {
             Ok(r) => {
-                put(outv, r.value);
+                // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+                unsafe { put(outv, r.value) };
                 c_int::from(r.forcible)
             }
             Err(IncrError::NotFound) => E_NOTFOUND,
@@ -196,17 +202,25 @@ pub(super) extern "C" fn incr(
     })
 }
 
-pub(super) extern "C" fn delete(idx: c_int, key: *const c_char, klen: usize) -> c_int {
-    let key = arg(key, klen);
+pub(super) unsafe extern "C" fn delete(idx: c_int, key: *const c_char, klen: usize) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let key = unsafe { arg(key, klen) };
     with_dict(idx, |d, cur| c_int::from(d.delete(key, now_ms(cur))))
 }
 
 /// 1 and the remaining seconds (0 = never expires) if live, else 0.
-pub(super) extern "C" fn ttl(idx: c_int, key: *const c_char, klen: usize, outv: *mut f64) -> c_int {
-    let key = arg(key, klen);
+pub(super) unsafe extern "C" fn ttl(
+    idx: c_int,
+    key: *const c_char,
+    klen: usize,
+    outv: *mut f64,
+) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let key = unsafe { arg(key, klen) };
     with_dict(idx, |d, cur| match d.ttl(key, now_ms(cur)) {
         Some(t) => {
-            put(outv, t.map_or(0.0, |ms| ms as f64 / 1000.0));
+            // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+            unsafe { put(outv, t.map_or(0.0, |ms| ms as f64 / 1000.0)) };
             1
         }
         None => 0,
@@ -214,24 +228,30 @@ pub(super) extern "C" fn ttl(idx: c_int, key: *const c_char, klen: usize, outv: 
 }
 
 /// 1 if the key was live and its TTL is now `ttl` seconds (0 = never), else 0.
-pub(super) extern "C" fn expire(idx: c_int, key: *const c_char, klen: usize, ttl: f64) -> c_int {
-    let key = arg(key, klen);
+pub(super) unsafe extern "C" fn expire(
+    idx: c_int,
+    key: *const c_char,
+    klen: usize,
+    ttl: f64,
+) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let key = unsafe { arg(key, klen) };
     let Some(ttl_ms) = secs_to_ms(ttl) else {
-        return E_INVAL;
+        return E_DURATION;
     };
     with_dict(idx, |d, cur| {
         c_int::from(d.expire(key, ttl_ms, now_ms(cur)))
     })
 }
 
-pub(super) extern "C" fn flush_all(idx: c_int) -> c_int {
+pub(super) unsafe extern "C" fn flush_all(idx: c_int) -> c_int {
     with_dict(idx, |d, _| {
         d.flush_all();
         0
     })
 }
 
-pub(super) extern "C" fn flush_expired(idx: c_int, max: c_int) -> c_int {
+pub(super) unsafe extern "C" fn flush_expired(idx: c_int, max: c_int) -> c_int {
     with_dict(idx, |d, cur| {
         let n = d.flush_expired(usize::try_from(max).unwrap_or(0), now_ms(cur));
         c_int::try_from(n).unwrap_or(c_int::MAX)
@@ -239,7 +259,7 @@ pub(super) extern "C" fn flush_expired(idx: c_int, max: c_int) -> c_int {
 }
 
 /// Up to `max` live keys (0 = all) as pairs (key only).
-pub(super) extern "C" fn keys(idx: c_int, max: c_int, outp: *mut *const PierPair) -> c_int {
+pub(super) unsafe extern "C" fn keys(idx: c_int, max: c_int, outp: *mut *const PierPair) -> c_int {
     with_dict(idx, |d, cur| {
         let keys = d.get_keys(usize::try_from(max).unwrap_or(0), now_ms(cur));
         SCRATCH.with_borrow_mut(|s| {
@@ -250,15 +270,18 @@ pub(super) extern "C" fn keys(idx: c_int, max: c_int, outp: *mut *const PierPair
                 s.bytes.extend_from_slice(k);
                 s.spans.push((at, k.len(), at, 0));
             }
-            s.publish(outp)
+            // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+            unsafe { s.publish(outp) }
         })
     })
 }
 
-pub(super) extern "C" fn capacity(idx: c_int, cap: *mut f64, free: *mut f64) -> c_int {
+pub(super) unsafe extern "C" fn capacity(idx: c_int, cap: *mut f64, free: *mut f64) -> c_int {
     with_dict(idx, |d, _| {
-        put(cap, d.capacity() as f64);
-        put(free, d.free_space() as f64);
+        // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+        unsafe { put(cap, d.capacity() as f64) };
+        // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+        unsafe { put(free, d.free_space() as f64) };
         0
     })
 }

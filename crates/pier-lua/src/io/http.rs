@@ -1,20 +1,27 @@
 //! `pier.http.request{method, url, headers, body, timeout}`: a small HTTP/1.1
 //! client (http:// only) over tokio, with connections kept alive in the
 //! per-thread pool. Returns `{status, headers, body}` or `nil, err`.
+//!
+//! No HTTP/1 parsing of its own: response heads, body framing and chunked
+//! bodies go through the proxy's codec (`pier-http`: `ResponseHead::parse`,
+//! `ResponseHead::body_len`, the validating `ChunkedScanner`), and header
+//! lines are written by `pier_http::write`. What Lua gives is checked first:
+//! a path, host, method or header with bytes that could end the line (CR,
+//! LF, NUL, spaces in the path) raises a Lua error (request injection).
 
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use mlua::{IntoLuaMulti, Lua, MultiValue, Table, Value};
+use pier_http::{BodyLen, ChunkedScanner, HeadLimits, Method, ResponseHead};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::pool;
 
-const MAX_HEAD: usize = 64 << 10;
-const MAX_BODY: usize = 64 << 20;
 const POOL_IDLE: Duration = Duration::from_secs(30);
 const POOL_SIZE: usize = 32;
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 pub(crate) struct Request {
     method: String,
@@ -24,12 +31,23 @@ pub(crate) struct Request {
     headers: Vec<(String, Vec<u8>)>,
     body: Option<Vec<u8>>,
     timeout: Duration,
+    /// `[lua] http_max_body`.
+    max_body: usize,
 }
 
 pub(crate) struct Response {
     status: u16,
     headers: Vec<(String, Vec<u8>)>,
     body: BytesMut,
+}
+
+/// Why a request failed.
+enum Failure {
+    /// Nothing of a response arrived: a pooled connection may just be stale.
+    BeforeResponse(String),
+    After(String),
+    /// The body is larger than `[lua] http_max_body`: a Lua error.
+    TooLarge,
 }
 
 /// `http://host[:port][/path]`
@@ -64,50 +82,85 @@ fn parse_url(url: &str) -> Result<(String, u16, String), &'static str> {
     ))
 }
 
+/// A request target Pier will write: visible ASCII only (no CR, LF, NUL,
+/// space or other control byte that would end or split the request line).
+fn valid_path(p: &[u8]) -> bool {
+    p.first() == Some(&b'/') && p.iter().all(|&c| c > b' ' && c < 0x7f)
+}
+
+/// A host name or IP literal (IPv6 without its brackets).
+fn valid_host(h: &[u8]) -> bool {
+    !h.is_empty()
+        && h.iter().all(|&c| {
+            c.is_ascii_alphanumeric() || matches!(c, b'.' | b'-' | b'_' | b':' | b'~' | b'%')
+        })
+}
+
+fn injection(what: &str) -> mlua::Error {
+    mlua::Error::runtime(format!(
+        "pier.http.request: bad {what} (CR, LF, NUL, spaces or control bytes would inject into the request)"
+    ))
+}
+
+/// `opts.timeout` (ms) checked by the one duration conversion: a Lua error
+/// for NaN, infinite, negative or over a year.
+pub(crate) fn timeout_of(opts: &Table) -> mlua::Result<Duration> {
+    match opts.get::<Option<f64>>("timeout")? {
+        Some(ms) => crate::limits::lua_ms(ms, "bad timeout to pier.http.request"),
+        None => Ok(Duration::ZERO),
+    }
+}
+
 impl Request {
-    pub fn from_table(opts: &Table) -> Result<Request, String> {
+    /// The request `opts` describe: `Err` raises (bad types, request
+    /// injection, a bad timeout), `Ok(Err)` is returned as `nil, err`.
+    pub fn from_table(opts: &Table, max_body: usize) -> mlua::Result<Result<Request, String>> {
         let url: String = opts
-            .get("url")
-            .map_err(|_| "url (string) is required".to_owned())?;
-        let (host, port, path) = parse_url(&url).map_err(str::to_owned)?;
-        let method: Option<String> = opts.get("method").map_err(|e| e.to_string())?;
+            .get::<Option<String>>("url")?
+            .ok_or_else(|| mlua::Error::runtime("pier.http.request: url (string) is required"))?;
+        let (host, port, path) = match parse_url(&url) {
+            Ok(u) => u,
+            Err(e) => return Ok(Err(e.to_owned())),
+        };
+        if !valid_path(path.as_bytes()) {
+            return Err(injection("path"));
+        }
+        if !valid_host(host.as_bytes()) {
+            return Err(injection("host"));
+        }
+        let method: Option<String> = opts.get("method")?;
         let method = method
             .unwrap_or_else(|| "GET".to_owned())
             .to_ascii_uppercase();
         if method.is_empty() || !method.bytes().all(|c| c.is_ascii_alphabetic()) {
-            return Err("bad method".into());
+            return Err(injection("method"));
         }
         let mut headers = Vec::new();
-        if let Some(h) = opts
-            .get::<Option<Table>>("headers")
-            .map_err(|e| e.to_string())?
-        {
-            for pair in h.pairs::<String, Value>() {
-                let (k, v) = pair.map_err(|e| e.to_string())?;
+        if let Some(h) = opts.get::<Option<Table>>("headers")? {
+            for pair in h.pairs::<mlua::LuaString, Value>() {
+                let (k, v) = pair?;
+                let k = k.to_str()?.to_owned();
                 let v = match v {
                     Value::String(s) => s.as_bytes().to_vec(),
                     Value::Integer(n) => n.to_string().into_bytes(),
                     Value::Number(n) => n.to_string().into_bytes(),
-                    _ => return Err(format!("bad value for header {k}")),
+                    _ => return Ok(Err(format!("bad value for header {k}"))),
                 };
                 if !crate::ffi::valid_name(k.as_bytes()) || !crate::ffi::valid_value(&v) {
-                    return Err(format!("bad header {k}"));
+                    return Err(injection(&format!("header {k:?}")));
                 }
                 headers.push((k, v));
             }
         }
         let body = opts
-            .get::<Option<mlua::LuaString>>("body")
-            .map_err(|e| e.to_string())?
+            .get::<Option<mlua::LuaString>>("body")?
             .map(|b| b.as_bytes().to_vec());
-        let timeout = match opts
-            .get::<Option<f64>>("timeout")
-            .map_err(|e| e.to_string())?
-        {
-            Some(ms) if ms.is_finite() && ms > 0.0 => Duration::from_secs_f64(ms / 1000.0),
-            _ => Duration::from_secs(60),
+        // 0 or none: the default.
+        let timeout = match timeout_of(opts)? {
+            d if d.is_zero() => DEFAULT_TIMEOUT,
+            d => d,
         };
-        Ok(Request {
+        Ok(Ok(Request {
             method,
             host,
             port,
@@ -115,18 +168,17 @@ impl Request {
             headers,
             body,
             timeout,
-        })
-    }
-
-    pub fn timeout(&self) -> Duration {
-        self.timeout
+            max_body,
+        }))
     }
 
     fn key(&self) -> String {
         format!("http {}:{}", self.host, self.port)
     }
 
+    /// The request on the wire (every part checked in `from_table`).
     fn head(&self) -> Vec<u8> {
+        use pier_http::write::{header, header_u64};
         let mut h = Vec::with_capacity(256);
         h.extend_from_slice(self.method.as_bytes());
         h.push(b' ');
@@ -134,27 +186,27 @@ impl Request {
         h.extend_from_slice(b" HTTP/1.1\r\n");
         let has = |n: &str| self.headers.iter().any(|(k, _)| k.eq_ignore_ascii_case(n));
         if !has("host") {
-            h.extend_from_slice(b"Host: ");
-            h.extend_from_slice(self.host.as_bytes());
-            if self.port != 80 {
-                h.push(b':');
-                h.extend_from_slice(itoa::Buffer::new().format(self.port).as_bytes());
+            let mut host = self.host.clone();
+            if host.contains(':') {
+                host = format!("[{host}]");
             }
-            h.extend_from_slice(b"\r\n");
+            if self.port != 80 {
+                host.push(':');
+                host.push_str(itoa::Buffer::new().format(self.port));
+            }
+            header(&mut h, b"Host", host.as_bytes());
         }
         for (k, v) in &self.headers {
-            if k.eq_ignore_ascii_case("content-length") {
+            // Framing is Pier's to state.
+            if k.eq_ignore_ascii_case("content-length")
+                || k.eq_ignore_ascii_case("transfer-encoding")
+            {
                 continue;
             }
-            h.extend_from_slice(k.as_bytes());
-            h.extend_from_slice(b": ");
-            h.extend_from_slice(v);
-            h.extend_from_slice(b"\r\n");
+            header(&mut h, k.as_bytes(), v);
         }
         if let Some(b) = &self.body {
-            h.extend_from_slice(b"Content-Length: ");
-            h.extend_from_slice(itoa::Buffer::new().format(b.len()).as_bytes());
-            h.extend_from_slice(b"\r\n");
+            header_u64(&mut h, b"Content-Length", b.len() as u64);
         }
         h.extend_from_slice(b"\r\n");
         if let Some(b) = &self.body {
@@ -166,22 +218,22 @@ impl Request {
     /// Sends the request, on a pooled connection if there is one (retrying
     /// once on a fresh one if the pooled one turns out dead before any byte
     /// of response).
-    pub async fn send(&self) -> Result<Response, String> {
+    async fn send(&self) -> Result<Response, Failure> {
         let key = self.key();
         let wire = self.head();
         if let Some((s, _)) = pool::take(&key) {
             match self.exchange(s, &wire).await {
-                Ok(r) => return Ok(r),
                 Err(Failure::BeforeResponse(_)) => {}
-                Err(Failure::After(e)) => return Err(e),
+                r => return r,
             }
         }
         let s = TcpStream::connect((self.host.as_str(), self.port))
             .await
-            .map_err(|e| format!("connect: {e}"))?;
+            .map_err(|e| Failure::After(format!("connect: {e}")))?;
         let _ = s.set_nodelay(true);
         self.exchange(s, &wire).await.map_err(|e| match e {
-            Failure::BeforeResponse(e) | Failure::After(e) => e,
+            Failure::BeforeResponse(e) => Failure::After(e),
+            e => e,
         })
     }
 
@@ -190,145 +242,141 @@ impl Request {
             .await
             .map_err(|e| Failure::BeforeResponse(format!("send: {e}")))?;
         let mut buf = BytesMut::with_capacity(8192);
-        // Head
-        let (status, headers, head_len, keep_alive) = loop {
-            let n = s
-                .read_buf(&mut buf)
-                .await
-                .map_err(|e| Failure::BeforeResponse(format!("receive: {e}")))?;
-            if n == 0 {
-                return Err(if buf.is_empty() {
-                    Failure::BeforeResponse("closed".into())
+        let after = |e: std::io::Error| Failure::After(format!("receive: {e}"));
+        // The head, skipping interim (1xx) responses.
+        let limits = HeadLimits::default();
+        let mut head = ResponseHead::default();
+        let mut got_any = false;
+        loop {
+            if !buf.is_empty() {
+                match head.parse(&buf, &limits) {
+                    Ok(Some(n)) => {
+                        buf.advance(n);
+                        if (100..200).contains(&head.status) && head.status != 101 {
+                            continue;
+                        }
+                        break;
+                    }
+                    Ok(None) => {}
+                    Err(_) => return Err(Failure::After("bad response head".into())),
+                }
+            }
+            let n = s.read_buf(&mut buf).await.map_err(|e| {
+                if got_any {
+                    after(e)
                 } else {
+                    Failure::BeforeResponse(format!("receive: {e}"))
+                }
+            })?;
+            if n == 0 {
+                return Err(if got_any {
                     Failure::After("closed in response head".into())
+                } else {
+                    Failure::BeforeResponse("closed".into())
                 });
             }
-            let mut hs = [httparse::EMPTY_HEADER; 100];
-            let mut resp = httparse::Response::new(&mut hs);
-            match resp.parse(&buf) {
-                Ok(httparse::Status::Complete(len)) => {
-                    let status = resp.code.unwrap_or(0);
-                    let mut keep = resp.version == Some(1);
-                    let headers: Vec<(String, Vec<u8>)> = resp
-                        .headers
-                        .iter()
-                        .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
-                        .collect();
-                    if headers
-                        .iter()
-                        .any(|(k, v)| k == "connection" && v.eq_ignore_ascii_case(b"close"))
-                    {
-                        keep = false;
-                    }
-                    break (status, headers, len, keep);
-                }
-                Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => {}
-                Ok(httparse::Status::Partial) => {
-                    return Err(Failure::After("response head too large".into()))
-                }
-                Err(e) => return Err(Failure::After(format!("bad response: {e}"))),
-            }
-        };
-        buf.advance(head_len);
-        let header = |n: &str| {
-            headers
-                .iter()
-                .find(|(k, _)| k == n)
-                .map(|(_, v)| v.as_slice())
-        };
-        let no_body =
-            self.method == "HEAD" || status == 204 || status == 304 || (100..200).contains(&status);
-        let after = |e: std::io::Error| Failure::After(format!("receive: {e}"));
-        let mut reusable = keep_alive;
-        let body = if no_body {
-            BytesMut::new()
-        } else if header("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case(b"chunked")) {
-            read_chunked(&mut s, &mut buf).await?
-        } else if let Some(cl) = header("content-length") {
-            let n: usize = std::str::from_utf8(cl)
-                .ok()
-                .and_then(|x| x.trim().parse().ok())
-                .filter(|n| *n <= MAX_BODY)
-                .ok_or_else(|| Failure::After("bad content-length".into()))?;
-            while buf.len() < n {
-                if s.read_buf(&mut buf).await.map_err(after)? == 0 {
-                    return Err(Failure::After("closed in body".into()));
-                }
-            }
-            buf.split_to(n)
+            got_any = true;
+        }
+        let method = if self.method == "HEAD" {
+            Method::Head
         } else {
-            reusable = false;
-            while s.read_buf(&mut buf).await.map_err(after)? > 0 {
-                if buf.len() > MAX_BODY {
-                    return Err(Failure::After("body too large".into()));
+            Method::Get
+        };
+        let framing = head
+            .body_len(method)
+            .map_err(|_| Failure::After("bad response framing".into()))?;
+        let max = self.max_body;
+        let mut reusable = head.keep_alive();
+        let body = match framing {
+            BodyLen::None => BytesMut::new(),
+            BodyLen::Length(n) => {
+                let n = usize::try_from(n)
+                    .ok()
+                    .filter(|n| *n <= max)
+                    .ok_or(Failure::TooLarge)?;
+                while buf.len() < n {
+                    if s.read_buf(&mut buf).await.map_err(after)? == 0 {
+                        return Err(Failure::After("closed in body".into()));
+                    }
+                }
+                buf.split_to(n)
+            }
+            BodyLen::Chunked => {
+                let mut scanner = ChunkedScanner::new();
+                let mut body = BytesMut::new();
+                loop {
+                    let mut over = false;
+                    let used = scanner
+                        .feed_data(&buf, |r| {
+                            if body.len() + r.len() > max {
+                                over = true;
+                            } else {
+                                body.extend_from_slice(&buf[r]);
+                            }
+                        })
+                        .map_err(|_| Failure::After("bad chunked body".into()))?;
+                    if over {
+                        return Err(Failure::TooLarge);
+                    }
+                    buf.advance(used);
+                    if scanner.is_done() {
+                        break body;
+                    }
+                    if s.read_buf(&mut buf).await.map_err(after)? == 0 {
+                        return Err(Failure::After("closed in chunked body".into()));
+                    }
                 }
             }
-            buf.split()
+            BodyLen::UntilClose => {
+                reusable = false;
+                loop {
+                    if buf.len() > max {
+                        return Err(Failure::TooLarge);
+                    }
+                    if s.read_buf(&mut buf).await.map_err(after)? == 0 {
+                        break buf.split();
+                    }
+                }
+            }
         };
         if reusable && buf.is_empty() {
             pool::put(self.key(), s, 0, POOL_IDLE, POOL_SIZE);
         }
+        let headers = head
+            .headers
+            .iter()
+            .map(|(k, v)| (String::from_utf8_lossy(k).to_ascii_lowercase(), v.to_vec()))
+            .collect();
         Ok(Response {
-            status,
+            status: head.status,
             headers,
             body,
         })
     }
 }
 
-enum Failure {
-    /// Nothing of a response arrived: a pooled connection may just be stale.
-    BeforeResponse(String),
-    After(String),
-}
-
-async fn more(s: &mut TcpStream, buf: &mut BytesMut) -> Result<(), Failure> {
-    if buf.len() > MAX_HEAD + MAX_BODY {
-        return Err(Failure::After("body too large".into()));
-    }
-    match s.read_buf(buf).await {
-        Ok(0) => Err(Failure::After("closed in chunked body".into())),
-        Ok(_) => Ok(()),
-        Err(e) => Err(Failure::After(format!("receive: {e}"))),
-    }
-}
-
-async fn read_chunked(s: &mut TcpStream, buf: &mut BytesMut) -> Result<BytesMut, Failure> {
-    let mut body = BytesMut::new();
-    loop {
-        let Some(eol) = memchr::memmem::find(buf, b"\r\n") else {
-            more(s, buf).await?;
-            continue;
-        };
-        let line = std::str::from_utf8(&buf[..eol])
-            .map_err(|_| Failure::After("bad chunk size".into()))?;
-        let size_hex = line.split(';').next().unwrap_or("").trim();
-        let size = usize::from_str_radix(size_hex, 16)
-            .map_err(|_| Failure::After("bad chunk size".into()))?;
-        if size > MAX_BODY || body.len() + size > MAX_BODY {
-            return Err(Failure::After("body too large".into()));
+/// `pier.http.request(opts)`: `res` or `nil, err`; raises for bad
+/// arguments and for a body over `max_body`.
+pub(crate) async fn request(lua: &Lua, opts: Table, max_body: usize) -> mlua::Result<MultiValue> {
+    let req = match Request::from_table(&opts, max_body)? {
+        Ok(r) => r,
+        Err(e) => return (Value::Nil, e).into_lua_multi(lua),
+    };
+    let r = match tokio::time::timeout(req.timeout, req.send()).await {
+        Err(_) => Err("timeout".to_owned()),
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(Failure::TooLarge)) => {
+            return Err(mlua::Error::runtime(format!(
+                "pier.http.request: response body larger than {max_body} bytes (lua.http_max_body)"
+            )))
         }
-        if size == 0 {
-            // Trailers end with an empty line.
-            loop {
-                if let Some(end) = memchr::memmem::find(&buf[eol..], b"\r\n\r\n") {
-                    buf.advance(eol + end + 4);
-                    return Ok(body);
-                }
-                more(s, buf).await?;
-            }
-        }
-        while buf.len() < eol + 2 + size + 2 {
-            more(s, buf).await?;
-        }
-        buf.advance(eol + 2);
-        body.extend_from_slice(&buf[..size]);
-        buf.advance(size + 2);
-    }
+        Ok(Err(Failure::BeforeResponse(e) | Failure::After(e))) => Err(e),
+    };
+    to_lua(lua, r)
 }
 
 /// The Lua result: `res` or `nil, err`.
-pub(crate) fn to_lua(lua: &Lua, r: Result<Response, String>) -> mlua::Result<MultiValue> {
+fn to_lua(lua: &Lua, r: Result<Response, String>) -> mlua::Result<MultiValue> {
     match r {
         Err(e) => (Value::Nil, e).into_lua_multi(lua),
         Ok(resp) => {

@@ -18,6 +18,7 @@ mod pool;
 mod tcp;
 
 pub(crate) use pool::idle_count;
+pub(crate) use tcp::free_owner;
 
 /// Timers alive at once per engine (as `lua_max_running_timers` + pending).
 pub const MAX_TIMERS: usize = 4096;
@@ -79,9 +80,13 @@ impl TimerJob {
         let cur = Current {
             phase: Some(Phase::Timer),
             engine: Some(NonNull::from(&**inner)),
+            // Each run owns its cosockets, closed when it ends.
+            owner: current::new_owner(),
             ..Current::NONE
         };
-        Hooked { fut, cur }.await
+        let r = Hooked { fut, cur }.await;
+        free_owner(cur.owner);
+        r
     }
 }
 
@@ -91,8 +96,16 @@ fn timer_native(
     every: bool,
 ) -> mlua::Result<Function> {
     lua.create_function(move |_, (delay, func, args): (f64, Function, MultiValue)| {
-        if !delay.is_finite() || delay < 0.0 || (every && delay <= 0.0) {
-            return Ok((None, Some("bad delay")));
+        let what = if every {
+            "bad argument #1 to pier.timer.every"
+        } else {
+            "bad argument #1 to pier.timer.at"
+        };
+        let delay = crate::limits::lua_secs(delay, what)?;
+        if every && delay.is_zero() {
+            return Err(mlua::Error::runtime(format!(
+                "{what}: invalid duration 0 (an interval must be positive)"
+            )));
         }
         let Some(inner) = engine.borrow().upgrade() else {
             return Ok((None, Some("engine gone")));
@@ -104,7 +117,7 @@ fn timer_native(
         count.set(count.get() + 1);
         let job = TimerJob {
             engine: Rc::downgrade(&inner),
-            delay: Duration::from_secs_f64(delay),
+            delay,
             every,
             func,
             args,
@@ -128,10 +141,8 @@ pub(crate) fn register(
     natives.set(
         "sleep",
         lua.create_async_function(|_, secs: f64| async move {
-            if !secs.is_finite() || secs < 0.0 {
-                return Err(mlua::Error::runtime("bad argument #1 to pier.sleep"));
-            }
-            tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+            let d = crate::limits::lua_secs(secs, "bad argument #1 to pier.sleep")?;
+            tokio::time::sleep(d).await;
             Ok(())
         })?,
     )?;
@@ -139,14 +150,12 @@ pub(crate) fn register(
     natives.set(
         "http_request",
         lua.create_async_function(|lua, opts: Table| async move {
-            let r = match http::Request::from_table(&opts) {
-                Ok(req) => match tokio::time::timeout(req.timeout(), req.send()).await {
-                    Ok(r) => r,
-                    Err(_) => Err("timeout".to_owned()),
-                },
-                Err(e) => Err(e),
+            let max_body = match current::get().engine {
+                // SAFETY: the engine outlives every hook call it runs.
+                Some(e) => unsafe { e.as_ref() }.limits.http_max_body,
+                None => crate::limits::LuaLimits::DEFAULT.http_max_body,
             };
-            http::to_lua(&lua, r)
+            http::request(&lua, opts, max_body).await
         })?,
     )?;
     natives.set(

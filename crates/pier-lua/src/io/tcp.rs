@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
 
 use mlua::{Lua, MultiValue, Value};
@@ -13,11 +14,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::pool;
+use crate::current;
+use crate::limits::LuaLimits;
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
-/// Largest `*l` line / `receiveuntil` chunk buffered (a peer that never
-/// sends the delimiter cannot grow the buffer without bound).
-const MAX_BUFFER: usize = 16 << 20;
+/// `fill`'s error when the receive buffer is full: raised as a Lua error.
+const TOO_LARGE: &str = "receive buffer full";
 
 pub(crate) struct TcpSock {
     stream: Option<TcpStream>,
@@ -25,6 +27,10 @@ pub(crate) struct TcpSock {
     buf: BytesMut,
     timeout: Duration,
     reused: u32,
+    /// Most bytes buffered (`[lua] socket_buffer`): a peer that never sends
+    /// the delimiter, or `*a` on an endless stream, cannot grow the buffer
+    /// without bound.
+    max_buf: usize,
 }
 
 type Ret = mlua::Result<MultiValue>;
@@ -45,13 +51,14 @@ fn io_err(e: &std::io::Error) -> &'static str {
 }
 
 impl TcpSock {
-    pub fn new() -> Self {
+    pub fn new(max_buf: usize) -> Self {
         TcpSock {
             stream: None,
             key: String::new(),
             buf: BytesMut::new(),
             timeout: DEFAULT_TIMEOUT,
             reused: 0,
+            max_buf,
         }
     }
 
@@ -60,11 +67,14 @@ impl TcpSock {
         let Some(s) = self.stream.as_mut() else {
             return Err("closed");
         };
-        if self.buf.len() >= MAX_BUFFER {
-            return Err("buffer too large");
+        let room = self.max_buf.saturating_sub(self.buf.len());
+        if room == 0 {
+            return Err(TOO_LARGE);
         }
-        self.buf.reserve(8192);
-        match tokio::time::timeout(self.timeout, s.read_buf(&mut self.buf)).await {
+        self.buf.reserve(room.min(8192));
+        // Never read past the bound (`read_buf` fills all spare capacity).
+        let mut limited = (&mut *s).take(room as u64);
+        match tokio::time::timeout(self.timeout, limited.read_buf(&mut self.buf)).await {
             Err(_) => Err("timeout"),
             Ok(Err(e)) => Err(io_err(&e)),
             Ok(Ok(0)) => Ok(false),
@@ -107,9 +117,9 @@ impl TcpSock {
                     Value::Number(n) => n,
                     _ => unreachable!(),
                 };
-                if !(0.0..=MAX_BUFFER as f64).contains(&n) {
+                if !(0.0..=self.max_buf as f64).contains(&n) {
                     return Err(mlua::Error::runtime(
-                        "bad argument #1 to receive (bad size)",
+                        "bad argument #1 to receive (bad size, or over lua.socket_buffer)",
                     ));
                 }
                 let n = n as usize;
@@ -132,6 +142,7 @@ impl TcpSock {
         };
         match r {
             Ok(data) => lua.create_string(&data[..])?.into_lua_multi(lua),
+            Err((e, _)) if e == TOO_LARGE => Err(too_large(self)),
             Err((e, partial)) => {
                 if e != "timeout" {
                     self.stream = None;
@@ -150,56 +161,189 @@ impl TcpSock {
     }
 }
 
+/// The Lua error for a full receive buffer; the connection is closed (its
+/// state is unknown) and the buffer released.
+fn too_large(sock: &mut TcpSock) -> mlua::Error {
+    sock.stream = None;
+    sock.buf = BytesMut::new();
+    mlua::Error::runtime(format!(
+        "receive buffer full: more than {} bytes (lua.socket_buffer)",
+        sock.max_buf
+    ))
+}
+
 // === the socket table ===
 //
-// Sockets live in a per-thread slab and Lua holds only their integer id
-// (plus an `ffi.gc` anchor that frees the slot). Not mlua userdata: a Rust
-// `__gc` finalizer compiled at the workspace's dev `opt-level = 1` crashes
-// LuaJIT on collection (see docs/lua.md), and ids keep Lua-side objects plain.
+// Sockets live in a per-thread slab and Lua holds only a handle: the slot
+// index plus the slot's generation, bumped whenever the slot is freed, so a
+// handle to a freed socket never reaches the socket that reuses its slot
+// (`bad socket`). Each socket records its owner (the request or timer run
+// that created it, see `Current::owner`): another one using it gets `bad
+// request`, as OpenResty answers. A request's sockets are freed when it
+// ends (`RequestCtx` drop), a timer run's when it returns, and any of them
+// earlier when Lua collects the object (an `ffi.gc` anchor). Not mlua
+// userdata: see docs/lua.md on the `__gc` crash.
+
+/// Bits of the slot index in a handle: a handle is `gen << INDEX_BITS | index`,
+/// below 2^53 so that Lua's doubles hold it exactly.
+const INDEX_BITS: u32 = 24;
+const GEN_MASK: u32 = (1 << 28) - 1;
+/// No more slots than the index bits can name.
+const MAX_SLOTS: usize = (1 << INDEX_BITS) - 1;
 
 thread_local! {
     static SOCKS: RefCell<Slab> = RefCell::new(Slab::default());
 }
 
+struct Slot {
+    gen: u32,
+    owner: u64,
+    sock: Option<Rc<RefCell<TcpSock>>>,
+}
+
 #[derive(Default)]
 struct Slab {
-    socks: Vec<Option<Rc<RefCell<TcpSock>>>>,
+    slots: Vec<Slot>,
     free: Vec<usize>,
+    /// Live sockets, and live sockets per owner.
+    live: usize,
+    per_owner: HashMap<u64, usize>,
 }
 
-fn new_sock() -> usize {
-    SOCKS.with_borrow_mut(|s| {
-        let sock = Some(Rc::new(RefCell::new(TcpSock::new())));
-        match s.free.pop() {
-            Some(i) => {
-                s.socks[i] = sock;
-                i
-            }
+fn split(handle: u64) -> (usize, u32) {
+    (
+        (handle & ((1 << INDEX_BITS) - 1)) as usize,
+        (handle >> INDEX_BITS) as u32,
+    )
+}
+
+/// Why a socket could not be created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Full {
+    Request,
+    Worker,
+}
+
+impl Slab {
+    fn alloc(&mut self, owner: u64, limits: &LuaLimits) -> Result<u64, Full> {
+        if self.live >= limits.max_sockets_per_worker.min(MAX_SLOTS) {
+            return Err(Full::Worker);
+        }
+        let mine = self.per_owner.get(&owner).copied().unwrap_or(0);
+        if mine >= limits.max_sockets_per_request {
+            return Err(Full::Request);
+        }
+        let sock = Some(Rc::new(RefCell::new(TcpSock::new(limits.socket_buffer))));
+        let i = match self.free.pop() {
+            Some(i) => i,
             None => {
-                s.socks.push(sock);
-                s.socks.len() - 1
+                self.slots.push(Slot {
+                    gen: 0,
+                    owner: 0,
+                    sock: None,
+                });
+                self.slots.len() - 1
+            }
+        };
+        let slot = &mut self.slots[i];
+        slot.owner = owner;
+        slot.sock = sock;
+        self.live += 1;
+        *self.per_owner.entry(owner).or_default() += 1;
+        Ok(u64::from(slot.gen) << INDEX_BITS | i as u64)
+    }
+
+    /// Frees slot `i` if it holds a socket; its generation moves on.
+    fn release(&mut self, i: usize) {
+        let Some(slot) = self.slots.get_mut(i) else {
+            return;
+        };
+        if slot.sock.take().is_none() {
+            return;
+        }
+        slot.gen = (slot.gen + 1) & GEN_MASK;
+        let owner = std::mem::take(&mut slot.owner);
+        self.live -= 1;
+        if let Some(n) = self.per_owner.get_mut(&owner) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_owner.remove(&owner);
             }
         }
-    })
+        self.free.push(i);
+    }
 }
 
-fn free_sock(id: usize) {
+/// Frees the socket `handle` names, unless its slot has moved on.
+fn free_sock(handle: u64) {
+    let (i, gen) = split(handle);
     // `try_with`: finalizers may run while the thread is being torn down.
     let _ = SOCKS.try_with(|s| {
         let mut s = s.borrow_mut();
-        if let Some(slot) = s.socks.get_mut(id) {
-            if slot.take().is_some() {
-                s.free.push(id);
+        if s.slots.get(i).is_some_and(|slot| slot.gen == gen) {
+            s.release(i);
+        }
+    });
+}
+
+/// Frees every socket of `owner` (a request ended, a timer run returned).
+pub(crate) fn free_owner(owner: u64) {
+    let _ = SOCKS.try_with(|s| {
+        let mut s = s.borrow_mut();
+        if !s.per_owner.contains_key(&owner) {
+            return;
+        }
+        for i in 0..s.slots.len() {
+            if s.slots[i].sock.is_some() && s.slots[i].owner == owner {
+                s.release(i);
             }
         }
     });
 }
 
-/// The socket `id`, exclusively (one coroutine at a time per socket).
-fn sock(id: usize) -> mlua::Result<Rc<RefCell<TcpSock>>> {
-    SOCKS
-        .with_borrow(|s| s.socks.get(id).and_then(Clone::clone))
-        .ok_or_else(|| mlua::Error::runtime("bad socket"))
+/// The socket `handle`, if it is still that socket and belongs to the
+/// request (or timer run) now running.
+fn sock(handle: u64) -> mlua::Result<Rc<RefCell<TcpSock>>> {
+    let (i, gen) = split(handle);
+    let owner = current::get().owner;
+    SOCKS.with_borrow(|s| match s.slots.get(i) {
+        Some(slot) if slot.gen == gen && slot.sock.is_some() => {
+            if slot.owner != owner || owner == 0 {
+                Err(mlua::Error::runtime("bad request"))
+            } else {
+                Ok(slot.sock.clone().expect("checked"))
+            }
+        }
+        _ => Err(mlua::Error::runtime(
+            "bad socket (closed: collected, or its request ended)",
+        )),
+    })
+}
+
+/// `pier.socket.tcp()`: a new socket for the current request or timer run.
+fn new_sock(lua: &Lua) -> mlua::Result<u64> {
+    let cur = current::get();
+    let Some(engine) = cur.engine else {
+        return Err(mlua::Error::runtime("no request"));
+    };
+    // SAFETY: the engine outlives every hook call it runs (see `Current`).
+    let limits = unsafe { engine.as_ref() }.limits;
+    if cur.owner == 0 {
+        return Err(mlua::Error::runtime("no request"));
+    }
+    let mut r = SOCKS.with_borrow_mut(|s| s.alloc(cur.owner, &limits));
+    if r.is_err() {
+        // Sockets Lua no longer references may just not be collected yet:
+        // collect (their anchors free them) and try once more.
+        lua.gc_collect()?;
+        r = SOCKS.with_borrow_mut(|s| s.alloc(cur.owner, &limits));
+    }
+    r.map_err(|full| {
+        mlua::Error::runtime(match full {
+            Full::Request => "too many sockets in this request (lua.max_sockets_per_request)",
+            Full::Worker => "too many sockets in this worker (lua.max_sockets_per_worker)",
+        })
+    })
 }
 
 macro_rules! with_sock {
@@ -219,17 +363,17 @@ macro_rules! with_sock {
 // (`try_borrow_mut`), never a panic.
 #[allow(clippy::await_holding_refcell_ref)]
 pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
-    natives.set("tcp_new", lua.create_function(|_, ()| Ok(new_sock()))?)?;
+    natives.set("tcp_new", lua.create_function(|lua, ()| new_sock(lua))?)?;
     natives.set(
         "tcp_free",
-        lua.create_function(|_, id: usize| {
+        lua.create_function(|_, id: u64| {
             free_sock(id);
             Ok(())
         })?,
     )?;
     natives.set(
         "tcp_connect",
-        lua.create_async_function(|lua, (id, host, port): (usize, String, u16)| async move {
+        lua.create_async_function(|lua, (id, host, port): (u64, String, u16)| async move {
             with_sock!(id, this, {
                 this.stream = None;
                 this.buf.clear();
@@ -258,7 +402,7 @@ pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
     )?;
     natives.set(
         "tcp_send",
-        lua.create_async_function(|lua, (id, data): (usize, Value)| async move {
+        lua.create_async_function(|lua, (id, data): (u64, Value)| async move {
             let mut bytes = Vec::new();
             flatten(&data, &mut bytes)?;
             with_sock!(id, this, {
@@ -279,13 +423,13 @@ pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
     )?;
     natives.set(
         "tcp_receive",
-        lua.create_async_function(|lua, (id, pattern): (usize, Value)| async move {
+        lua.create_async_function(|lua, (id, pattern): (u64, Value)| async move {
             with_sock!(id, this, { this.receive(&lua, pattern).await })
         })?,
     )?;
     natives.set(
         "tcp_receiveuntil",
-        lua.create_async_function(|lua, (id, delim): (usize, mlua::LuaString)| async move {
+        lua.create_async_function(|lua, (id, delim): (u64, mlua::LuaString)| async move {
             let delim = delim.as_bytes().to_vec();
             if delim.is_empty() {
                 return Err(mlua::Error::runtime(
@@ -295,6 +439,7 @@ pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
             with_sock!(id, this, {
                 match this.read_until(&delim).await {
                     Ok(data) => lua.create_string(&data[..])?.into_lua_multi(&lua),
+                    Err((e, _)) if e == TOO_LARGE => Err(too_large(this)),
                     Err((e, partial)) => {
                         (Value::Nil, e, lua.create_string(&partial[..])?).into_lua_multi(&lua)
                     }
@@ -304,10 +449,12 @@ pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
     )?;
     natives.set(
         "tcp_settimeout",
-        lua.create_function(|_, (id, ms): (usize, f64)| {
+        lua.create_function(|_, (id, ms): (u64, f64)| {
             with_sock!(id, this, {
-                if ms.is_finite() && ms > 0.0 {
-                    this.timeout = Duration::from_secs_f64(ms / 1000.0);
+                // 0 (or no number) keeps the current timeout.
+                let d = crate::limits::lua_ms(ms, "bad argument #1 to settimeout")?;
+                if !d.is_zero() {
+                    this.timeout = d;
                 }
                 Ok(())
             })
@@ -316,8 +463,18 @@ pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
     natives.set(
         "tcp_setkeepalive",
         lua.create_function(
-            |lua, (id, idle_ms, size): (usize, Option<f64>, Option<u32>)| {
+            |lua, (id, idle_ms, size): (u64, Option<f64>, Option<u32>)| {
                 with_sock!(id, this, {
+                    // 0 or nil: the default idle time.
+                    let idle = match idle_ms {
+                        Some(ms) => crate::limits::lua_ms(ms, "bad argument #1 to setkeepalive")?,
+                        None => Duration::ZERO,
+                    };
+                    let idle = if idle.is_zero() {
+                        DEFAULT_TIMEOUT
+                    } else {
+                        idle
+                    };
                     let Some(s) = this.stream.take() else {
                         return fail(lua, "closed");
                     };
@@ -326,12 +483,6 @@ pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
                         this.buf.clear();
                         return fail(lua, "unread data in buffer");
                     }
-                    let idle = match idle_ms {
-                        Some(ms) if ms.is_finite() && ms > 0.0 => {
-                            Duration::from_secs_f64(ms / 1000.0)
-                        }
-                        _ => DEFAULT_TIMEOUT,
-                    };
                     pool::put(
                         std::mem::take(&mut this.key),
                         s,
@@ -346,11 +497,11 @@ pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
     )?;
     natives.set(
         "tcp_reused",
-        lua.create_function(|_, id: usize| with_sock!(id, this, { Ok(this.reused) }))?,
+        lua.create_function(|_, id: u64| with_sock!(id, this, { Ok(this.reused) }))?,
     )?;
     natives.set(
         "tcp_close",
-        lua.create_function(|lua, id: usize| {
+        lua.create_function(|lua, id: u64| {
             with_sock!(id, this, {
                 this.buf.clear();
                 if this.stream.take().is_none() {
