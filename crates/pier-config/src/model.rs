@@ -270,6 +270,17 @@ pub struct LuaConfig {
     /// `[lua.shared] NAME = "10m"`: shared dictionaries, `(name, capacity
     /// bytes)`, sorted by name.
     pub shared: Vec<(String, usize)>,
+    /// Bytes a hook may buffer as a local response body (`pier.say`,
+    /// `pier.print`, `pier.exit`'s body).
+    pub max_response_body: usize,
+    /// Bytes a cosocket may buffer while receiving.
+    pub socket_buffer: usize,
+    /// Bytes of a `pier.http` response body.
+    pub http_max_body: usize,
+    /// Cosockets one request (or timer run) may hold at once.
+    pub max_sockets_per_request: usize,
+    /// Cosockets alive at once on one worker thread.
+    pub max_sockets_per_worker: usize,
 }
 
 /// `[route.lua]`: a route's hooks, one per request phase.

@@ -202,6 +202,11 @@ pub struct LuaSection {
     pub init_worker_file: Option<Spanned<String>>,
     pub memory_limit: Option<Spanned<SizeValue>>,
     pub package_path: Option<Vec<Spanned<String>>>,
+    pub max_response_body: Option<Spanned<SizeValue>>,
+    pub socket_buffer: Option<Spanned<SizeValue>>,
+    pub http_max_body: Option<Spanned<SizeValue>>,
+    pub max_sockets_per_request: Option<Spanned<i64>>,
+    pub max_sockets_per_worker: Option<Spanned<i64>>,
     /// `[lua.shared]`: dictionary name -> capacity.
     pub shared: Option<BTreeMap<String, Spanned<SizeValue>>>,
 }

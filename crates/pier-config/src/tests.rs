@@ -2209,3 +2209,41 @@ fn upgrade_and_tunnel_errors() {
         "`tunnel_idle` must be greater than zero",
     );
 }
+
+#[test]
+fn lua_bounds() {
+    let d = LuaConfig::default();
+    assert_eq!(
+        (
+            d.max_response_body,
+            d.socket_buffer,
+            d.http_max_body,
+            d.max_sockets_per_request,
+            d.max_sockets_per_worker
+        ),
+        (16 << 20, 16 << 20, 16 << 20, 64, 16384)
+    );
+    let c = ok(&format!(
+        "{BASE}[lua]\nmax_response_body = \"1m\"\nsocket_buffer = \"64k\"\nhttp_max_body = 4096\nmax_sockets_per_request = 8\nmax_sockets_per_worker = 100\n"
+    ));
+    assert_eq!(
+        (
+            c.lua.max_response_body,
+            c.lua.socket_buffer,
+            c.lua.http_max_body,
+            c.lua.max_sockets_per_request,
+            c.lua.max_sockets_per_worker
+        ),
+        (1 << 20, 64 << 10, 4096, 8, 100)
+    );
+    one_error(
+        &format!("{BASE}[lua]\nsocket_buffer = \"512\"\n"),
+        "9:17",
+        "`socket_buffer` must be at least 1024 bytes",
+    );
+    one_error(
+        &format!("{BASE}[lua]\nmax_sockets_per_request = 0\n"),
+        "9:27",
+        "`max_sockets_per_request` must be between 1 and 1000000",
+    );
+}

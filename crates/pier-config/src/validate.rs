@@ -40,6 +40,12 @@ impl Default for LuaConfig {
             memory_limit: 128 << 20,
             package_path: Vec::new(),
             shared: Vec::new(),
+            // The same defaults as `pier_lua::LuaLimits::DEFAULT`.
+            max_response_body: 16 << 20,
+            socket_buffer: 16 << 20,
+            http_max_body: 16 << 20,
+            max_sockets_per_request: 64,
+            max_sockets_per_worker: 16384,
         }
     }
 }
@@ -1198,14 +1204,47 @@ fn lua_config(c: &mut Check, l: LuaSection, base: &Path) -> LuaConfig {
             ),
         }
     }
+    let mut bytes = |v: &Option<Spanned<SizeValue>>, key: &str, default: usize| {
+        let n = c.size(v, key, default as u64, MIN_LUA_BUFFER);
+        usize::try_from(n).unwrap_or(usize::MAX)
+    };
+    let max_response_body = bytes(
+        &l.max_response_body,
+        "max_response_body",
+        d.max_response_body,
+    );
+    let socket_buffer = bytes(&l.socket_buffer, "socket_buffer", d.socket_buffer);
+    let http_max_body = bytes(&l.http_max_body, "http_max_body", d.http_max_body);
+    let max_sockets_per_request = c.int(
+        &l.max_sockets_per_request,
+        "max_sockets_per_request",
+        d.max_sockets_per_request as u64,
+        1,
+        1_000_000,
+    ) as usize;
+    let max_sockets_per_worker = c.int(
+        &l.max_sockets_per_worker,
+        "max_sockets_per_worker",
+        d.max_sockets_per_worker as u64,
+        1,
+        16_000_000,
+    ) as usize;
     LuaConfig {
         init,
         init_worker,
         memory_limit,
         package_path,
         shared,
+        max_response_body,
+        socket_buffer,
+        http_max_body,
+        max_sockets_per_request,
+        max_sockets_per_worker,
     }
 }
+
+/// Smallest Lua body / socket buffer bound.
+const MIN_LUA_BUFFER: u64 = 1 << 10;
 
 /// A Lua state needs some heap before any user code runs.
 const MIN_LUA_MEMORY: u64 = 1 << 20;
