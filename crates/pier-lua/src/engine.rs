@@ -163,6 +163,8 @@ impl LuaEngine {
         // can corrupt memory with them. Hook code is the operator's own
         // configuration, trusted like nginx.conf, and FFI is the point.
         let lua = unsafe { Lua::unsafe_new_with(StdLib::ALL, LuaOptions::default()) };
+        // Before any Rust function is handed to Lua: see `cabi`.
+        crate::cabi::install(&lua).map_err(err)?;
         let weak_slot: Rc<RefCell<Weak<Inner>>> = Rc::default();
         modules::bootstrap(&lua, &setup, weak_slot.clone()).map_err(err)?;
 

@@ -28,6 +28,7 @@
 
 #[doc(hidden)]
 pub mod bench_support;
+mod cabi;
 mod current;
 mod engine;
 mod error;

@@ -181,8 +181,8 @@ fn too_large(sock: &mut TcpSock) -> mlua::Error {
 // that created it, see `Current::owner`): another one using it gets `bad
 // request`, as OpenResty answers. A request's sockets are freed when it
 // ends (`RequestCtx` drop), a timer run's when it returns, and any of them
-// earlier when Lua collects the object (an `ffi.gc` anchor). Not mlua
-// userdata: see docs/lua.md on the `__gc` crash.
+// earlier when Lua collects the object (an `ffi.gc` anchor). Lua never
+// holds a pointer to a socket, only this checked handle.
 
 /// Bits of the slot index in a handle: a handle is `gen << INDEX_BITS | index`,
 /// below 2^53 so that Lua's doubles hold it exactly.
