@@ -278,8 +278,12 @@ impl Slab {
 fn free_sock(handle: u64) {
     let (i, gen) = split(handle);
     // `try_with`: finalizers may run while the thread is being torn down.
+    // `try_borrow_mut`: never panic in a finalizer (nothing borrows the
+    // slab while Lua runs, so this does not skip in practice).
     let _ = SOCKS.try_with(|s| {
-        let mut s = s.borrow_mut();
+        let Ok(mut s) = s.try_borrow_mut() else {
+            return;
+        };
         if s.slots.get(i).is_some_and(|slot| slot.gen == gen) {
             s.release(i);
         }
@@ -289,8 +293,12 @@ fn free_sock(handle: u64) {
 /// Frees every socket of `owner` (a request ended, a timer run returned).
 pub(crate) fn free_owner(owner: u64) {
     let _ = SOCKS.try_with(|s| {
-        let mut s = s.borrow_mut();
-        if !s.per_owner.contains_key(&owner) {
+        // Never panic in a `Drop` (see `free_sock`).
+        let Ok(mut s) = s.try_borrow_mut() else {
+            return;
+        };
+        // Every request end comes here: no hashing when no socket is alive.
+        if s.live == 0 || !s.per_owner.contains_key(&owner) {
             return;
         }
         for i in 0..s.slots.len() {
@@ -307,11 +315,15 @@ fn sock(handle: u64) -> mlua::Result<Rc<RefCell<TcpSock>>> {
     let (i, gen) = split(handle);
     let owner = current::get().owner;
     SOCKS.with_borrow(|s| match s.slots.get(i) {
-        Some(slot) if slot.gen == gen && slot.sock.is_some() => {
-            if slot.owner != owner || owner == 0 {
+        Some(Slot {
+            gen: g,
+            owner: o,
+            sock: Some(sock),
+        }) if *g == gen => {
+            if *o != owner || owner == 0 {
                 Err(mlua::Error::runtime("bad request"))
             } else {
-                Ok(slot.sock.clone().expect("checked"))
+                Ok(sock.clone())
             }
         }
         _ => Err(mlua::Error::runtime(
