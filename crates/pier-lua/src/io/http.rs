@@ -2,10 +2,11 @@
 //! client (http:// only) over tokio, with connections kept alive in the
 //! per-thread pool. Returns `{status, headers, body}` or `nil, err`.
 //!
-//! No HTTP/1 parsing of its own: response heads, body framing and chunked
-//! bodies go through the proxy's codec (`pier-http`: `ResponseHead::parse`,
-//! `ResponseHead::body_len`, the validating `ChunkedScanner`), and header
-//! lines are written by `pier_http::write`. What Lua gives is checked first:
+//! No HTTP/1 parsing of its own: response heads, body framing and bodies go
+//! through the proxy's codec (`pier-http`: `ResponseHead::parse`,
+//! `ResponseHead::body_len`, `BodyDecoder` over the validating
+//! `ChunkedScanner`), and the request line and headers are written by
+//! `pier_http::write`. What Lua gives is checked first:
 //! a path, host, method or header with bytes that could end the line (CR,
 //! LF, NUL, spaces in the path) raises a Lua error (request injection).
 
@@ -13,7 +14,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use mlua::{IntoLuaMulti, Lua, MultiValue, Table, Value};
-use pier_http::{BodyLen, ChunkedScanner, HeadLimits, Method, ResponseHead};
+use pier_http::{BodyDecoder, BodyLen, HeadLimits, Method, ResponseHead};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -178,12 +179,9 @@ impl Request {
 
     /// The request on the wire (every part checked in `from_table`).
     fn head(&self) -> Vec<u8> {
-        use pier_http::write::{header, header_u64};
+        use pier_http::write::{header, header_u64, request_line};
         let mut h = Vec::with_capacity(256);
-        h.extend_from_slice(self.method.as_bytes());
-        h.push(b' ');
-        h.extend_from_slice(self.path.as_bytes());
-        h.extend_from_slice(b" HTTP/1.1\r\n");
+        request_line(&mut h, self.method.as_bytes(), self.path.as_bytes());
         let has = |n: &str| self.headers.iter().any(|(k, _)| k.eq_ignore_ascii_case(n));
         if !has("host") {
             let mut host = self.host.clone();
@@ -286,59 +284,45 @@ impl Request {
             .body_len(method)
             .map_err(|_| Failure::After("bad response framing".into()))?;
         let max = self.max_body;
-        let mut reusable = head.keep_alive();
-        let body = match framing {
-            BodyLen::None => BytesMut::new(),
-            BodyLen::Length(n) => {
-                let n = usize::try_from(n)
-                    .ok()
-                    .filter(|n| *n <= max)
-                    .ok_or(Failure::TooLarge)?;
-                while buf.len() < n {
-                    if s.read_buf(&mut buf).await.map_err(after)? == 0 {
-                        return Err(Failure::After("closed in body".into()));
+        // A Content-Length body known to be too large fails before any read.
+        if matches!(framing, BodyLen::Length(n) if n > max as u64) {
+            return Err(Failure::TooLarge);
+        }
+        let mut decoder = BodyDecoder::new(framing);
+        let mut body = BytesMut::new();
+        loop {
+            let mut over = false;
+            let used = decoder
+                .decode(&buf, |data| {
+                    if body.len() + data.len() > max {
+                        over = true;
+                    } else {
+                        body.extend_from_slice(data);
                     }
-                }
-                buf.split_to(n)
+                })
+                .map_err(|_| Failure::After("bad chunked body".into()))?;
+            if over {
+                return Err(Failure::TooLarge);
             }
-            BodyLen::Chunked => {
-                let mut scanner = ChunkedScanner::new();
-                let mut body = BytesMut::new();
-                loop {
-                    let mut over = false;
-                    let used = scanner
-                        .feed_data(&buf, |r| {
-                            if body.len() + r.len() > max {
-                                over = true;
-                            } else {
-                                body.extend_from_slice(&buf[r]);
-                            }
-                        })
-                        .map_err(|_| Failure::After("bad chunked body".into()))?;
-                    if over {
-                        return Err(Failure::TooLarge);
-                    }
-                    buf.advance(used);
-                    if scanner.is_done() {
-                        break body;
-                    }
-                    if s.read_buf(&mut buf).await.map_err(after)? == 0 {
-                        return Err(Failure::After("closed in chunked body".into()));
-                    }
-                }
+            buf.advance(used);
+            if decoder.is_done() {
+                break;
             }
-            BodyLen::UntilClose => {
-                reusable = false;
-                loop {
-                    if buf.len() > max {
-                        return Err(Failure::TooLarge);
-                    }
-                    if s.read_buf(&mut buf).await.map_err(after)? == 0 {
-                        break buf.split();
-                    }
+            if s.read_buf(&mut buf).await.map_err(after)? == 0 {
+                if decoder.eof() {
+                    break;
                 }
+                return Err(Failure::After(
+                    if framing == BodyLen::Chunked {
+                        "closed in chunked body"
+                    } else {
+                        "closed in body"
+                    }
+                    .into(),
+                ));
             }
-        };
+        }
+        let reusable = head.keep_alive() && framing != BodyLen::UntilClose;
         if reusable && buf.is_empty() {
             pool::put(self.key(), s, 0, POOL_IDLE, POOL_SIZE);
         }
