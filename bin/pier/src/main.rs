@@ -396,7 +396,12 @@ fn reload(shared: &Arc<Shared>, path: &Path, generation: u64) -> Result<Duration
     pier_phases::prepare(&mut state);
     if let Some(setup) = pier_phases::setup_of(&state) {
         // Run `init` once here: a reload whose Lua can't start is refused.
-        pier_lua::LuaEngine::new(setup, state.shdicts.clone()).map_err(|e| format!("lua: {e}"))?;
+        pier_lua::LuaEngine::with_limits(
+            setup,
+            state.shdicts.clone(),
+            pier_phases::lua_limits(&state.cfg),
+        )
+        .map_err(|e| format!("lua: {e}"))?;
     }
     shared.install(state);
     Ok(grace)

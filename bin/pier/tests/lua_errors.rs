@@ -352,3 +352,38 @@ fn huge_sleep_costs_no_slot() {
     let r = RawConn::connect(p.listener("main")).get("/hello").unwrap();
     assert_eq!(r.status, 200);
 }
+
+/// `[lua] max_response_body` reaches the engine: a body past it is a hook
+/// error, one within it is served.
+#[test]
+fn lua_body_bound_comes_from_config() {
+    let o = Origin::start();
+    let routes = [
+        route(
+            "big",
+            "/big/",
+            &hook("content", "pier.say(string.rep('x', 2000))"),
+        ),
+        route(
+            "small",
+            "/small/",
+            &hook("content", "pier.say(string.rep('x', 500))"),
+        ),
+    ]
+    .concat();
+    let cfg = base_config(
+        "[lua]\nmax_response_body = \"1k\"\n",
+        &format!(
+            "{routes}[upstream.app]\nservers = {}\n",
+            servers(&[o.addr()])
+        ),
+    );
+    let p = pier(&cfg);
+    let r = RawConn::connect(p.listener("main")).get("/big/x").unwrap();
+    assert_local(&r, 500, "hook-error");
+    let r = RawConn::connect(p.listener("main"))
+        .get("/small/x")
+        .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body.len(), 501);
+}

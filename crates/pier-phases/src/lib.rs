@@ -58,10 +58,12 @@ impl ConfigPhases {
                 return Ok(Some(e.clone()));
             }
         }
-        let e = LuaEngine::new(setup, st.shdicts.clone()).map_err(|e| {
-            tracing::error!(target: "pier::lua", "cannot start the Lua engine: {e}");
-            Error::with_detail(Kind::HookError, e)
-        })?;
+        let e = LuaEngine::with_limits(setup, st.shdicts.clone(), lua_limits(&st.cfg)).map_err(
+            |e| {
+                tracing::error!(target: "pier::lua", "cannot start the Lua engine: {e}");
+                Error::with_detail(Kind::HookError, e)
+            },
+        )?;
         e.start_timers();
         let e = Rc::new(e);
         *self.engine.borrow_mut() = Some((st.generation, e.clone()));
@@ -573,6 +575,17 @@ pub fn lua_setup(cfg: &Config) -> Option<LuaSetup> {
         memory_limit: cfg.lua.memory_limit,
         package_path: cfg.lua.package_path.clone(),
     })
+}
+
+/// The `[lua]` bounds on what hooks make Rust hold.
+pub fn lua_limits(cfg: &Config) -> pier_lua::LuaLimits {
+    pier_lua::LuaLimits {
+        max_response_body: cfg.lua.max_response_body,
+        socket_buffer: cfg.lua.socket_buffer,
+        http_max_body: cfg.lua.http_max_body,
+        max_sockets_per_request: cfg.lua.max_sockets_per_request,
+        max_sockets_per_worker: cfg.lua.max_sockets_per_worker,
+    }
 }
 
 /// Attach this config's Lua setup to a freshly built state (its `scripts`).
