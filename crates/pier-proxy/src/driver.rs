@@ -12,9 +12,11 @@
 //! client may be retried on another peer (bounded by the route's retries and
 //! the group's retry budget).
 
-use crate::h1::{H1RequestSink, H1RequestSource, H1ResponseSink, H1ResponseSource};
+use crate::h1::{H1Downstream, H1RequestSink, H1ResponseSource};
 use crate::phases::{Flow, LocalResponse, Phases, Step};
-use crate::protocol::{BodySize, RequestSink, RequestSource, ResponseSink, ResponseSource};
+use crate::protocol::{
+    BodySize, Downstream, DownstreamOpts, RequestSink, RequestSource, ResponseSink, ResponseSource,
+};
 use crate::session::Session;
 use crate::state::State;
 use crate::Worker;
@@ -23,7 +25,7 @@ use pier_config::HostHeader;
 use pier_core::{PeerKey, Stream};
 use pier_error::{Error, Kind};
 use pier_http::known::{self, Known};
-use pier_http::{date, write, BodyLen, ChunkedScanner, ResponseHead};
+use pier_http::{date, write, BodyLen, ResponseHead};
 use pier_log::metrics::GaugeGuard;
 use std::cell::RefCell;
 use std::future::Future;
@@ -32,7 +34,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::timeout;
 
 use crate::h1::READ_CHUNK;
@@ -41,11 +43,19 @@ use crate::h1::READ_CHUNK;
 struct Bufs {
     /// Client bytes not yet consumed (head, body, pipelined requests).
     rbuf: BytesMut,
+    /// What goes to the client (heads, framed body pieces).
+    out: Vec<u8>,
+    work: Work,
+}
+
+/// A request's own buffers, beside the downstream's.
+pub(crate) struct Work {
     /// Origin bytes not yet relayed.
     ubuf: BytesMut,
-    /// Outgoing heads.
-    out: Vec<u8>,
+    /// The response head (the origin's, or Pier's own).
     resp: ResponseHead,
+    /// The upstream request head.
+    head: Vec<u8>,
 }
 
 /// Heads whose storage grew past this are dropped between requests rather
@@ -64,10 +74,11 @@ impl Bufs {
     fn release(&mut self, sess: &mut Session, pool: &RefCell<BufPool>) {
         let mut p = pool.borrow_mut();
         p.put(std::mem::take(&mut self.rbuf));
-        p.put(std::mem::take(&mut self.ubuf));
+        p.put(std::mem::take(&mut self.work.ubuf));
         p.put_vec(std::mem::take(&mut self.out));
-        if self.resp.headers.capacity_bytes() > KEEP_HEAD_BYTES {
-            self.resp = ResponseHead::default();
+        p.put_vec(std::mem::take(&mut self.work.head));
+        if self.work.resp.headers.capacity_bytes() > KEEP_HEAD_BYTES {
+            self.work.resp = ResponseHead::default();
         }
         if sess.req.headers.capacity_bytes() > KEEP_HEAD_BYTES {
             sess.req = pier_http::RequestHead::default();
@@ -149,9 +160,12 @@ pub async fn serve_connection<P: Phases, S: Stream>(
     let mut sess = Box::new(Session::new(client, local));
     let mut b = Bufs {
         rbuf: BytesMut::new(),
-        ubuf: BytesMut::new(),
         out: Vec::new(),
-        resp: ResponseHead::default(),
+        work: Work {
+            ubuf: BytesMut::new(),
+            resp: ResponseHead::default(),
+            head: Vec::new(),
+        },
     };
     let mut drain = w.shared.drain_rx();
     let mut state = w.shared.state.load_full();
@@ -180,11 +194,16 @@ pub async fn serve_connection<P: Phases, S: Stream>(
                 sess.begin(date::now_ns());
                 sess.step = Step::Fail;
                 let r = local_error(kind);
-                local_head(&mut b.resp, &r);
+                local_head(&mut b.work.resp, &r);
+                let mut down = H1Downstream {
+                    stream: &mut stream,
+                    rbuf: &mut b.rbuf,
+                    out: &mut b.out,
+                };
                 let _ = write_local(
-                    &mut stream,
-                    &mut b.out,
-                    &mut b.resp,
+                    &state,
+                    &mut down,
+                    &mut b.work.resp,
                     &mut sess,
                     r.reason,
                     &r.body,
@@ -207,11 +226,19 @@ pub async fn serve_connection<P: Phases, S: Stream>(
         // request's (larger) state machine exists only while it runs.
         // A panic in it (a bug) costs this request and its connection only:
         // its guards are released as the future is dropped.
+        if b.out.capacity() == 0 {
+            b.out = w.bufs.borrow_mut().take_vec();
+        }
+        let mut down = H1Downstream {
+            stream: &mut stream,
+            rbuf: &mut b.rbuf,
+            out: &mut b.out,
+        };
         let keep = CatchUnwind(Box::pin(handle_request(
             &w,
             &state,
-            &mut stream,
-            &mut b,
+            &mut down,
+            &mut b.work,
             &mut sess,
             &mut ctx,
         )))
@@ -230,11 +257,16 @@ pub async fn serve_connection<P: Phases, S: Stream>(
                 tracing::error!(step = ?sess.step, "request task panicked; connection closed");
                 if sess.bytes_sent == 0 {
                     let r = local_error(Kind::Internal);
-                    local_head(&mut b.resp, &r);
+                    local_head(&mut b.work.resp, &r);
+                    let mut down = H1Downstream {
+                        stream: &mut stream,
+                        rbuf: &mut b.rbuf,
+                        out: &mut b.out,
+                    };
                     let _ = write_local(
-                        &mut stream,
-                        &mut b.out,
-                        &mut b.resp,
+                        &state,
+                        &mut down,
+                        &mut b.work.resp,
                         &mut sess,
                         r.reason,
                         &r.body,
@@ -383,11 +415,11 @@ async fn read_head<S: Stream>(
 // === one request ===
 
 /// Returns whether the client connection may carry another request.
-async fn handle_request<P: Phases, S: Stream>(
+pub(crate) async fn handle_request<P: Phases, D: Downstream>(
     w: &Worker<P>,
     state: &Arc<State>,
-    stream: &mut S,
-    b: &mut Bufs,
+    down: &mut D,
+    b: &mut Work,
     sess: &mut Session,
     ctx: &mut P::Ctx,
 ) -> bool {
@@ -401,7 +433,7 @@ async fn handle_request<P: Phases, S: Stream>(
     // authority is its host).
     sess.step = Step::Route;
     let Some(route) = state.match_route(sess.up_req.host(), sess.up_req.path()) else {
-        return local_fail(w, state, stream, b, sess, ctx, Kind::NoRoute, body_pending).await
+        return local_fail(w, state, down, b, sess, ctx, Kind::NoRoute, body_pending).await
             && client_keep;
     };
     sess.route = Some(route);
@@ -410,7 +442,7 @@ async fn handle_request<P: Phases, S: Stream>(
     let max_body = state.cfg.limits.max_body_bytes;
     if let BodyLen::Length(n) = body {
         if max_body > 0 && n > max_body {
-            return local_fail(w, state, stream, b, sess, ctx, Kind::BodyTooLarge, true).await;
+            return local_fail(w, state, down, b, sess, ctx, Kind::BodyTooLarge, true).await;
         }
     }
 
@@ -420,10 +452,13 @@ async fn handle_request<P: Phases, S: Stream>(
     // origin connection mid-body instead (it is never reused).
     if body == BodyLen::Chunked {
         let wait = !sess.req.expects_continue();
-        match vet_chunked(stream, &mut b.rbuf, state.cfg.timeouts.client_header, wait).await {
+        match down
+            .vet_body(body, wait, state.cfg.timeouts.client_header)
+            .await
+        {
             Ok(()) => {}
             Err(Kind::ClientClosed) => return false,
-            Err(k) => return local_fail(w, state, stream, b, sess, ctx, k, true).await,
+            Err(k) => return local_fail(w, state, down, b, sess, ctx, k, true).await,
         }
     }
 
@@ -432,10 +467,10 @@ async fn handle_request<P: Phases, S: Stream>(
     match w.phases.request_filter(state, sess, ctx).await {
         Ok(Flow::Continue) => {}
         Ok(Flow::Respond(r)) => {
-            return respond(w, state, stream, b, sess, ctx, &r, body_pending).await
+            return respond(w, state, down, b, sess, ctx, &r, body_pending).await
         }
         Err(e) => {
-            return local_fail(w, state, stream, b, sess, ctx, e.kind, body_pending).await
+            return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await
                 && client_keep
         }
     }
@@ -445,10 +480,10 @@ async fn handle_request<P: Phases, S: Stream>(
     match w.phases.cache_lookup(state, sess, ctx).await {
         Ok(Flow::Continue) => {}
         Ok(Flow::Respond(r)) => {
-            return respond(w, state, stream, b, sess, ctx, &r, body_pending).await
+            return respond(w, state, down, b, sess, ctx, &r, body_pending).await
         }
         Err(e) => {
-            return local_fail(w, state, stream, b, sess, ctx, e.kind, body_pending).await
+            return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await
                 && client_keep
         }
     }
@@ -461,7 +496,7 @@ async fn handle_request<P: Phases, S: Stream>(
     let choice = match w.phases.upstream_peer(state, sess, ctx).await {
         Ok(c) => c,
         Err(e) => {
-            return local_fail(w, state, stream, b, sess, ctx, e.kind, body_pending).await
+            return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await
                 && client_keep
         }
     };
@@ -470,10 +505,10 @@ async fn handle_request<P: Phases, S: Stream>(
     match w.phases.upstream_request_filter(state, sess, ctx).await {
         Ok(Flow::Continue) => {}
         Ok(Flow::Respond(r)) => {
-            return respond(w, state, stream, b, sess, ctx, &r, body_pending).await
+            return respond(w, state, down, b, sess, ctx, &r, body_pending).await
         }
         Err(e) => {
-            return local_fail(w, state, stream, b, sess, ctx, e.kind, body_pending).await
+            return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await
                 && client_keep
         }
     }
@@ -503,8 +538,7 @@ async fn handle_request<P: Phases, S: Stream>(
                         if last == Kind::NoHealthyUpstream && group.at_capacity(&tried[..ntried]) {
                             last = Kind::UpstreamLimited;
                         }
-                        return local_fail(w, state, stream, b, sess, ctx, last, body_pending)
-                            .await
+                        return local_fail(w, state, down, b, sess, ctx, last, body_pending).await
                             && client_keep;
                     }
                 }
@@ -514,7 +548,7 @@ async fn handle_request<P: Phases, S: Stream>(
             return local_fail(
                 w,
                 state,
-                stream,
+                down,
                 b,
                 sess,
                 ctx,
@@ -541,7 +575,7 @@ async fn handle_request<P: Phases, S: Stream>(
                         ntried += 1;
                         continue;
                     }
-                    return local_fail(w, state, stream, b, sess, ctx, last, body_pending).await;
+                    return local_fail(w, state, down, b, sess, ctx, last, body_pending).await;
                 }
             },
             None => None,
@@ -549,17 +583,15 @@ async fn handle_request<P: Phases, S: Stream>(
         match w.phases.peer_selected(state, sess, ctx, addr) {
             Ok(Flow::Continue) => {}
             Ok(Flow::Respond(r)) => {
-                return respond(w, state, stream, b, sess, ctx, &r, body_pending).await
+                return respond(w, state, down, b, sess, ctx, &r, body_pending).await
             }
-            Err(e) => {
-                return local_fail(w, state, stream, b, sess, ctx, e.kind, body_pending).await
-            }
+            Err(e) => return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await,
         }
         sess.upstream = Some(addr);
         let res = attempt_once(
             w,
             state,
-            stream,
+            down,
             b,
             sess,
             ctx,
@@ -608,7 +640,7 @@ async fn handle_request<P: Phases, S: Stream>(
                     continue;
                 }
                 let consumed = f.retryable && !body_pending;
-                return local_fail(w, state, stream, b, sess, ctx, f.kind, !consumed).await
+                return local_fail(w, state, down, b, sess, ctx, f.kind, !consumed).await
                     && client_keep;
             }
         }
@@ -617,11 +649,11 @@ async fn handle_request<P: Phases, S: Stream>(
 
 /// Answer with a response a phase made; counted by its kind (or as a hook answer).
 #[allow(clippy::too_many_arguments)]
-async fn respond<P: Phases, S: Stream>(
+async fn respond<P: Phases, D: Downstream>(
     w: &Worker<P>,
     state: &State,
-    stream: &mut S,
-    b: &mut Bufs,
+    down: &mut D,
+    b: &mut Work,
     sess: &mut Session,
     ctx: &mut P::Ctx,
     r: &LocalResponse,
@@ -632,18 +664,18 @@ async fn respond<P: Phases, S: Stream>(
         None => w.shared.metrics.local_extra(0),
     }
     let close = body_pending || !sess.client_keep;
-    let ok = send_answer(w, state, stream, b, sess, ctx, r, close).await;
+    let ok = send_answer(w, state, down, b, sess, ctx, r, close).await;
     ok && !close
 }
 
 /// Answer with an error; `close` when the connection can't continue (e.g.
 /// an unread body). Returns whether the connection may continue.
 #[allow(clippy::too_many_arguments)]
-async fn local_fail<P: Phases, S: Stream>(
+async fn local_fail<P: Phases, D: Downstream>(
     w: &Worker<P>,
     state: &State,
-    stream: &mut S,
-    b: &mut Bufs,
+    down: &mut D,
+    b: &mut Work,
     sess: &mut Session,
     ctx: &mut P::Ctx,
     kind: Kind,
@@ -659,7 +691,7 @@ async fn local_fail<P: Phases, S: Stream>(
         return false;
     }
     let close = close || !sess.client_keep;
-    let ok = send_answer(w, state, stream, b, sess, ctx, &local_error(kind), close).await;
+    let ok = send_answer(w, state, down, b, sess, ctx, &local_error(kind), close).await;
     ok && !close
 }
 
@@ -669,11 +701,11 @@ async fn local_fail<P: Phases, S: Stream>(
 /// when it has any (as OpenResty runs header and body filters on every
 /// response), then the session's writer.
 #[allow(clippy::too_many_arguments)]
-async fn send_answer<P: Phases, S: Stream>(
+async fn send_answer<P: Phases, D: Downstream>(
     w: &Worker<P>,
     state: &State,
-    stream: &mut S,
-    b: &mut Bufs,
+    down: &mut D,
+    b: &mut Work,
     sess: &mut Session,
     ctx: &mut P::Ctx,
     r: &LocalResponse,
@@ -704,7 +736,7 @@ async fn send_answer<P: Phases, S: Stream>(
         }
     }
     let body = filtered_body.as_deref().unwrap_or(&r.body);
-    write_local(stream, &mut b.out, &mut b.resp, sess, r.reason, body, close)
+    write_local(state, down, &mut b.resp, sess, r.reason, body, close)
         .await
         .is_ok()
 }
@@ -730,9 +762,9 @@ fn local_head(head: &mut ResponseHead, r: &LocalResponse) {
 
 /// Write a Pier-made response through the session's writer.
 #[allow(clippy::too_many_arguments)]
-async fn write_local<S: Stream>(
-    stream: &mut S,
-    out: &mut Vec<u8>,
+async fn write_local<D: Downstream>(
+    state: &State,
+    down: &mut D,
     head: &mut ResponseHead,
     sess: &mut Session,
     reason: &'static str,
@@ -747,16 +779,8 @@ async fn write_local<S: Stream>(
     }
     sess.status = head.status;
     sess.step = Step::Write;
-    let (_, cw) = stream.split();
-    let mut snk = H1ResponseSink::new(
-        cw,
-        out,
-        sess.req.version,
-        sess.req.method_kind(),
-        !close,
-        Duration::from_secs(10),
-        sess.now_ns,
-    );
+    let o = down_opts(state, sess, !close);
+    let (_, mut snk) = down.open(&o);
     let r = async {
         snk.write_head(head, BodySize::Length(body.len() as u64))
             .await?;
@@ -766,6 +790,20 @@ async fn write_local<S: Stream>(
     .await;
     sess.bytes_sent += snk.bytes_sent();
     r
+}
+
+/// What the downstream session needs of this request.
+fn down_opts(state: &State, sess: &Session, keep: bool) -> DownstreamOpts {
+    DownstreamOpts {
+        version: sess.req.version,
+        method: sess.req.method_kind(),
+        keep,
+        body: sess.req.body_len(),
+        max_body: state.cfg.limits.max_body_bytes,
+        idle: state.cfg.timeouts.client_idle,
+        min_rate: state.cfg.limits.body_min_rate,
+        now_ns: sess.now_ns,
+    }
 }
 
 pub(crate) fn local_error(kind: Kind) -> LocalResponse {
@@ -809,11 +847,11 @@ fn skip_request_header(k: Known) -> bool {
 }
 
 #[allow(clippy::too_many_arguments)]
-async fn attempt_once<P: Phases, S: Stream>(
+async fn attempt_once<P: Phases, D: Downstream>(
     w: &Worker<P>,
     state: &State,
-    stream: &mut S,
-    b: &mut Bufs,
+    down: &mut D,
+    b: &mut Work,
     sess: &mut Session,
     ctx: &mut P::Ctx,
     addr: SocketAddr,
@@ -846,18 +884,17 @@ async fn attempt_once<P: Phases, S: Stream>(
     if b.ubuf.capacity() == 0 {
         b.ubuf = w.bufs.borrow_mut().take();
     }
-    if b.out.capacity() == 0 {
-        b.out = w.bufs.borrow_mut().take_vec();
+    if b.head.capacity() == 0 {
+        b.head = w.bufs.borrow_mut().take_vec();
     }
 
     // The upstream request head, from the upstream request value.
     sess.step = Step::Send;
-    write_upstream_head(&mut b.out, state, sess, addr);
+    write_upstream_head(&mut b.head, state, sess, addr);
     let body = sess.req.body_len();
     let method = sess.up_req.method_kind();
-    let (mut cr, cw) = stream.split();
     let (ur, mut uw) = up.split();
-    if uw.write_all(&b.out).await.is_err() {
+    if uw.write_all(&b.head).await.is_err() {
         return Err(Error {
             stale: reused,
             ..Error::upstream(Kind::UpstreamClosed)
@@ -873,79 +910,66 @@ async fn attempt_once<P: Phases, S: Stream>(
         reused && body == BodyLen::None,
         t.upstream_response,
     );
-    let mut snk = H1ResponseSink::new(
-        cw,
-        &mut b.out,
-        sess.req.version,
-        sess.req.method_kind(),
-        sess.client_keep,
-        t.client_idle,
-        sess.now_ns,
-    );
-
-    let relayed = if body == BodyLen::None {
-        relay(
-            w,
-            state,
-            &mut src,
-            &mut snk,
-            &mut b.resp,
-            sess,
-            ctx,
-            inflight,
-        )
-        .await
-    } else {
-        // Stream the request body while reading the response: an origin may
-        // answer (100-continue, early errors, echo) before the body ends.
-        let mut body_src = H1RequestSource::new(
-            &mut cr,
-            &mut b.rbuf,
-            body,
-            state.cfg.limits.max_body_bytes,
-            t.client_idle,
-            state.cfg.limits.body_min_rate,
-        );
-        let mut body_snk = H1RequestSink::new(&mut uw, body);
-        let pump = pump(&mut body_src, &mut body_snk);
-        let relay = relay(
-            w,
-            state,
-            &mut src,
-            &mut snk,
-            &mut b.resp,
-            sess,
-            ctx,
-            inflight,
-        );
-        tokio::pin!(pump, relay);
-        let mut pump_done = false;
-        loop {
-            tokio::select! {
-                p = &mut pump, if !pump_done => {
-                    pump_done = true;
-                    if let Err(e) = p {
-                        // The client's body is bad or too big, or the origin
-                        // stopped reading it: nothing useful can follow.
-                        break Err(e.retryable(false));
+    let o = down_opts(state, sess, sess.client_keep);
+    let relayed = {
+        let (mut body_src, mut snk) = down.open(&o);
+        let relayed = if body == BodyLen::None {
+            relay(
+                w,
+                state,
+                &mut src,
+                &mut snk,
+                &mut b.resp,
+                sess,
+                ctx,
+                inflight,
+            )
+            .await
+        } else {
+            // Stream the request body while reading the response: an origin
+            // may answer (100-continue, early errors, echo) before the body ends.
+            let mut body_snk = H1RequestSink::new(&mut uw, body);
+            let pump = pump(&mut body_src, &mut body_snk);
+            let relay = relay(
+                w,
+                state,
+                &mut src,
+                &mut snk,
+                &mut b.resp,
+                sess,
+                ctx,
+                inflight,
+            );
+            tokio::pin!(pump, relay);
+            let mut pump_done = false;
+            loop {
+                tokio::select! {
+                    p = &mut pump, if !pump_done => {
+                        pump_done = true;
+                        if let Err(e) = p {
+                            // The client's body is bad or too big, or the origin
+                            // stopped reading it: nothing useful can follow.
+                            break Err(e.retryable(false));
+                        }
+                    }
+                    r = &mut relay => {
+                        break match r {
+                            // An origin that answered before the body ended can't be
+                            // reused, and neither can the client connection.
+                            Ok(Relayed::Done(up_ok, keep)) => Ok(Relayed::Done(up_ok && pump_done, keep && pump_done)),
+                            Ok(Relayed::Upgrade) => Err(Error::upstream(Kind::UpstreamProtocol)),
+                            Err(f) => Err(f.retryable(false)),
+                        };
                     }
                 }
-                r = &mut relay => {
-                    break match r {
-                        // An origin that answered before the body ended can't be
-                        // reused, and neither can the client connection.
-                        Ok(Relayed::Done(up_ok, keep)) => Ok(Relayed::Done(up_ok && pump_done, keep && pump_done)),
-                        Ok(Relayed::Upgrade) => Err(Error::upstream(Kind::UpstreamProtocol)),
-                        Err(f) => Err(f.retryable(false)),
-                    };
-                }
             }
-        }
+        };
+        sess.bytes_sent += snk.bytes_sent();
+        relayed
     };
-    sess.bytes_sent += snk.bytes_sent();
     match relayed? {
         Relayed::Done(upstream_reusable, client_keep) => {
-            drop((src, snk));
+            drop(src);
             if upstream_reusable {
                 w.shared.pool.put(&key, w.id, up);
             }
@@ -955,17 +979,13 @@ async fn attempt_once<P: Phases, S: Stream>(
             // The 101 and whatever followed it, then a tunnel both ways
             // until either side closes or both idle out (WebSocket etc.).
             let early = src.take_early();
-            let sent = snk.write_switch(&b.resp, &early).await;
-            sess.bytes_sent += snk.bytes_sent();
-            sent?;
-            if !b.rbuf.is_empty() {
-                let _ = uw.write_all(&b.rbuf).await;
-                b.rbuf.clear();
-            }
             let m = &w.shared.metrics;
             m.tunnels.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let _tunnel = GaugeGuard::enter(&m.active_tunnels);
-            tunnel(&mut cr, &mut snk.w, &mut src.r, &mut uw, tunnel_idle(state)).await;
+            let sent = down
+                .tunnel(&b.resp, &early, &mut src.r, &mut uw, tunnel_idle(state))
+                .await?;
+            sess.bytes_sent += sent;
             Ok(false)
         }
     }
@@ -1080,55 +1100,6 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
 /// Idle timeout of an upgraded connection.
 fn tunnel_idle(state: &State) -> Duration {
     state.cfg.timeouts.tunnel_idle
-}
-
-/// Copy both ways until either side closes (its write side is then shut
-/// down) and the other finishes, or until nothing moved either way for
-/// `idle`. A drain does not cut tunnels; the end of its grace period does
-/// (the process exits).
-async fn tunnel<CR, CW, UR, UW>(cr: &mut CR, cw: &mut CW, ur: &mut UR, uw: &mut UW, idle: Duration)
-where
-    CR: AsyncRead + Unpin,
-    CW: AsyncWrite + Unpin,
-    UR: AsyncRead + Unpin,
-    UW: AsyncWrite + Unpin,
-{
-    let last = std::cell::Cell::new(tokio::time::Instant::now());
-    async fn pump<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
-        r: &mut R,
-        w: &mut W,
-        last: &std::cell::Cell<tokio::time::Instant>,
-    ) {
-        let mut buf = vec![0u8; READ_CHUNK];
-        loop {
-            match r.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    last.set(tokio::time::Instant::now());
-                    if w.write_all(&buf[..n]).await.is_err() {
-                        break;
-                    }
-                }
-            }
-        }
-        let _ = w.shutdown().await;
-    }
-    let both = async {
-        tokio::join!(pump(cr, uw, &last), pump(ur, cw, &last));
-    };
-    let watchdog = async {
-        loop {
-            let deadline = last.get() + idle;
-            tokio::time::sleep_until(deadline).await;
-            if last.get() + idle <= tokio::time::Instant::now() {
-                return;
-            }
-        }
-    };
-    tokio::select! {
-        _ = both => {}
-        _ = watchdog => {}
-    }
 }
 
 /// Build `sess.up_req` from the request as received: hop-by-hop headers go,
@@ -1278,34 +1249,4 @@ fn write_upstream_head(out: &mut Vec<u8>, state: &State, sess: &Session, addr: S
         out.extend_from_slice(b"Connection: upgrade\r\n");
     }
     out.extend_from_slice(b"\r\n");
-}
-
-/// Scan the chunked body bytes already buffered (and, with `wait`, read until
-/// the first size line is whole, within `limit`), so that a body whose framing
-/// is bad from the start is refused before anything reaches an origin.
-/// Nothing is consumed: `pump_body` scans the same bytes again as it sends.
-async fn vet_chunked<S: Stream>(
-    stream: &mut S,
-    rbuf: &mut BytesMut,
-    limit: Duration,
-    wait: bool,
-) -> Result<(), Kind> {
-    let mut sc = ChunkedScanner::new();
-    let mut scanned = 0;
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if rbuf.len() > scanned {
-            scanned += sc.feed(&rbuf[scanned..])?;
-        }
-        if sc.is_done() || sc.past_first_size() || !wait {
-            return Ok(());
-        }
-        // The first size line is bounded (16 digits + 4 KiB of extensions).
-        rbuf.reserve(4096);
-        match tokio::time::timeout_at(deadline, stream.read_buf(rbuf)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => return Err(Kind::ClientClosed),
-            Ok(Ok(_)) => {}
-            Err(_) => return Err(Kind::BodyTimeout),
-        }
-    }
 }

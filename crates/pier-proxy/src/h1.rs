@@ -7,8 +7,11 @@
 //! body reaches an HTTP/1.0 client close-delimited, a body filter's output
 //! is re-chunked), and nothing of one side's framing can leak to the other.
 
-use crate::protocol::{BodySize, RequestSink, RequestSource, ResponseSink, ResponseSource};
+use crate::protocol::{
+    BodySize, Downstream, DownstreamOpts, RequestSink, RequestSource, ResponseSink, ResponseSource,
+};
 use bytes::{Buf, BytesMut};
+use pier_core::Stream;
 use pier_error::{Error, Kind};
 use pier_http::known::{self, Known};
 use pier_http::{date, write, BodyLen, ChunkedScanner, HeadLimits, Headers, Method, ResponseHead};
@@ -626,5 +629,140 @@ impl<R: AsyncRead + Unpin> ResponseSource for H1ResponseSource<'_, R> {
 
     fn reusable(&self) -> bool {
         self.done && self.keep && !self.eof && self.buf.len() == self.lent
+    }
+}
+
+// === the client connection ===
+
+/// One request's view of an HTTP/1 client connection: its stream, the bytes
+/// read ahead (body, pipelined requests) and the output buffer.
+pub struct H1Downstream<'a, S> {
+    pub stream: &'a mut S,
+    pub rbuf: &'a mut BytesMut,
+    pub out: &'a mut Vec<u8>,
+}
+
+impl<S: Stream> Downstream for H1Downstream<'_, S> {
+    type Source<'b>
+        = H1RequestSource<'b, S::Read<'b>>
+    where
+        Self: 'b;
+    type Sink<'b>
+        = H1ResponseSink<'b, S::Write<'b>>
+    where
+        Self: 'b;
+
+    /// Scan the chunked body bytes already buffered (and, with `wait`, read
+    /// until the first size line is whole, within `limit`), so that a body
+    /// whose framing is bad from the start is refused before anything
+    /// reaches an origin. Nothing is consumed.
+    async fn vet_body(&mut self, body: BodyLen, wait: bool, limit: Duration) -> Result<(), Kind> {
+        if body != BodyLen::Chunked {
+            return Ok(());
+        }
+        let mut sc = ChunkedScanner::new();
+        let mut scanned = 0;
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            if self.rbuf.len() > scanned {
+                scanned += sc.feed(&self.rbuf[scanned..])?;
+            }
+            if sc.is_done() || sc.past_first_size() || !wait {
+                return Ok(());
+            }
+            // The first size line is bounded (16 digits + 4 KiB of extensions).
+            self.rbuf.reserve(4096);
+            match tokio::time::timeout_at(deadline, self.stream.read_buf(self.rbuf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return Err(Kind::ClientClosed),
+                Ok(Ok(_)) => {}
+                Err(_) => return Err(Kind::BodyTimeout),
+            }
+        }
+    }
+
+    fn open(&mut self, o: &DownstreamOpts) -> (Self::Source<'_>, Self::Sink<'_>) {
+        let (r, w) = self.stream.split();
+        (
+            H1RequestSource::new(r, self.rbuf, o.body, o.max_body, o.idle, o.min_rate),
+            H1ResponseSink::new(w, self.out, o.version, o.method, o.keep, o.idle, o.now_ns),
+        )
+    }
+
+    async fn tunnel<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+        &mut self,
+        head: &ResponseHead,
+        early: &[u8],
+        ur: &mut R,
+        uw: &mut W,
+        idle: Duration,
+    ) -> Result<u64, Error> {
+        self.out.clear();
+        write::response_head(self.out, head, |k| {
+            matches!(k, known::KEEP_ALIVE | known::PROXY_CONNECTION)
+        });
+        self.out.extend_from_slice(b"\r\n");
+        self.out.extend_from_slice(early);
+        let sent = self.out.len() as u64;
+        let (mut cr, mut cw) = self.stream.split();
+        write_timed(&mut cw, self.out, idle)
+            .await
+            .map_err(|_| Error::answered(Kind::ClientClosed))?;
+        self.out.clear();
+        // What the client sent after its request head is the tunnel's first.
+        if !self.rbuf.is_empty() {
+            let _ = uw.write_all(self.rbuf).await;
+            self.rbuf.clear();
+        }
+        tunnel(&mut cr, &mut cw, ur, uw, idle).await;
+        Ok(sent)
+    }
+}
+
+/// Copy both ways until either side closes (its write side is then shut
+/// down) and the other finishes, or until nothing moved either way for
+/// `idle`. A drain does not cut tunnels; the end of its grace period does
+/// (the process exits).
+async fn tunnel<CR, CW, UR, UW>(cr: &mut CR, cw: &mut CW, ur: &mut UR, uw: &mut UW, idle: Duration)
+where
+    CR: AsyncRead + Unpin,
+    CW: AsyncWrite + Unpin,
+    UR: AsyncRead + Unpin,
+    UW: AsyncWrite + Unpin,
+{
+    let last = std::cell::Cell::new(tokio::time::Instant::now());
+    async fn pump<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+        r: &mut R,
+        w: &mut W,
+        last: &std::cell::Cell<tokio::time::Instant>,
+    ) {
+        let mut buf = vec![0u8; READ_CHUNK];
+        loop {
+            match r.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    last.set(tokio::time::Instant::now());
+                    if w.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = w.shutdown().await;
+    }
+    let both = async {
+        tokio::join!(pump(cr, uw, &last), pump(ur, cw, &last));
+    };
+    let watchdog = async {
+        loop {
+            let deadline = last.get() + idle;
+            tokio::time::sleep_until(deadline).await;
+            if last.get() + idle <= tokio::time::Instant::now() {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = both => {}
+        _ = watchdog => {}
     }
 }

@@ -12,8 +12,10 @@
 //! `ResponseSource`. Futures need not be `Send` (thread-per-core).
 #![allow(async_fn_in_trait)]
 
-use pier_error::Error;
-use pier_http::{Headers, ResponseHead};
+use pier_error::{Error, Kind};
+use pier_http::{BodyLen, Headers, Method, ResponseHead};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite};
 
 /// How much body follows a response head, as far as the writer can tell.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,4 +76,56 @@ pub trait ResponseSink {
     fn keep_alive(&self) -> bool;
     /// Bytes written to the client so far (access log).
     fn bytes_sent(&self) -> u64;
+}
+
+/// What the downstream needs to know of the request it serves.
+#[derive(Debug, Clone, Copy)]
+pub struct DownstreamOpts {
+    /// The client's HTTP minor version (HTTP/1: 0 or 1).
+    pub version: u8,
+    /// The client's method (a HEAD response has no body).
+    pub method: Method,
+    /// The client may keep the connection after this response.
+    pub keep: bool,
+    /// The request body's framing as the client sent it.
+    pub body: BodyLen,
+    /// Largest request body (0: unlimited).
+    pub max_body: u64,
+    /// Per-read idle time of the request body and per-write time of the
+    /// response.
+    pub idle: Duration,
+    /// Minimum average request body rate after a grace period (0: off).
+    pub min_rate: u64,
+    /// The request's clock (Date headers).
+    pub now_ns: u64,
+}
+
+/// The client side of one request, whatever its protocol: the driver's
+/// whole view of it (HTTP/1 implements it in `h1`; an HTTP/2 stream is one
+/// more implementation).
+pub trait Downstream {
+    type Source<'a>: RequestSource
+    where
+        Self: 'a;
+    type Sink<'a>: ResponseSink
+    where
+        Self: 'a;
+    /// Check the request body's framing before anything goes upstream
+    /// (HTTP/1: the first chunk of a chunked body); `wait` reads more when
+    /// needed, within `limit`.
+    async fn vet_body(&mut self, body: BodyLen, wait: bool, limit: Duration) -> Result<(), Kind>;
+    /// This request's body source and response sink.
+    fn open(&mut self, opts: &DownstreamOpts) -> (Self::Source<'_>, Self::Sink<'_>);
+    /// Switch protocols (an HTTP/1 Upgrade such as WebSocket): send `head`
+    /// and the origin's `early` bytes, then carry bytes both ways between
+    /// the client and the origin's `ur`/`uw` until either side closes or
+    /// nothing moves for `idle`. Returns the bytes of the head sent.
+    async fn tunnel<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+        &mut self,
+        head: &ResponseHead,
+        early: &[u8],
+        ur: &mut R,
+        uw: &mut W,
+        idle: Duration,
+    ) -> Result<u64, Error>;
 }
