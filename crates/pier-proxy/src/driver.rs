@@ -58,9 +58,8 @@ pub(crate) struct Work {
     head: Vec<u8>,
 }
 
-/// Heads whose storage grew past this are dropped between requests rather
-/// than kept by an idle connection (a big head is rare; a kept one is memory
-/// every idle connection would hold).
+/// Heads whose storage grew past this are freed between requests rather
+/// than kept in the worker's pool (a big head is rare).
 const KEEP_HEAD_BYTES: usize = 2048;
 
 impl Bufs {
@@ -70,22 +69,18 @@ impl Bufs {
     /// at once. Freed buffers would otherwise sit in the allocator between
     /// long-lived allocations (fragmentation: measured ~19 MB held but free
     /// with 10,000 idle connections).
-    /// Heads are kept (parsing reuses their storage) unless they grew large.
+    /// The heads' storage goes back too (all three: the request as
+    /// received, the upstream request, the response), so an idle
+    /// connection holds no head bytes either.
     fn release(&mut self, sess: &mut Session, pool: &RefCell<BufPool>) {
         let mut p = pool.borrow_mut();
         p.put(std::mem::take(&mut self.rbuf));
         p.put(std::mem::take(&mut self.work.ubuf));
         p.put_vec(std::mem::take(&mut self.out));
         p.put_vec(std::mem::take(&mut self.work.head));
-        if self.work.resp.headers.capacity_bytes() > KEEP_HEAD_BYTES {
-            self.work.resp = ResponseHead::default();
-        }
-        if sess.req.headers.capacity_bytes() > KEEP_HEAD_BYTES {
-            sess.req = pier_http::RequestHead::default();
-        }
-        // The upstream request's storage goes back to the pool too (a
-        // request copies into it; idle connections hold none).
+        p.put_head(std::mem::take(&mut sess.req));
         p.put_head(std::mem::take(&mut sess.up_req));
+        p.put_resp(std::mem::take(&mut self.work.resp));
     }
 }
 
@@ -96,6 +91,7 @@ pub struct BufPool {
     bytes: Vec<BytesMut>,
     vecs: Vec<Vec<u8>>,
     heads: Vec<pier_http::RequestHead>,
+    resps: Vec<ResponseHead>,
 }
 
 impl BufPool {
@@ -128,6 +124,15 @@ impl BufPool {
     }
     pub(crate) fn take_head(&mut self) -> pier_http::RequestHead {
         self.heads.pop().unwrap_or_default()
+    }
+    fn put_resp(&mut self, h: ResponseHead) {
+        let cap = h.headers.capacity_bytes();
+        if Self::keeps(cap, self.resps.len()) && cap <= KEEP_HEAD_BYTES {
+            self.resps.push(h);
+        }
+    }
+    fn take_resp(&mut self) -> ResponseHead {
+        self.resps.pop().unwrap_or_default()
     }
     fn take(&mut self) -> BytesMut {
         self.bytes
@@ -193,39 +198,30 @@ pub async fn serve_connection<P: Phases, S: Stream>(
             Err(kind) => {
                 sess.begin(date::now_ns());
                 sess.step = Step::Fail;
-                let r = local_error(kind);
-                local_head(&mut b.work.resp, &r);
-                let mut down = H1Downstream {
-                    stream: &mut stream,
-                    rbuf: &mut b.rbuf,
-                    out: &mut b.out,
-                };
-                let _ = write_local(
-                    &state,
-                    &mut down,
-                    &mut b.work.resp,
-                    &mut sess,
-                    r.reason,
-                    &r.body,
-                    true,
-                )
-                .await;
+                // Boxed, as the request is: the connection's future stays small.
+                Box::pin(answer_plain(&state, &mut stream, &mut b, &mut sess, kind)).await;
                 w.shared.metrics.local_response(kind);
                 finish(&w, &state, &sess, None);
                 break;
             }
         }
-        if sess.up_req.headers.capacity_bytes() == 0 {
-            sess.up_req = w.bufs.borrow_mut().take_head();
+        {
+            let mut pool = w.bufs.borrow_mut();
+            if sess.up_req.headers.capacity_bytes() == 0 {
+                sess.up_req = pool.take_head();
+            }
+            if b.work.resp.headers.capacity_bytes() == 0 {
+                b.work.resp = pool.take_resp();
+            }
         }
         sess.begin(date::now_ns());
         // Released on every path out, a panic's unwinding included.
         let active = GaugeGuard::enter(&w.shared.metrics.active_requests);
-        let mut ctx = P::Ctx::default();
         // Boxed: the connection's task stays small while it idles; the
-        // request's (larger) state machine exists only while it runs.
-        // A panic in it (a bug) costs this request and its connection only:
-        // its guards are released as the future is dropped.
+        // request's (larger) state machine, its phase context included,
+        // exists only while it runs. A panic in it (a bug) costs this
+        // request and its connection only: its guards are released as the
+        // future is dropped.
         if b.out.capacity() == 0 {
             b.out = w.bufs.borrow_mut().take_vec();
         }
@@ -234,21 +230,16 @@ pub async fn serve_connection<P: Phases, S: Stream>(
             rbuf: &mut b.rbuf,
             out: &mut b.out,
         };
-        let keep = CatchUnwind(Box::pin(handle_request(
+        let keep = CatchUnwind(Box::pin(run_request(
             &w,
             &state,
             &mut down,
             &mut b.work,
             &mut sess,
-            &mut ctx,
         )))
         .await;
         let keep = match keep {
-            Ok(keep) => {
-                sess.step = Step::Logging;
-                w.phases.logging(&state, &mut sess, &mut ctx);
-                keep
-            }
+            Ok(keep) => keep,
             Err(()) => {
                 w.shared
                     .metrics
@@ -256,22 +247,13 @@ pub async fn serve_connection<P: Phases, S: Stream>(
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 tracing::error!(step = ?sess.step, "request task panicked; connection closed");
                 if sess.bytes_sent == 0 {
-                    let r = local_error(Kind::Internal);
-                    local_head(&mut b.work.resp, &r);
-                    let mut down = H1Downstream {
-                        stream: &mut stream,
-                        rbuf: &mut b.rbuf,
-                        out: &mut b.out,
-                    };
-                    let _ = write_local(
+                    Box::pin(answer_plain(
                         &state,
-                        &mut down,
-                        &mut b.work.resp,
+                        &mut stream,
+                        &mut b,
                         &mut sess,
-                        r.reason,
-                        &r.body,
-                        true,
-                    )
+                        Kind::Internal,
+                    ))
                     .await;
                 } else {
                     sess.status = 500;
@@ -280,7 +262,6 @@ pub async fn serve_connection<P: Phases, S: Stream>(
                 false
             }
         };
-        drop(ctx);
         drop(active);
         finish(&w, &state, &sess, sess.route);
         if !keep || *drain.borrow() {
@@ -289,6 +270,49 @@ pub async fn serve_connection<P: Phases, S: Stream>(
     }
     // The next connection reuses them.
     b.release(&mut sess, &w.bufs);
+}
+
+/// One request, its phase context and its logging step.
+async fn run_request<P: Phases, D: Downstream>(
+    w: &Worker<P>,
+    state: &Arc<State>,
+    down: &mut D,
+    b: &mut Work,
+    sess: &mut Session,
+) -> bool {
+    let mut ctx = P::Ctx::default();
+    let keep = handle_request(w, state, down, b, sess, &mut ctx).await;
+    sess.step = Step::Logging;
+    w.phases.logging(state, sess, &mut ctx);
+    keep
+}
+
+/// Answer an error that no route's filters see (a bad head, a panic) and
+/// close.
+async fn answer_plain<S: Stream>(
+    state: &State,
+    stream: &mut S,
+    b: &mut Bufs,
+    sess: &mut Session,
+    kind: Kind,
+) {
+    let r = local_error(kind);
+    local_head(&mut b.work.resp, &r);
+    let mut down = H1Downstream {
+        stream,
+        rbuf: &mut b.rbuf,
+        out: &mut b.out,
+    };
+    let _ = write_local(
+        state,
+        &mut down,
+        &mut b.work.resp,
+        sess,
+        r.reason,
+        &r.body,
+        true,
+    )
+    .await;
 }
 
 /// A future that turns a panic inside it into `Err(())`, so that the
@@ -369,6 +393,9 @@ async fn read_head<S: Stream>(
     let mut header_deadline: Option<tokio::time::Instant> = None;
     loop {
         if !rbuf.is_empty() {
+            if sess.req.headers.capacity_bytes() == 0 {
+                sess.req = pool.borrow_mut().take_head();
+            }
             if let Some(n) = sess.req.parse(rbuf, &state.head_limits)? {
                 rbuf.advance(n);
                 return Ok(true);
