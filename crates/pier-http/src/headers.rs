@@ -291,21 +291,6 @@ pub fn trim(mut s: &[u8]) -> &[u8] {
     s
 }
 
-/// Parse a chunked body's trailer section (`name: value` lines ending with
-/// the empty line) into `out`. At most 64 fields.
-pub fn parse_trailer_section(raw: &[u8], out: &mut Headers) -> Result<(), pier_error::Kind> {
-    let mut fields = [httparse::EMPTY_HEADER; 64];
-    match httparse::parse_headers(raw, &mut fields) {
-        Ok(httparse::Status::Complete((_, hs))) => {
-            for h in hs {
-                out.append(h.name.as_bytes(), h.value);
-            }
-            Ok(())
-        }
-        _ => Err(pier_error::Kind::BadChunk),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -14,7 +14,9 @@ use bytes::{Buf, BytesMut};
 use pier_core::Stream;
 use pier_error::{Error, Kind};
 use pier_http::known::{self, Known};
-use pier_http::{date, write, BodyLen, ChunkedScanner, HeadLimits, Headers, Method, ResponseHead};
+use pier_http::{
+    date, write, BodyDecoder, BodyLen, ChunkedScanner, HeadLimits, Headers, Method, ResponseHead,
+};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::timeout;
@@ -62,30 +64,21 @@ fn write_trailers(out: &mut Vec<u8>, trailers: Option<&Headers>) {
     out.extend_from_slice(b"\r\n");
 }
 
-/// Most trailer bytes kept from a chunked body (they are passed on whole).
-const MAX_TRAILER_BYTES: usize = 16 * 1024;
-
-/// Decode what `buf` holds of a chunked body: data into `piece`, the
-/// trailer section's raw bytes into `trailer` (bounded); parsed into
-/// `fields` once the body ends.
+/// Decode what `buf` holds of a chunked body with pier-http's decoder (its
+/// scanner bounds extensions and the trailer section): data into `piece`,
+/// the trailer fields into `fields` once the body ends.
 fn feed_chunked(
-    scanner: &mut ChunkedScanner,
+    dec: &mut BodyDecoder,
     buf: &[u8],
     piece: &mut Vec<u8>,
-    trailer: &mut Vec<u8>,
     fields: &mut Headers,
 ) -> Result<usize, Kind> {
-    let n = scanner.feed_parts(
-        buf,
-        |r| piece.extend_from_slice(&buf[r]),
-        |r| trailer.extend_from_slice(&buf[r]),
-    )?;
-    if trailer.len() > MAX_TRAILER_BYTES {
-        return Err(Kind::BadChunk);
-    }
-    if scanner.is_done() && trailer.len() > 2 {
-        pier_http::headers::parse_trailer_section(trailer, fields)?;
-        trailer.clear();
+    let was_done = dec.is_done();
+    let n = dec.decode(buf, |d| piece.extend_from_slice(d))?;
+    if !was_done && dec.is_done() {
+        for (name, value) in dec.trailers()? {
+            fields.append(name, value);
+        }
     }
     Ok(n)
 }
@@ -117,10 +110,9 @@ pub struct H1RequestSource<'a, R> {
     pub buf: &'a mut BytesMut,
     framing: BodyLen,
     remaining: u64,
-    scanner: ChunkedScanner,
+    chunked: BodyDecoder,
     /// Decoded bytes of a chunked body (data ranges between framing).
     piece: Vec<u8>,
-    trailer: Vec<u8>,
     trailers: Headers,
     /// Bytes of `buf` handed out by the last read, consumed at the next.
     lent: usize,
@@ -149,9 +141,8 @@ impl<'a, R: AsyncRead + Unpin> H1RequestSource<'a, R> {
                 BodyLen::Length(n) => n,
                 _ => 0,
             },
-            scanner: ChunkedScanner::new(),
+            chunked: BodyDecoder::new(BodyLen::Chunked),
             piece: Vec::new(),
-            trailer: Vec::new(),
             trailers: Headers::new(),
             lent: 0,
             total: 0,
@@ -200,16 +191,15 @@ impl<'a, R: AsyncRead + Unpin> H1RequestSource<'a, R> {
                 Ok(Some(&self.buf[..take]))
             }
             BodyLen::Chunked => loop {
-                if self.scanner.is_done() {
+                if self.chunked.is_done() {
                     return Ok(None);
                 }
                 if !self.buf.is_empty() {
                     self.piece.clear();
                     let n = feed_chunked(
-                        &mut self.scanner,
+                        &mut self.chunked,
                         self.buf,
                         &mut self.piece,
-                        &mut self.trailer,
                         &mut self.trailers,
                     )?;
                     self.buf.advance(n);
@@ -220,7 +210,7 @@ impl<'a, R: AsyncRead + Unpin> H1RequestSource<'a, R> {
                     if !self.piece.is_empty() {
                         return Ok(Some(&self.piece));
                     }
-                    if self.scanner.is_done() {
+                    if self.chunked.is_done() {
                         return Ok(None);
                     }
                 }
@@ -460,9 +450,8 @@ pub struct H1ResponseSource<'a, R> {
     framing: BodyLen,
     keep: bool,
     remaining: u64,
-    scanner: ChunkedScanner,
+    chunked: BodyDecoder,
     piece: Vec<u8>,
-    trailer: Vec<u8>,
     trailers: Headers,
     lent: usize,
     done: bool,
@@ -489,9 +478,8 @@ impl<'a, R: AsyncRead + Unpin> H1ResponseSource<'a, R> {
             framing: BodyLen::None,
             keep: false,
             remaining: 0,
-            scanner: ChunkedScanner::new(),
+            chunked: BodyDecoder::new(BodyLen::Chunked),
             piece: Vec::new(),
-            trailer: Vec::new(),
             trailers: Headers::new(),
             lent: 0,
             done: false,
@@ -549,19 +537,18 @@ impl<'a, R: AsyncRead + Unpin> H1ResponseSource<'a, R> {
                 if !self.buf.is_empty() {
                     self.piece.clear();
                     let n = feed_chunked(
-                        &mut self.scanner,
+                        &mut self.chunked,
                         self.buf,
                         &mut self.piece,
-                        &mut self.trailer,
                         &mut self.trailers,
                     )
                     .map_err(|_| Kind::UpstreamProtocol)?;
                     self.buf.advance(n);
                     if !self.piece.is_empty() {
-                        return Ok(Some((&self.piece, self.scanner.is_done())));
+                        return Ok(Some((&self.piece, self.chunked.is_done())));
                     }
                 }
-                if self.scanner.is_done() {
+                if self.chunked.is_done() {
                     self.done = true;
                     return Ok(None);
                 }
