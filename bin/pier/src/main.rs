@@ -41,12 +41,22 @@ enum Cmd {
         /// Address to listen on, e.g. 127.0.0.1:8080.
         #[arg(long)]
         listen: String,
-        /// Origin addresses, comma separated: 127.0.0.1:3000,127.0.0.1:3001.
+        /// Origins, comma separated: HOST:PORT (cleartext) or a URL with
+        /// scheme http or https: 127.0.0.1:3000,https://origin.example:443.
         #[arg(long, value_delimiter = ',', required = true)]
         to: Vec<String>,
         /// Admin listener (metrics, health), e.g. 127.0.0.1:9901.
         #[arg(long)]
         admin: Option<String>,
+        /// Serve HTTPS on --listen with this certificate chain (PEM).
+        #[arg(long, requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        /// The private key of --tls-cert (PEM).
+        #[arg(long, requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
+        /// A CA to trust for https origins (else the system trust store).
+        #[arg(long)]
+        upstream_ca: Option<PathBuf>,
     },
     /// Validate a config file and print every error with its location.
     Check {
@@ -77,10 +87,26 @@ fn main() -> ExitCode {
                     eprintln!("pier: configuration {} has Lua errors", path.display());
                     ExitCode::from(1)
                 }
-                Ok(_) => {
-                    println!("pier: configuration {} is ok", path.display());
-                    ExitCode::SUCCESS
-                }
+                Ok(cfg) => match pier_tls::check(&cfg, unix_now()) {
+                    Ok(warnings) => {
+                        for w in &warnings {
+                            eprintln!("warning: {w}");
+                        }
+                        println!("pier: configuration {} is ok", path.display());
+                        ExitCode::SUCCESS
+                    }
+                    Err(errs) => {
+                        for e in &errs {
+                            eprintln!("error: {e}");
+                        }
+                        eprintln!(
+                            "pier: configuration {} has {} TLS error(s)",
+                            path.display(),
+                            errs.len()
+                        );
+                        ExitCode::from(1)
+                    }
+                },
                 Err(errs) => {
                     eprintln!("{}", errs.to_string().trim_end());
                     eprintln!(
@@ -118,16 +144,32 @@ fn main() -> ExitCode {
             }
             run(cfg, path)
         }
-        Cmd::Proxy { listen, to, admin } => {
+        Cmd::Proxy {
+            listen,
+            to,
+            admin,
+            tls_cert,
+            tls_key,
+            upstream_ca,
+        } => {
             let parse = |s: &str| pier_config::parse_listen_addr(s.trim());
             let listen = match parse(&listen) {
                 Ok(a) => a,
                 Err(e) => return usage_error(&format!("--listen {listen}: {e}")),
             };
             let mut origins = Vec::new();
+            let mut https = None;
             for t in &to {
-                match parse(t) {
-                    Ok(a) => origins.push(a),
+                match pier_config::parse_origin(t) {
+                    Ok(o) => {
+                        if https.is_some_and(|h| h != o.tls) {
+                            return usage_error(
+                                "--to: origins are either all https or all cleartext",
+                            );
+                        }
+                        https = Some(o.tls);
+                        origins.push(o);
+                    }
                     Err(e) => return usage_error(&format!("--to {t}: {e}")),
                 }
             }
@@ -135,7 +177,14 @@ fn main() -> ExitCode {
                 Ok(a) => a,
                 Err(e) => return usage_error(&format!("--admin: {e}")),
             };
-            run(Config::quick(listen, origins, admin), None)
+            let tls = match (tls_cert, tls_key) {
+                (Some(cert), Some(key)) => Some(pier_config::CertFiles { cert, key }),
+                _ => None,
+            };
+            match Config::quick_with(listen, origins, admin, tls, upstream_ca) {
+                Ok(cfg) => run(cfg, None),
+                Err(e) => usage_error(&e),
+            }
         }
     }
 }
@@ -146,6 +195,13 @@ fn check_lua(cfg: &Config) -> Result<(), String> {
         None => Ok(()),
         Some(setup) => setup.validate().map_err(|errs| errs.join("\n")),
     }
+}
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
 }
 
 fn usage_error(msg: &str) -> ExitCode {
@@ -240,7 +296,15 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
     };
 
     for (name, addr) in &bound {
-        eprintln!("pier: listening on http://{addr} (listener {name}, {workers} workers)");
+        let tls = shared
+            .state
+            .load()
+            .cfg
+            .listeners
+            .iter()
+            .any(|l| &l.name == name && l.tls.is_some());
+        let scheme = if tls { "https" } else { "http" };
+        eprintln!("pier: listening on {scheme}://{addr} (listener {name}, {workers} workers)");
     }
     if let Some(a) = admin_addr {
         eprintln!("pier: admin on http://{a} (/metrics, /healthz)");

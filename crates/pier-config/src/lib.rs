@@ -102,6 +102,54 @@ impl Config {
             .into_iter()
             .map(|addr| UpstreamServer { addr, weight: 1 })
             .collect();
+        Config::quick_servers(listen, servers, admin)
+    }
+
+    /// The one-line mode with TLS: `--tls-cert/--tls-key` serve HTTPS on the
+    /// listener; `https://` origins get verified TLS (the system's trust
+    /// store, or `upstream_ca`), their host name as SNI.
+    pub fn quick_with(
+        listen: SocketAddr,
+        to: Vec<Origin>,
+        admin: Option<SocketAddr>,
+        tls: Option<CertFiles>,
+        upstream_ca: Option<std::path::PathBuf>,
+    ) -> Result<Config, String> {
+        let https = to.iter().any(|o| o.tls);
+        if upstream_ca.is_some() && !https {
+            return Err("--upstream-ca is for https:// origins".into());
+        }
+        let names: Vec<&str> = to.iter().filter_map(|o| o.name.as_deref()).collect();
+        if https && names.iter().any(|n| *n != names[0]) {
+            return Err("https origins given by name must share one name (it is the SNI)".into());
+        }
+        let server_name = names.first().map(|n| n.to_string());
+        let servers = to
+            .iter()
+            .flat_map(|o| o.addrs.iter())
+            .map(|&addr| UpstreamServer { addr, weight: 1 })
+            .collect();
+        let mut c = Config::quick_servers(listen, servers, admin);
+        if https {
+            if let Some(u) = c.upstreams.get_mut("default") {
+                u.tls = Some(UpstreamTls {
+                    server_name,
+                    ca: upstream_ca,
+                    ..UpstreamTls::system()
+                });
+            }
+        }
+        if let Some(files) = tls {
+            c.listeners[0].tls = Some(ListenerTls::single(files));
+        }
+        Ok(c)
+    }
+
+    fn quick_servers(
+        listen: SocketAddr,
+        servers: Vec<UpstreamServer>,
+        admin: Option<SocketAddr>,
+    ) -> Config {
         let mut upstream = Upstream::with_defaults("default", servers);
         upstream.health_check = Some(HealthCheck {
             kind: HealthKind::Tcp,
@@ -115,10 +163,7 @@ impl Config {
         Config {
             workers: validate::cores(),
             grace_period: validate::DEFAULT_GRACE_PERIOD,
-            listeners: vec![Listener {
-                name: "main".into(),
-                addr: listen,
-            }],
+            listeners: vec![Listener::plain("main", listen)],
             admin,
             routes: vec![Route {
                 name: "default".into(),
@@ -140,6 +185,59 @@ impl Config {
             upgrade: validate::default_upgrade(),
         }
     }
+}
+
+/// A `pier proxy --to` origin: `HOST:PORT`, or a URL `http://HOST[:PORT]` /
+/// `https://HOST[:PORT]` (ports 80 / 443 by default). A host name is
+/// resolved now; with https it is the SNI and the name verified.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Origin {
+    pub addrs: Vec<SocketAddr>,
+    /// The host name, when the origin was given by name (not an IP).
+    pub name: Option<String>,
+    pub tls: bool,
+}
+
+pub fn parse_origin(s: &str) -> Result<Origin, String> {
+    let s = s.trim();
+    let (tls, rest, default_port) = if let Some(r) = strip_prefix_ci(s, "https://") {
+        (true, r, 443)
+    } else if let Some(r) = strip_prefix_ci(s, "http://") {
+        (false, r, 80)
+    } else if s.contains("://") {
+        return Err(format!("{s:?}: the scheme must be http or https"));
+    } else {
+        (false, s, 0)
+    };
+    let authority = rest.strip_suffix('/').unwrap_or(rest);
+    if authority.contains('/') {
+        return Err(format!("{s:?}: an origin has no path"));
+    }
+    // Add the scheme's default port when none is given.
+    let has_port = match authority.rfind(':') {
+        Some(i) => !authority[i..].contains(']'),
+        None => false,
+    };
+    let hostport = if has_port || default_port == 0 {
+        authority.to_string()
+    } else {
+        format!("{authority}:{default_port}")
+    };
+    let addrs = validate::resolve_upstream_addr(&hostport)?;
+    let host = hostport
+        .rsplit_once(':')
+        .map(|(h, _)| h)
+        .unwrap_or("")
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let name = (host.parse::<std::net::IpAddr>().is_err() && !host.is_empty())
+        .then(|| host.to_ascii_lowercase());
+    Ok(Origin { addrs, name, tls })
+}
+
+fn strip_prefix_ci<'a>(s: &'a str, p: &str) -> Option<&'a str> {
+    (s.len() >= p.len() && s.is_char_boundary(p.len()) && s[..p.len()].eq_ignore_ascii_case(p))
+        .then(|| &s[p.len()..])
 }
 
 #[cfg(test)]

@@ -42,6 +42,125 @@ pub struct Config {
 pub struct Listener {
     pub name: String,
     pub addr: SocketAddr,
+    /// `tls`: HTTPS on this listener.
+    pub tls: Option<ListenerTls>,
+    /// `redirect_https`: every request is answered with a redirect to the
+    /// same URL over https.
+    pub redirect_https: Option<HttpsRedirect>,
+}
+
+impl Listener {
+    pub fn plain(name: impl Into<String>, addr: SocketAddr) -> Listener {
+        Listener {
+            name: name.into(),
+            addr,
+            tls: None,
+            redirect_https: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpsRedirect {
+    /// 301, 302, 307 or 308.
+    pub status: u16,
+    /// Port in the Location; None = the https default (443).
+    pub port: Option<u16>,
+}
+
+/// A certificate chain and its private key (PEM files).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnknownSni {
+    /// Serve the default (first) certificate.
+    Default,
+    /// Fail the handshake (unrecognized_name).
+    Refuse,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum TlsVersion {
+    Tls12,
+    Tls13,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientAuth {
+    Off,
+    /// Asked for; a client without one gets in, one with a bad one does not.
+    Optional,
+    Required,
+}
+
+/// `[listener.tls]`.
+#[derive(Debug, Clone)]
+pub struct ListenerTls {
+    /// The first is the default certificate. Names come from each
+    /// certificate's own subjectAltName list.
+    pub certificates: Vec<CertFiles>,
+    pub unknown_sni: UnknownSni,
+    pub min_version: TlsVersion,
+    /// ALPN protocols offered, in preference order.
+    pub alpn: Vec<String>,
+    /// Server-side session cache entries (0 = none).
+    pub session_cache: usize,
+    /// Stateless resumption tickets (keys shared by all workers, rotated).
+    pub session_tickets: bool,
+    pub client_ca: Option<PathBuf>,
+    pub client_auth: ClientAuth,
+    pub handshake_timeout: Duration,
+    /// Handshakes in progress at once, all workers together; more wait
+    /// closed (the connection is dropped and counted).
+    pub max_handshakes: usize,
+}
+
+impl ListenerTls {
+    /// One certificate, every other setting at its documented default.
+    pub fn single(files: CertFiles) -> ListenerTls {
+        ListenerTls {
+            certificates: vec![files],
+            unknown_sni: UnknownSni::Default,
+            min_version: TlsVersion::Tls12,
+            alpn: vec!["http/1.1".to_string()],
+            session_cache: 20_000,
+            session_tickets: true,
+            client_ca: None,
+            client_auth: ClientAuth::Off,
+            handshake_timeout: Duration::from_secs(10),
+            max_handshakes: 1024,
+        }
+    }
+}
+
+/// `[upstream.NAME.tls]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UpstreamTls {
+    /// SNI and the name verified; None = each server's host name, or its IP.
+    pub server_name: Option<String>,
+    pub verify: bool,
+    /// Trust these CAs; None = the system's trust store.
+    pub ca: Option<PathBuf>,
+    /// Client certificate for mTLS to the origin.
+    pub client_cert: Option<CertFiles>,
+    pub session_resumption: bool,
+}
+
+impl UpstreamTls {
+    /// Verified TLS with the system's trust store.
+    pub fn system() -> UpstreamTls {
+        UpstreamTls {
+            server_name: None,
+            verify: true,
+            ca: None,
+            client_cert: None,
+            session_resumption: true,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -154,6 +273,8 @@ pub struct Upstream {
     pub headers: HeaderRules,
     /// The Host header sent upstream, unless the route sets its own.
     pub host_header: HostHeader,
+    /// `[upstream.NAME.tls]`: None = cleartext.
+    pub tls: Option<UpstreamTls>,
 }
 
 #[derive(Debug, Clone)]

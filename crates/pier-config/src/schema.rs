@@ -88,6 +88,53 @@ pub struct DemoSection {
 pub struct ListenerEntry {
     pub name: Option<Spanned<String>>,
     pub listen: Spanned<String>,
+    /// Answer every request with a redirect to https (301, 302, 307 or 308).
+    pub redirect_https: Option<Spanned<i64>>,
+    /// The port in the redirect's Location (default: none, i.e. 443).
+    pub https_port: Option<Spanned<i64>>,
+    pub tls: Option<ListenerTlsSection>,
+}
+
+/// `[listener.tls]`: serve HTTPS on this listener.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [listener.tls] table")]
+pub struct ListenerTlsSection {
+    /// Shorthand for one certificate: `cert` + `key`.
+    pub cert: Option<Spanned<String>>,
+    pub key: Option<Spanned<String>>,
+    pub certificates: Option<Vec<CertTable>>,
+    pub unknown_sni: Option<Spanned<String>>,
+    pub min_version: Option<Spanned<String>>,
+    pub alpn: Option<Vec<Spanned<String>>>,
+    pub session_cache: Option<Spanned<i64>>,
+    pub session_tickets: Option<bool>,
+    pub client_ca: Option<Spanned<String>>,
+    pub client_auth: Option<Spanned<String>>,
+    pub handshake_timeout: Option<Spanned<String>>,
+    pub max_handshakes: Option<Spanned<i64>>,
+}
+
+/// `{ cert = "a.pem", key = "a.key" }`.
+#[derive(Debug, Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table { cert = \"FILE\", key = \"FILE\" }"
+)]
+pub struct CertTable {
+    pub cert: Spanned<String>,
+    pub key: Spanned<String>,
+}
+
+/// `[upstream.NAME.tls]`: TLS to the upstream's servers.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "an [upstream.NAME.tls] table")]
+pub struct UpstreamTlsSection {
+    pub server_name: Option<Spanned<String>>,
+    pub verify: Option<bool>,
+    pub ca: Option<Spanned<String>>,
+    pub cert: Option<Spanned<String>>,
+    pub key: Option<Spanned<String>>,
+    pub session_resumption: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -241,6 +288,7 @@ pub struct UpstreamEntry {
     pub host_header: Option<Spanned<String>>,
     pub headers: Option<HeadersSection>,
     pub health_check: Option<HealthCheckSection>,
+    pub tls: Option<UpstreamTlsSection>,
 }
 
 #[derive(Debug, Deserialize)]

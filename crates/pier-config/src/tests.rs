@@ -1012,6 +1012,12 @@ fn documented_tables() -> Vec<(&'static str, Vec<&'static str>)> {
         ("## `[security]`", fields_of::<SecuritySection>()),
         ("## `[demo]`", fields_of::<DemoSection>()),
         ("## `[[listener]]`", fields_of::<ListenerEntry>()),
+        ("### `[listener.tls]`", fields_of::<ListenerTlsSection>()),
+        ("### `certificates` entries", fields_of::<CertTable>()),
+        (
+            "### `[upstream.NAME.tls]`",
+            fields_of::<UpstreamTlsSection>(),
+        ),
         ("## `[[route]]`", fields_of::<RouteEntry>()),
         ("### `[route.lua]`", fields_of::<RouteLuaSection>()),
         (

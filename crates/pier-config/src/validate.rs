@@ -81,6 +81,7 @@ impl Upstream {
             max_inflight_per_server: 0,
             headers: HeaderRules::default(),
             host_header: HostHeader::Preserve,
+            tls: None,
         }
     }
 }
@@ -126,7 +127,7 @@ pub fn parse_listen_addr(s: &str) -> Result<SocketAddr, String> {
 
 /// Like [`parse_listen_addr`] but other host names are resolved (once, at
 /// load time, as nginx does); every address they resolve to becomes a server.
-fn resolve_upstream_addr(s: &str) -> Result<Vec<SocketAddr>, String> {
+pub(crate) fn resolve_upstream_addr(s: &str) -> Result<Vec<SocketAddr>, String> {
     match parse_listen_addr(s) {
         Ok(a) => Ok(vec![a]),
         Err(e) => {
@@ -293,14 +294,33 @@ pub(crate) fn validate(
         let name = unique_name(&mut c, &l.name, "listener", i, &mut listener_names);
         if let Some(addr) = c.listen_addr(&l.listen, "listen") {
             bound.add(&mut c, addr, &format!("listener `{name}`"), sp(&l.listen));
-            listeners.push(Listener { name, addr });
+            let tls = l.tls.as_ref().map(|t| listener_tls(&mut c, &name, t, base));
+            let redirect_https = listener_redirect(&mut c, l);
+            if l.https_port.is_some() && l.redirect_https.is_none() {
+                c.err(
+                    l.https_port.as_ref().and_then(sp),
+                    "`https_port` is only used with `redirect_https`",
+                );
+            }
+            if tls.is_some() && redirect_https.is_some() {
+                c.err(
+                    l.redirect_https.as_ref().and_then(sp),
+                    "`redirect_https` on a TLS listener would redirect https to itself",
+                );
+            }
+            listeners.push(Listener {
+                name,
+                addr,
+                tls,
+                redirect_https,
+            });
         }
     }
 
     let mut upstreams = BTreeMap::new();
     for u in &file.upstreams {
         if let Some(entry) = &u.entry {
-            let up = upstream(&mut c, &u.name, entry, &deny_origins, &listeners);
+            let up = upstream(&mut c, &u.name, entry, &deny_origins, &listeners, base);
             upstreams.insert(u.name.clone(), up);
         }
     }
@@ -778,6 +798,178 @@ fn route(
     }
 }
 
+fn path_of(base: &Path, v: &Spanned<String>) -> PathBuf {
+    let p = Path::new(v.get_ref());
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base.join(p)
+    }
+}
+
+fn upstream_tls(c: &mut Check, name: &str, t: &UpstreamTlsSection, base: &Path) -> UpstreamTls {
+    let client_cert = match (&t.cert, &t.key) {
+        (Some(cert), Some(key)) => Some(CertFiles {
+            cert: path_of(base, cert),
+            key: path_of(base, key),
+        }),
+        (None, None) => None,
+        (Some(v), None) | (None, Some(v)) => {
+            c.err(
+                sp(v),
+                format!("upstream `{name}`: tls `cert` and `key` go together (a client certificate and its key)"),
+            );
+            None
+        }
+    };
+    let server_name = t.server_name.as_ref().and_then(|v| {
+        let s = v.get_ref().trim().to_ascii_lowercase();
+        if s.is_empty()
+            || s.len() > 253
+            || !s
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b':')
+        {
+            c.err(
+                sp(v),
+                format!(
+                    "upstream `{name}`: tls `server_name` {s:?} is not a host name or IP address"
+                ),
+            );
+            None
+        } else {
+            Some(s)
+        }
+    });
+    UpstreamTls {
+        server_name,
+        verify: t.verify.unwrap_or(true),
+        ca: t.ca.as_ref().map(|v| path_of(base, v)),
+        client_cert,
+        session_resumption: t.session_resumption.unwrap_or(true),
+    }
+}
+
+fn listener_tls(c: &mut Check, name: &str, t: &ListenerTlsSection, base: &Path) -> ListenerTls {
+    let mut certificates = Vec::new();
+    match (&t.cert, &t.key) {
+        (Some(cert), Some(key)) => certificates.push(CertFiles {
+            cert: path_of(base, cert),
+            key: path_of(base, key),
+        }),
+        (None, None) => {}
+        (Some(v), None) | (None, Some(v)) => c.err(
+            sp(v),
+            format!("listener `{name}`: tls `cert` and `key` go together"),
+        ),
+    }
+    for e in t.certificates.iter().flatten() {
+        certificates.push(CertFiles {
+            cert: path_of(base, &e.cert),
+            key: path_of(base, &e.key),
+        });
+    }
+    if certificates.is_empty() {
+        c.err(
+            None,
+            format!("listener `{name}`: [listener.tls] needs a certificate: `cert` and `key`, or `certificates = [{{ cert = \"FILE\", key = \"FILE\" }}]`"),
+        );
+    }
+    let unknown_sni = match t.unknown_sni.as_ref().map(|v| (v, v.get_ref().as_str())) {
+        None | Some((_, "default")) => UnknownSni::Default,
+        Some((_, "refuse")) => UnknownSni::Refuse,
+        Some((v, other)) => {
+            c.err(
+                sp(v),
+                format!("`unknown_sni` {other:?}: expected \"default\" or \"refuse\""),
+            );
+            UnknownSni::Default
+        }
+    };
+    let min_version = match t.min_version.as_ref().map(|v| (v, v.get_ref().as_str())) {
+        None | Some((_, "1.2")) => TlsVersion::Tls12,
+        Some((_, "1.3")) => TlsVersion::Tls13,
+        Some((v, other)) => {
+            c.err(
+                sp(v),
+                format!("`min_version` {other:?}: expected \"1.2\" or \"1.3\""),
+            );
+            TlsVersion::Tls12
+        }
+    };
+    let mut alpn = Vec::new();
+    match &t.alpn {
+        None => alpn.push("http/1.1".to_string()),
+        Some(list) => {
+            for v in list {
+                match v.get_ref().as_str() {
+                    "http/1.1" => alpn.push("http/1.1".to_string()),
+                    // HTTP/2 is not served yet (issue 10): offering it would
+                    // make browsers talk a protocol nobody answers.
+                    other => c.err(
+                        sp(v),
+                        format!("`alpn` {other:?}: only \"http/1.1\" is served"),
+                    ),
+                }
+            }
+        }
+    }
+    let client_ca = t.client_ca.as_ref().map(|v| path_of(base, v));
+    let client_auth = match t.client_auth.as_ref().map(|v| (v, v.get_ref().as_str())) {
+        None if client_ca.is_some() => ClientAuth::Required,
+        None => ClientAuth::Off,
+        Some((_, "off")) => ClientAuth::Off,
+        Some((_, "optional")) => ClientAuth::Optional,
+        Some((_, "required")) => ClientAuth::Required,
+        Some((v, other)) => {
+            c.err(
+                sp(v),
+                format!("`client_auth` {other:?}: expected \"off\", \"optional\" or \"required\""),
+            );
+            ClientAuth::Off
+        }
+    };
+    if client_auth != ClientAuth::Off && client_ca.is_none() {
+        c.err(
+            t.client_auth.as_ref().and_then(sp),
+            format!("listener `{name}`: `client_auth` needs `client_ca` (the CA that signs client certificates)"),
+        );
+    }
+    ListenerTls {
+        certificates,
+        unknown_sni,
+        min_version,
+        alpn,
+        session_cache: c.int(&t.session_cache, "session_cache", 20_000, 0, 10_000_000) as usize,
+        session_tickets: t.session_tickets.unwrap_or(true),
+        client_ca,
+        client_auth,
+        handshake_timeout: c.duration(
+            &t.handshake_timeout,
+            "handshake_timeout",
+            Duration::from_secs(10),
+        ),
+        max_handshakes: c.int(&t.max_handshakes, "max_handshakes", 1024, 1, 1_000_000) as usize,
+    }
+}
+
+fn listener_redirect(c: &mut Check, l: &ListenerEntry) -> Option<HttpsRedirect> {
+    let status = l.redirect_https.as_ref()?;
+    let s = *status.get_ref();
+    if ![301, 302, 307, 308].contains(&s) {
+        c.err(sp(status), "`redirect_https` must be 301, 302, 307 or 308");
+    }
+    let port = l
+        .https_port
+        .as_ref()
+        .map(|p| c.int(&Some(p.clone()), "https_port", 443, 1, 65535) as u16)
+        .filter(|&p| p != 443);
+    Some(HttpsRedirect {
+        status: s as u16,
+        port,
+    })
+}
+
 /// Sockets bound so far (port 0 excluded: the OS picks distinct ports).
 #[derive(Default)]
 struct Bound(Vec<(SocketAddr, String)>);
@@ -847,6 +1039,7 @@ fn upstream(
     e: &UpstreamEntry,
     deny: &[Cidr],
     listeners: &[Listener],
+    base: &Path,
 ) -> Upstream {
     let mut servers = Vec::new();
     if e.servers.get_ref().is_empty() {
@@ -1005,6 +1198,7 @@ fn upstream(
         ) as u32,
         headers,
         host_header,
+        tls: e.tls.as_ref().map(|t| upstream_tls(c, name, t, base)),
     }
 }
 

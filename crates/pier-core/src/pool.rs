@@ -101,7 +101,14 @@ impl Pool {
         let idle_timeout = self.timeout();
         let me = worker % self.workers.len();
         // Own stack first (LIFO: the hottest connection), then steal.
-        let order = std::iter::once(me).chain((0..self.workers.len()).filter(move |&w| w != me));
+        // TLS connections stay with the worker that made them (see
+        // `Conn::adopt`), so only cleartext ones are stolen.
+        let steal = if key.sni.is_none() {
+            self.workers.len()
+        } else {
+            0
+        };
+        let order = std::iter::once(me).chain((0..steal).filter(move |&w| w != me));
         for w in order {
             loop {
                 let idle = {

@@ -56,6 +56,17 @@ impl Stream for DuplexStream {
     }
 }
 
+/// A server-side TLS connection (rustls over TCP). rustls buffers inside,
+/// so `readable` keeps the default (always ready) and the halves share the
+/// stream through tokio's split.
+impl Stream for tokio_rustls::server::TlsStream<TcpStream> {
+    type Read<'a> = tokio::io::ReadHalf<&'a mut Self>;
+    type Write<'a> = tokio::io::WriteHalf<&'a mut Self>;
+    fn split(&mut self) -> (Self::Read<'_>, Self::Write<'_>) {
+        tokio::io::split(self)
+    }
+}
+
 /// What the application protocol to a peer is (negotiated by ALPN over TLS).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Alpn {
@@ -88,7 +99,13 @@ impl PeerKey {
 pub enum Conn {
     Tcp(TcpStream),
     Mem(DuplexStream),
+    /// Boxed: a TLS client connection is ~1 KiB of state.
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
 }
+
+/// An upstream's TLS: the rustls config and the name to send as SNI and
+/// verify (the key's `sni` decides whether TLS is used at all).
+pub type ClientConfig = Arc<rustls::ClientConfig>;
 
 /// Makes in-memory upstream connections (see [`Connector::memory`]).
 pub type MemoryDialer = dyn Fn(&PeerKey) -> io::Result<DuplexStream> + Send + Sync;
@@ -112,16 +129,36 @@ impl Connector {
 
     /// A new connection, within `limit`. A timeout is an error of kind
     /// `TimedOut`: nothing was sent, so any request may go elsewhere.
-    pub async fn connect(&self, key: &PeerKey, limit: Duration) -> io::Result<Conn> {
+    ///
+    /// With `key.sni` set and a `tls` config, the TLS handshake is part of
+    /// the connect (and of its time limit); a handshake failure is an error
+    /// of kind `InvalidData` carrying the rustls error (nothing was sent).
+    pub async fn connect(
+        &self,
+        key: &PeerKey,
+        limit: Duration,
+        tls: Option<&ClientConfig>,
+    ) -> io::Result<Conn> {
         if let Some(dial) = &self.memory {
             return dial(key).map(Conn::Mem);
         }
-        match tokio::time::timeout(limit, TcpStream::connect(key.addr)).await {
-            Ok(Ok(s)) => {
-                let _ = s.set_nodelay(true);
-                Ok(Conn::Tcp(s))
+        let open = async {
+            let s = TcpStream::connect(key.addr).await?;
+            let _ = s.set_nodelay(true);
+            match (tls, &key.sni) {
+                (Some(cfg), Some(name)) => {
+                    let name = rustls::pki_types::ServerName::try_from(name.to_string())
+                        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+                    let t = tokio_rustls::TlsConnector::from(cfg.clone())
+                        .connect(name, s)
+                        .await?;
+                    Ok(Conn::Tls(Box::new(t)))
+                }
+                _ => Ok(Conn::Tcp(s)),
             }
-            Ok(Err(e)) => Err(e),
+        };
+        match tokio::time::timeout(limit, open).await {
+            Ok(r) => r,
             Err(_) => Err(io::ErrorKind::TimedOut.into()),
         }
     }
@@ -133,6 +170,9 @@ impl Conn {
     pub(crate) fn looks_alive(&self) -> bool {
         match self {
             Conn::Tcp(s) => crate::pool::tcp_looks_alive(s),
+            // Anything readable on an idle TLS connection (a close_notify,
+            // a late session ticket) is taken as a sign to not reuse it.
+            Conn::Tls(s) => crate::pool::tcp_looks_alive(s.get_ref().0),
             Conn::Mem(_) => true,
         }
     }
@@ -140,18 +180,25 @@ impl Conn {
     pub(crate) fn adopt(self) -> Option<Conn> {
         match self {
             Conn::Tcp(s) => crate::pool::tcp_adopt(s).map(Conn::Tcp),
+            // tokio-rustls cannot rebuild a stream around a re-registered
+            // socket; the pool does not move TLS connections between workers.
+            Conn::Tls(_) => None,
             m => Some(m),
         }
     }
 }
 
+type TlsClient = tokio_rustls::client::TlsStream<TcpStream>;
+
 pub enum ConnRead<'a> {
     Tcp(tokio::net::tcp::ReadHalf<'a>),
     Mem(tokio::io::ReadHalf<&'a mut DuplexStream>),
+    Tls(tokio::io::ReadHalf<&'a mut TlsClient>),
 }
 pub enum ConnWrite<'a> {
     Tcp(tokio::net::tcp::WriteHalf<'a>),
     Mem(tokio::io::WriteHalf<&'a mut DuplexStream>),
+    Tls(tokio::io::WriteHalf<&'a mut TlsClient>),
 }
 
 impl Stream for Conn {
@@ -166,6 +213,10 @@ impl Stream for Conn {
             Conn::Mem(s) => {
                 let (r, w) = tokio::io::split(s);
                 (ConnRead::Mem(r), ConnWrite::Mem(w))
+            }
+            Conn::Tls(s) => {
+                let (r, w) = tokio::io::split(&mut **s);
+                (ConnRead::Tls(r), ConnWrite::Tls(w))
             }
         }
     }
@@ -183,6 +234,7 @@ macro_rules! delegate_read {
                 match self.get_mut() {
                     Self::Tcp(s) => Pin::new(s).poll_read(cx, buf),
                     Self::Mem(s) => Pin::new(s).poll_read(cx, buf),
+                    Self::Tls(s) => Pin::new(s).poll_read(cx, buf),
                 }
             }
         }
@@ -199,18 +251,21 @@ macro_rules! delegate_write {
                 match self.get_mut() {
                     Self::Tcp(s) => Pin::new(s).poll_write(cx, buf),
                     Self::Mem(s) => Pin::new(s).poll_write(cx, buf),
+                    Self::Tls(s) => Pin::new(s).poll_write(cx, buf),
                 }
             }
             fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
                 match self.get_mut() {
                     Self::Tcp(s) => Pin::new(s).poll_flush(cx),
                     Self::Mem(s) => Pin::new(s).poll_flush(cx),
+                    Self::Tls(s) => Pin::new(s).poll_flush(cx),
                 }
             }
             fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
                 match self.get_mut() {
                     Self::Tcp(s) => Pin::new(s).poll_shutdown(cx),
                     Self::Mem(s) => Pin::new(s).poll_shutdown(cx),
+                    Self::Tls(s) => Pin::new(s).poll_shutdown(cx),
                 }
             }
         }

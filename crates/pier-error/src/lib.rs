@@ -41,6 +41,9 @@ pub enum Kind {
     ConcurrencyLimited,
     // --- upstream: the origin failed us ---
     UpstreamConnect,
+    /// The TLS handshake with the origin failed (an unknown CA, a wrong
+    /// name, no shared protocol): nothing was sent.
+    UpstreamTls,
     UpstreamProtocol,
     UpstreamClosed,
     UpstreamTimeout,
@@ -54,7 +57,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 25] = [
+    pub const ALL: [Kind; 26] = [
         Kind::InvalidRequestLine,
         Kind::InvalidHeader,
         Kind::InvalidHost,
@@ -72,6 +75,7 @@ impl Kind {
         Kind::RateLimited,
         Kind::ConcurrencyLimited,
         Kind::UpstreamConnect,
+        Kind::UpstreamTls,
         Kind::UpstreamProtocol,
         Kind::UpstreamClosed,
         Kind::UpstreamTimeout,
@@ -99,7 +103,10 @@ impl Kind {
             Kind::NoRoute => 404,
             // Nobody is left to read it; 499 is nginx's convention for logs.
             Kind::ClientClosed => 499,
-            Kind::UpstreamConnect | Kind::UpstreamProtocol | Kind::UpstreamClosed => 502,
+            Kind::UpstreamConnect
+            | Kind::UpstreamTls
+            | Kind::UpstreamProtocol
+            | Kind::UpstreamClosed => 502,
             Kind::UpstreamTimeout => 504,
             Kind::RateLimited => 429,
             Kind::NoHealthyUpstream
@@ -131,6 +138,7 @@ impl Kind {
             Kind::ConcurrencyLimited => "concurrency-limited",
             Kind::UpstreamLimited => "upstream-limited",
             Kind::UpstreamConnect => "upstream-connect",
+            Kind::UpstreamTls => "upstream-tls",
             Kind::UpstreamProtocol => "upstream-protocol",
             Kind::UpstreamClosed => "upstream-closed",
             Kind::UpstreamTimeout => "upstream-timeout",
@@ -160,6 +168,7 @@ impl Kind {
             | Kind::RateLimited
             | Kind::ConcurrencyLimited => Source::Downstream,
             Kind::UpstreamConnect
+            | Kind::UpstreamTls
             | Kind::UpstreamProtocol
             | Kind::UpstreamClosed
             | Kind::UpstreamTimeout
@@ -202,7 +211,7 @@ impl Error {
     pub fn new(kind: Kind) -> Self {
         Error {
             kind,
-            retryable: matches!(kind, Kind::UpstreamConnect),
+            retryable: matches!(kind, Kind::UpstreamConnect | Kind::UpstreamTls),
             answered: false,
             stale: false,
             detail: None,
@@ -236,7 +245,9 @@ impl Error {
     /// request, and a connect failure (timeouts included: nothing was sent)
     /// for any request.
     pub fn may_retry(&self, idempotent: bool) -> bool {
-        self.retryable && !self.answered && (idempotent || self.kind == Kind::UpstreamConnect)
+        self.retryable
+            && !self.answered
+            && (idempotent || matches!(self.kind, Kind::UpstreamConnect | Kind::UpstreamTls))
     }
     /// Counts against the peer (passive health): the origin failed, and not
     /// merely by closing an idle pooled connection.

@@ -23,6 +23,19 @@ pub struct AccessRecord<'a> {
     pub route: &'a str,
     pub upstream: &'a [u8],
     pub reason: &'a str,
+    /// What the connection's TLS handshake agreed on (None: cleartext).
+    pub tls: Option<TlsFields<'a>>,
+}
+
+/// TLS fields of an access record (logged as a `"tls"` object).
+#[derive(Clone, Copy)]
+pub struct TlsFields<'a> {
+    pub version: &'a str,
+    pub cipher: &'a str,
+    pub sni: &'a str,
+    pub alpn: &'a str,
+    /// Verified client certificate subject, "" without one.
+    pub client: &'a str,
 }
 
 /// A sink shared by all workers; cheap to clone.
@@ -119,7 +132,21 @@ fn write_record(b: &mut Vec<u8>, r: &AccessRecord<'_>) {
     escape(b, r.upstream);
     b.extend_from_slice(b"\",\"reason\":\"");
     escape(b, r.reason.as_bytes());
-    b.extend_from_slice(b"\"}\n");
+    b.push(b'"');
+    if let Some(t) = &r.tls {
+        for (k, v) in [
+            (&b",\"tls\":{\"version\":\""[..], t.version),
+            (b"\",\"cipher\":\"", t.cipher),
+            (b"\",\"sni\":\"", t.sni),
+            (b"\",\"alpn\":\"", t.alpn),
+            (b"\",\"client\":\"", t.client),
+        ] {
+            b.extend_from_slice(k);
+            escape(b, v.as_bytes());
+        }
+        b.extend_from_slice(b"\"}");
+    }
+    b.extend_from_slice(b"}\n");
 }
 
 /// JSON string escaping; bytes that are not valid UTF-8 become \u00XX so
@@ -161,6 +188,7 @@ mod tests {
                 route: "r",
                 upstream: b"127.0.0.1:9000",
                 reason: "",
+                tls: None,
             },
         );
         let s = String::from_utf8(b).unwrap();

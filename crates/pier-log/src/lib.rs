@@ -7,5 +7,5 @@
 pub mod access;
 pub mod metrics;
 
-pub use access::{AccessLog, AccessRecord};
+pub use access::{AccessLog, AccessRecord, TlsFields};
 pub use metrics::{Metrics, WORKER_ID};

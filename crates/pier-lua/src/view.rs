@@ -33,6 +33,13 @@ pub trait HttpView {
     fn client_addr(&self) -> SocketAddr;
     /// `http` or `https`.
     fn scheme(&self) -> &[u8];
+    /// TLS facts of the connection by nginx variable name (`https`,
+    /// `ssl_protocol`, `ssl_cipher`, `ssl_server_name`, `ssl_alpn_protocol`,
+    /// `ssl_client_s_dn`, `ssl_session_reused`); None when unknown or
+    /// absent (a cleartext connection has only `https` = "").
+    fn tls_var(&self, _name: &[u8]) -> Option<&[u8]> {
+        None
+    }
     /// The request's host (Host header or absolute-form authority, without port).
     fn host(&self) -> &[u8];
     /// The local port the request arrived on.

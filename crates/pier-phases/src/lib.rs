@@ -481,7 +481,22 @@ impl HttpView for View<'_> {
         self.sess.client
     }
     fn scheme(&self) -> &[u8] {
-        b"http"
+        self.sess.scheme().as_bytes()
+    }
+    fn tls_var(&self, name: &[u8]) -> Option<&[u8]> {
+        let t = self.sess.conn.tls.as_deref();
+        match name {
+            b"https" => Some(if t.is_some() { b"on" } else { b"" }),
+            b"ssl_protocol" => t.map(|t| t.version.as_bytes()),
+            b"ssl_cipher" => t.map(|t| t.cipher.as_bytes()),
+            b"ssl_server_name" => t.and_then(|t| t.sni.as_deref()).map(str::as_bytes),
+            b"ssl_alpn_protocol" => t.and_then(|t| t.alpn.as_deref()).map(str::as_bytes),
+            b"ssl_client_s_dn" => t
+                .and_then(|t| t.client_subject.as_deref())
+                .map(str::as_bytes),
+            b"ssl_session_reused" => t.map(|t| &b".r"[t.resumed as usize..][..1]),
+            _ => None,
+        }
     }
     fn host(&self) -> &[u8] {
         self.sess.up_req.host().unwrap_or(b"")
@@ -606,7 +621,13 @@ mod size_tests {
 
     fn size_of_future<F, S, Fut>(_: F) -> usize
     where
-        F: FnOnce(Arc<pier_proxy::Worker<ConfigPhases>>, S, SocketAddr, SocketAddr) -> Fut,
+        F: FnOnce(
+            Arc<pier_proxy::Worker<ConfigPhases>>,
+            S,
+            SocketAddr,
+            SocketAddr,
+            pier_proxy::session::ConnInfo,
+        ) -> Fut,
     {
         std::mem::size_of::<Fut>()
     }

@@ -116,6 +116,25 @@ pub fn render_metrics(shared: &Shared) -> String {
             );
         }
     }
+    pier_tls::stats::stats().render(&mut out);
+    if state.listener_tls.iter().any(|t| t.is_some()) {
+        out.push_str("# HELP pier_tls_certificate_expiry_seconds Seconds until the certificate's notAfter (negative: expired).\n# TYPE pier_tls_certificate_expiry_seconds gauge\n");
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs() as i64)
+            .unwrap_or(0);
+        for t in state.listener_tls.iter().flatten() {
+            for c in t.certificates() {
+                let _ = writeln!(
+                    out,
+                    "pier_tls_certificate_expiry_seconds{{listener=\"{}\",name=\"{}\"}} {}",
+                    t.listener(),
+                    c.name,
+                    c.not_after - now
+                );
+            }
+        }
+    }
     out.push_str("# HELP pier_limit_denied_total Requests over a [[limit]] rule (refused, or only counted in dry run).\n# TYPE pier_limit_denied_total counter\n");
     for l in &state.limits {
         let _ = writeln!(

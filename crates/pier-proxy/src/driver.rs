@@ -17,7 +17,7 @@ use crate::phases::{Flow, LocalResponse, Phases, Step};
 use crate::protocol::{
     BodySize, Downstream, DownstreamOpts, RequestSink, RequestSource, ResponseSink, ResponseSource,
 };
-use crate::session::Session;
+use crate::session::{ConnInfo, Session};
 use crate::state::State;
 use crate::Worker;
 use bytes::{Buf, BytesMut};
@@ -159,10 +159,12 @@ pub async fn serve_connection<P: Phases, S: Stream>(
     mut stream: S,
     client: SocketAddr,
     local: SocketAddr,
+    conn: ConnInfo,
 ) {
     // Boxed: one allocation per connection keeps the connection's future
     // small (session_size pins the box's size as the future's test does).
     let mut sess = Box::new(Session::new(client, local));
+    sess.conn = conn;
     let mut b = Bufs {
         rbuf: BytesMut::new(),
         out: Vec::new(),
@@ -354,6 +356,13 @@ fn finish<P: Phases>(w: &Worker<P>, state: &State, sess: &Session, route: Option
             route: route.map(|r| state.routes[r].name.as_str()).unwrap_or(""),
             upstream: &up[..up_len],
             reason: sess.reason,
+            tls: sess.conn.tls.as_deref().map(|t| pier_log::TlsFields {
+                version: t.version,
+                cipher: t.cipher,
+                sni: t.sni.as_deref().unwrap_or(""),
+                alpn: t.alpn.as_deref().unwrap_or(""),
+                client: t.client_subject.as_deref().unwrap_or(""),
+            }),
         });
         if dropped > 0 {
             w.shared.metrics.log_dropped(dropped);
@@ -459,6 +468,15 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
     // Route (on the request as it will go: an absolute-form target's
     // authority is its host).
     sess.step = Step::Route;
+    if let Some(r) = sess
+        .conn
+        .listener
+        .and_then(|i| state.cfg.listeners.get(i))
+        .and_then(|l| l.redirect_https)
+    {
+        let resp = https_redirect(sess, r);
+        return respond(w, state, down, b, sess, ctx, &resp, body_pending).await;
+    }
     let Some(route) = state.match_route(sess.up_req.host(), sess.up_req.path()) else {
         return local_fail(w, state, down, b, sess, ctx, Kind::NoRoute, body_pending).await
             && client_keep;
@@ -873,6 +891,52 @@ fn skip_request_header(k: Known) -> bool {
     )
 }
 
+/// `redirect_https`: the same URL over https (nginx's
+/// `return 301 https://$host$request_uri`). Not a hot path.
+fn https_redirect(sess: &Session, r: pier_config::HttpsRedirect) -> LocalResponse {
+    let (authority, target) = match sess.req.absolute_form() {
+        Some((a, t)) => (a, t),
+        None => (sess.req.host().unwrap_or(b""), sess.req.uri()),
+    };
+    // The host without its port ([v6] kept whole).
+    let host = match authority.iter().rposition(|&c| c == b':') {
+        Some(i) if !authority[i..].contains(&b']') => &authority[..i],
+        _ => authority,
+    };
+    let mut loc = b"https://".to_vec();
+    if host.is_empty() {
+        let ip = sess.local.ip().to_string();
+        match sess.local.ip() {
+            std::net::IpAddr::V6(_) => loc.extend_from_slice(format!("[{ip}]").as_bytes()),
+            _ => loc.extend_from_slice(ip.as_bytes()),
+        }
+    } else {
+        loc.extend_from_slice(host);
+    }
+    if let Some(p) = r.port {
+        loc.push(b':');
+        loc.extend_from_slice(itoa::Buffer::new().format(p).as_bytes());
+    }
+    loc.extend_from_slice(if target.is_empty() { b"/" } else { target });
+    LocalResponse {
+        status: r.status,
+        headers: vec![(b"Location".to_vec(), loc)],
+        body: b"Moved to https\n".to_vec(),
+        reason: "https-redirect",
+        kind: None,
+    }
+}
+
+/// A failed TLS handshake (as opposed to a refused or timed-out connect).
+fn is_tls_failure(e: &std::io::Error) -> bool {
+    e.get_ref()
+        .is_some_and(|i| i.downcast_ref::<rustls::Error>().is_some())
+        || matches!(
+            e.kind(),
+            std::io::ErrorKind::InvalidData | std::io::ErrorKind::UnexpectedEof
+        )
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn attempt_once<P: Phases, D: Downstream>(
     w: &Worker<P>,
@@ -887,7 +951,23 @@ async fn attempt_once<P: Phases, D: Downstream>(
 ) -> Result<bool, Error> {
     let t = &state.cfg.timeouts;
     sess.step = Step::Connect;
-    let key = PeerKey::plain(addr);
+    let tls = sess
+        .route
+        .and_then(|r| state.upstream_tls[state.routes[r].group].as_ref());
+    let key = match tls {
+        None => PeerKey::plain(addr),
+        Some(t) => PeerKey {
+            addr,
+            // The configured name, else the address (verified against the
+            // certificate's IP SANs; rustls sends no SNI for an IP).
+            sni: Some(
+                t.server_name
+                    .clone()
+                    .unwrap_or_else(|| Arc::from(addr.ip().to_string())),
+            ),
+            alpn: pier_core::Alpn::Http1,
+        },
+    };
     let pooled = if fresh_only {
         None
     } else {
@@ -896,8 +976,26 @@ async fn attempt_once<P: Phases, D: Downstream>(
     let reused = pooled.is_some();
     let mut up = match pooled {
         Some(s) => s,
-        None => match w.shared.connector.connect(&key, t.upstream_connect).await {
-            Ok(s) => s,
+        None => match w
+            .shared
+            .connector
+            .connect(&key, t.upstream_connect, tls.map(|t| &t.config))
+            .await
+        {
+            Ok(s) => {
+                if let pier_core::Conn::Tls(c) = &s {
+                    let resumed =
+                        c.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
+                    pier_tls::stats::stats().upstream(true, resumed);
+                }
+                s
+            }
+            Err(e) if tls.is_some() && is_tls_failure(&e) => {
+                // Verification or protocol failure: nothing was sent; 502.
+                pier_tls::stats::stats().upstream(false, false);
+                tracing::warn!("upstream TLS to {addr}: {e}");
+                return Err(Error::upstream(Kind::UpstreamTls));
+            }
             Err(e) => {
                 // A timeout too: nothing was sent, so any method may go
                 // to another peer, and it is a 502 (docs/config.md).

@@ -124,10 +124,17 @@ pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phas
                 continue;
             }
         };
+        let index = shared
+            .state
+            .load()
+            .cfg
+            .listeners
+            .iter()
+            .position(|l| l.name == name);
         accepts.push(tokio::task::spawn_local(pier_core::lifecycle::accept_loop(
             listener,
             shared.drain_rx(),
-            Admit(w.clone()),
+            Admit(w.clone(), index),
         )));
     }
     // A reload sets up this thread's hooks for the new config right away
@@ -175,8 +182,9 @@ pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phas
 
 /// Who gets in: `limits.max_connections` (evicting the oldest connection
 /// waiting for a head before refusing) and `limits.max_connections_per_ip`;
-/// admitted connections are served by the HTTP/1 driver.
-struct Admit<P: Phases>(Arc<Worker<P>>);
+/// admitted connections are served by the HTTP/1 driver, over TLS when
+/// their listener (the index into `cfg.listeners`) has it.
+struct Admit<P: Phases>(Arc<Worker<P>>, Option<usize>);
 
 /// A connection's slots, released however its task ends (a panic included).
 struct Slot {
@@ -232,11 +240,36 @@ impl<P: Phases> Admission for Admit<P> {
 
     fn serve(&self, stream: tokio::net::TcpStream, peer: std::net::SocketAddr, slot: Slot) {
         let w = self.0.clone();
+        let listener = self.1;
         let _ = stream.set_nodelay(true);
         let local = stream.local_addr().unwrap_or(peer);
+        // The listener's TLS as of now: a reload changes it for later
+        // connections only.
+        let tls =
+            listener.and_then(|i| w.shared.state.load().listener_tls.get(i).cloned().flatten());
         tokio::task::spawn_local(async move {
             let _slot = slot;
-            driver::serve_connection(w, stream, peer, local).await;
+            match tls {
+                None => {
+                    let conn = session::ConnInfo {
+                        listener,
+                        tls: None,
+                    };
+                    driver::serve_connection(w, stream, peer, local, conn).await
+                }
+                Some(t) => {
+                    // Bounded in time and in number, counted (pier-tls).
+                    let Some((stream, info)) = t.accept(stream).await else {
+                        return;
+                    };
+                    drop(t);
+                    let conn = session::ConnInfo {
+                        listener,
+                        tls: Some(Arc::new(info)),
+                    };
+                    driver::serve_connection(w, stream, peer, local, conn).await
+                }
+            }
         });
     }
 }

@@ -1,8 +1,19 @@
 //! One request's state as it moves through the phases.
 
 use pier_http::RequestHead;
+use pier_tls::TlsInfo;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Instant;
+
+/// What a connection brings to each of its requests: which listener took
+/// it and, over TLS, what the handshake agreed on.
+#[derive(Clone, Default)]
+pub struct ConnInfo {
+    /// Index into `Config::listeners` (None: not from a listener, as in tests).
+    pub listener: Option<usize>,
+    pub tls: Option<Arc<TlsInfo>>,
+}
 
 pub struct Session {
     /// The request as the client sent it: logs and (later) cache keys see
@@ -16,6 +27,8 @@ pub struct Session {
     pub step: crate::phases::Step,
     pub client: SocketAddr,
     pub local: SocketAddr,
+    /// The connection's listener and TLS.
+    pub conn: ConnInfo,
     /// Client IP as text, formatted once per connection (X-Forwarded-For, logs).
     pub client_ip: String,
     /// Index into `State::routes` once routed.
@@ -43,6 +56,7 @@ impl Session {
             step: crate::phases::Step::ReadHead,
             client,
             local,
+            conn: ConnInfo::default(),
             client_ip: client.ip().to_string(),
             route: None,
             now_ns: 0,
@@ -53,6 +67,15 @@ impl Session {
             reason: "",
             client_keep: true,
             upgrade: false,
+        }
+    }
+
+    /// `https` when the connection is TLS.
+    pub fn scheme(&self) -> &'static str {
+        if self.conn.tls.is_some() {
+            "https"
+        } else {
+            "http"
         }
     }
 

@@ -8,6 +8,7 @@ use pier_lb::Group;
 use pier_limits::{ConcurrencyLimit, ConcurrencyLimiter, RateLimit, RateLimiter};
 use pier_log::Metrics;
 use pier_shdict::Registry;
+use pier_tls::{ClientTls, ServerTls};
 use std::sync::Arc;
 
 pub struct RouteRt {
@@ -43,6 +44,12 @@ pub struct State {
     /// Per route: rules checked before the upstream / once a peer is chosen.
     pub route_limits: Vec<Vec<usize>>,
     pub peer_limits: Vec<Vec<usize>>,
+    /// Per listener (as `cfg.listeners`): its TLS, certificates loaded.
+    /// Rebuilt on reload: new handshakes use the new certificates, open
+    /// connections keep theirs.
+    pub listener_tls: Vec<Option<Arc<ServerTls>>>,
+    /// Per group (as `groups`): TLS to its servers.
+    pub upstream_tls: Vec<Option<ClientTls>>,
 }
 
 /// A `[[limit]]` rule with its counters.
@@ -185,6 +192,31 @@ impl State {
         };
         let route_limits = per_route(false);
         let peer_limits = per_route(true);
+        let listener_tls = cfg
+            .listeners
+            .iter()
+            .map(|l| match &l.tls {
+                Some(t) => ServerTls::build(&l.name, t).map(|s| Some(Arc::new(s))),
+                None => Ok(None),
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        let upstream_tls = cfg
+            .upstreams
+            .iter()
+            .map(|(name, u)| match &u.tls {
+                Some(t) => {
+                    let c = ClientTls::build(name, t)?;
+                    if !t.verify && prev.is_none() {
+                        tracing::warn!(
+                            upstream = %name,
+                            "tls verify = false: origin certificates are not checked"
+                        );
+                    }
+                    Ok(Some(c))
+                }
+                None => Ok(None),
+            })
+            .collect::<Result<Vec<_>, String>>()?;
         Ok(State {
             cfg,
             routes,
@@ -196,6 +228,8 @@ impl State {
             limits,
             route_limits,
             peer_limits,
+            listener_tls,
+            upstream_tls,
         })
     }
 

@@ -174,6 +174,7 @@ fn connect(e: &Engine) -> DuplexStream {
         server,
         peer,
         local,
+        Default::default(),
     ));
     client
 }

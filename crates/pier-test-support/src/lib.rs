@@ -11,6 +11,7 @@
 mod client;
 mod origin;
 mod process;
+pub mod tls;
 pub mod ws;
 
 /// For tests that parse JSON (access logs) without a dependency of their own.

@@ -43,5 +43,6 @@ pub fn upstream_with(
         max_inflight_per_server: 0,
         headers: Default::default(),
         host_header: Default::default(),
+        tls: None,
     }
 }

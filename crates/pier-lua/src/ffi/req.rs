@@ -264,7 +264,7 @@ pub(super) unsafe extern "C" fn var(
             }),
             b"scheme" => Some(v.scheme()),
             b"host" => Some(v.host()),
-            _ => None,
+            _ => v.tls_var(name),
         };
         if let Some(val) = direct {
             // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).

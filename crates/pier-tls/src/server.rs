@@ -1,0 +1,298 @@
+//! A listener's TLS: certificate selection, the rustls server config, and
+//! the bounded handshake.
+
+use crate::certs::{load_certified_key, roots_from, subject_of, CertSummary};
+use crate::stats::{stats, Failure};
+use crate::TlsInfo;
+use pier_config::{ClientAuth, ListenerTls, TlsVersion, UnknownSni};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use rustls::{HandshakeKind, ProtocolVersion, ServerConfig, ServerConnection};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::LazyConfigAcceptor;
+
+/// A finished server handshake.
+pub type Accepted = (TlsStream<TcpStream>, TlsInfo);
+
+/// Certificates by name. Each name maps to every certificate that covers it,
+/// in config order: the first whose key can sign with a scheme the client
+/// offers wins (so an ECDSA certificate listed before an RSA one for the
+/// same name serves ECDSA-capable clients, and the RSA one the others).
+#[derive(Debug, Default)]
+struct Sni {
+    exact: HashMap<String, Vec<Arc<CertifiedKey>>>,
+    /// `*.example.com` stored under `example.com`: one label deep, as
+    /// RFC 6125 wildcards match.
+    wild: HashMap<String, Vec<Arc<CertifiedKey>>>,
+    default: Vec<Arc<CertifiedKey>>,
+}
+
+impl Sni {
+    fn candidates(&self, name: &str) -> Option<&[Arc<CertifiedKey>]> {
+        let name = name.trim_end_matches('.');
+        // Names arrive lower-case from rustls-checked SNI almost always;
+        // lower-casing only when needed keeps the common case free.
+        let lowered;
+        let name = if name.bytes().any(|b| b.is_ascii_uppercase()) {
+            lowered = name.to_ascii_lowercase();
+            lowered.as_str()
+        } else {
+            name
+        };
+        if let Some(v) = self.exact.get(name) {
+            return Some(v);
+        }
+        let parent = name.split_once('.')?.1;
+        self.wild.get(parent).map(|v| v.as_slice())
+    }
+}
+
+/// Signature schemes decide between an RSA and an ECDSA certificate.
+fn pick(list: &[Arc<CertifiedKey>], hello: &ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+    let schemes = hello.signature_schemes();
+    list.iter()
+        .find(|c| c.key.choose_scheme(schemes).is_some())
+        .or(list.first())
+        .cloned()
+}
+
+impl ResolvesServerCert for Sni {
+    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        // `unknown_sni = "refuse"` is decided before this (accept), where it
+        // is counted; here an unknown name gets the default.
+        let list = hello
+            .server_name()
+            .and_then(|n| self.candidates(n))
+            .unwrap_or(&self.default);
+        pick(list, &hello)
+    }
+}
+
+/// Ticket keys: one rotating ticketer for the process, so every worker and
+/// every reloaded config accept each other's tickets.
+fn ticketer() -> Result<Arc<dyn rustls::server::ProducesTickets>, String> {
+    static T: OnceLock<Arc<dyn rustls::server::ProducesTickets>> = OnceLock::new();
+    if let Some(t) = T.get() {
+        return Ok(t.clone());
+    }
+    let t = rustls::crypto::aws_lc_rs::Ticketer::new().map_err(|e| format!("ticket keys: {e}"))?;
+    Ok(T.get_or_init(|| t).clone())
+}
+
+/// One listener's TLS, shared by every worker (and replaced on reload;
+/// connections keep the one they started with).
+pub struct ServerTls {
+    listener: String,
+    config: Arc<ServerConfig>,
+    sni: Arc<Sni>,
+    refuse_unknown: bool,
+    certs: Vec<CertSummary>,
+    handshake_timeout: std::time::Duration,
+    max_handshakes: usize,
+    in_progress: AtomicUsize,
+}
+
+impl std::fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerTls")
+            .field("listener", &self.listener)
+            .field("certs", &self.certs)
+            .finish()
+    }
+}
+
+const PLAIN_HTTP: &[u8] = b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: 46\r\nConnection: close\r\n\r\nThe plain HTTP request was sent to HTTPS port\n";
+
+impl ServerTls {
+    /// Load every certificate and build the rustls config. Errors name the
+    /// file and what is wrong with it.
+    pub fn build(listener: &str, cfg: &ListenerTls) -> Result<ServerTls, String> {
+        let provider = crate::provider();
+        let mut sni = Sni::default();
+        let mut certs = Vec::new();
+        for f in &cfg.certificates {
+            let (ck, summary) =
+                load_certified_key(f).map_err(|e| format!("listener `{listener}`: {e}"))?;
+            for n in &summary.names {
+                match n.strip_prefix("*.") {
+                    Some(parent) => sni.wild.entry(parent.to_string()).or_default(),
+                    None => sni.exact.entry(n.clone()).or_default(),
+                }
+                .push(ck.clone());
+            }
+            certs.push((ck, summary));
+        }
+        let Some((first, first_summary)) = certs.first() else {
+            return Err(format!("listener `{listener}`: no certificate"));
+        };
+        // The default: the first certificate, plus any other certificate for
+        // its first name (its RSA/ECDSA twin).
+        sni.default = match first_summary.names.first() {
+            Some(n) => match n.strip_prefix("*.") {
+                Some(p) => sni.wild.get(p).cloned(),
+                None => sni.exact.get(n).cloned(),
+            }
+            .unwrap_or_else(|| vec![first.clone()]),
+            None => vec![first.clone()],
+        };
+        let versions: &[&rustls::SupportedProtocolVersion] = match cfg.min_version {
+            TlsVersion::Tls13 => &[&rustls::version::TLS13],
+            TlsVersion::Tls12 => &[&rustls::version::TLS13, &rustls::version::TLS12],
+        };
+        let builder = ServerConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(versions)
+            .map_err(|e| format!("listener `{listener}`: {e}"))?;
+        let sni = Arc::new(sni);
+        let builder = match (&cfg.client_ca, cfg.client_auth) {
+            (Some(ca), auth) if auth != ClientAuth::Off => {
+                let roots =
+                    Arc::new(roots_from(ca).map_err(|e| format!("listener `{listener}`: {e}"))?);
+                let v = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                    roots,
+                    provider.clone(),
+                );
+                let v = if auth == ClientAuth::Optional {
+                    v.allow_unauthenticated()
+                } else {
+                    v
+                };
+                builder.with_client_cert_verifier(
+                    v.build()
+                        .map_err(|e| format!("listener `{listener}`: client_ca: {e}"))?,
+                )
+            }
+            _ => builder.with_no_client_auth(),
+        };
+        let mut config = builder.with_cert_resolver(sni.clone() as Arc<dyn ResolvesServerCert>);
+        config.alpn_protocols = cfg.alpn.iter().map(|a| a.as_bytes().to_vec()).collect();
+        config.session_storage = if cfg.session_cache > 0 {
+            rustls::server::ServerSessionMemoryCache::new(cfg.session_cache)
+        } else {
+            Arc::new(rustls::server::NoServerSessionStorage {})
+        };
+        if cfg.session_tickets {
+            config.ticketer = ticketer()?;
+        }
+        Ok(ServerTls {
+            listener: listener.to_string(),
+            config: Arc::new(config),
+            sni,
+            refuse_unknown: cfg.unknown_sni == UnknownSni::Refuse,
+            certs: certs.into_iter().map(|(_, s)| s).collect(),
+            handshake_timeout: cfg.handshake_timeout,
+            max_handshakes: cfg.max_handshakes,
+            in_progress: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn listener(&self) -> &str {
+        &self.listener
+    }
+
+    /// The loaded certificates (names and expiry), in config order.
+    pub fn certificates(&self) -> &[CertSummary] {
+        &self.certs
+    }
+
+    pub fn config(&self) -> &Arc<ServerConfig> {
+        &self.config
+    }
+
+    /// Run the server handshake on an accepted connection, within
+    /// `handshake_timeout` and `max_handshakes`; every outcome is counted.
+    /// `None`: the connection is done (refused, failed, or plain HTTP, which
+    /// got a 400 as nginx gives).
+    pub async fn accept(&self, tcp: TcpStream) -> Option<Accepted> {
+        // A slot among the handshakes in progress, released on every path.
+        struct Slot<'a>(&'a AtomicUsize);
+        impl Drop for Slot<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Relaxed);
+            }
+        }
+        if self.in_progress.fetch_add(1, Relaxed) >= self.max_handshakes {
+            self.in_progress.fetch_sub(1, Relaxed);
+            stats().failure(Failure::Overload);
+            return None;
+        }
+        let _slot = Slot(&self.in_progress);
+        match tokio::time::timeout(self.handshake_timeout, self.handshake(tcp)).await {
+            Err(_) => {
+                stats().failure(Failure::Timeout);
+                None
+            }
+            Ok(Err(f)) => {
+                stats().failure(f);
+                None
+            }
+            Ok(Ok(a)) => {
+                stats().handshake(&a.1);
+                Some(a)
+            }
+        }
+    }
+
+    async fn handshake(&self, mut tcp: TcpStream) -> Result<Accepted, Failure> {
+        let mut first = [0u8; 1];
+        match tcp.peek(&mut first).await {
+            Ok(0) | Err(_) => return Err(Failure::Closed),
+            Ok(_) => {}
+        }
+        // A TLS connection starts with a handshake record (type 22).
+        if first[0] != 0x16 {
+            if first[0].is_ascii_uppercase() {
+                // Plain HTTP on the TLS port: say so, as nginx does. Read
+                // what arrived first, so closing does not reset the answer.
+                let mut sink = [0u8; 2048];
+                let _ = tcp.read(&mut sink).await;
+                let _ = tcp.write_all(PLAIN_HTTP).await;
+                let _ = tcp.shutdown().await;
+            }
+            return Err(Failure::NotTls);
+        }
+        let start = LazyConfigAcceptor::new(rustls::server::Acceptor::default(), tcp)
+            .await
+            .map_err(|e| Failure::of(&e))?;
+        if self.refuse_unknown {
+            if let Some(name) = start.client_hello().server_name() {
+                if self.sni.candidates(name).is_none() {
+                    return Err(Failure::UnknownSni);
+                }
+            }
+        }
+        let stream = start
+            .into_stream(self.config.clone())
+            .await
+            .map_err(|e| Failure::of(&e))?;
+        let info = info_of(stream.get_ref().1);
+        Ok((stream, info))
+    }
+}
+
+fn info_of(c: &ServerConnection) -> TlsInfo {
+    TlsInfo {
+        version: match c.protocol_version() {
+            Some(ProtocolVersion::TLSv1_3) => "TLSv1.3",
+            Some(ProtocolVersion::TLSv1_2) => "TLSv1.2",
+            _ => "unknown",
+        },
+        cipher: c
+            .negotiated_cipher_suite()
+            .and_then(|s| s.suite().as_str())
+            .unwrap_or("unknown"),
+        sni: c.server_name().map(Box::from),
+        alpn: c
+            .alpn_protocol()
+            .map(|a| String::from_utf8_lossy(a).into_owned().into_boxed_str()),
+        client_subject: c
+            .peer_certificates()
+            .and_then(|certs| certs.first())
+            .and_then(subject_of),
+        resumed: c.handshake_kind() == Some(HandshakeKind::Resumed),
+    }
+}
