@@ -2253,3 +2253,134 @@ fn lua_bounds() {
         "`max_sockets_per_request` must be between 1 and 1000000",
     );
 }
+
+// === TLS ===
+
+const TLS_BASE: &str = r#"[[listener]]
+name = "https"
+listen = "127.0.0.1:0"
+[listener.tls]
+"#;
+
+const TLS_TAIL: &str = r#"
+[[route]]
+upstream = "app"
+[upstream.app]
+servers = ["127.0.0.1:9000"]
+"#;
+
+fn tls_file(tls: &str, upstream_tls: &str) -> String {
+    format!("{TLS_BASE}{tls}\n{TLS_TAIL}{upstream_tls}")
+}
+
+#[test]
+fn listener_tls_defaults_and_certificates() {
+    let c = ok(&tls_file(
+        "cert = \"/c/a.pem\"\nkey = \"a.key\"\ncertificates = [{ cert = \"b.pem\", key = \"/k/b.key\" }]",
+        "",
+    ));
+    let t = c.listeners[0].tls.as_ref().unwrap();
+    assert_eq!(t.certificates.len(), 2);
+    assert_eq!(t.certificates[0].cert, std::path::PathBuf::from("/c/a.pem"));
+    assert!(t.certificates[1].cert.ends_with("b.pem"));
+    assert_eq!(t.certificates[1].key, std::path::PathBuf::from("/k/b.key"));
+    assert_eq!(t.unknown_sni, UnknownSni::Default);
+    assert_eq!(t.min_version, TlsVersion::Tls12);
+    assert_eq!(t.alpn, vec!["http/1.1".to_string()]);
+    assert_eq!((t.session_cache, t.session_tickets), (20_000, true));
+    assert_eq!(t.client_auth, ClientAuth::Off);
+    assert_eq!(t.handshake_timeout, Duration::from_secs(10));
+    assert_eq!(t.max_handshakes, 1024);
+    assert!(c.upstreams["app"].tls.is_none());
+    // A client CA alone means "required".
+    let c = ok(&tls_file("cert = \"a\"\nkey = \"b\"\nclient_ca = \"ca.pem\"\nmin_version = \"1.3\"\nunknown_sni = \"refuse\"", ""));
+    let t = c.listeners[0].tls.as_ref().unwrap();
+    assert_eq!(t.client_auth, ClientAuth::Required);
+    assert_eq!(t.min_version, TlsVersion::Tls13);
+    assert_eq!(t.unknown_sni, UnknownSni::Refuse);
+}
+
+#[test]
+fn listener_tls_mistakes() {
+    let e = errors(&tls_file("", ""));
+    assert!(
+        e.len() == 1 && e[0].contains("needs a certificate"),
+        "{e:?}"
+    );
+    one_error(
+        &tls_file("cert = \"a\"", ""),
+        "5:8",
+        "`cert` and `key` go together",
+    );
+    one_error(
+        &tls_file("cert = \"a\"\nkey = \"b\"\nmin_version = \"1.1\"", ""),
+        "7:15",
+        "expected \"1.2\" or \"1.3\"",
+    );
+    one_error(
+        &tls_file("cert = \"a\"\nkey = \"b\"\nclient_auth = \"optional\"", ""),
+        "7:15",
+        "needs `client_ca`",
+    );
+    one_error(
+        &tls_file("cert = \"a\"\nkey = \"b\"\nalpn = [\"h2\"]", ""),
+        "7:9",
+        "only \"http/1.1\"",
+    );
+    let redirect_on_tls = tls_file("cert = \"a\"\nkey = \"b\"", "").replace(
+        "listen = \"127.0.0.1:0\"\n",
+        "listen = \"127.0.0.1:0\"\nredirect_https = 301\n",
+    );
+    one_error(&redirect_on_tls, "4:18", "redirect https to itself");
+}
+
+#[test]
+fn redirect_https_and_upstream_tls() {
+    let text = format!(
+        "[[listener]]\nlisten = \"127.0.0.1:0\"\nredirect_https = 308\nhttps_port = 8443\n{TLS_TAIL}[upstream.app.tls]\nserver_name = \"Api.Example\"\nca = \"/ca.pem\"\ncert = \"c.pem\"\nkey = \"c.key\"\n"
+    );
+    let c = ok(&text);
+    assert_eq!(
+        c.listeners[0].redirect_https,
+        Some(HttpsRedirect {
+            status: 308,
+            port: Some(8443)
+        })
+    );
+    let t = c.upstreams["app"].tls.as_ref().unwrap();
+    assert_eq!(t.server_name.as_deref(), Some("api.example"));
+    assert!(t.verify && t.session_resumption);
+    assert_eq!(t.ca, Some(std::path::PathBuf::from("/ca.pem")));
+    assert!(t.client_cert.as_ref().unwrap().key.ends_with("c.key"));
+    one_error(
+        &text.replace("redirect_https = 308", "redirect_https = 303"),
+        "3:18",
+        "301, 302, 307 or 308",
+    );
+    one_error(
+        &text.replace("key = \"c.key\"\n", ""),
+        "13:8",
+        "go together",
+    );
+    // Quick mode origins.
+    let o = parse_origin("https://127.0.0.1").unwrap();
+    assert_eq!(
+        (o.addrs[0], o.tls, o.name),
+        (addr("127.0.0.1:443"), true, None)
+    );
+    let o = parse_origin("http://localhost:8080/").unwrap();
+    assert_eq!((o.addrs[0], o.tls), (addr("127.0.0.1:8080"), false));
+    assert_eq!(o.name.as_deref(), Some("localhost"));
+    assert!(parse_origin("ftp://127.0.0.1:21").is_err());
+    assert!(parse_origin("https://127.0.0.1/path").is_err());
+    let c = Config::quick_with(
+        addr("127.0.0.1:0"),
+        vec![parse_origin("https://localhost:9443").unwrap()],
+        None,
+        None,
+        None,
+    )
+    .unwrap();
+    let t = c.upstreams["default"].tls.as_ref().unwrap();
+    assert_eq!(t.server_name.as_deref(), Some("localhost"));
+}

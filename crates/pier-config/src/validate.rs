@@ -869,7 +869,7 @@ fn listener_tls(c: &mut Check, name: &str, t: &ListenerTlsSection, base: &Path) 
             key: path_of(base, &e.key),
         });
     }
-    if certificates.is_empty() {
+    if certificates.is_empty() && t.cert.is_none() && t.key.is_none() {
         c.err(
             None,
             format!("listener `{name}`: [listener.tls] needs a certificate: `cert` and `key`, or `certificates = [{{ cert = \"FILE\", key = \"FILE\" }}]`"),

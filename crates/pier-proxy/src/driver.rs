@@ -1361,7 +1361,9 @@ fn write_upstream_head(out: &mut Vec<u8>, state: &State, sess: &Session, addr: S
         out.extend_from_slice(b", ");
     }
     out.extend_from_slice(sess.client_ip.as_bytes());
-    out.extend_from_slice(b"\r\nX-Forwarded-Proto: http\r\n");
+    out.extend_from_slice(b"\r\nX-Forwarded-Proto: ");
+    out.extend_from_slice(sess.scheme().as_bytes());
+    out.extend_from_slice(b"\r\n");
     // The host the client asked for (an absolute-form target's authority).
     let asked = sess.req.absolute_form().map(|(a, _)| a).or(sess.req.host());
     if let Some(h) = asked {

@@ -110,3 +110,178 @@ impl TestCa {
         pair
     }
 }
+
+/// A blocking rustls client for tests: one TLS connection, raw HTTP/1.1
+/// requests on it, and what the handshake agreed on.
+pub struct TlsClient {
+    stream: rustls::StreamOwned<rustls::ClientConnection, std::net::TcpStream>,
+    buf: Vec<u8>,
+}
+
+/// Client settings; one `ClientConfig` keeps its session cache, so a second
+/// connection made from the same `TlsClientConfig` can resume.
+#[derive(Clone)]
+pub struct TlsClientConfig(pub std::sync::Arc<rustls::ClientConfig>);
+
+impl TlsClientConfig {
+    /// Trust `ca`; present `client` if given; offer `alpn`; restrict the
+    /// signature schemes offered to `schemes` when given (RSA/ECDSA choice).
+    pub fn new(
+        ca: &Path,
+        client: Option<&CertPair>,
+        alpn: &[&str],
+        schemes: Option<Vec<rustls::SignatureScheme>>,
+    ) -> TlsClientConfig {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let mut roots = rustls::RootCertStore::empty();
+        for c in CertificateDer::pem_file_iter(ca).unwrap() {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let mut provider = rustls::crypto::aws_lc_rs::default_provider();
+        if let Some(s) = schemes {
+            // Only what the client may verify: the server must sign with one.
+            let algs = provider.signature_verification_algorithms;
+            let mapping: &'static [(
+                rustls::SignatureScheme,
+                &'static [&'static dyn rustls::pki_types::SignatureVerificationAlgorithm],
+            )] = Box::leak(
+                algs.mapping
+                    .iter()
+                    .filter(|(k, _)| s.contains(k))
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .into_boxed_slice(),
+            );
+            provider.signature_verification_algorithms =
+                rustls::crypto::WebPkiSupportedAlgorithms {
+                    all: algs.all,
+                    mapping,
+                };
+        }
+        let b = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(provider))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots);
+        let mut cfg = match client {
+            Some(c) => b
+                .with_client_auth_cert(
+                    CertificateDer::pem_file_iter(&c.cert)
+                        .unwrap()
+                        .map(|c| c.unwrap())
+                        .collect(),
+                    PrivateKeyDer::from_pem_file(&c.key).unwrap(),
+                )
+                .unwrap(),
+            None => b.with_no_client_auth(),
+        };
+        cfg.alpn_protocols = alpn.iter().map(|a| a.as_bytes().to_vec()).collect();
+        TlsClientConfig(std::sync::Arc::new(cfg))
+    }
+}
+
+impl TlsClient {
+    /// Connect and finish the handshake (10 s limits).
+    pub fn connect(
+        addr: std::net::SocketAddr,
+        sni: &str,
+        cfg: &TlsClientConfig,
+    ) -> std::io::Result<TlsClient> {
+        let tcp = std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(10))?;
+        tcp.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
+        tcp.set_write_timeout(Some(std::time::Duration::from_secs(10)))?;
+        let name = rustls::pki_types::ServerName::try_from(sni.to_string())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let conn = rustls::ClientConnection::new(cfg.0.clone(), name)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let mut stream = rustls::StreamOwned::new(conn, tcp);
+        while stream.conn.is_handshaking() {
+            stream.conn.complete_io(&mut stream.sock)?;
+        }
+        Ok(TlsClient {
+            stream,
+            buf: Vec::new(),
+        })
+    }
+
+    pub fn conn(&self) -> &rustls::ClientConnection {
+        &self.stream.conn
+    }
+
+    /// The server certificate's DER (to compare with a file's).
+    pub fn peer_cert(&self) -> Vec<u8> {
+        self.stream
+            .conn
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .map(|c| c.to_vec())
+            .unwrap_or_default()
+    }
+
+    pub fn resumed(&self) -> bool {
+        self.stream.conn.handshake_kind() == Some(rustls::HandshakeKind::Resumed)
+    }
+
+    /// Send a GET with Host `host`; read one response with a Content-Length
+    /// or chunked body (Pier's codec). Returns (status, headers, body).
+    pub fn get(&mut self, host: &str, path: &str) -> std::io::Result<crate::Response> {
+        use std::io::{Read, Write};
+        let req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n");
+        self.stream.write_all(req.as_bytes())?;
+        self.stream.flush()?;
+        let limits = pier_http::HeadLimits::default();
+        loop {
+            let mut head = pier_http::ResponseHead::default();
+            if let Ok(Some(n)) = head.parse(&self.buf, &limits) {
+                let len = match head.body_len(pier_http::Method::Get) {
+                    Ok(pier_http::BodyLen::Length(l)) => l as usize,
+                    _ => 0,
+                };
+                while self.buf.len() < n + len {
+                    let mut b = [0u8; 16384];
+                    let k = self.stream.read(&mut b)?;
+                    if k == 0 {
+                        return Err(std::io::ErrorKind::UnexpectedEof.into());
+                    }
+                    self.buf.extend_from_slice(&b[..k]);
+                }
+                let body = self.buf[n..n + len].to_vec();
+                let headers = head
+                    .headers
+                    .iter()
+                    .map(|(k, v)| {
+                        (
+                            String::from_utf8_lossy(k).into_owned(),
+                            String::from_utf8_lossy(v).into_owned(),
+                        )
+                    })
+                    .collect();
+                self.buf.drain(..n + len);
+                return Ok(crate::Response {
+                    status: head.status,
+                    headers,
+                    body_len: body.len() as u64,
+                    body,
+                    ..Default::default()
+                });
+            }
+            let mut b = [0u8; 16384];
+            let k = self.stream.read(&mut b)?;
+            if k == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            self.buf.extend_from_slice(&b[..k]);
+        }
+    }
+}
+
+/// The DER of the first certificate in a PEM file.
+pub fn cert_der(pem: &Path) -> Vec<u8> {
+    use rustls::pki_types::pem::PemObject;
+    rustls::pki_types::CertificateDer::pem_file_iter(pem)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .to_vec()
+}

@@ -1,0 +1,675 @@
+//! TLS on both sides (issue 9), with real clients: a rustls client, curl and
+//! `openssl s_client`. Certificates are made at test time (rcgen), in the
+//! test's own directory.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use pier_test_support::tls::{cert_der, Alg, CertPair, TestCa, TlsClient, TlsClientConfig};
+
+fn p(path: &Path) -> String {
+    path.display().to_string()
+}
+
+/// A config with one TLS listener `main` (its `[listener.tls]` body given)
+/// proxying to `origin`.
+fn tls_config(origin: SocketAddr, tls: &str, top: &str) -> String {
+    let top = if top.contains("[log]") {
+        top.to_string()
+    } else {
+        format!("[log]\naccess = \"off\"\n{top}")
+    };
+    format!(
+        r#"[server]
+workers = 2
+grace_period = "5s"
+
+[admin]
+listen = "127.0.0.1:0"
+
+{top}
+
+[[listener]]
+name = "main"
+listen = "127.0.0.1:0"
+[listener.tls]
+{tls}
+
+[[route]]
+name = "default"
+upstream = "app"
+
+[upstream.app]
+servers = ["{origin}"]
+"#
+    )
+}
+
+fn client(ca: &Path) -> TlsClientConfig {
+    TlsClientConfig::new(ca, None, &["http/1.1"], None)
+}
+
+/// `openssl s_client` against `addr` with extra args; its stdout+stderr.
+fn s_client(addr: SocketAddr, args: &[&str]) -> String {
+    let out = run_with_timeout(
+        Command::new("openssl")
+            .args(["s_client", "-connect", &addr.to_string()])
+            .args(args)
+            .stdin(std::process::Stdio::null()),
+        Duration::from_secs(20),
+    );
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn certificates_by_sni_exact_wildcard_and_default() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let default = ca.server("default", &["default.test"], Alg::EcdsaP256, 30);
+    let exact = ca.server("exact", &["a.example.test"], Alg::EcdsaP384, 30);
+    let wild = ca.server("wild", &["*.wild.test"], Alg::Ed25519, 30);
+    let o = Origin::start_named("alpha");
+    let tls = format!(
+        "cert = \"{}\"\nkey = \"{}\"\ncertificates = [{{ cert = \"{}\", key = \"{}\" }}, {{ cert = \"{}\", key = \"{}\" }}]",
+        p(&default.cert),
+        p(&default.key),
+        p(&exact.cert),
+        p(&exact.key),
+        p(&wild.cert),
+        p(&wild.key)
+    );
+    let pier = pier(&tls_config(o.addr(), &tls, ""));
+    let addr = pier.listener("main");
+    let cfg = client(&ca.cert);
+    for (sni, want) in [
+        ("a.example.test", &exact),
+        ("x.wild.test", &wild),
+        ("default.test", &default),
+    ] {
+        let mut c = TlsClient::connect(addr, sni, &cfg).unwrap();
+        assert_eq!(c.peer_cert(), cert_der(&want.cert), "certificate for {sni}");
+        let r = c.get(sni, "/headers").unwrap();
+        assert_eq!(r.status, 200);
+        // The origin learns the request came over https.
+        assert!(
+            r.body_str()
+                .to_ascii_lowercase()
+                .contains("x-forwarded-proto: https"),
+            "{}",
+            r.body_str()
+        );
+    }
+    // A wildcard covers one label only; unknown names get the default
+    // certificate (which the client then refuses: wrong name).
+    let deep = TlsClient::connect(addr, "a.b.wild.test", &cfg);
+    assert!(deep.is_err(), "a.b.wild.test must not match *.wild.test");
+    let out = s_client(addr, &["-servername", "unknown.test"]);
+    assert!(out.contains("CN = default.test"), "{out}");
+    // curl, verifying against the test CA.
+    let out = curl(&[
+        "--cacert",
+        &p(&ca.cert),
+        "--resolve",
+        &format!("a.example.test:{}:127.0.0.1", addr.port()),
+        &format!("https://a.example.test:{}/hello", addr.port()),
+    ]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hello world\n");
+}
+
+#[test]
+fn unknown_sni_refused_when_configured() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let only = ca.server("only", &["only.test"], Alg::EcdsaP256, 30);
+    let o = Origin::start();
+    let tls = format!(
+        "cert = \"{}\"\nkey = \"{}\"\nunknown_sni = \"refuse\"",
+        p(&only.cert),
+        p(&only.key)
+    );
+    let pier = pier(&tls_config(o.addr(), &tls, ""));
+    let addr = pier.listener("main");
+    let cfg = client(&ca.cert);
+    assert!(TlsClient::connect(addr, "other.test", &cfg).is_err());
+    assert!(wait_until(Duration::from_secs(10), || pier.metric_value(
+        "pier_tls_handshake_failures_total{reason=\"unknown_sni\"}"
+    ) == Some(1.0)));
+    let mut c = TlsClient::connect(addr, "only.test", &cfg).unwrap();
+    assert_eq!(c.get("only.test", "/hello").unwrap().status, 200);
+}
+
+#[test]
+fn rsa_or_ecdsa_by_what_the_client_supports() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let ec = ca.server("dual-ec", &["dual.test"], Alg::EcdsaP256, 30);
+    let rsa = ca.server("dual-rsa", &["dual.test"], Alg::Rsa2048, 30);
+    let o = Origin::start();
+    let tls = format!(
+        "certificates = [{{ cert = \"{}\", key = \"{}\" }}, {{ cert = \"{}\", key = \"{}\" }}]",
+        p(&ec.cert),
+        p(&ec.key),
+        p(&rsa.cert),
+        p(&rsa.key)
+    );
+    let pier = pier(&tls_config(o.addr(), &tls, ""));
+    let addr = pier.listener("main");
+    use rustls::SignatureScheme as S;
+    let only_rsa = TlsClientConfig::new(
+        &ca.cert,
+        None,
+        &[],
+        Some(vec![S::RSA_PSS_SHA256, S::RSA_PKCS1_SHA256]),
+    );
+    let only_ec = TlsClientConfig::new(&ca.cert, None, &[], Some(vec![S::ECDSA_NISTP256_SHA256]));
+    let c = TlsClient::connect(addr, "dual.test", &only_rsa).unwrap();
+    assert_eq!(c.peer_cert(), cert_der(&rsa.cert));
+    let c = TlsClient::connect(addr, "dual.test", &only_ec).unwrap();
+    assert_eq!(c.peer_cert(), cert_der(&ec.cert));
+    let c = TlsClient::connect(addr, "dual.test", &client(&ca.cert)).unwrap();
+    assert_eq!(
+        c.peer_cert(),
+        cert_der(&ec.cert),
+        "listed first, and supported"
+    );
+    // openssl says the same.
+    let out = s_client(
+        addr,
+        &[
+            "-servername",
+            "dual.test",
+            "-sigalgs",
+            "RSA-PSS+SHA256",
+            "-tls1_3",
+        ],
+    );
+    assert!(out.contains("Peer signature type: RSA-PSS"), "{out}");
+}
+
+#[test]
+fn alpn_versions_and_resumption() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    let o = Origin::start();
+    let tls = format!("cert = \"{}\"\nkey = \"{}\"", p(&cert.cert), p(&cert.key));
+    let pier = pier(&tls_config(o.addr(), &tls, ""));
+    let addr = pier.listener("main");
+    let cfg = client(&ca.cert);
+    let mut first = TlsClient::connect(addr, "site.test", &cfg).unwrap();
+    assert_eq!(first.conn().alpn_protocol(), Some(&b"http/1.1"[..]));
+    assert_eq!(
+        first.conn().protocol_version(),
+        Some(rustls::ProtocolVersion::TLSv1_3)
+    );
+    // Reading a response also takes in the session tickets sent after the handshake.
+    assert_eq!(first.get("site.test", "/hello").unwrap().status, 200);
+    assert!(!first.resumed());
+    // The same client config resumes with a ticket (any worker takes it).
+    for _ in 0..4 {
+        let mut again = TlsClient::connect(addr, "site.test", &cfg).unwrap();
+        assert!(again.resumed(), "ticket resumption");
+        assert_eq!(again.get("site.test", "/hello").unwrap().status, 200);
+    }
+    // TLS 1.2 session-ID resumption through the session cache, as openssl shows.
+    let out = s_client(addr, &["-servername", "site.test", "-tls1_2", "-reconnect"]);
+    assert!(out.contains("Reused, TLSv1.2"), "{out}");
+    assert!(
+        pier.metric_sum("pier_tls_handshakes_total", &[("result", "resumed")]) >= 4.0,
+        "{}",
+        pier.metrics()
+    );
+    // min_version = "1.3" refuses TLS 1.2.
+    let tls13 = format!("{tls}\nmin_version = \"1.3\"");
+    let pier13 = common::pier(&tls_config(o.addr(), &tls13, ""));
+    let out = s_client(
+        pier13.listener("main"),
+        &["-servername", "site.test", "-tls1_2"],
+    );
+    assert!(!out.contains("New, TLSv1.2"), "{out}");
+    assert!(wait_until(Duration::from_secs(10), || pier13
+        .metric_value("pier_tls_handshake_failures_total{reason=\"no_shared_cipher\"}")
+        .unwrap_or(0.0)
+        >= 1.0));
+}
+
+#[test]
+fn client_certificates_required_and_optional() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let other_ca = TestCa::new(dir.path(), "stranger");
+    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    let alice = ca.client("alice", "alice");
+    let mallory = other_ca.client("mallory", "mallory");
+    let o = Origin::start();
+    let log = dir.path().join("access.log");
+    for mode in ["required", "optional"] {
+        let tls = format!(
+            "cert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\nclient_auth = \"{mode}\"",
+            p(&cert.cert),
+            p(&cert.key),
+            p(&ca.cert)
+        );
+        let _ = std::fs::remove_file(&log);
+        let pier = pier(&tls_config(
+            o.addr(),
+            &tls,
+            &format!("[log]\naccess = \"{}\"", p(&log)),
+        ));
+        let addr = pier.listener("main");
+        let with = TlsClientConfig::new(&ca.cert, Some(&alice), &[], None);
+        let mut c = TlsClient::connect(addr, "site.test", &with).unwrap();
+        assert_eq!(c.get("site.test", "/hello").unwrap().status, 200);
+        // A certificate from another CA is refused either way.
+        let bad = TlsClientConfig::new(&ca.cert, Some(&mallory), &[], None);
+        let refused = TlsClient::connect(addr, "site.test", &bad)
+            .and_then(|mut c| c.get("site.test", "/hello"));
+        assert!(refused.is_err(), "{mode}: a stranger's certificate got in");
+        // Without one: refused when required, let in when optional.
+        let none = client(&ca.cert);
+        let anon = TlsClient::connect(addr, "site.test", &none)
+            .and_then(|mut c| c.get("site.test", "/hello"));
+        assert_eq!(anon.is_ok(), mode == "optional", "{mode}");
+        assert!(wait_until(Duration::from_secs(10), || pier
+            .metric_value("pier_tls_handshake_failures_total{reason=\"bad_client_cert\"}")
+            .unwrap_or(0.0)
+            >= 1.0));
+        // The verified subject reaches the access log.
+        assert!(wait_until(Duration::from_secs(10), || {
+            std::fs::read_to_string(&log)
+                .map(|s| s.contains("CN=alice"))
+                .unwrap_or(false)
+        }));
+        let line = std::fs::read_to_string(&log).unwrap();
+        let first: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+        assert_eq!(first["tls"]["version"], "TLSv1.3");
+        assert_eq!(first["tls"]["sni"], "site.test");
+        assert_eq!(first["tls"]["alpn"], "");
+    }
+}
+
+#[test]
+fn plain_http_on_the_tls_port_gets_400() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    let o = Origin::start();
+    let tls = format!("cert = \"{}\"\nkey = \"{}\"", p(&cert.cert), p(&cert.key));
+    let pier = pier(&tls_config(o.addr(), &tls, ""));
+    let mut c = RawConn::connect(pier.listener("main"));
+    let r = c.get("/hello").unwrap();
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        r.body_str(),
+        "The plain HTTP request was sent to HTTPS port\n"
+    );
+    assert!(c.is_closed(Duration::from_secs(10)));
+    assert_eq!(
+        pier.metric_value("pier_tls_handshake_failures_total{reason=\"not_tls\"}"),
+        Some(1.0)
+    );
+    assert_eq!(o.requests(), 0);
+}
+
+#[test]
+fn stalled_handshakes_time_out_and_a_flood_is_bounded() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    let o = Origin::start();
+    let tls = format!(
+        "cert = \"{}\"\nkey = \"{}\"\nhandshake_timeout = \"1s\"\nmax_handshakes = 16",
+        p(&cert.cert),
+        p(&cert.key)
+    );
+    let pier = pier(&tls_config(o.addr(), &tls, ""));
+    let addr = pier.listener("main");
+    let rss_before = pier.rss_kib().unwrap_or(0);
+    // 300 connections that start a TLS record and never finish it.
+    let mut stalled = Vec::new();
+    for _ in 0..300 {
+        let mut c = RawConn::connect(addr);
+        c.send(&[0x16, 0x03, 0x01, 0x02, 0x00, 0x01]);
+        stalled.push(c);
+    }
+    // Past max_handshakes they are closed at once; the others at the timeout.
+    assert!(wait_until(Duration::from_secs(20), || {
+        let m = |r: &str| {
+            pier.metric_value(&format!(
+                "pier_tls_handshake_failures_total{{reason=\"{r}\"}}"
+            ))
+            .unwrap_or(0.0)
+        };
+        m("overload") + m("timeout") >= 300.0
+    }));
+    assert!(
+        pier.metric_value("pier_tls_handshake_failures_total{reason=\"overload\"}")
+            .unwrap_or(0.0)
+            > 0.0
+    );
+    for c in stalled.iter_mut() {
+        assert!(c.is_closed(Duration::from_secs(10)));
+    }
+    if let (Some(after), true) = (pier.rss_kib(), rss_before > 0) {
+        assert!(
+            after < rss_before + 32 * 1024,
+            "RSS grew from {rss_before} to {after} KiB"
+        );
+    }
+    // Served connections are not affected.
+    let mut c = TlsClient::connect(addr, "site.test", &client(&ca.cert)).unwrap();
+    assert_eq!(c.get("site.test", "/hello").unwrap().status, 200);
+}
+
+#[test]
+fn reload_swaps_the_certificate_without_dropping_connections() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let old = ca.server("old", &["site.test"], Alg::EcdsaP256, 30);
+    let new = ca.server("new", &["site.test"], Alg::EcdsaP256, 60);
+    let o = Origin::start();
+    let tls_old = format!("cert = \"{}\"\nkey = \"{}\"", p(&old.cert), p(&old.key));
+    let mut pier = pier(&tls_config(o.addr(), &tls_old, ""));
+    let addr = pier.listener("main");
+    let cfg = client(&ca.cert);
+    let mut open = TlsClient::connect(addr, "site.test", &cfg).unwrap();
+    assert_eq!(open.get("site.test", "/hello").unwrap().status, 200);
+    assert_eq!(open.peer_cert(), cert_der(&old.cert));
+
+    // A config whose certificate does not load is refused; the old one stays.
+    let broken = format!("cert = \"{}\"\nkey = \"{}\"", p(&old.cert), p(&new.key));
+    pier.rewrite_config(&tls_config(o.addr(), &broken, ""));
+    pier.signal(sig::SIGHUP);
+    assert!(wait_until(Duration::from_secs(10), || pier
+        .logs()
+        .contains("does not belong")));
+    let tls_new = format!("cert = \"{}\"\nkey = \"{}\"", p(&new.cert), p(&new.key));
+    pier.rewrite_config(&tls_config(o.addr(), &tls_new, ""));
+    let g = pier.generation();
+    pier.signal(sig::SIGHUP);
+    pier.wait_generation(g + 1);
+    // New handshakes get the new certificate...
+    let fresh = TlsClient::connect(addr, "site.test", &client(&ca.cert)).unwrap();
+    assert_eq!(fresh.peer_cert(), cert_der(&new.cert));
+    // ...and the connection opened before the reload still works.
+    assert_eq!(open.get("site.test", "/hello").unwrap().status, 200);
+}
+
+/// Pier B serves TLS in front of the origin; Pier A proxies to B over TLS.
+fn tls_origin(ca: &TestCa, dir: &Path, client_ca: Option<&Path>) -> (Origin, PierProcess) {
+    let cert = ca.server("origin", &["origin.test", "127.0.0.1"], Alg::EcdsaP256, 30);
+    let _ = dir;
+    let o = Origin::start_named("behind-tls");
+    let mut tls = format!("cert = \"{}\"\nkey = \"{}\"", p(&cert.cert), p(&cert.key));
+    if let Some(ca) = client_ca {
+        tls.push_str(&format!("\nclient_ca = \"{}\"", p(ca)));
+    }
+    let b = pier(&tls_config(o.addr(), &tls, ""));
+    (o, b)
+}
+
+#[test]
+fn upstream_tls_verifies_the_origin() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let stranger = TestCa::new(dir.path(), "stranger");
+    let (o, b) = tls_origin(&ca, dir.path(), None);
+    let cases = [
+        // (tls table, expected status)
+        (
+            format!("server_name = \"origin.test\"\nca = \"{}\"", p(&ca.cert)),
+            200,
+        ),
+        // No server_name: the address, checked against the IP SAN.
+        (format!("ca = \"{}\"", p(&ca.cert)), 200),
+        (
+            format!("server_name = \"wrong.test\"\nca = \"{}\"", p(&ca.cert)),
+            502,
+        ),
+        (
+            format!(
+                "server_name = \"origin.test\"\nca = \"{}\"",
+                p(&stranger.cert)
+            ),
+            502,
+        ),
+        (
+            format!(
+                "server_name = \"wrong.test\"\nca = \"{}\"\nverify = false",
+                p(&stranger.cert)
+            ),
+            200,
+        ),
+    ];
+    for (table, want) in cases {
+        let a = pier(&simple_config(
+            &[b.listener("main")],
+            "",
+            &format!("retries = 0\n[upstream.app.tls]\n{table}"),
+        ));
+        let mut c = RawConn::connect(a.listener("main"));
+        for _ in 0..3 {
+            let r = c.get("/hello").unwrap();
+            assert_eq!(r.status, want, "{table}: {r:?}");
+            if want == 200 {
+                assert_eq!(r.header("x-origin"), Some("behind-tls"));
+            } else {
+                assert_local(&r, 502, "upstream-tls");
+            }
+        }
+        if want == 200 {
+            // One TLS connection, reused from the pool.
+            assert_eq!(
+                a.metric_value("pier_tls_upstream_handshakes_total{result=\"ok\"}"),
+                Some(1.0),
+                "{table}"
+            );
+        }
+    }
+    assert!(o.requests() >= 9);
+}
+
+#[test]
+fn upstream_mtls_and_resumption() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let (_o, b) = tls_origin(&ca, dir.path(), Some(&ca.cert));
+    let edge = ca.client("edge", "pier-edge");
+    let base = format!("server_name = \"origin.test\"\nca = \"{}\"", p(&ca.cert));
+    // Without a client certificate the origin refuses.
+    let a = pier(&simple_config(
+        &[b.listener("main")],
+        "",
+        &format!("retries = 0\n[upstream.app.tls]\n{base}"),
+    ));
+    let r = RawConn::connect(a.listener("main")).get("/hello").unwrap();
+    assert_eq!(r.status, 502, "{r:?}");
+    // With one, it answers; connections closed by the client resume.
+    let a = pier(&simple_config(
+        &[b.listener("main")],
+        "",
+        &format!(
+            "retries = 0\npool_idle_per_server = 0\n[upstream.app.tls]\n{base}\ncert = \"{}\"\nkey = \"{}\"",
+            p(&edge.cert),
+            p(&edge.key)
+        ),
+    ));
+    for _ in 0..4 {
+        // No idle pool (pool_idle_per_server = 0): every request makes a
+        // new TLS connection to B, which resumes the last session.
+        let r = RawConn::connect(a.listener("main")).get("/hello").unwrap();
+        assert_eq!(r.status, 200, "{r:?}");
+    }
+    assert!(
+        a.metric_value("pier_tls_upstream_handshakes_total{result=\"resumed\"}")
+            .unwrap_or(0.0)
+            >= 1.0,
+        "{}",
+        a.metrics()
+    );
+}
+
+#[test]
+fn redirect_to_https() {
+    let o = Origin::start();
+    let cfg = simple_config(&[o.addr()], "", "").replace(
+        "name = \"main\"\nlisten = \"127.0.0.1:0\"\n",
+        "name = \"main\"\nlisten = \"127.0.0.1:0\"\nredirect_https = 308\nhttps_port = 8443\n",
+    );
+    let pier = pier(&cfg);
+    let mut c = RawConn::connect(pier.listener("main"));
+    let r = c
+        .request("GET", "/a/b?c=d", &[("Host", "shop.test:8080")], b"")
+        .unwrap();
+    assert_eq!(r.status, 308);
+    assert_eq!(r.header("location"), Some("https://shop.test:8443/a/b?c=d"));
+    assert_eq!(o.requests(), 0);
+}
+
+#[test]
+fn quick_mode_https_both_sides() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let front = ca.server("front", &["localhost"], Alg::EcdsaP256, 30);
+    let (o, b) = tls_origin(&ca, dir.path(), None);
+    let b_port = b.listener("main").port();
+    // `localhost` is not in the origin's certificate; its IP is. A URL with
+    // an IP address sends no SNI and is verified against the IP SAN.
+    let a = PierProcess::start_args(
+        bin(),
+        &[
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--tls-cert",
+            &p(&front.cert),
+            "--tls-key",
+            &p(&front.key),
+            "--to",
+            &format!("https://127.0.0.1:{b_port}"),
+            "--upstream-ca",
+            &p(&ca.cert),
+        ],
+    );
+    let port = a.listener("main").port();
+    let out = curl(&[
+        "--cacert",
+        &p(&ca.cert),
+        "-D",
+        "-",
+        &format!("https://localhost:{port}/hello"),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("x-origin: behind-tls"), "{text}");
+    assert!(text.ends_with("hello world\n"), "{text}");
+    assert!(o.requests() >= 1);
+    assert!(a.logs().contains("listening on https://"));
+}
+
+#[test]
+fn check_verifies_keys_and_warns_about_expiry() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let good = ca.server("good", &["good.test"], Alg::EcdsaP256, 5);
+    let other = ca.server("other", &["other.test"], Alg::EcdsaP256, 30);
+    let run = |tls: &str| {
+        let cfg = dir.write(
+            "check.toml",
+            &tls_config("127.0.0.1:9".parse().unwrap(), tls, ""),
+        );
+        run_with_timeout(
+            Command::new(bin()).args(["check", "-c", &p(&cfg)]),
+            Duration::from_secs(20),
+        )
+    };
+    let out = run(&format!(
+        "cert = \"{}\"\nkey = \"{}\"",
+        p(&good.cert),
+        p(&good.key)
+    ));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("expires in 4 days") || err.contains("expires in 5 days"),
+        "{err}"
+    );
+    let out = run(&format!(
+        "cert = \"{}\"\nkey = \"{}\"",
+        p(&good.cert),
+        p(&other.key)
+    ));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("the key does not belong to the certificate"),
+        "{err}"
+    );
+    let out = run(&format!(
+        "cert = \"{}\"\nkey = \"{}\"",
+        p(&dir.path().join("missing.pem")),
+        p(&good.key)
+    ));
+    assert!(!out.status.success());
+    // The expiry gauge.
+    let o = Origin::start();
+    let pier = pier(&tls_config(
+        o.addr(),
+        &format!("cert = \"{}\"\nkey = \"{}\"", p(&good.cert), p(&good.key)),
+        "",
+    ));
+    let left = pier
+        .metric_value("pier_tls_certificate_expiry_seconds{listener=\"main\",name=\"good.test\"}")
+        .unwrap();
+    assert!(left > 3.0 * 86_400.0 && left <= 5.0 * 86_400.0, "{left}");
+    let _ = CertPair {
+        cert: good.cert.clone(),
+        key: good.key.clone(),
+    };
+}
+
+#[test]
+fn lua_reads_tls_variables() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    let alice = ca.client("alice", "alice");
+    let o = Origin::start();
+    let tls = format!(
+        "cert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\nclient_auth = \"optional\"",
+        p(&cert.cert),
+        p(&cert.key),
+        p(&ca.cert)
+    );
+    let hook = r#"[route.lua]
+access = '''
+local v = pier.var
+pier.req.set_header("x-tls", table.concat({v.https, v.scheme, v.ssl_protocol,
+  v.ssl_server_name, v.ssl_alpn_protocol or "-", v.ssl_client_s_dn or "-",
+  v.ssl_session_reused, #v.ssl_cipher > 0 and "cipher" or ""}, "|"))
+'''
+"#;
+    let cfg = tls_config(o.addr(), &tls, "").replace(
+        "upstream = \"app\"\n",
+        &format!("upstream = \"app\"\n{hook}"),
+    );
+    let pier = pier(&cfg);
+    let with = TlsClientConfig::new(&ca.cert, Some(&alice), &["http/1.1"], None);
+    let mut c = TlsClient::connect(pier.listener("main"), "site.test", &with).unwrap();
+    let r = c.get("site.test", "/headers").unwrap();
+    let body = r.body_str();
+    assert!(
+        body.contains(
+            "x-tls: on|https|TLSv1.3|site.test|http/1.1|CN=alice, O=pier clients|.|cipher"
+        ),
+        "{body}"
+    );
+}
