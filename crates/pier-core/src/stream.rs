@@ -56,14 +56,28 @@ impl Stream for DuplexStream {
     }
 }
 
-/// A server-side TLS connection (rustls over TCP). rustls buffers inside,
-/// so `readable` keeps the default (always ready) and the halves share the
+/// A server-side TLS connection (rustls over TCP); the halves share the
 /// stream through tokio's split.
 impl Stream for tokio_rustls::server::TlsStream<TcpStream> {
     type Read<'a> = tokio::io::ReadHalf<&'a mut Self>;
     type Write<'a> = tokio::io::WriteHalf<&'a mut Self>;
     fn split(&mut self) -> (Self::Read<'_>, Self::Write<'_>) {
         tokio::io::split(self)
+    }
+    /// rustls wants more bytes only when it holds no decrypted plaintext
+    /// (tokio-rustls processes every complete record as it reads), so an
+    /// idle connection waits on the socket without a read buffer; with
+    /// plaintext (or a close_notify) pending, a read makes progress now.
+    async fn readable(&self) -> io::Result<()> {
+        let (tcp, conn) = self.get_ref();
+        if conn.wants_read() {
+            // A peek, not `readable()`: tokio-rustls's last read may have
+            // left the readiness set without bytes behind it; a peek that
+            // finds none clears it and waits.
+            tcp.peek(&mut [0u8; 1]).await.map(|_| ())
+        } else {
+            Ok(())
+        }
     }
 }
 

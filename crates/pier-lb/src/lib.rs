@@ -49,15 +49,10 @@
 //! Times are integer milliseconds on [`clock_ms`]'s monotonic timeline.
 //!
 //! ```
-//! # use pier_config::*; use std::time::Duration;
-//! # let cfg = Upstream { name: "app".into(), servers: vec![
+//! # use pier_config::*;
+//! # let cfg = Upstream::with_defaults("app", vec![
 //! #     UpstreamServer { addr: ([127, 0, 0, 1], 8001).into(), weight: 1 },
-//! #     UpstreamServer { addr: ([127, 0, 0, 1], 8002).into(), weight: 1 }],
-//! #   balance: Balance::RoundRobin, health_check: None, max_fails: 3,
-//! #   passive_recover: Duration::from_secs(10), retries: 1, retry_budget_ratio: 0.2,
-//! #   retry_min_per_sec: 10, pool_idle_per_server: 8, max_connections_per_server: 0,
-//! #   max_inflight_per_server: 0, headers: Default::default(),
-//! #   host_header: Default::default() };
+//! #     UpstreamServer { addr: ([127, 0, 0, 1], 8002).into(), weight: 1 }]);
 //! let group = pier_lb::Group::new(&cfg);
 //! let now = pier_lb::clock_ms();
 //! group.on_request_at(now);
