@@ -183,6 +183,7 @@ impl Config {
             lua: LuaConfig::default(),
             rate_limits: Vec::new(),
             upgrade: validate::default_upgrade(),
+            http2: Http2::default(),
         }
     }
 }

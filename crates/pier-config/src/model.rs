@@ -36,6 +36,43 @@ pub struct Config {
     /// `[http] upgrade`: lower-cased protocol tokens a client may switch to
     /// with `Upgrade` (default `["websocket"]`); never contains "h2c".
     pub upgrade: Vec<String>,
+    /// `[http2]`.
+    pub http2: Http2,
+}
+
+/// `[http2]`: HTTP/2 SETTINGS Pier sends and the bounds of its defences.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Http2 {
+    pub max_concurrent_streams: u32,
+    /// Per-stream receive window (the connection's is at least this).
+    pub initial_window_size: u32,
+    pub max_frame_size: u32,
+    /// Largest decoded header list (CONTINUATION floods end here).
+    pub max_header_list_size: u32,
+    /// Bytes buffered for sending per stream.
+    pub max_send_buffer: usize,
+    /// Streams reset by the client kept for protocol purposes.
+    pub max_concurrent_reset_streams: usize,
+    /// Streams opened and reset before Pier accepted them (rapid reset,
+    /// CVE-2023-44487): past it, GOAWAY.
+    pub max_pending_accept_reset_streams: usize,
+    /// Streams Pier itself had to reset for protocol errors: past it, GOAWAY.
+    pub max_local_error_reset_streams: usize,
+}
+
+impl Default for Http2 {
+    fn default() -> Http2 {
+        Http2 {
+            max_concurrent_streams: 128,
+            initial_window_size: 1 << 20,
+            max_frame_size: 16_384,
+            max_header_list_size: 64 * 1024,
+            max_send_buffer: 256 * 1024,
+            max_concurrent_reset_streams: 50,
+            max_pending_accept_reset_streams: 50,
+            max_local_error_reset_streams: 64,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -47,6 +84,8 @@ pub struct Listener {
     /// `redirect_https`: every request is answered with a redirect to the
     /// same URL over https.
     pub redirect_https: Option<HttpsRedirect>,
+    /// `h2c`: cleartext HTTP/2 with prior knowledge is accepted too.
+    pub h2c: bool,
 }
 
 impl Listener {
@@ -56,6 +95,7 @@ impl Listener {
             addr,
             tls: None,
             redirect_https: None,
+            h2c: false,
         }
     }
 }

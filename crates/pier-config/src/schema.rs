@@ -71,6 +71,20 @@ pub struct HttpSection {
     pub upgrade: Option<Vec<Spanned<String>>>,
 }
 
+/// `[http2]`: SETTINGS and defences of HTTP/2 connections.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "an [http2] table")]
+pub struct Http2Section {
+    pub max_concurrent_streams: Option<Spanned<i64>>,
+    pub initial_window_size: Option<Spanned<SizeValue>>,
+    pub max_frame_size: Option<Spanned<SizeValue>>,
+    pub max_header_list_size: Option<Spanned<SizeValue>>,
+    pub max_send_buffer: Option<Spanned<SizeValue>>,
+    pub max_concurrent_reset_streams: Option<Spanned<i64>>,
+    pub max_pending_accept_reset_streams: Option<Spanned<i64>>,
+    pub max_local_error_reset_streams: Option<Spanned<i64>>,
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a [security] table")]
 pub struct SecuritySection {
@@ -92,6 +106,8 @@ pub struct ListenerEntry {
     pub redirect_https: Option<Spanned<i64>>,
     /// The port in the redirect's Location (default: none, i.e. 443).
     pub https_port: Option<Spanned<i64>>,
+    /// Cleartext HTTP/2 with prior knowledge beside HTTP/1.1.
+    pub h2c: Option<bool>,
     pub tls: Option<ListenerTlsSection>,
 }
 
@@ -412,8 +428,8 @@ impl<'de> Deserialize<'de> for SizeValue {
 
 /// Top-level sections, in the order the docs present them.
 pub const SECTIONS: &[&str] = &[
-    "server", "admin", "log", "limits", "timeouts", "http", "security", "demo", "listener",
-    "route", "upstream", "lua", "limit",
+    "server", "admin", "log", "limits", "timeouts", "http", "http2", "security", "demo",
+    "listener", "route", "upstream", "lua", "limit",
 ];
 
 /// A `[upstream.NAME]` entry: its name (with the key's span) and its body,
@@ -434,6 +450,7 @@ pub struct RawFile {
     pub limits: Option<LimitsSection>,
     pub timeouts: Option<TimeoutsSection>,
     pub http: Option<HttpSection>,
+    pub http2: Option<Http2Section>,
     pub security: Option<SecuritySection>,
     pub demo: Option<DemoSection>,
     pub lua: Option<LuaSection>,
@@ -469,6 +486,7 @@ pub(crate) fn parse(text: &str) -> Result<(RawFile, Vec<RawError>), RawError> {
             "limits" => file.limits = section(item, span, &mut errors),
             "timeouts" => file.timeouts = section(item, span, &mut errors),
             "http" => file.http = section(item, span, &mut errors),
+            "http2" => file.http2 = section(item, span, &mut errors),
             "security" => file.security = section(item, span, &mut errors),
             "demo" => file.demo = section(item, span, &mut errors),
             "lua" => file.lua = section(item, span, &mut errors),

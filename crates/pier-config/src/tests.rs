@@ -1009,6 +1009,7 @@ fn documented_tables() -> Vec<(&'static str, Vec<&'static str>)> {
         ("## `[limits]`", fields_of::<LimitsSection>()),
         ("## `[timeouts]`", fields_of::<TimeoutsSection>()),
         ("## `[http]`", fields_of::<HttpSection>()),
+        ("## `[http2]`", fields_of::<Http2Section>()),
         ("## `[security]`", fields_of::<SecuritySection>()),
         ("## `[demo]`", fields_of::<DemoSection>()),
         ("## `[[listener]]`", fields_of::<ListenerEntry>()),
@@ -2323,9 +2324,9 @@ fn listener_tls_mistakes() {
         "needs `client_ca`",
     );
     one_error(
-        &tls_file("cert = \"a\"\nkey = \"b\"\nalpn = [\"h2\"]", ""),
-        "7:9",
-        "only \"http/1.1\"",
+        &tls_file("cert = \"a\"\nkey = \"b\"\nalpn = [\"h2\", \"h3\"]", ""),
+        "7:15",
+        "expected \"h2\" or \"http/1.1\"",
     );
     let redirect_on_tls = tls_file("cert = \"a\"\nkey = \"b\"", "").replace(
         "listen = \"127.0.0.1:0\"\n",

@@ -268,6 +268,7 @@ pub(crate) fn validate(
     let limits = limits(&mut c, file.limits.unwrap_or_default());
     let timeouts = timeouts(&mut c, file.timeouts.unwrap_or_default());
     let upgrade = upgrade(&mut c, file.http.unwrap_or_default().upgrade);
+    let http2 = http2(&mut c, file.http2.unwrap_or_default());
     let lua = lua_config(&mut c, file.lua.unwrap_or_default(), base);
 
     let mut deny_origins = Vec::new();
@@ -308,11 +309,19 @@ pub(crate) fn validate(
                     "`redirect_https` on a TLS listener would redirect https to itself",
                 );
             }
+            let h2c = l.h2c.unwrap_or(false);
+            if h2c && tls.is_some() {
+                c.err(
+                    sp(&l.listen),
+                    "`h2c` is for cleartext listeners; a TLS listener offers HTTP/2 with `alpn = [\"h2\", \"http/1.1\"]`",
+                );
+            }
             listeners.push(Listener {
                 name,
                 addr,
                 tls,
                 redirect_https,
+                h2c,
             });
         }
     }
@@ -367,7 +376,72 @@ pub(crate) fn validate(
         lua,
         rate_limits,
         upgrade,
+        http2,
     })
+}
+
+fn http2(c: &mut Check, h: Http2Section) -> Http2 {
+    let d = Http2::default();
+    Http2 {
+        max_concurrent_streams: c.int(
+            &h.max_concurrent_streams,
+            "max_concurrent_streams",
+            d.max_concurrent_streams.into(),
+            1,
+            100_000,
+        ) as u32,
+        initial_window_size: c
+            .size(
+                &h.initial_window_size,
+                "initial_window_size",
+                d.initial_window_size.into(),
+                1,
+            )
+            .min((1 << 31) - 1) as u32,
+        max_frame_size: c
+            .size(
+                &h.max_frame_size,
+                "max_frame_size",
+                d.max_frame_size.into(),
+                16_384,
+            )
+            .min((1 << 24) - 1) as u32,
+        max_header_list_size: c
+            .size(
+                &h.max_header_list_size,
+                "max_header_list_size",
+                d.max_header_list_size.into(),
+                1024,
+            )
+            .min(u32::MAX as u64) as u32,
+        max_send_buffer: c.size(
+            &h.max_send_buffer,
+            "max_send_buffer",
+            d.max_send_buffer as u64,
+            1024,
+        ) as usize,
+        max_concurrent_reset_streams: c.int(
+            &h.max_concurrent_reset_streams,
+            "max_concurrent_reset_streams",
+            d.max_concurrent_reset_streams as u64,
+            0,
+            100_000,
+        ) as usize,
+        max_pending_accept_reset_streams: c.int(
+            &h.max_pending_accept_reset_streams,
+            "max_pending_accept_reset_streams",
+            d.max_pending_accept_reset_streams as u64,
+            1,
+            100_000,
+        ) as usize,
+        max_local_error_reset_streams: c.int(
+            &h.max_local_error_reset_streams,
+            "max_local_error_reset_streams",
+            d.max_local_error_reset_streams as u64,
+            1,
+            100_000,
+        ) as usize,
+    }
 }
 
 fn access_log(c: &mut Check, v: Option<Spanned<String>>) -> AccessLog {
@@ -903,12 +977,12 @@ fn listener_tls(c: &mut Check, name: &str, t: &ListenerTlsSection, base: &Path) 
         Some(list) => {
             for v in list {
                 match v.get_ref().as_str() {
-                    "http/1.1" => alpn.push("http/1.1".to_string()),
-                    // HTTP/2 is not served yet (issue 10): offering it would
-                    // make browsers talk a protocol nobody answers.
+                    p @ ("http/1.1" | "h2") if !alpn.iter().any(|a| a == p) => {
+                        alpn.push(p.to_string())
+                    }
                     other => c.err(
                         sp(v),
-                        format!("`alpn` {other:?}: only \"http/1.1\" is served"),
+                        format!("`alpn` {other:?}: expected \"h2\" or \"http/1.1\", each once"),
                     ),
                 }
             }

@@ -58,6 +58,28 @@ pub(crate) struct Work {
     head: Vec<u8>,
 }
 
+impl Work {
+    /// A request's buffers from the worker's pool (HTTP/2 streams; an
+    /// HTTP/1 connection keeps its own between requests).
+    pub(crate) fn take(pool: &RefCell<BufPool>) -> Work {
+        let mut p = pool.borrow_mut();
+        Work {
+            ubuf: BytesMut::new(),
+            resp: p.take_resp(),
+            head: Vec::new(),
+        }
+    }
+    /// Back to the pool, with the session's heads.
+    pub(crate) fn release(&mut self, sess: &mut Session, pool: &RefCell<BufPool>) {
+        let mut p = pool.borrow_mut();
+        p.put(std::mem::take(&mut self.ubuf));
+        p.put_vec(std::mem::take(&mut self.head));
+        p.put_head(std::mem::take(&mut sess.req));
+        p.put_head(std::mem::take(&mut sess.up_req));
+        p.put_resp(std::mem::take(&mut self.resp));
+    }
+}
+
 /// Heads whose storage grew past this are freed between requests rather
 /// than kept in the worker's pool (a big head is rare).
 const KEEP_HEAD_BYTES: usize = 2048;
@@ -274,6 +296,54 @@ pub async fn serve_connection<P: Phases, S: Stream>(
     b.release(&mut sess, &w.bufs);
 }
 
+/// A request through the steps, a panic in it turned into a 500 (when
+/// nothing was sent yet) that costs this request only. For downstreams
+/// that own no connection-level state (an HTTP/2 stream).
+pub(crate) async fn run_guarded<P: Phases, D: Downstream>(
+    w: &Worker<P>,
+    state: &Arc<State>,
+    down: &mut D,
+    b: &mut Work,
+    sess: &mut Session,
+) {
+    if sess.up_req.headers.capacity_bytes() == 0 {
+        sess.up_req = w.bufs.borrow_mut().take_head();
+        sess.up_req.copy_from(&sess.req);
+    }
+    let active = GaugeGuard::enter(&w.shared.metrics.active_requests);
+    let r = CatchUnwind(Box::pin(run_request(w, state, down, b, sess))).await;
+    if r.is_err() {
+        w.shared
+            .metrics
+            .panics
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tracing::error!(step = ?sess.step, "request task panicked");
+        if sess.bytes_sent == 0 {
+            answer_error(w, state, down, b, sess, Kind::Internal).await;
+        } else {
+            sess.status = 500;
+        }
+        sess.reason = Kind::Internal.reason();
+    }
+    drop(active);
+}
+
+/// Answer an error no route sees (a malformed request, a panic) on any
+/// downstream.
+pub(crate) async fn answer_error<P: Phases, D: Downstream>(
+    w: &Worker<P>,
+    state: &State,
+    down: &mut D,
+    b: &mut Work,
+    sess: &mut Session,
+    kind: Kind,
+) {
+    let r = local_error(kind);
+    local_head(&mut b.resp, &r);
+    let _ = write_local(state, down, &mut b.resp, sess, r.reason, &r.body, true).await;
+    w.shared.metrics.local_response(kind);
+}
+
 /// One request, its phase context and its logging step.
 async fn run_request<P: Phases, D: Downstream>(
     w: &Worker<P>,
@@ -334,7 +404,12 @@ impl<F: Future + Unpin> Future for CatchUnwind<F> {
 }
 
 /// Metrics and access log for one finished request.
-fn finish<P: Phases>(w: &Worker<P>, state: &State, sess: &Session, route: Option<usize>) {
+pub(crate) fn finish<P: Phases>(
+    w: &Worker<P>,
+    state: &State,
+    sess: &Session,
+    route: Option<usize>,
+) {
     let dur_us = sess.started.elapsed().as_micros() as u64;
     let metric = route
         .map(|r| state.routes[r].metric)

@@ -9,6 +9,7 @@
 pub mod admin;
 pub mod driver;
 pub mod h1;
+pub mod http2;
 pub mod phases;
 pub mod protocol;
 pub mod session;
@@ -247,6 +248,10 @@ impl<P: Phases> Admission for Admit<P> {
         // connections only.
         let tls =
             listener.and_then(|i| w.shared.state.load().listener_tls.get(i).cloned().flatten());
+        let h2c = tls.is_none()
+            && listener
+                .and_then(|i| w.shared.state.load().cfg.listeners.get(i).map(|l| l.h2c))
+                .unwrap_or(false);
         tokio::task::spawn_local(async move {
             let _slot = slot;
             match tls {
@@ -255,7 +260,11 @@ impl<P: Phases> Admission for Admit<P> {
                         listener,
                         tls: None,
                     };
-                    driver::serve_connection(w, stream, peer, local, conn).await
+                    if h2c && http2::prior_knowledge(&stream, &w.shared).await {
+                        http2::serve_h2(w, stream, peer, local, conn).await
+                    } else {
+                        driver::serve_connection(w, stream, peer, local, conn).await
+                    }
                 }
                 Some(t) => {
                     // Bounded in time and in number, counted (pier-tls).
@@ -263,11 +272,16 @@ impl<P: Phases> Admission for Admit<P> {
                         return;
                     };
                     drop(t);
+                    let is_h2 = info.alpn.as_deref() == Some("h2");
                     let conn = session::ConnInfo {
                         listener,
                         tls: Some(Arc::new(info)),
                     };
-                    driver::serve_connection(w, stream, peer, local, conn).await
+                    if is_h2 {
+                        http2::serve_h2(w, stream, peer, local, conn).await
+                    } else {
+                        driver::serve_connection(w, stream, peer, local, conn).await
+                    }
                 }
             }
         });

@@ -1,0 +1,242 @@
+//! HTTP/2 downstream (issue 10): h2c with prior knowledge beside HTTP/1.1,
+//! ALPN `h2` over TLS, bodies both ways, many streams at once (h2load), and
+//! h2spec's conformance suite when it is installed (`.ci/run` installs it).
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use pier_test_support::tls::{Alg, TestCa};
+
+fn p(path: &Path) -> String {
+    path.display().to_string()
+}
+
+/// Listener `clear` (h2c + HTTP/1.1) and, with `tls`, listener `tls`
+/// (ALPN h2, http/1.1), both to `origin`.
+fn h2_config(origin: SocketAddr, tls: Option<(&Path, &Path)>, extra: &str) -> String {
+    let tls = tls
+        .map(|(c, k)| {
+            format!(
+                "[[listener]]\nname = \"tls\"\nlisten = \"127.0.0.1:0\"\n[listener.tls]\ncert = \"{}\"\nkey = \"{}\"\nalpn = [\"h2\", \"http/1.1\"]\n",
+                p(c),
+                p(k)
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        r#"[server]
+workers = 2
+grace_period = "5s"
+
+[admin]
+listen = "127.0.0.1:0"
+
+[log]
+access = "off"
+
+{extra}
+
+[[listener]]
+name = "clear"
+listen = "127.0.0.1:0"
+h2c = true
+
+{tls}
+
+[[route]]
+name = "default"
+upstream = "app"
+
+[upstream.app]
+servers = ["{origin}"]
+"#
+    )
+}
+
+fn curl_out(args: &[&str]) -> (String, String) {
+    let o = curl(args);
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn h2c_prior_knowledge_beside_http1() {
+    let o = Origin::start_named("alpha");
+    let pier = pier(&h2_config(o.addr(), None, ""));
+    let url = format!("http://{}/hello", pier.listener("clear"));
+    let (out, err) = curl_out(&[
+        "--http2-prior-knowledge",
+        "-D",
+        "-",
+        "-w",
+        "\nversion=%{http_version}",
+        &url,
+    ]);
+    assert!(out.starts_with("HTTP/2 200"), "{out}{err}");
+    assert!(out.contains("x-origin: alpha"), "{out}");
+    assert!(out.contains("hello world\n"), "{out}");
+    assert!(out.ends_with("version=2"), "{out}");
+    // No hop-by-hop fields in an HTTP/2 response.
+    assert!(!out.to_ascii_lowercase().contains("connection:"), "{out}");
+    // HTTP/1.1 on the same listener.
+    let r = RawConn::connect(pier.listener("clear"))
+        .get("/hello")
+        .unwrap();
+    assert_eq!((r.status, r.body_str().as_str()), (200, "hello world\n"));
+}
+
+#[test]
+fn bodies_both_ways_and_headers_upstream() {
+    let o = Origin::start();
+    let pier = pier(&h2_config(o.addr(), None, ""));
+    let base = format!("http://{}", pier.listener("clear"));
+    let dir = TempDir::new();
+    let body: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let file = dir.path().join("body.bin");
+    std::fs::write(&file, &body).unwrap();
+    // With a content-length, and streamed (no length: chunked upstream).
+    for args in [
+        vec!["--data-binary", "@FILE"],
+        vec!["-T", "FILE", "-X", "POST", "-H", "content-length:"],
+    ] {
+        let args: Vec<String> = args.iter().map(|a| a.replace("FILE", &p(&file))).collect();
+        let out = Command::new("curl")
+            .args(["-sS", "--max-time", "30", "--http2-prior-knowledge"])
+            .args(&args)
+            .arg(format!("{base}/echo"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{:?}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(out.stdout.len(), body.len(), "{args:?}");
+        assert!(out.stdout == body, "{args:?}: body differs");
+    }
+    // The request as the origin saw it: Host from :authority, cookies
+    // joined, X-Forwarded-Proto http.
+    let (out, _) = curl_out(&[
+        "--http2-prior-knowledge",
+        "-H",
+        "cookie: a=1",
+        "-H",
+        "cookie: b=2",
+        &format!("{base}/headers"),
+    ]);
+    let lower = out.to_ascii_lowercase();
+    assert!(
+        lower.contains(&format!("host: {}", pier.listener("clear"))),
+        "{out}"
+    );
+    assert!(lower.contains("cookie: a=1; b=2"), "{out}");
+    assert!(lower.contains("x-forwarded-proto: http\r\n"), "{out}");
+    // A big response streams under flow control.
+    let out = curl(&["--http2-prior-knowledge", &format!("{base}/bytes/2000000")]);
+    assert_eq!(out.stdout.len(), 2_000_000);
+}
+
+#[test]
+fn alpn_h2_over_tls() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let cert = ca.server("site", &["localhost"], Alg::EcdsaP256, 30);
+    let o = Origin::start();
+    let pier = pier(&h2_config(o.addr(), Some((&cert.cert, &cert.key)), ""));
+    let port = pier.listener("tls").port();
+    let (out, err) = curl_out(&[
+        "--cacert",
+        &p(&ca.cert),
+        "--http2",
+        "-w",
+        "\nversion=%{http_version}",
+        &format!("https://localhost:{port}/headers"),
+    ]);
+    assert!(out.ends_with("version=2"), "{out}{err}");
+    assert!(
+        out.to_ascii_lowercase()
+            .contains("x-forwarded-proto: https"),
+        "{out}"
+    );
+    // A client without h2 gets HTTP/1.1 on the same listener.
+    let (out, _) = curl_out(&[
+        "--cacert",
+        &p(&ca.cert),
+        "--http1.1",
+        "-w",
+        "\nversion=%{http_version}",
+        &format!("https://localhost:{port}/hello"),
+    ]);
+    assert!(out.ends_with("hello world\n\nversion=1.1"), "{out}");
+    assert!(
+        pier.metric_sum("pier_tls_handshakes_total", &[("alpn", "h2")]) >= 1.0,
+        "{}",
+        pier.metrics()
+    );
+}
+
+#[test]
+fn many_streams_at_once() {
+    let o = Origin::start();
+    let pier = pier(&h2_config(o.addr(), None, ""));
+    let out = run_with_timeout(
+        Command::new("h2load").args([
+            "-n",
+            "2000",
+            "-c",
+            "4",
+            "-m",
+            "16",
+            &format!("http://{}/hello", pier.listener("clear")),
+        ]),
+        Duration::from_secs(120),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("2000 total, 2000 started, 2000 done, 2000 succeeded, 0 failed"),
+        "{text}"
+    );
+    assert!(text.contains("status codes: 2000 2xx"), "{text}");
+    assert_eq!(o.requests(), 2000);
+}
+
+/// h2spec (github.com/summerwind/h2spec), every case, over TLS with ALPN.
+#[test]
+fn h2spec_conformance() {
+    let h2spec = std::env::var("H2SPEC").unwrap_or_else(|_| {
+        let home = std::env::var("HOME").unwrap_or_default();
+        format!("{home}/go/bin/h2spec")
+    });
+    if !Path::new(&h2spec).exists() {
+        panic!("h2spec not found at {h2spec}: `.ci/run` installs it (go install github.com/summerwind/h2spec/cmd/h2spec@latest)");
+    }
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let cert = ca.server("site", &["localhost"], Alg::EcdsaP256, 30);
+    let o = Origin::start();
+    let pier = pier(&h2_config(o.addr(), Some((&cert.cert, &cert.key)), ""));
+    let port = pier.listener("tls").port().to_string();
+    let out = run_with_timeout(
+        Command::new(&h2spec).args(["-h", "127.0.0.1", "-p", &port, "-t", "-k", "-o", "10"]),
+        Duration::from_secs(300),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let summary = text.lines().last().unwrap_or("");
+    assert!(
+        summary.contains("145 tests, 145 passed, 0 skipped, 0 failed"),
+        "{text}"
+    );
+    assert_eq!(
+        pier.metric_value("pier_panics_total"),
+        Some(0.0),
+        "{}",
+        pier.logs()
+    );
+}

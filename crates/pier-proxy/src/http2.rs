@@ -1,0 +1,445 @@
+//! HTTP/2 downstream: the `h2` crate's server behind the same session
+//! interfaces as HTTP/1 (`protocol`). A connection is one task that accepts
+//! streams; each stream is a request, run by the same driver steps
+//! (`driver::run_request`) as an HTTP/1 request, in a task of its own.
+//!
+//! The h2 crate does the framing, HPACK, flow control and the protocol's
+//! own defences (rapid reset: `max_pending_accept_reset_streams` and
+//! `max_local_error_reset_streams`; CONTINUATION floods: the header list
+//! bound); the settings come from `[http2]`.
+
+use crate::driver::{self, Work};
+use crate::phases::Phases;
+use crate::protocol::{BodySize, Downstream, DownstreamOpts, RequestSource, ResponseSink};
+use crate::session::{ConnInfo, Session};
+use crate::Worker;
+use bytes::Bytes;
+use pier_core::Stream;
+use pier_error::{Error, Kind};
+use pier_http::known::{self, Known};
+use pier_http::{BodyLen, Headers, RequestHead, ResponseHead};
+use std::future::poll_fn;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+/// Serve one HTTP/2 connection (after TLS with ALPN `h2`, or cleartext with
+/// prior knowledge) until the client goes away, an error, or a drain.
+pub async fn serve_h2<P: Phases, S: Stream>(
+    w: Arc<Worker<P>>,
+    stream: S,
+    client: SocketAddr,
+    local: SocketAddr,
+    conn: ConnInfo,
+) {
+    let state = w.shared.state.load_full();
+    let c = &state.cfg.http2;
+    let mut b = h2::server::Builder::new();
+    b.max_concurrent_streams(c.max_concurrent_streams)
+        .initial_window_size(c.initial_window_size)
+        .initial_connection_window_size(c.initial_window_size.max(65_535))
+        .max_frame_size(c.max_frame_size)
+        .max_header_list_size(c.max_header_list_size)
+        .max_send_buffer_size(c.max_send_buffer)
+        .max_concurrent_reset_streams(c.max_concurrent_reset_streams)
+        .max_pending_accept_reset_streams(c.max_pending_accept_reset_streams)
+        .max_local_error_reset_streams(Some(c.max_local_error_reset_streams));
+    let handshake = tokio::time::timeout(state.cfg.timeouts.client_header, b.handshake(stream));
+    let mut h2c: h2::server::Connection<S, Bytes> = match handshake.await {
+        Ok(Ok(c)) => c,
+        _ => return,
+    };
+    let conn = Arc::new(conn);
+    let mut drain = w.shared.drain_rx();
+    let mut draining = false;
+    loop {
+        let next = tokio::select! {
+            r = h2c.accept() => r,
+            _ = drain.changed(), if !draining => {
+                // GOAWAY; open streams finish, then `accept` returns None.
+                draining = true;
+                h2c.graceful_shutdown();
+                continue;
+            }
+        };
+        match next {
+            Some(Ok((req, respond))) => {
+                let w = w.clone();
+                let conn = conn.clone();
+                tokio::task::spawn_local(async move {
+                    serve_stream(w, req, respond, client, local, conn).await;
+                });
+            }
+            Some(Err(e)) => {
+                tracing::debug!(%client, "http2 connection: {e}");
+                break;
+            }
+            None => break,
+        }
+    }
+}
+
+/// On an `h2c` listener: does the client open with the HTTP/2 preface
+/// ("PRI * HTTP/2.0")? Peeked, so an HTTP/1 client loses nothing. Waits at
+/// most `client_header` for the first bytes.
+pub async fn prior_knowledge(tcp: &tokio::net::TcpStream, shared: &crate::Shared) -> bool {
+    const PRI: &[u8] = b"PRI * HTTP/2.0";
+    let limit = shared.state.load().cfg.timeouts.client_header;
+    let look = async {
+        let mut b = [0u8; 14];
+        loop {
+            let n = tcp.peek(&mut b).await.unwrap_or(0);
+            if n == 0 || b[..n] != PRI[..n] {
+                return false;
+            }
+            if n == PRI.len() {
+                return true;
+            }
+            // A prefix of the preface so far: give the rest a moment.
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    };
+    tokio::time::timeout(limit, look).await.unwrap_or(false)
+}
+
+/// One stream: its request through the driver's steps.
+async fn serve_stream<P: Phases>(
+    w: Arc<Worker<P>>,
+    req: http::Request<h2::RecvStream>,
+    respond: h2::server::SendResponse<Bytes>,
+    client: SocketAddr,
+    local: SocketAddr,
+    conn: Arc<ConnInfo>,
+) {
+    let state = w.shared.state.load_full();
+    let (parts, body) = req.into_parts();
+    let mut sess = Box::new(Session::new(client, local));
+    sess.conn = (*conn).clone();
+    let mut work = Work::take(&w.bufs);
+    let mut head = w.bufs.borrow_mut().take_head();
+    let mut down = H2Downstream::new(body, respond, state.cfg.timeouts.client_idle);
+    match to_head(&parts, down.rx.recv.is_end_stream(), &state, &mut head) {
+        Ok(()) => sess.req = head,
+        Err(kind) => {
+            sess.req = head;
+            sess.begin(pier_http::date::now_ns());
+            driver::answer_error(&w, &state, &mut down, &mut work, &mut sess, kind).await;
+            driver::finish(&w, &state, &sess, None);
+            work.release(&mut sess, &w.bufs);
+            return;
+        }
+    }
+    sess.begin(pier_http::date::now_ns());
+    driver::run_guarded(&w, &state, &mut down, &mut work, &mut sess).await;
+    driver::finish(&w, &state, &sess, sess.route);
+    work.release(&mut sess, &w.bufs);
+}
+
+/// The stream's request as an HTTP/1-shaped head, checked by the same
+/// parser (and limits) as HTTP/1: one codec, one set of rules.
+fn to_head(
+    parts: &http::request::Parts,
+    end_stream: bool,
+    state: &crate::State,
+    head: &mut RequestHead,
+) -> Result<(), Kind> {
+    let mut text = Vec::with_capacity(256);
+    if parts.method == http::Method::CONNECT {
+        // Extended CONNECT (WebSocket over HTTP/2) is not carried.
+        return Err(Kind::InvalidRequestLine);
+    }
+    text.extend_from_slice(parts.method.as_str().as_bytes());
+    text.push(b' ');
+    let pq = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    text.extend_from_slice(if pq.is_empty() { b"/" } else { pq.as_bytes() });
+    text.extend_from_slice(b" HTTP/1.1\r\n");
+    // :authority is the Host (RFC 9113 §8.3.1); a Host field, if both came,
+    // must agree, and the parser refuses two.
+    if let Some(a) = parts.uri.authority() {
+        if !parts.headers.contains_key(http::header::HOST) {
+            text.extend_from_slice(b"host: ");
+            text.extend_from_slice(a.as_str().as_bytes());
+            text.extend_from_slice(b"\r\n");
+        }
+    }
+    let mut cookies: Vec<&[u8]> = Vec::new();
+    for (k, v) in &parts.headers {
+        // Cookie crumbs are joined back into one field (RFC 9113 §8.2.3).
+        if k == http::header::COOKIE {
+            cookies.push(v.as_bytes());
+            continue;
+        }
+        if k == http::header::TE || k == http::header::TRANSFER_ENCODING {
+            continue;
+        }
+        text.extend_from_slice(k.as_str().as_bytes());
+        text.extend_from_slice(b": ");
+        text.extend_from_slice(v.as_bytes());
+        text.extend_from_slice(b"\r\n");
+    }
+    if !cookies.is_empty() {
+        text.extend_from_slice(b"cookie: ");
+        for (i, c) in cookies.iter().enumerate() {
+            if i > 0 {
+                text.extend_from_slice(b"; ");
+            }
+            text.extend_from_slice(c);
+        }
+        text.extend_from_slice(b"\r\n");
+    }
+    // A body of unknown length goes upstream chunked.
+    if !end_stream && !parts.headers.contains_key(http::header::CONTENT_LENGTH) {
+        text.extend_from_slice(b"transfer-encoding: chunked\r\n");
+    }
+    text.extend_from_slice(b"\r\n");
+    match head.parse(&text, &state.head_limits)? {
+        Some(_) => Ok(()),
+        None => Err(Kind::InvalidHeader),
+    }
+}
+
+/// One HTTP/2 stream as the driver's downstream: its receiving half (the
+/// request body) and its sending half (the response), apart, so the body
+/// can stream up while the response comes down.
+pub struct H2Downstream {
+    rx: H2Rx,
+    tx: H2Tx,
+}
+
+pub struct H2Rx {
+    recv: h2::RecvStream,
+    /// The body piece last handed out.
+    buf: Bytes,
+    trailers: Option<Headers>,
+    received: u64,
+    max_body: u64,
+    idle: Duration,
+    done: bool,
+}
+
+pub struct H2Tx {
+    respond: h2::server::SendResponse<Bytes>,
+    send: Option<h2::SendStream<Bytes>>,
+    sent: u64,
+    head_only: bool,
+    now_ns: u64,
+    idle: Duration,
+}
+
+impl H2Downstream {
+    fn new(recv: h2::RecvStream, respond: h2::server::SendResponse<Bytes>, idle: Duration) -> Self {
+        H2Downstream {
+            rx: H2Rx {
+                recv,
+                buf: Bytes::new(),
+                trailers: None,
+                received: 0,
+                max_body: 0,
+                idle,
+                done: false,
+            },
+            tx: H2Tx {
+                respond,
+                send: None,
+                sent: 0,
+                head_only: false,
+                now_ns: 0,
+                idle,
+            },
+        }
+    }
+}
+
+impl Downstream for H2Downstream {
+    type Source<'a> = &'a mut H2Rx;
+    type Sink<'a> = &'a mut H2Tx;
+
+    async fn vet_body(&mut self, _: BodyLen, _: bool, _: Duration) -> Result<(), Kind> {
+        // DATA frames are framed and checked by h2.
+        Ok(())
+    }
+
+    fn open(&mut self, opts: &DownstreamOpts) -> (&mut H2Rx, &mut H2Tx) {
+        self.rx.max_body = opts.max_body;
+        self.rx.idle = opts.idle;
+        self.tx.idle = opts.idle;
+        self.tx.now_ns = opts.now_ns;
+        self.tx.head_only = opts.method == pier_http::Method::Head;
+        (&mut self.rx, &mut self.tx)
+    }
+
+    async fn tunnel<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+        &mut self,
+        _head: &ResponseHead,
+        _early: &[u8],
+        _ur: &mut R,
+        _uw: &mut W,
+        _idle: Duration,
+    ) -> Result<u64, Error> {
+        // No Upgrade in HTTP/2 (RFC 9113 §8.6); the driver never asks.
+        Err(Error::new(Kind::UpstreamProtocol))
+    }
+}
+
+impl RequestSource for &mut H2Rx {
+    async fn read_body(&mut self) -> Result<Option<&[u8]>, Error> {
+        if self.done {
+            return Ok(None);
+        }
+        let next = tokio::time::timeout(self.idle, self.recv.data()).await;
+        match next {
+            Err(_) => Err(Error::new(Kind::BodyTimeout)),
+            Ok(None) => {
+                self.done = true;
+                // Trailers, if the client sent any.
+                if let Ok(Ok(Some(t))) = tokio::time::timeout(self.idle, self.recv.trailers()).await
+                {
+                    let mut h = Headers::default();
+                    for (k, v) in &t {
+                        h.append(k.as_str().as_bytes(), v.as_bytes());
+                    }
+                    self.trailers = Some(h);
+                }
+                Ok(None)
+            }
+            Ok(Some(Err(_))) => Err(Error::new(Kind::ClientClosed)),
+            Ok(Some(Ok(data))) => {
+                // Let the client send more as this is taken.
+                let _ = self.recv.flow_control().release_capacity(data.len());
+                self.received += data.len() as u64;
+                if self.max_body > 0 && self.received > self.max_body {
+                    return Err(Error::new(Kind::BodyTooLarge));
+                }
+                self.buf = data;
+                Ok(Some(&self.buf[..]))
+            }
+        }
+    }
+    fn trailers(&self) -> Option<&Headers> {
+        self.trailers.as_ref()
+    }
+}
+
+/// Response header fields that HTTP/2 does not carry (RFC 9113 §8.2.2).
+fn skip_h2_response_header(k: Known) -> bool {
+    crate::h1::skip_response_header(k) || k == known::TRANSFER_ENCODING
+}
+
+impl H2Tx {
+    fn response(&self, head: &ResponseHead, size: BodySize) -> http::Response<()> {
+        let mut r = http::Response::new(());
+        *r.status_mut() =
+            http::StatusCode::from_u16(head.status).unwrap_or(http::StatusCode::BAD_GATEWAY);
+        let h = r.headers_mut();
+        for (k, name, value) in head.headers.iter_known() {
+            if skip_h2_response_header(k) {
+                continue;
+            }
+            if let (Ok(n), Ok(v)) = (
+                http::HeaderName::from_bytes(name),
+                http::HeaderValue::from_bytes(value),
+            ) {
+                h.append(n, v);
+            }
+        }
+        if !head.headers.has_known(known::DATE) {
+            pier_http::date::with_date(self.now_ns, |d| {
+                if let Ok(v) = http::HeaderValue::from_bytes(d) {
+                    h.insert(http::header::DATE, v);
+                }
+            });
+        }
+        if let BodySize::Length(n) = size {
+            if !head.headers.has_known(known::CONTENT_LENGTH) {
+                h.insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(n));
+            }
+        }
+        r
+    }
+
+    /// Send `data` as the window allows (h2 would otherwise queue it all:
+    /// memory per stream stays bounded by the flow-control window).
+    async fn send_all(&mut self, mut data: Bytes) -> Result<(), Error> {
+        let Some(s) = self.send.as_mut() else {
+            return Ok(());
+        };
+        while !data.is_empty() {
+            s.reserve_capacity(data.len());
+            let cap = tokio::time::timeout(self.idle, poll_fn(|cx| s.poll_capacity(cx))).await;
+            let n = match cap {
+                Ok(Some(Ok(n))) => n.min(data.len()),
+                _ => return Err(Error::answered(Kind::ClientClosed)),
+            };
+            if n == 0 {
+                continue;
+            }
+            let piece = data.split_to(n);
+            self.sent += piece.len() as u64;
+            s.send_data(piece, false)
+                .map_err(|_| Error::answered(Kind::ClientClosed))?;
+        }
+        Ok(())
+    }
+}
+
+impl ResponseSink for &mut H2Tx {
+    async fn write_interim(&mut self, _head: &ResponseHead) -> Result<(), Error> {
+        // 1xx over HTTP/2 is optional for a proxy; dropped.
+        Ok(())
+    }
+
+    async fn write_head(&mut self, head: &ResponseHead, size: BodySize) -> Result<(), Error> {
+        let resp = self.response(head, size);
+        let end = self.head_only || size == BodySize::None;
+        match self.respond.send_response(resp, end) {
+            Ok(s) => {
+                if !end {
+                    self.send = Some(s);
+                }
+                Ok(())
+            }
+            Err(_) => Err(Error::new(Kind::ClientClosed)),
+        }
+    }
+
+    async fn write_body(&mut self, data: &[u8]) -> Result<(), Error> {
+        if self.head_only || data.is_empty() || self.send.is_none() {
+            return Ok(());
+        }
+        self.send_all(Bytes::copy_from_slice(data)).await
+    }
+
+    async fn finish(&mut self, trailers: Option<&Headers>) -> Result<(), Error> {
+        let Some(mut s) = self.send.take() else {
+            return Ok(());
+        };
+        let mut map = http::HeaderMap::new();
+        for (k, v) in trailers.into_iter().flat_map(|t| t.iter()) {
+            if let (Ok(n), Ok(v)) = (
+                http::HeaderName::from_bytes(k),
+                http::HeaderValue::from_bytes(v),
+            ) {
+                map.append(n, v);
+            }
+        }
+        let r = if map.is_empty() {
+            s.send_data(Bytes::new(), true)
+        } else {
+            s.send_trailers(map)
+        };
+        r.map_err(|_| Error::answered(Kind::ClientClosed))
+    }
+
+    fn keep_alive(&self) -> bool {
+        true
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.sent
+    }
+}
