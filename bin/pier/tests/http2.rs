@@ -240,3 +240,75 @@ fn h2spec_conformance() {
         pier.logs()
     );
 }
+
+/// Pier A → (HTTP/2) → Pier B → origin, for each client protocol.
+#[test]
+fn http2_upstream_h2c_and_h2_any_client() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let cert = ca.server("b", &["origin.test"], Alg::EcdsaP256, 30);
+    let o = Origin::start_named("behind");
+    let b = pier(&h2_config(o.addr(), Some((&cert.cert, &cert.key)), ""));
+    let body: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
+    let file = dir.path().join("body.bin");
+    std::fs::write(&file, &body).unwrap();
+    let upstreams = [
+        format!("servers = [\"{}\"]\nprotocol = \"h2c\"", b.listener("clear")),
+        format!(
+            "servers = [\"{}\"]\nprotocol = \"h2\"\n[upstream.app.tls]\nserver_name = \"origin.test\"\nca = \"{}\"",
+            b.listener("tls"),
+            p(&ca.cert)
+        ),
+    ];
+    for up in &upstreams {
+        let cfg = h2_config("127.0.0.1:9".parse().unwrap(), None, "")
+            .replace("servers = [\"127.0.0.1:9\"]", up);
+        let a = pier(&cfg);
+        let base = format!("http://{}", a.listener("clear"));
+        // HTTP/1.1 client, several requests on one connection.
+        let mut c = RawConn::connect(a.listener("clear"));
+        for _ in 0..3 {
+            let r = c.get("/hello").unwrap();
+            assert_eq!(
+                (r.status, r.body_str().as_str()),
+                (200, "hello world\n"),
+                "{up}"
+            );
+            assert_eq!(r.header("x-origin"), Some("behind"));
+        }
+        // HTTP/1.1 and HTTP/2 clients, bodies both ways.
+        for proto in ["--http1.1", "--http2-prior-knowledge"] {
+            let out = Command::new("curl")
+                .args(["-sS", "--max-time", "30", proto, "--data-binary"])
+                .arg(format!("@{}", p(&file)))
+                .arg(format!("{base}/echo"))
+                .output()
+                .unwrap();
+            assert!(
+                out.stdout == body,
+                "{up} {proto}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        // Many requests at once share one upstream connection (h2load: 4
+        // client connections x 8 streams).
+        let out = run_with_timeout(
+            Command::new("h2load").args([
+                "-n",
+                "400",
+                "-c",
+                "4",
+                "-m",
+                "8",
+                &format!("{base}/hello"),
+            ]),
+            Duration::from_secs(120),
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("status codes: 400 2xx"), "{up}: {text}");
+        let n = a
+            .metric_value("pier_upstream_connections_created_total")
+            .unwrap();
+        assert!(n <= 8.0, "{up}: {n} upstream connections for 400+ requests");
+    }
+}

@@ -315,6 +315,20 @@ pub struct Upstream {
     pub host_header: HostHeader,
     /// `[upstream.NAME.tls]`: None = cleartext.
     pub tls: Option<UpstreamTls>,
+    /// `protocol`: HTTP/1.1, or HTTP/2 over TLS (`h2`) or cleartext (`h2c`).
+    pub protocol: UpstreamProtocol,
+    /// Streams per HTTP/2 connection before another connection is opened.
+    pub h2_max_streams: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UpstreamProtocol {
+    #[default]
+    Http1,
+    /// HTTP/2 over TLS (ALPN h2).
+    H2,
+    /// HTTP/2 over cleartext TCP, prior knowledge.
+    H2c,
 }
 
 #[derive(Debug, Clone)]

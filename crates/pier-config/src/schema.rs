@@ -305,6 +305,8 @@ pub struct UpstreamEntry {
     pub headers: Option<HeadersSection>,
     pub health_check: Option<HealthCheckSection>,
     pub tls: Option<UpstreamTlsSection>,
+    pub protocol: Option<Spanned<String>>,
+    pub h2_max_streams: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -82,6 +82,8 @@ impl Upstream {
             headers: HeaderRules::default(),
             host_header: HostHeader::Preserve,
             tls: None,
+            protocol: UpstreamProtocol::Http1,
+            h2_max_streams: 100,
         }
     }
 }
@@ -1273,6 +1275,35 @@ fn upstream(
         headers,
         host_header,
         tls: e.tls.as_ref().map(|t| upstream_tls(c, name, t, base)),
+        protocol: match e.protocol.as_ref().map(|v| (v, v.get_ref().as_str())) {
+            None | Some((_, "http1")) => UpstreamProtocol::Http1,
+            Some((v, "h2")) => {
+                if e.tls.is_none() {
+                    c.err(sp(v), format!("upstream `{name}`: protocol = \"h2\" is HTTP/2 over TLS: add an [upstream.{name}.tls] table, or use \"h2c\" for cleartext"));
+                }
+                UpstreamProtocol::H2
+            }
+            Some((v, "h2c")) => {
+                if e.tls.is_some() {
+                    c.err(sp(v), format!("upstream `{name}`: protocol = \"h2c\" is cleartext HTTP/2; with TLS use \"h2\""));
+                }
+                UpstreamProtocol::H2c
+            }
+            Some((v, other)) => {
+                c.err(
+                    sp(v),
+                    format!("unknown protocol {other:?}: expected \"http1\", \"h2\" or \"h2c\""),
+                );
+                UpstreamProtocol::Http1
+            }
+        },
+        h2_max_streams: c.int(
+            &e.h2_max_streams,
+            "h2_max_streams",
+            d.h2_max_streams as u64,
+            1,
+            10_000,
+        ) as usize,
     }
 }
 

@@ -1002,6 +1002,161 @@ fn https_redirect(sess: &Session, r: pier_config::HttpsRedirect) -> LocalRespons
     }
 }
 
+/// One attempt over HTTP/2 to the origin: a stream on a shared connection.
+#[allow(clippy::too_many_arguments)]
+async fn attempt_h2<P: Phases, D: Downstream>(
+    w: &Worker<P>,
+    state: &State,
+    down: &mut D,
+    b: &mut Work,
+    sess: &mut Session,
+    ctx: &mut P::Ctx,
+    key: &PeerKey,
+    tls: Option<&pier_tls::ClientTls>,
+    max_streams: usize,
+    inflight: &mut Option<pier_lb::ActiveGuard>,
+) -> Result<bool, Error> {
+    use crate::upstream_h2::{send_request, H2RequestSink, H2ResponseSource};
+    let t = &state.cfg.timeouts;
+    let lease = w
+        .shared
+        .h2pool
+        .lease(
+            key,
+            &w.shared.connector,
+            t.upstream_connect,
+            tls.map(|t| &t.config),
+            max_streams,
+        )
+        .await;
+    let (lease, reused) = match lease {
+        Ok(l) => l,
+        Err(e) if tls.is_some() && is_tls_failure(&e) => {
+            pier_tls::stats::stats().upstream(false, false);
+            tracing::warn!("upstream TLS (h2) to {}: {e}", key.addr);
+            return Err(Error::upstream(Kind::UpstreamTls));
+        }
+        Err(e) => {
+            tracing::debug!("connect (h2) {}: {e}", key.addr);
+            return Err(Error::upstream(Kind::UpstreamConnect));
+        }
+    };
+    w.shared.metrics.pool(reused);
+    sess.step = Step::Send;
+    let req = h2_request(state, sess, key.addr, tls.is_some())?;
+    let body = sess.req.body_len();
+    let head_only = sess.up_req.method_kind() == pier_http::Method::Head;
+    let (fut, send) = send_request(&lease, req, body == BodyLen::None, t.upstream_response).await?;
+    let mut src = H2ResponseSource::new(fut, t.upstream_response, head_only);
+    let relayed = if body == BodyLen::None {
+        let none: Option<&mut H2RequestSink> = None;
+        exchange(
+            w,
+            state,
+            down,
+            &mut src,
+            none,
+            &mut b.resp,
+            sess,
+            ctx,
+            inflight,
+        )
+        .await
+    } else {
+        let mut body_snk = H2RequestSink::new(send, t.upstream_response);
+        let snk = Some(&mut body_snk);
+        exchange(
+            w,
+            state,
+            down,
+            &mut src,
+            snk,
+            &mut b.resp,
+            sess,
+            ctx,
+            inflight,
+        )
+        .await
+    };
+    drop(lease);
+    match relayed? {
+        Relayed::Done(_, client_keep) => Ok(client_keep),
+        // No Upgrade over HTTP/2.
+        Relayed::Upgrade => Err(Error::new(Kind::UpstreamProtocol)),
+    }
+}
+
+/// The upstream request as an HTTP/2 request: `:authority` from the Host
+/// the engine would send, connection-specific fields dropped, `te:
+/// trailers` kept (gRPC needs it), X-Forwarded-* as over HTTP/1.
+fn h2_request(
+    state: &State,
+    sess: &Session,
+    addr: SocketAddr,
+    tls: bool,
+) -> Result<http::Request<()>, Error> {
+    let req = &sess.up_req;
+    let host_is_peer = matches!(
+        sess.route.map(|r| &state.routes[r].host_header),
+        Some(HostHeader::Upstream)
+    );
+    let authority = match req.host() {
+        Some(h) if !host_is_peer => String::from_utf8_lossy(h).into_owned(),
+        _ => addr.to_string(),
+    };
+    let target = String::from_utf8_lossy(req.uri());
+    let uri = format!(
+        "{}://{authority}{target}",
+        if tls { "https" } else { "http" }
+    );
+    fn bad<E>(_: E) -> Error {
+        Error::new(Kind::InvalidHeader)
+    }
+    let mut r = http::Request::builder()
+        .method(
+            http::Method::from_bytes(req.method())
+                .map_err(|_| Error::new(Kind::InvalidRequestLine))?,
+        )
+        .uri(uri)
+        .version(http::Version::HTTP_2)
+        .body(())
+        .map_err(|_| Error::new(Kind::InvalidHost))?;
+    let h = r.headers_mut();
+    for (k, name, value) in req.headers.iter_known() {
+        if skip_request_header(k) || k == known::HOST || k == known::TRANSFER_ENCODING {
+            continue;
+        }
+        h.append(
+            http::HeaderName::from_bytes(name).map_err(bad)?,
+            http::HeaderValue::from_bytes(value).map_err(bad)?,
+        );
+    }
+    if req.headers.has_token(known::TE, b"trailers") {
+        h.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
+    }
+    let mut xff = Vec::new();
+    for v in req.headers.get_all_known(known::X_FORWARDED_FOR) {
+        xff.extend_from_slice(v);
+        xff.extend_from_slice(b", ");
+    }
+    xff.extend_from_slice(sess.client_ip.as_bytes());
+    h.insert(
+        "x-forwarded-for",
+        http::HeaderValue::from_bytes(&xff).map_err(bad)?,
+    );
+    h.insert(
+        "x-forwarded-proto",
+        http::HeaderValue::from_static(sess.scheme()),
+    );
+    if let Some(a) = sess.req.absolute_form().map(|(a, _)| a).or(sess.req.host()) {
+        h.insert(
+            "x-forwarded-host",
+            http::HeaderValue::from_bytes(a).map_err(bad)?,
+        );
+    }
+    Ok(r)
+}
+
 /// A failed TLS handshake (as opposed to a refused or timed-out connect).
 fn is_tls_failure(e: &std::io::Error) -> bool {
     e.get_ref()
@@ -1029,8 +1184,19 @@ async fn attempt_once<P: Phases, D: Downstream>(
     let tls = sess
         .route
         .and_then(|r| state.upstream_tls[state.routes[r].group].as_ref());
+    let group = sess.route.map(|r| &state.groups[state.routes[r].group]);
+    let h2 = group.map(|g| g.config().protocol).unwrap_or_default()
+        != pier_config::UpstreamProtocol::Http1;
+    let alpn = if h2 {
+        pier_core::Alpn::H2
+    } else {
+        pier_core::Alpn::Http1
+    };
     let key = match tls {
-        None => PeerKey::plain(addr),
+        None => PeerKey {
+            alpn,
+            ..PeerKey::plain(addr)
+        },
         Some(t) => PeerKey {
             addr,
             // The configured name, else the address (verified against the
@@ -1040,9 +1206,13 @@ async fn attempt_once<P: Phases, D: Downstream>(
                     .clone()
                     .unwrap_or_else(|| Arc::from(addr.ip().to_string())),
             ),
-            alpn: pier_core::Alpn::Http1,
+            alpn,
         },
     };
+    if h2 {
+        let max = group.map(|g| g.config().h2_max_streams).unwrap_or(100);
+        return attempt_h2(w, state, down, b, sess, ctx, &key, tls, max, inflight).await;
+    }
     let pooled = if fresh_only {
         None
     } else {
@@ -1110,62 +1280,35 @@ async fn attempt_once<P: Phases, D: Downstream>(
         reused && body == BodyLen::None,
         t.upstream_response,
     );
-    let o = down_opts(state, sess, sess.client_keep);
-    let relayed = {
-        let (mut body_src, mut snk) = down.open(&o);
-        let relayed = if body == BodyLen::None {
-            relay(
-                w,
-                state,
-                &mut src,
-                &mut snk,
-                &mut b.resp,
-                sess,
-                ctx,
-                inflight,
-            )
-            .await
-        } else {
-            // Stream the request body while reading the response: an origin
-            // may answer (100-continue, early errors, echo) before the body ends.
-            let mut body_snk = H1RequestSink::new(&mut uw, body);
-            let pump = pump(&mut body_src, &mut body_snk);
-            let relay = relay(
-                w,
-                state,
-                &mut src,
-                &mut snk,
-                &mut b.resp,
-                sess,
-                ctx,
-                inflight,
-            );
-            tokio::pin!(pump, relay);
-            let mut pump_done = false;
-            loop {
-                tokio::select! {
-                    p = &mut pump, if !pump_done => {
-                        pump_done = true;
-                        if let Err(e) = p {
-                            // The client's body is bad or too big, or the origin
-                            // stopped reading it: nothing useful can follow.
-                            break Err(e.retryable(false));
-                        }
-                    }
-                    r = &mut relay => {
-                        break match r {
-                            // An origin that answered before the body ended can't be
-                            // reused, and neither can the client connection.
-                            Ok(Relayed::Done(up_ok, keep)) => Ok(Relayed::Done(up_ok && pump_done, keep && pump_done)),
-                            Ok(Relayed::Upgrade) => Err(Error::upstream(Kind::UpstreamProtocol)),
-                            Err(f) => Err(f.retryable(false)),
-                        };
-                    }
-                }
-            }
-        };
-        sess.bytes_sent += snk.bytes_sent();
-        relayed
+    let relayed = if body == BodyLen::None {
+        let none: Option<&mut H1RequestSink<tokio::io::Sink>> = None;
+        exchange(
+            w,
+            state,
+            down,
+            &mut src,
+            none,
+            &mut b.resp,
+            sess,
+            ctx,
+            inflight,
+        )
+        .await
+    } else {
+        let mut body_snk = H1RequestSink::new(&mut uw, body);
+        let snk = Some(&mut body_snk);
+        exchange(
+            w,
+            state,
+            down,
+            &mut src,
+            snk,
+            &mut b.resp,
+            sess,
+            ctx,
+            inflight,
+        )
+        .await
     };
     match relayed? {
         Relayed::Done(upstream_reusable, client_keep) => {
@@ -1189,6 +1332,57 @@ async fn attempt_once<P: Phases, D: Downstream>(
             Ok(false)
         }
     }
+}
+
+/// The response relayed to the client while (when there is one) the
+/// request body streams to the origin: an origin may answer (100-continue,
+/// early errors, echo) before the body ends. Any upstream protocol.
+#[allow(clippy::too_many_arguments)]
+async fn exchange<P: Phases, D: Downstream, Src: ResponseSource, Bsnk: RequestSink>(
+    w: &Worker<P>,
+    state: &State,
+    down: &mut D,
+    src: &mut Src,
+    body_snk: Option<&mut Bsnk>,
+    resp: &mut ResponseHead,
+    sess: &mut Session,
+    ctx: &mut P::Ctx,
+    inflight: &mut Option<pier_lb::ActiveGuard>,
+) -> Result<Relayed, Error> {
+    let o = down_opts(state, sess, sess.client_keep);
+    let (mut body_src, mut snk) = down.open(&o);
+    let relayed = match body_snk {
+        None => relay(w, state, src, &mut snk, resp, sess, ctx, inflight).await,
+        Some(body_snk) => {
+            let pump = pump(&mut body_src, body_snk);
+            let relay = relay(w, state, src, &mut snk, resp, sess, ctx, inflight);
+            tokio::pin!(pump, relay);
+            let mut pump_done = false;
+            loop {
+                tokio::select! {
+                    p = &mut pump, if !pump_done => {
+                        pump_done = true;
+                        if let Err(e) = p {
+                            // The client's body is bad or too big, or the origin
+                            // stopped reading it: nothing useful can follow.
+                            break Err(e.retryable(false));
+                        }
+                    }
+                    r = &mut relay => {
+                        break match r {
+                            // An origin that answered before the body ended can't be
+                            // reused, and neither can the client connection.
+                            Ok(Relayed::Done(up_ok, keep)) => Ok(Relayed::Done(up_ok && pump_done, keep && pump_done)),
+                            Ok(Relayed::Upgrade) => Err(Error::upstream(Kind::UpstreamProtocol)),
+                            Err(f) => Err(f.retryable(false)),
+                        };
+                    }
+                }
+            }
+        }
+    };
+    sess.bytes_sent += snk.bytes_sent();
+    relayed
 }
 
 /// The request body from the client to the origin, piece by piece.

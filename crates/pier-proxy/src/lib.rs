@@ -14,6 +14,7 @@ pub mod phases;
 pub mod protocol;
 pub mod session;
 pub mod state;
+pub mod upstream_h2;
 
 pub use phases::{Flow, LocalResponse, NoPhases, PeerChoice, Phases};
 pub use session::Session;
@@ -39,6 +40,8 @@ pub struct Shared {
     pub pool: Pool,
     /// Opens upstream connections (TCP; an in-memory dialer in tests).
     pub connector: Connector,
+    /// HTTP/2 upstream connections, multiplexed, shared by every worker.
+    pub h2pool: upstream_h2::H2Pool,
     pub metrics: Metrics,
     pub access: AccessLog,
     /// Open connections per client IP (`limits.max_connections_per_ip`).
@@ -58,6 +61,7 @@ impl Shared {
             generation,
             pool,
             connector: Connector::tcp(),
+            h2pool: Default::default(),
             metrics,
             access,
             per_ip: pier_limits::Inflight::new(),

@@ -205,7 +205,8 @@ impl State {
             .iter()
             .map(|(name, u)| match &u.tls {
                 Some(t) => {
-                    let c = ClientTls::build(name, t)?;
+                    let c =
+                        ClientTls::build(name, t, u.protocol == pier_config::UpstreamProtocol::H2)?;
                     if !t.verify && prev.is_none() {
                         tracing::warn!(
                             upstream = %name,

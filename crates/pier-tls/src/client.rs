@@ -36,7 +36,8 @@ fn system_roots() -> Result<Arc<rustls::RootCertStore>, String> {
 }
 
 impl ClientTls {
-    pub fn build(upstream: &str, cfg: &UpstreamTls) -> Result<ClientTls, String> {
+    /// `h2`: offer ALPN `h2` (HTTP/2 upstream) instead of `http/1.1`.
+    pub fn build(upstream: &str, cfg: &UpstreamTls, h2: bool) -> Result<ClientTls, String> {
         let provider = crate::provider();
         let ctx = |e: String| format!("upstream `{upstream}`: tls: {e}");
         let roots = match &cfg.ca {
@@ -63,7 +64,11 @@ impl ClientTls {
                 .dangerous()
                 .set_certificate_verifier(Arc::new(NoVerify(provider)));
         }
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        config.alpn_protocols = vec![if h2 {
+            b"h2".to_vec()
+        } else {
+            b"http/1.1".to_vec()
+        }];
         config.resumption = if cfg.session_resumption {
             rustls::client::Resumption::in_memory_sessions(1024)
         } else {

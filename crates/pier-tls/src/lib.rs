@@ -87,7 +87,7 @@ pub fn check(cfg: &pier_config::Config, now_unix: i64) -> Result<Vec<String>, Ve
     }
     for (name, u) in &cfg.upstreams {
         let Some(t) = &u.tls else { continue };
-        match ClientTls::build(name, t) {
+        match ClientTls::build(name, t, u.protocol == pier_config::UpstreamProtocol::H2) {
             Ok(_) if !t.verify => warnings.push(format!(
                 "upstream `{name}`: tls verify = false: origin certificates are not checked"
             )),

@@ -44,5 +44,7 @@ pub fn upstream_with(
         headers: Default::default(),
         host_header: Default::default(),
         tls: None,
+        protocol: Default::default(),
+        h2_max_streams: 100,
     }
 }
