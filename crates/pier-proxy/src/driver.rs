@@ -899,11 +899,19 @@ async fn write_local<D: Downstream>(
     }
     sess.status = head.status;
     sess.step = Step::Write;
+    // A gRPC client reads grpc-status, not the HTTP status: Pier's own
+    // errors reach it as trailers-only gRPC answers (logged with the HTTP
+    // status they stand for).
+    let (body, size) = if head.status != 200 && crate::grpc::is_grpc(&sess.req) {
+        crate::grpc::shape(head, reason);
+        (&[][..], BodySize::None)
+    } else {
+        (body, BodySize::Length(body.len() as u64))
+    };
     let o = down_opts(state, sess, !close);
     let (_, mut snk) = down.open(&o);
     let r = async {
-        snk.write_head(head, BodySize::Length(body.len() as u64))
-            .await?;
+        snk.write_head(head, size).await?;
         snk.write_body(body).await?;
         snk.finish(None).await
     }
@@ -1047,7 +1055,8 @@ async fn attempt_h2<P: Phases, D: Downstream>(
     let body = sess.req.body_len();
     let head_only = sess.up_req.method_kind() == pier_http::Method::Head;
     let (fut, send) = send_request(&lease, req, body == BodyLen::None, t.upstream_response).await?;
-    let mut src = H2ResponseSource::new(fut, t.upstream_response, head_only);
+    let wait = crate::grpc::timeout(&sess.req, t.upstream_response);
+    let mut src = H2ResponseSource::new(fut, wait, head_only);
     let relayed = if body == BodyLen::None {
         let none: Option<&mut H2RequestSink> = None;
         exchange(

@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod driver;
+pub mod grpc;
 pub mod h1;
 pub mod http2;
 pub mod phases;

@@ -181,7 +181,9 @@ impl ResponseSource for H2ResponseSource {
         to_headers(&parts.headers, &mut head.headers);
         self.size = if self.head_only || recv.is_end_stream() {
             self.done = recv.is_end_stream();
-            if self.head_only {
+            // A gRPC trailers-only answer must reach an HTTP/2 client as
+            // one HEADERS frame that ends the stream.
+            if self.head_only || parts.headers.contains_key("grpc-status") {
                 BodySize::None
             } else {
                 BodySize::Length(0)
