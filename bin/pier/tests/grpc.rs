@@ -172,3 +172,171 @@ fn pier_errors_are_grpc_shaped() {
     assert!(!ok);
     assert!(out.contains("Unavailable"), "{out}");
 }
+
+/// gRPC-web frames of a body: (flag, payload).
+fn frames(mut b: &[u8]) -> Vec<(u8, Vec<u8>)> {
+    let mut out = Vec::new();
+    while b.len() >= 5 {
+        let n = u32::from_be_bytes([b[1], b[2], b[3], b[4]]) as usize;
+        assert!(b.len() >= 5 + n, "truncated frame");
+        out.push((b[0], b[5..5 + n].to_vec()));
+        b = &b[5 + n..];
+    }
+    assert!(b.is_empty(), "trailing bytes");
+    out
+}
+
+fn web_config(upstream: SocketAddr) -> String {
+    config(upstream).replace(
+        "upstream = \"svc\"\n",
+        "upstream = \"svc\"\ngrpc_web = true\n[route.cors]\nallow_origins = [\"https://app.test\"]\n",
+    )
+}
+
+fn web_call(pier: &PierProcess, method: &str, ct: &str, body: &[u8]) -> (String, Vec<u8>) {
+    let dir = TempDir::new();
+    let f = dir.path().join("req.bin");
+    std::fs::write(&f, body).unwrap();
+    let hdr = dir.path().join("head.txt");
+    let out = run_with_timeout(
+        Command::new("curl").args([
+            "-sS",
+            "--http1.1",
+            "-D",
+            &hdr.display().to_string(),
+            "-H",
+            &format!("content-type: {ct}"),
+            "-H",
+            "x-grpc-web: 1",
+            "-H",
+            "origin: https://app.test",
+            "--data-binary",
+            &format!("@{}", f.display()),
+            &format!(
+                "http://{}/grpc.testing.TestService/{method}",
+                pier.listener("clear")
+            ),
+        ]),
+        Duration::from_secs(30),
+    );
+    (
+        std::fs::read_to_string(&hdr)
+            .unwrap_or_default()
+            .to_ascii_lowercase(),
+        out.stdout,
+    )
+}
+
+#[test]
+fn grpc_web_binary_and_text() {
+    use pier_test_support::base64::Engine as _;
+    let b64 = pier_test_support::base64::engine::general_purpose::STANDARD;
+    let s = interop_server();
+    let pier = pier(&web_config(s.1));
+    // Unary, binary form: one empty message, then the trailer frame.
+    let (head, body) = web_call(
+        &pier,
+        "EmptyCall",
+        "application/grpc-web+proto",
+        &[0, 0, 0, 0, 0],
+    );
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(
+        head.contains("content-type: application/grpc-web+proto"),
+        "{head}"
+    );
+    assert!(
+        head.contains("access-control-allow-origin: https://app.test"),
+        "{head}"
+    );
+    assert!(
+        head.contains("access-control-expose-headers: grpc-status, grpc-message"),
+        "{head}"
+    );
+    let f = frames(&body);
+    assert_eq!(f.len(), 2, "{f:?}");
+    assert_eq!(f[0], (0, vec![]));
+    assert_eq!(f[1].0, 0x80);
+    let trailer = String::from_utf8_lossy(&f[1].1).to_string();
+    assert!(trailer.contains("grpc-status:0"), "{trailer}");
+    // Server streaming, text form: two messages (10 and 20 payload bytes).
+    let msg = [0x12, 0x02, 0x08, 0x0a, 0x12, 0x02, 0x08, 0x14];
+    let mut req = vec![0, 0, 0, 0, msg.len() as u8];
+    req.extend_from_slice(&msg);
+    let (head, body) = web_call(
+        &pier,
+        "StreamingOutputCall",
+        "application/grpc-web-text",
+        b64.encode(&req).as_bytes(),
+    );
+    assert!(
+        head.contains("content-type: application/grpc-web-text"),
+        "{head}"
+    );
+    let mut raw = Vec::new();
+    let text: Vec<u8> = body
+        .iter()
+        .copied()
+        .filter(|c| !c.is_ascii_whitespace())
+        .collect();
+    for g in text.chunks(4) {
+        b64.decode_vec(g, &mut raw).unwrap();
+    }
+    let f = frames(&raw);
+    assert_eq!(f.len(), 3, "{f:?}");
+    assert_eq!((f[0].0, f[0].1.len()), (0, 14));
+    assert_eq!((f[1].0, f[1].1.len()), (0, 24));
+    assert!(String::from_utf8_lossy(&f[2].1).contains("grpc-status:0"));
+    // An error status arrives in the trailer frame.
+    let (_, body) = web_call(
+        &pier,
+        "UnimplementedCall",
+        "application/grpc-web",
+        &[0, 0, 0, 0, 0],
+    );
+    let f = frames(&body);
+    let last = String::from_utf8_lossy(&f.last().unwrap().1).to_string();
+    assert!(last.contains("grpc-status:12"), "{last}");
+}
+
+#[test]
+fn cors_preflight_from_config() {
+    let s = interop_server();
+    let pier = pier(&web_config(s.1));
+    let url = format!(
+        "http://{}/grpc.testing.TestService/EmptyCall",
+        pier.listener("clear")
+    );
+    let pre = |origin: &str| {
+        let out = run_with_timeout(
+            Command::new("curl").args([
+                "-sS",
+                "-D",
+                "-",
+                "-o",
+                "/dev/null",
+                "-X",
+                "OPTIONS",
+                "-H",
+                &format!("origin: {origin}"),
+                "-H",
+                "access-control-request-method: POST",
+                "-H",
+                "access-control-request-headers: content-type,x-grpc-web",
+                &url,
+            ]),
+            Duration::from_secs(30),
+        );
+        String::from_utf8_lossy(&out.stdout).to_ascii_lowercase()
+    };
+    let ok = pre("https://app.test");
+    assert!(ok.starts_with("http/1.1 204"), "{ok}");
+    assert!(
+        ok.contains("access-control-allow-origin: https://app.test"),
+        "{ok}"
+    );
+    assert!(ok.contains("access-control-allow-headers: content-type, x-grpc-web, x-user-agent, grpc-timeout, authorization"), "{ok}");
+    assert!(ok.contains("access-control-max-age: 600"), "{ok}");
+    let no = pre("https://evil.test");
+    assert!(no.starts_with("http/1.1 403"), "{no}");
+}

@@ -173,6 +173,8 @@ impl Config {
                 lua: RouteLua::default(),
                 headers: HeaderRules::default(),
                 host_header: None,
+                grpc_web: false,
+                cors: None,
             }],
             upstreams: [("default".to_string(), upstream)].into_iter().collect(),
             limits: Limits::default(),

@@ -220,6 +220,23 @@ pub struct Route {
     pub headers: HeaderRules,
     /// The Host header sent upstream; None = use the upstream's `host_header`.
     pub host_header: Option<HostHeader>,
+    /// `grpc_web`: gRPC-web requests go upstream as gRPC, answers come back
+    /// as gRPC-web (the trailers as the body's last frame).
+    pub grpc_web: bool,
+    /// `[route.cors]`.
+    pub cors: Option<Cors>,
+}
+
+/// `[route.cors]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cors {
+    /// Exact origins (`https://app.example`), or `*`.
+    pub allow_origins: Vec<String>,
+    pub allow_methods: Vec<String>,
+    pub allow_headers: Vec<String>,
+    pub expose_headers: Vec<String>,
+    pub max_age: Duration,
+    pub allow_credentials: bool,
 }
 
 /// Header rewrite rules (`[route.headers]`, `[upstream.NAME.headers]`).

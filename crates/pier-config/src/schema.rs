@@ -167,6 +167,22 @@ pub struct RouteEntry {
     pub host_header: Option<Spanned<String>>,
     pub headers: Option<HeadersSection>,
     pub lua: Option<RouteLuaSection>,
+    /// Convert gRPC-web requests to gRPC and the answers back.
+    pub grpc_web: Option<bool>,
+    pub cors: Option<CorsSection>,
+}
+
+/// `[route.cors]`: CORS preflights answered by Pier, and the CORS fields of
+/// actual responses.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [route.cors] table")]
+pub struct CorsSection {
+    pub allow_origins: Option<Vec<Spanned<String>>>,
+    pub allow_methods: Option<Vec<Spanned<String>>>,
+    pub allow_headers: Option<Vec<Spanned<String>>>,
+    pub expose_headers: Option<Vec<Spanned<String>>>,
+    pub max_age: Option<Spanned<String>>,
+    pub allow_credentials: Option<bool>,
 }
 
 /// `[route.headers]` / `[upstream.NAME.headers]`: header rewrite rules.

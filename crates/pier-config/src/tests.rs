@@ -1021,6 +1021,7 @@ fn documented_tables() -> Vec<(&'static str, Vec<&'static str>)> {
         ),
         ("## `[[route]]`", fields_of::<RouteEntry>()),
         ("### `[route.lua]`", fields_of::<RouteLuaSection>()),
+        ("### `[route.cors]`", fields_of::<CorsSection>()),
         (
             "### `[route.headers]` and `[upstream.NAME.headers]`",
             fields_of::<HeadersSection>(),

@@ -351,6 +351,22 @@ pub(crate) fn validate(
         ));
     }
 
+    for r in &routes {
+        if r.grpc_web
+            && upstreams
+                .get(&r.upstream)
+                .is_some_and(|u| u.protocol == UpstreamProtocol::Http1)
+        {
+            c.err(
+                None,
+                format!(
+                    "route `{}`: grpc_web sends gRPC upstream, which needs HTTP/2: set protocol = \"h2\" or \"h2c\" on upstream `{}`",
+                    r.name, r.upstream
+                ),
+            );
+        }
+    }
+
     let mut rate_limits = Vec::new();
     let mut limit_names = HashSet::new();
     for (i, (e, span)) in file.limit_rules.iter().enumerate() {
@@ -863,6 +879,8 @@ fn route(
             );
         }
     }
+    let grpc_web = r.grpc_web.unwrap_or(false);
+    let cors = r.cors.as_ref().map(|x| cors(c, &name, x, grpc_web));
     Route {
         name,
         host,
@@ -871,6 +889,69 @@ fn route(
         lua,
         headers,
         host_header,
+        grpc_web,
+        cors,
+    }
+}
+
+fn cors(c: &mut Check, route: &str, x: &CorsSection, grpc_web: bool) -> Cors {
+    let list = |c: &mut Check, v: &Option<Vec<Spanned<String>>>, key: &str, d: &[&str]| {
+        let Some(v) = v else {
+            return d.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        };
+        let mut out = Vec::new();
+        for item in v {
+            let s = item.get_ref().trim();
+            if s.is_empty() || s.bytes().any(|b| b.is_ascii_control() || b == b',') {
+                c.err(
+                    sp(item),
+                    format!("route `{route}`: cors `{key}`: {s:?} is not a single value"),
+                );
+            } else {
+                out.push(s.to_string());
+            }
+        }
+        out
+    };
+    let allow_origins = list(c, &x.allow_origins, "allow_origins", &["*"]);
+    let allow_methods = list(
+        c,
+        &x.allow_methods,
+        "allow_methods",
+        &["GET", "POST", "OPTIONS"],
+    );
+    let grpc_headers: &[&str] = if grpc_web {
+        &[
+            "content-type",
+            "x-grpc-web",
+            "x-user-agent",
+            "grpc-timeout",
+            "authorization",
+        ]
+    } else {
+        &["content-type", "authorization"]
+    };
+    let allow_headers = list(c, &x.allow_headers, "allow_headers", grpc_headers);
+    let grpc_expose: &[&str] = if grpc_web {
+        &["grpc-status", "grpc-message"]
+    } else {
+        &[]
+    };
+    let expose_headers = list(c, &x.expose_headers, "expose_headers", grpc_expose);
+    let allow_credentials = x.allow_credentials.unwrap_or(false);
+    if allow_credentials && allow_origins.iter().any(|o| o == "*") {
+        c.err(
+            x.allow_origins.as_ref().and_then(|v| v.first()).and_then(sp),
+            format!("route `{route}`: cors `allow_credentials` needs explicit `allow_origins` (browsers refuse `*` with credentials)"),
+        );
+    }
+    Cors {
+        allow_origins,
+        allow_methods,
+        allow_headers,
+        expose_headers,
+        max_age: c.duration(&x.max_age, "max_age", Duration::from_secs(600)),
+        allow_credentials,
     }
 }
 

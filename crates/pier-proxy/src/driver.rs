@@ -557,6 +557,18 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
             && client_keep;
     };
     sess.route = Some(route);
+    let rc = &state.cfg.routes[route];
+    if let Some(cors) = &rc.cors {
+        if let Some(r) = cors_preflight(cors, &sess.req) {
+            return respond(w, state, down, b, sess, ctx, &r, body_pending).await;
+        }
+    }
+    if rc.grpc_web {
+        if let Some(form) = crate::grpc_web::form_of(&sess.req) {
+            sess.grpc_web = Some(form);
+            crate::grpc_web::to_grpc_request(&mut sess.up_req, form);
+        }
+    }
 
     // Body bound known up front.
     let max_body = state.cfg.limits.max_body_bytes;
@@ -835,6 +847,7 @@ async fn send_answer<P: Phases, D: Downstream>(
     let mut filtered_body = None;
     if sess.route.is_some() {
         apply_response_rules(state, sess.route, &mut b.resp);
+        apply_cors(state, sess, &mut b.resp);
         if w.phases.filters_local(state, sess) {
             // A filter that fails leaves the response as it was (the hook
             // layer logs its error): an answer is already due.
@@ -902,8 +915,20 @@ async fn write_local<D: Downstream>(
     // A gRPC client reads grpc-status, not the HTTP status: Pier's own
     // errors reach it as trailers-only gRPC answers (logged with the HTTP
     // status they stand for).
-    let (body, size) = if head.status != 200 && crate::grpc::is_grpc(&sess.req) {
-        crate::grpc::shape(head, reason);
+    let grpc_ct: Option<&[u8]> = if head.status == 200 {
+        None
+    } else if let Some(form) = sess.grpc_web {
+        Some(match form {
+            crate::grpc_web::Form::Text => b"application/grpc-web-text",
+            crate::grpc_web::Form::Binary => b"application/grpc-web",
+        })
+    } else if crate::grpc::is_grpc(&sess.req) {
+        Some(b"application/grpc")
+    } else {
+        None
+    };
+    let (body, size) = if let Some(ct) = grpc_ct {
+        crate::grpc::shape(head, reason, ct);
         (&[][..], BodySize::None)
     } else {
         (body, BodySize::Length(body.len() as u64))
@@ -1166,6 +1191,99 @@ fn h2_request(
     Ok(r)
 }
 
+/// A CORS preflight (OPTIONS with Origin and Access-Control-Request-Method)
+/// answered from the route's `[route.cors]`: 204 with the allowed origin,
+/// methods and headers; a disallowed origin gets 403.
+fn cors_preflight(cors: &pier_config::Cors, req: &pier_http::RequestHead) -> Option<LocalResponse> {
+    if req.method_kind() != pier_http::Method::Options {
+        return None;
+    }
+    let origin = req.headers.get(b"origin")?;
+    req.headers.get(b"access-control-request-method")?;
+    let Some(allow) = cors_origin(cors, origin) else {
+        return Some(LocalResponse {
+            status: 403,
+            headers: Vec::new(),
+            body: b"CORS origin not allowed\n".to_vec(),
+            reason: "cors-origin",
+            kind: None,
+        });
+    };
+    let mut headers = vec![
+        (b"Access-Control-Allow-Origin".to_vec(), allow),
+        (
+            b"Access-Control-Allow-Methods".to_vec(),
+            cors.allow_methods.join(", ").into_bytes(),
+        ),
+        (
+            b"Access-Control-Allow-Headers".to_vec(),
+            cors.allow_headers.join(", ").into_bytes(),
+        ),
+        (
+            b"Access-Control-Max-Age".to_vec(),
+            cors.max_age.as_secs().to_string().into_bytes(),
+        ),
+        (b"Vary".to_vec(), b"Origin".to_vec()),
+    ];
+    if !cors.expose_headers.is_empty() {
+        headers.push((
+            b"Access-Control-Expose-Headers".to_vec(),
+            cors.expose_headers.join(", ").into_bytes(),
+        ));
+    }
+    if cors.allow_credentials {
+        headers.push((
+            b"Access-Control-Allow-Credentials".to_vec(),
+            b"true".to_vec(),
+        ));
+    }
+    Some(LocalResponse {
+        status: 204,
+        headers,
+        body: Vec::new(),
+        reason: "cors-preflight",
+        kind: None,
+    })
+}
+
+/// The Access-Control-Allow-Origin value for `origin`, if it is allowed.
+fn cors_origin(cors: &pier_config::Cors, origin: &[u8]) -> Option<Vec<u8>> {
+    if cors.allow_origins.iter().any(|o| o == "*") && !cors.allow_credentials {
+        return Some(b"*".to_vec());
+    }
+    cors.allow_origins
+        .iter()
+        .any(|o| o.as_bytes().eq_ignore_ascii_case(origin))
+        .then(|| origin.to_vec())
+}
+
+/// CORS fields on an actual response of a `[route.cors]` route.
+fn apply_cors(state: &State, sess: &Session, resp: &mut ResponseHead) {
+    let Some(cors) = sess.route.and_then(|r| state.cfg.routes[r].cors.as_ref()) else {
+        return;
+    };
+    let Some(origin) = sess.req.headers.get(b"origin") else {
+        return;
+    };
+    let Some(allow) = cors_origin(cors, origin) else {
+        return;
+    };
+    resp.headers.insert(b"Access-Control-Allow-Origin", &allow);
+    if allow != b"*" {
+        resp.headers.append(b"Vary", b"Origin");
+    }
+    if !cors.expose_headers.is_empty() {
+        resp.headers.insert(
+            b"Access-Control-Expose-Headers",
+            cors.expose_headers.join(", ").as_bytes(),
+        );
+    }
+    if cors.allow_credentials {
+        resp.headers
+            .insert(b"Access-Control-Allow-Credentials", b"true");
+    }
+}
+
 /// A failed TLS handshake (as opposed to a refused or timed-out connect).
 fn is_tls_failure(e: &std::io::Error) -> bool {
     e.get_ref()
@@ -1359,7 +1477,44 @@ async fn exchange<P: Phases, D: Downstream, Src: ResponseSource, Bsnk: RequestSi
     inflight: &mut Option<pier_lb::ActiveGuard>,
 ) -> Result<Relayed, Error> {
     let o = down_opts(state, sess, sess.client_keep);
-    let (mut body_src, mut snk) = down.open(&o);
+    let (body_src, snk) = down.open(&o);
+    match sess.grpc_web {
+        None => {
+            exchange_with(
+                w, state, body_src, snk, src, body_snk, resp, sess, ctx, inflight,
+            )
+            .await
+        }
+        Some(form) => {
+            let body_src = crate::grpc_web::WebSource::new(body_src, form);
+            let snk = crate::grpc_web::WebSink::new(snk, form);
+            exchange_with(
+                w, state, body_src, snk, src, body_snk, resp, sess, ctx, inflight,
+            )
+            .await
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn exchange_with<
+    P: Phases,
+    Bsrc: RequestSource,
+    Snk: ResponseSink,
+    Src: ResponseSource,
+    Bsnk: RequestSink,
+>(
+    w: &Worker<P>,
+    state: &State,
+    mut body_src: Bsrc,
+    mut snk: Snk,
+    src: &mut Src,
+    body_snk: Option<&mut Bsnk>,
+    resp: &mut ResponseHead,
+    sess: &mut Session,
+    ctx: &mut P::Ctx,
+    inflight: &mut Option<pier_lb::ActiveGuard>,
+) -> Result<Relayed, Error> {
     let relayed = match body_snk {
         None => relay(w, state, src, &mut snk, resp, sess, ctx, inflight).await,
         Some(body_snk) => {
@@ -1441,6 +1596,7 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         sess.step = Step::CacheStore;
         w.phases.cache_store(state, sess, resp, ctx);
         apply_response_rules(state, sess.route, resp);
+        apply_cors(state, sess, resp);
     }
     sess.step = Step::ResponseFilter;
     if let Err(e) = w.phases.response_filter(state, sess, resp, ctx) {

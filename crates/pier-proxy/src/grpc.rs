@@ -31,12 +31,12 @@ pub fn status_for(http: u16) -> u8 {
 
 /// Turn a Pier-made error head into a trailers-only gRPC answer: HTTP 200,
 /// `content-type: application/grpc`, `grpc-status`, `grpc-message`.
-pub fn shape(head: &mut ResponseHead, reason: &str) {
+pub fn shape(head: &mut ResponseHead, reason: &str, content_type: &[u8]) {
     let code = status_for(head.status);
     let http = head.status;
     head.set_status(200);
     head.headers.remove_known(known::CONTENT_TYPE);
-    head.headers.append(b"content-type", b"application/grpc");
+    head.headers.append(b"content-type", content_type);
     head.headers
         .append(b"grpc-status", itoa::Buffer::new().format(code).as_bytes());
     let mut msg = Vec::with_capacity(32);
@@ -116,7 +116,7 @@ mod tests {
             assert_eq!(status_for(http), code);
         }
         let mut h = ResponseHead::local(503);
-        shape(&mut h, "no-healthy-upstream");
+        shape(&mut h, "no-healthy-upstream", b"application/grpc");
         assert_eq!(h.status, 200);
         assert_eq!(h.headers.get(b"grpc-status"), Some(&b"14"[..]));
         assert_eq!(

@@ -9,6 +9,7 @@
 pub mod admin;
 pub mod driver;
 pub mod grpc;
+pub mod grpc_web;
 pub mod h1;
 pub mod http2;
 pub mod phases;

@@ -46,6 +46,8 @@ pub struct Session {
     pub client_keep: bool,
     /// An Upgrade (WebSocket) is allowed through for this request.
     pub upgrade: bool,
+    /// A gRPC-web request converted to gRPC (route `grpc_web`).
+    pub grpc_web: Option<crate::grpc_web::Form>,
 }
 
 impl Session {
@@ -67,6 +69,7 @@ impl Session {
             reason: "",
             client_keep: true,
             upgrade: false,
+            grpc_web: None,
         }
     }
 
@@ -92,5 +95,6 @@ impl Session {
         self.reason = "";
         self.client_keep = true;
         self.upgrade = false;
+        self.grpc_web = None;
     }
 }

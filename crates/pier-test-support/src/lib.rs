@@ -14,6 +14,8 @@ mod process;
 pub mod tls;
 pub mod ws;
 
+/// For tests that encode or decode base64 (gRPC-web text) without a dependency of their own.
+pub use base64;
 /// For tests that parse JSON (access logs) without a dependency of their own.
 pub use serde_json;
 
