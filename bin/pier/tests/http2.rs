@@ -312,3 +312,191 @@ fn http2_upstream_h2c_and_h2_any_client() {
         assert!(n <= 8.0, "{up}: {n} upstream connections for 400+ requests");
     }
 }
+
+// === defences, with a raw HTTP/2 client ===
+
+mod raw {
+    use std::io::{Read, Write};
+    use std::net::{SocketAddr, TcpStream};
+    use std::time::{Duration, Instant};
+
+    pub const HEADERS: u8 = 1;
+    pub const RST_STREAM: u8 = 3;
+    pub const SETTINGS: u8 = 4;
+    pub const PING: u8 = 6;
+    pub const GOAWAY: u8 = 7;
+    pub const CONTINUATION: u8 = 9;
+    pub const END_STREAM: u8 = 1;
+    pub const END_HEADERS: u8 = 4;
+
+    pub fn frame(out: &mut Vec<u8>, ty: u8, flags: u8, stream: u32, payload: &[u8]) {
+        let n = payload.len() as u32;
+        out.extend_from_slice(&n.to_be_bytes()[1..]);
+        out.push(ty);
+        out.push(flags);
+        out.extend_from_slice(&stream.to_be_bytes());
+        out.extend_from_slice(payload);
+    }
+
+    /// GET / with :authority localhost, HPACK with static-table indexes.
+    pub fn get_block() -> Vec<u8> {
+        let mut b = vec![0x82, 0x86, 0x84, 0x41, 9];
+        b.extend_from_slice(b"localhost");
+        b
+    }
+
+    pub fn connect(addr: SocketAddr) -> TcpStream {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        frame(&mut hello, SETTINGS, 0, 0, &[]);
+        s.write_all(&hello).unwrap();
+        s
+    }
+
+    /// Read frames until a GOAWAY (Some(error code)) or the connection ends
+    /// (None), within `limit`.
+    pub fn until_goaway(s: &mut TcpStream, limit: Duration) -> Option<u32> {
+        let deadline = Instant::now() + limit;
+        let mut buf = Vec::new();
+        let mut tmp = [0u8; 65536];
+        while Instant::now() < deadline {
+            while buf.len() >= 9 {
+                let n = u32::from_be_bytes([0, buf[0], buf[1], buf[2]]) as usize;
+                if buf.len() < 9 + n {
+                    break;
+                }
+                if buf[3] == GOAWAY && n >= 8 {
+                    return Some(u32::from_be_bytes([buf[13], buf[14], buf[15], buf[16]]));
+                }
+                buf.drain(..9 + n);
+            }
+            match s.read(&mut tmp) {
+                Ok(0) => return None,
+                Ok(k) => buf.extend_from_slice(&tmp[..k]),
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock
+                        || e.kind() == std::io::ErrorKind::TimedOut => {}
+                Err(_) => return None,
+            }
+        }
+        panic!("neither GOAWAY nor close within {limit:?}");
+    }
+}
+
+#[test]
+fn rapid_reset_gets_goaway() {
+    use std::io::Write;
+    let o = Origin::start();
+    let pier = pier(&h2_config(o.addr(), None, ""));
+    let mut s = raw::connect(pier.listener("clear"));
+    let block = raw::get_block();
+    let mut out = Vec::new();
+    for i in 0..2000u32 {
+        let id = 2 * i + 1;
+        raw::frame(
+            &mut out,
+            raw::HEADERS,
+            raw::END_HEADERS | raw::END_STREAM,
+            id,
+            &block,
+        );
+        raw::frame(&mut out, raw::RST_STREAM, 0, id, &8u32.to_be_bytes());
+    }
+    let _ = s.write_all(&out);
+    let code = raw::until_goaway(&mut s, Duration::from_secs(20));
+    eprintln!(
+        "rapid reset: goaway {code:?}, {} requests at the origin",
+        o.requests()
+    );
+    // ENHANCE_YOUR_CALM (0xb) or closed; never 2000 requests upstream.
+    assert_eq!(code, Some(0xb), "GOAWAY ENHANCE_YOUR_CALM expected");
+    assert!(
+        o.requests() < 2000,
+        "{} requests reached the origin",
+        o.requests()
+    );
+    // Others are served.
+    let r = RawConn::connect(pier.listener("clear"))
+        .get("/hello")
+        .unwrap();
+    assert_eq!(r.status, 200);
+}
+
+#[test]
+fn continuation_flood_is_cut_off() {
+    use std::io::Write;
+    let o = Origin::start();
+    let pier = pier(&h2_config(
+        o.addr(),
+        None,
+        "[http2]\nmax_header_list_size = \"16k\"",
+    ));
+    let rss_before = pier.rss_kib().unwrap_or(0);
+    let mut s = raw::connect(pier.listener("clear"));
+    let mut out = Vec::new();
+    raw::frame(&mut out, raw::HEADERS, 0, 1, &raw::get_block());
+    // Literal header fields without indexing, never ending: 16 MiB offered.
+    let mut junk = Vec::new();
+    for _ in 0..1000 {
+        junk.extend_from_slice(&[0x00, 0x03]);
+        junk.extend_from_slice(b"x-a");
+        junk.push(10);
+        junk.extend_from_slice(b"0123456789");
+    }
+    let mut sent = 0usize;
+    let mut closed = false;
+    while sent < 16 << 20 {
+        out.clear();
+        raw::frame(&mut out, raw::CONTINUATION, 0, 1, &junk);
+        if s.write_all(&out).is_err() {
+            closed = true;
+            break;
+        }
+        sent += out.len();
+    }
+    if !closed {
+        let _ = raw::until_goaway(&mut s, Duration::from_secs(20));
+    }
+    assert_eq!(o.requests(), 0);
+    if let (Some(after), true) = (pier.rss_kib(), rss_before > 0) {
+        assert!(
+            after < rss_before + 32 * 1024,
+            "RSS {rss_before} → {after} KiB"
+        );
+    }
+    let r = RawConn::connect(pier.listener("clear"))
+        .get("/hello")
+        .unwrap();
+    assert_eq!(r.status, 200);
+}
+
+#[test]
+fn ping_flood_does_not_grow_memory() {
+    use std::io::Write;
+    let o = Origin::start();
+    let pier = pier(&h2_config(o.addr(), None, ""));
+    let rss_before = pier.rss_kib().unwrap_or(0);
+    let mut s = raw::connect(pier.listener("clear"));
+    let mut out = Vec::new();
+    for i in 0..20_000u64 {
+        raw::frame(&mut out, raw::PING, 0, 0, &i.to_be_bytes());
+    }
+    // Never read the ACKs: Pier must not queue 20,000 of them.
+    for _ in 0..10 {
+        if s.write_all(&out).is_err() {
+            break;
+        }
+    }
+    if let (Some(after), true) = (pier.rss_kib(), rss_before > 0) {
+        assert!(
+            after < rss_before + 32 * 1024,
+            "RSS {rss_before} → {after} KiB"
+        );
+    }
+    let r = RawConn::connect(pier.listener("clear"))
+        .get("/hello")
+        .unwrap();
+    assert_eq!(r.status, 200);
+}
