@@ -500,3 +500,61 @@ fn ping_flood_does_not_grow_memory() {
         .unwrap();
     assert_eq!(r.status, 200);
 }
+
+#[test]
+fn hooks_limits_and_metrics_on_http2_requests() {
+    let o = Origin::start();
+    let hook = r#"[route.lua]
+access = '''
+if pier.req.get_header("x-block") then return pier.exit(403) end
+pier.req.set_header("x-from-lua", pier.var.scheme)
+'''
+header_filter = '''
+pier.resp.set_header("x-filtered", "yes")
+'''
+"#;
+    let cfg = h2_config(
+        o.addr(),
+        None,
+        "[[limit]]\nname = \"few\"\nkey = \"client_ip\"\nrate = \"1/s\"\nburst = 5\n",
+    )
+    .replace(
+        "upstream = \"app\"\n",
+        &format!("upstream = \"app\"\n{hook}"),
+    );
+    let pier = pier(&cfg);
+    let base = format!("http://{}", pier.listener("clear"));
+    let (out, err) = curl_out(&[
+        "--http2-prior-knowledge",
+        "-D",
+        "-",
+        &format!("{base}/headers"),
+    ]);
+    let lower = out.to_ascii_lowercase();
+    assert!(lower.starts_with("http/2 200"), "{out}{err}");
+    assert!(lower.contains("x-filtered: yes"), "{out}");
+    assert!(lower.contains("x-from-lua: http"), "{out}");
+    let (out, _) = curl_out(&[
+        "--http2-prior-knowledge",
+        "-D",
+        "-",
+        "-H",
+        "x-block: 1",
+        &format!("{base}/hello"),
+    ]);
+    assert!(out.to_ascii_lowercase().starts_with("http/2 403"), "{out}");
+    // The rate limit applies to HTTP/2 requests too (burst 3, some refused).
+    let out = run_with_timeout(
+        Command::new("h2load").args(["-n", "50", "-c", "1", "-m", "10", &format!("{base}/hello")]),
+        Duration::from_secs(60),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!text.contains("status codes: 50 2xx"), "{text}");
+    assert!(
+        pier.metric_value("pier_requests_by_protocol_total{protocol=\"h2\"}")
+            .unwrap()
+            >= 52.0,
+        "{}",
+        pier.metrics()
+    );
+}

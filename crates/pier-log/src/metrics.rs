@@ -81,6 +81,8 @@ pub struct Metrics {
     /// Upgraded connections (WebSocket) being tunnelled now, and in all.
     pub active_tunnels: AtomicI64,
     pub tunnels: AtomicU64,
+    /// Requests by client protocol: [HTTP/1.x, HTTP/2].
+    pub by_protocol: [AtomicU64; 2],
     /// Requests whose task panicked (a bug: the connection was closed, its
     /// slots released, and nothing else lost).
     pub panics: AtomicU64,
@@ -119,6 +121,7 @@ impl Metrics {
             active_requests: AtomicI64::new(0),
             active_tunnels: AtomicI64::new(0),
             tunnels: AtomicU64::new(0),
+            by_protocol: [AtomicU64::new(0), AtomicU64::new(0)],
             panics: AtomicU64::new(0),
         }
     }
@@ -341,6 +344,12 @@ impl Metrics {
             "# TYPE pier_active_tunnels gauge\npier_active_tunnels {}\n# TYPE pier_tunnels_total counter\npier_tunnels_total {}",
             self.active_tunnels.load(Relaxed),
             self.tunnels.load(Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE pier_requests_by_protocol_total counter\npier_requests_by_protocol_total{{protocol=\"http/1.1\"}} {}\npier_requests_by_protocol_total{{protocol=\"h2\"}} {}",
+            self.by_protocol[0].load(Relaxed),
+            self.by_protocol[1].load(Relaxed)
         );
         let _ = writeln!(
             out,

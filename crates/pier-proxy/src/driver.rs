@@ -415,6 +415,8 @@ pub(crate) fn finish<P: Phases>(
         .map(|r| state.routes[r].metric)
         .unwrap_or(pier_log::metrics::MAX_ROUTES - 1);
     w.shared.metrics.request(metric, sess.status, dur_us);
+    w.shared.metrics.by_protocol[sess.conn.h2 as usize]
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let log = &w.shared.access;
     if log.enabled() {
         let mut up = [0u8; 64];

@@ -50,7 +50,7 @@ pub async fn serve_h2<P: Phases, S: Stream>(
         Ok(Ok(c)) => c,
         _ => return,
     };
-    let conn = Arc::new(conn);
+    let conn = Arc::new(ConnInfo { h2: true, ..conn });
     let mut drain = w.shared.drain_rx();
     let mut draining = false;
     loop {

@@ -265,6 +265,7 @@ impl<P: Phases> Admission for Admit<P> {
                     let conn = session::ConnInfo {
                         listener,
                         tls: None,
+                        h2: false,
                     };
                     if h2c && http2::prior_knowledge(&stream, &w.shared).await {
                         http2::serve_h2(w, stream, peer, local, conn).await
@@ -282,6 +283,7 @@ impl<P: Phases> Admission for Admit<P> {
                     let conn = session::ConnInfo {
                         listener,
                         tls: Some(Arc::new(info)),
+                        h2: false,
                     };
                     if is_h2 {
                         http2::serve_h2(w, stream, peer, local, conn).await

@@ -13,6 +13,8 @@ pub struct ConnInfo {
     /// Index into `Config::listeners` (None: not from a listener, as in tests).
     pub listener: Option<usize>,
     pub tls: Option<Arc<TlsInfo>>,
+    /// The connection speaks HTTP/2.
+    pub h2: bool,
 }
 
 pub struct Session {
