@@ -133,6 +133,23 @@ fn interop_cases_through_pier() {
         assert!(ok, "{case}: {out}\n--- pier:\n{}", pier.logs());
     }
     assert_eq!(pier.metric_value("pier_panics_total"), Some(0.0));
+    // Outcomes by grpc-status: OK for most, UNIMPLEMENTED (12), UNKNOWN (2)
+    // from status_code_and_message, CANCELLED/DEADLINE_EXCEEDED may not reach
+    // the relay's end (the client went away).
+    assert!(
+        pier.metric_value("pier_grpc_responses_total{status=\"0\"}")
+            .unwrap_or(0.0)
+            >= 6.0,
+        "{}",
+        pier.metrics()
+    );
+    assert!(
+        pier.metric_value("pier_grpc_responses_total{status=\"12\"}")
+            .unwrap_or(0.0)
+            >= 2.0,
+        "{}",
+        pier.metrics()
+    );
 }
 
 #[test]

@@ -83,6 +83,8 @@ pub struct Metrics {
     pub tunnels: AtomicU64,
     /// Requests by client protocol: [HTTP/1.x, HTTP/2].
     pub by_protocol: [AtomicU64; 2],
+    /// Proxied gRPC calls by grpc-status (0..=16; 17: absent or unknown).
+    grpc: [AtomicU64; 18],
     /// Requests whose task panicked (a bug: the connection was closed, its
     /// slots released, and nothing else lost).
     pub panics: AtomicU64,
@@ -122,6 +124,7 @@ impl Metrics {
             active_tunnels: AtomicI64::new(0),
             tunnels: AtomicU64::new(0),
             by_protocol: [AtomicU64::new(0), AtomicU64::new(0)],
+            grpc: std::array::from_fn(|_| AtomicU64::new(0)),
             panics: AtomicU64::new(0),
         }
     }
@@ -194,6 +197,15 @@ impl Metrics {
         }
     }
 
+    /// A proxied gRPC call ended with this `grpc-status` (None: none sent).
+    pub fn grpc_status(&self, code: Option<&[u8]>) {
+        let i = code
+            .and_then(|c| std::str::from_utf8(c).ok())
+            .and_then(|c| c.trim().parse::<usize>().ok())
+            .filter(|&c| c <= 16)
+            .unwrap_or(17);
+        self.grpc[i].fetch_add(1, Relaxed);
+    }
     pub fn retry(&self) {
         self.shard().retries.fetch_add(1, Relaxed);
     }
@@ -351,6 +363,17 @@ impl Metrics {
             self.by_protocol[0].load(Relaxed),
             self.by_protocol[1].load(Relaxed)
         );
+        out.push_str("# HELP pier_grpc_responses_total Proxied gRPC calls by grpc-status (\"none\": the origin sent none).\n# TYPE pier_grpc_responses_total counter\n");
+        for (i, c) in self.grpc.iter().enumerate() {
+            let n = c.load(Relaxed);
+            if n > 0 {
+                if i == 17 {
+                    let _ = writeln!(out, "pier_grpc_responses_total{{status=\"none\"}} {n}");
+                } else {
+                    let _ = writeln!(out, "pier_grpc_responses_total{{status=\"{i}\"}} {n}");
+                }
+            }
+        }
         let _ = writeln!(
             out,
             "# HELP pier_panics_total Requests whose task panicked (closed; slots released).\n# TYPE pier_panics_total counter\npier_panics_total {}",

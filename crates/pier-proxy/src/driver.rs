@@ -1655,6 +1655,15 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         snk.write_body(p).await?;
     }
     snk.finish(src.trailers()).await?;
+    if sess.grpc_web.is_some() || crate::grpc::is_grpc(&sess.req) {
+        // The call's outcome: in the trailers, or in the head of a
+        // trailers-only answer.
+        let code = src
+            .trailers()
+            .and_then(|t| t.get(b"grpc-status"))
+            .or_else(|| resp.headers.get(b"grpc-status"));
+        w.shared.metrics.grpc_status(code);
+    }
     Ok(Relayed::Done(src.reusable(), snk.keep_alive()))
 }
 
