@@ -175,6 +175,7 @@ impl Config {
                 host_header: None,
                 grpc_web: false,
                 cors: None,
+                cache: None,
             }],
             upstreams: [("default".to_string(), upstream)].into_iter().collect(),
             limits: Limits::default(),
@@ -186,6 +187,7 @@ impl Config {
             rate_limits: Vec::new(),
             upgrade: validate::default_upgrade(),
             http2: Http2::default(),
+            caches: Vec::new(),
         }
     }
 }

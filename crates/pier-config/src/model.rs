@@ -38,6 +38,28 @@ pub struct Config {
     pub upgrade: Vec<String>,
     /// `[http2]`.
     pub http2: Http2,
+    /// `[cache.NAME]` zones.
+    pub caches: Vec<CacheZone>,
+}
+
+/// `[cache.NAME]`: a memory cache zone, shared by every worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheZone {
+    pub name: String,
+    pub memory: usize,
+    pub max_object: usize,
+}
+
+/// `[route.cache]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouteCache {
+    /// Index into `Config::caches`.
+    pub zone: usize,
+    /// TTL by status for responses with no freshness of their own.
+    pub ttl: Vec<(u16, Duration)>,
+    pub override_origin: bool,
+    pub lock_timeout: Duration,
+    pub hit_for_miss: Duration,
 }
 
 /// `[http2]`: HTTP/2 SETTINGS Pier sends and the bounds of its defences.
@@ -225,6 +247,8 @@ pub struct Route {
     pub grpc_web: bool,
     /// `[route.cors]`.
     pub cors: Option<Cors>,
+    /// `[route.cache]`.
+    pub cache: Option<RouteCache>,
 }
 
 /// `[route.cors]`.

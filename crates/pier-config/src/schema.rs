@@ -170,6 +170,28 @@ pub struct RouteEntry {
     /// Convert gRPC-web requests to gRPC and the answers back.
     pub grpc_web: Option<bool>,
     pub cors: Option<CorsSection>,
+    pub cache: Option<RouteCacheSection>,
+}
+
+/// `[route.cache]`: this route's responses go through a cache zone.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [route.cache] table")]
+pub struct RouteCacheSection {
+    pub zone: Spanned<String>,
+    /// Status code (as a string key) → TTL for responses without freshness.
+    pub ttl: Option<BTreeMap<String, Spanned<String>>>,
+    #[serde(rename = "override")]
+    pub override_origin: Option<bool>,
+    pub lock_timeout: Option<Spanned<String>>,
+    pub hit_for_miss: Option<Spanned<String>>,
+}
+
+/// `[cache.NAME]`: a cache zone.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [cache.NAME] table")]
+pub struct CacheZoneSection {
+    pub memory: Spanned<SizeValue>,
+    pub max_object: Option<Spanned<SizeValue>>,
 }
 
 /// `[route.cors]`: CORS preflights answered by Pier, and the CORS fields of
@@ -447,7 +469,7 @@ impl<'de> Deserialize<'de> for SizeValue {
 /// Top-level sections, in the order the docs present them.
 pub const SECTIONS: &[&str] = &[
     "server", "admin", "log", "limits", "timeouts", "http", "http2", "security", "demo",
-    "listener", "route", "upstream", "lua", "limit",
+    "listener", "route", "upstream", "lua", "limit", "cache",
 ];
 
 /// A `[upstream.NAME]` entry: its name (with the key's span) and its body,
@@ -484,6 +506,8 @@ pub struct RawFile {
     pub upstreams: Vec<NamedUpstream>,
     /// `upstream` was not a table (reported); route references can't be checked.
     pub upstreams_malformed: bool,
+    /// `[cache.NAME]` zones, by name.
+    pub caches: Vec<(String, Option<CacheZoneSection>)>,
 }
 
 /// Parses the (already env-expanded) text. A TOML syntax error is fatal
@@ -549,6 +573,20 @@ pub(crate) fn parse(text: &str) -> Result<(RawFile, Vec<RawError>), RawError> {
                         span: name_span,
                         entry: section(body, body_span, &mut errors),
                     });
+                }
+            }
+            "cache" => {
+                let Some(table) = item.as_table_like() else {
+                    errors.push(RawError::at(
+                        span,
+                        "`cache` must be a table of named zones: write [cache.NAME]",
+                    ));
+                    continue;
+                };
+                for (name, body) in table.iter() {
+                    let body_span = item_span(body);
+                    file.caches
+                        .push((name.to_string(), section(body, body_span, &mut errors)));
                 }
             }
             other => errors.push(RawError::at(

@@ -1022,6 +1022,8 @@ fn documented_tables() -> Vec<(&'static str, Vec<&'static str>)> {
         ("## `[[route]]`", fields_of::<RouteEntry>()),
         ("### `[route.lua]`", fields_of::<RouteLuaSection>()),
         ("### `[route.cors]`", fields_of::<CorsSection>()),
+        ("### `[route.cache]`", fields_of::<RouteCacheSection>()),
+        ("## `[cache.NAME]`", fields_of::<CacheZoneSection>()),
         (
             "### `[route.headers]` and `[upstream.NAME.headers]`",
             fields_of::<HeadersSection>(),

@@ -336,11 +336,28 @@ pub(crate) fn validate(
         }
     }
 
+    let mut caches = Vec::new();
+    for (name, z) in &file.caches {
+        let Some(z) = z else { continue };
+        let memory = c.size(&Some(z.memory.clone()), "memory", 0, 4096) as usize;
+        let max_object = c.size(
+            &z.max_object,
+            "max_object",
+            (memory as u64 / 8).min(64 << 20),
+            1,
+        ) as usize;
+        caches.push(CacheZone {
+            name: name.clone(),
+            memory,
+            max_object,
+        });
+    }
+
     let mut routes = Vec::new();
     let mut route_names = HashSet::new();
     for (i, (r, span)) in file.routes.iter().enumerate() {
         let name = unique_name(&mut c, &r.name, "route", i, &mut route_names);
-        routes.push(route(
+        let mut rt = route(
             &mut c,
             name,
             r,
@@ -348,7 +365,12 @@ pub(crate) fn validate(
             &file.upstreams,
             file.upstreams_malformed,
             base,
-        ));
+        );
+        rt.cache = r
+            .cache
+            .as_ref()
+            .and_then(|x| route_cache(&mut c, &rt.name, x, &caches));
+        routes.push(rt);
     }
 
     for r in &routes {
@@ -395,6 +417,45 @@ pub(crate) fn validate(
         rate_limits,
         upgrade,
         http2,
+        caches,
+    })
+}
+
+fn route_cache(
+    c: &mut Check,
+    route: &str,
+    x: &RouteCacheSection,
+    zones: &[CacheZone],
+) -> Option<RouteCache> {
+    let Some(zone) = zones.iter().position(|z| z.name == *x.zone.get_ref()) else {
+        c.err(
+            sp(&x.zone),
+            format!(
+                "route `{route}`: no cache zone `{}`: add a [cache.{}] table",
+                x.zone.get_ref(),
+                x.zone.get_ref()
+            ),
+        );
+        return None;
+    };
+    let mut ttl = Vec::new();
+    for (status, v) in x.ttl.iter().flatten() {
+        match status.parse::<u16>() {
+            Ok(s) if (100..=599).contains(&s) => {
+                ttl.push((s, c.duration(&Some(v.clone()), "ttl", Duration::ZERO)))
+            }
+            _ => c.err(
+                sp(v),
+                format!("route `{route}`: cache ttl key {status:?} is not an HTTP status"),
+            ),
+        }
+    }
+    Some(RouteCache {
+        zone,
+        ttl,
+        override_origin: x.override_origin.unwrap_or(false),
+        lock_timeout: c.duration(&x.lock_timeout, "lock_timeout", Duration::from_secs(5)),
+        hit_for_miss: c.duration(&x.hit_for_miss, "hit_for_miss", Duration::from_secs(120)),
     })
 }
 
@@ -891,6 +952,7 @@ fn route(
         host_header,
         grpc_web,
         cors,
+        cache: None,
     }
 }
 

@@ -117,6 +117,40 @@ pub fn render_metrics(shared: &Shared) -> String {
         }
     }
     pier_tls::stats::stats().render(&mut out);
+    if !state.cache_zones.is_empty() {
+        use std::sync::atomic::Ordering::Relaxed;
+        out.push_str("# HELP pier_cache_lookups_total Cache lookups by result.\n# TYPE pier_cache_lookups_total counter\n");
+        for z in &state.cache_zones {
+            let s = &z.stats;
+            for (result, n) in [
+                ("hit", &s.hit),
+                ("miss", &s.miss),
+                ("revalidated", &s.revalidated),
+                ("coalesced", &s.coalesced),
+                ("pass", &s.pass),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "pier_cache_lookups_total{{zone=\"{}\",result=\"{result}\"}} {}",
+                    z.name,
+                    n.load(Relaxed)
+                );
+            }
+        }
+        out.push_str("# TYPE pier_cache_objects gauge\n# TYPE pier_cache_bytes gauge\n# TYPE pier_cache_capacity_bytes gauge\n# TYPE pier_cache_stored_total counter\n# TYPE pier_cache_evictions_total counter\n# TYPE pier_cache_lock_timeouts_total counter\n");
+        for z in &state.cache_zones {
+            let (objects, bytes) = z.usage();
+            let _ = writeln!(
+                out,
+                "pier_cache_objects{{zone=\"{n}\"}} {objects}\npier_cache_bytes{{zone=\"{n}\"}} {bytes}\npier_cache_capacity_bytes{{zone=\"{n}\"}} {}\npier_cache_stored_total{{zone=\"{n}\"}} {}\npier_cache_evictions_total{{zone=\"{n}\"}} {}\npier_cache_lock_timeouts_total{{zone=\"{n}\"}} {}",
+                z.capacity(),
+                z.stats.stored.load(Relaxed),
+                z.stats.evicted.load(Relaxed),
+                z.stats.lock_timeouts.load(Relaxed),
+                n = z.name,
+            );
+        }
+    }
     if state.listener_tls.iter().any(|t| t.is_some()) {
         out.push_str("# HELP pier_tls_certificate_expiry_seconds Seconds until the certificate's notAfter (negative: expired).\n# TYPE pier_tls_certificate_expiry_seconds gauge\n");
         let now = std::time::SystemTime::now()

@@ -56,6 +56,8 @@ pub(crate) struct Work {
     resp: ResponseHead,
     /// The upstream request head.
     head: Vec<u8>,
+    /// This request's cache fill, if its answer may be stored.
+    cache: Option<Box<crate::cache::CacheFill>>,
 }
 
 impl Work {
@@ -67,6 +69,7 @@ impl Work {
             ubuf: BytesMut::new(),
             resp: p.take_resp(),
             head: Vec::new(),
+            cache: None,
         }
     }
     /// Back to the pool, with the session's heads.
@@ -194,6 +197,7 @@ pub async fn serve_connection<P: Phases, S: Stream>(
             ubuf: BytesMut::new(),
             resp: ResponseHead::default(),
             head: Vec::new(),
+            cache: None,
         },
     };
     let mut drain = w.shared.drain_rx();
@@ -354,6 +358,8 @@ async fn run_request<P: Phases, D: Downstream>(
 ) -> bool {
     let mut ctx = P::Ctx::default();
     let keep = handle_request(w, state, down, b, sess, &mut ctx).await;
+    // A fill lock never outlives its request.
+    b.cache = None;
     sess.step = Step::Logging;
     w.phases.logging(state, sess, &mut ctx);
     keep
@@ -619,6 +625,46 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
         Err(e) => {
             return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await
                 && client_keep
+        }
+    }
+    b.cache = None;
+    if state.cfg.routes[route].cache.is_some() {
+        match crate::cache::lookup(state, sess, route).await {
+            crate::cache::Lookup::Hit(mut src) => {
+                sess.step = Step::Write;
+                let none: Option<&mut H1RequestSink<tokio::io::Sink>> = None;
+                let r = exchange(
+                    w,
+                    state,
+                    down,
+                    &mut src,
+                    none,
+                    &mut b.resp,
+                    sess,
+                    ctx,
+                    &mut None,
+                )
+                .await;
+                return match r {
+                    Ok(Relayed::Done(_, keep)) => keep && !body_pending && client_keep,
+                    _ => false,
+                };
+            }
+            crate::cache::Lookup::NotCached => {
+                return local_fail(
+                    w,
+                    state,
+                    down,
+                    b,
+                    sess,
+                    ctx,
+                    Kind::UpstreamTimeout,
+                    body_pending,
+                )
+                .await
+                    && client_keep
+            }
+            crate::cache::Lookup::Miss(fill) => b.cache = fill,
         }
     }
 
@@ -1086,19 +1132,40 @@ async fn attempt_h2<P: Phases, D: Downstream>(
     let mut src = H2ResponseSource::new(fut, wait, head_only);
     let relayed = if body == BodyLen::None {
         let none: Option<&mut H2RequestSink> = None;
-        exchange(
-            w,
-            state,
-            down,
-            &mut src,
-            none,
-            &mut b.resp,
-            sess,
-            ctx,
-            inflight,
-        )
-        .await
+        match b.cache.take() {
+            None => {
+                exchange(
+                    w,
+                    state,
+                    down,
+                    &mut src,
+                    none,
+                    &mut b.resp,
+                    sess,
+                    ctx,
+                    inflight,
+                )
+                .await
+            }
+            // A cacheable miss: kept as it streams, stored when complete.
+            Some(fill) => {
+                let mut tee = crate::cache::TeeSource::new(&mut src, fill);
+                exchange(
+                    w,
+                    state,
+                    down,
+                    &mut tee,
+                    none,
+                    &mut b.resp,
+                    sess,
+                    ctx,
+                    inflight,
+                )
+                .await
+            }
+        }
     } else {
+        b.cache = None;
         let mut body_snk = H2RequestSink::new(send, t.upstream_response);
         let snk = Some(&mut body_snk);
         exchange(
@@ -1411,19 +1478,40 @@ async fn attempt_once<P: Phases, D: Downstream>(
     );
     let relayed = if body == BodyLen::None {
         let none: Option<&mut H1RequestSink<tokio::io::Sink>> = None;
-        exchange(
-            w,
-            state,
-            down,
-            &mut src,
-            none,
-            &mut b.resp,
-            sess,
-            ctx,
-            inflight,
-        )
-        .await
+        match b.cache.take() {
+            None => {
+                exchange(
+                    w,
+                    state,
+                    down,
+                    &mut src,
+                    none,
+                    &mut b.resp,
+                    sess,
+                    ctx,
+                    inflight,
+                )
+                .await
+            }
+            // A cacheable miss: kept as it streams, stored when complete.
+            Some(fill) => {
+                let mut tee = crate::cache::TeeSource::new(&mut src, fill);
+                exchange(
+                    w,
+                    state,
+                    down,
+                    &mut tee,
+                    none,
+                    &mut b.resp,
+                    sess,
+                    ctx,
+                    inflight,
+                )
+                .await
+            }
+        }
     } else {
+        b.cache = None;
         let mut body_snk = H1RequestSink::new(&mut uw, body);
         let snk = Some(&mut body_snk);
         exchange(

@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod cache;
 pub mod driver;
 pub mod grpc;
 pub mod grpc_web;

@@ -62,6 +62,25 @@ pub trait ResponseSource {
     fn reusable(&self) -> bool;
 }
 
+/// A borrowed source is a source (wrappers such as the cache's tee take one).
+impl<S: ResponseSource> ResponseSource for &mut S {
+    async fn read_head(&mut self, head: &mut ResponseHead) -> Result<(), Error> {
+        (**self).read_head(head).await
+    }
+    fn body_size(&self) -> BodySize {
+        (**self).body_size()
+    }
+    async fn read_body(&mut self) -> Result<Option<(&[u8], bool)>, Error> {
+        (**self).read_body().await
+    }
+    fn trailers(&self) -> Option<&Headers> {
+        (**self).trailers()
+    }
+    fn reusable(&self) -> bool {
+        (**self).reusable()
+    }
+}
+
 /// Where the response goes: the client connection's writer.
 pub trait ResponseSink {
     /// An interim (1xx) response; dropped where the client can't take one.

@@ -50,6 +50,9 @@ pub struct State {
     pub listener_tls: Vec<Option<Arc<ServerTls>>>,
     /// Per group (as `groups`): TLS to its servers.
     pub upstream_tls: Vec<Option<ClientTls>>,
+    /// `[cache.NAME]` zones (as `cfg.caches`); a zone whose name and sizes
+    /// did not change keeps its contents across reloads.
+    pub cache_zones: Vec<Arc<pier_cache::Zone>>,
 }
 
 /// A `[[limit]]` rule with its counters.
@@ -218,6 +221,20 @@ impl State {
                 None => Ok(None),
             })
             .collect::<Result<Vec<_>, String>>()?;
+        let cache_zones = cfg
+            .caches
+            .iter()
+            .map(|z| {
+                let old = prev.and_then(|p| {
+                    p.cfg
+                        .caches
+                        .iter()
+                        .position(|o| o == z)
+                        .map(|i| p.cache_zones[i].clone())
+                });
+                old.unwrap_or_else(|| pier_cache::Zone::new(&z.name, z.memory, z.max_object))
+            })
+            .collect();
         Ok(State {
             cfg,
             routes,
@@ -231,6 +248,7 @@ impl State {
             peer_limits,
             listener_tls,
             upstream_tls,
+            cache_zones,
         })
     }
 

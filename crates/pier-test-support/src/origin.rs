@@ -534,6 +534,17 @@ impl Conn {
                 }
                 self.s.flush().await
             }
+            ("cache", Some(secs)) => {
+                // Cacheable for `secs` with an ETag; the body names the
+                // request number, so a test sees which fill it got.
+                let n = self.st.requests.load(Ordering::SeqCst);
+                let cc = format!("max-age={secs}");
+                let mut hdrs = vec![("cache-control", cc.as_str()), ("etag", "\"v1\"")];
+                hdrs.extend_from_slice(conn_hdr);
+                let body = format!("fill {n}\n");
+                self.write_full(200, "OK", &hdrs, body.as_bytes(), is_head)
+                    .await
+            }
             ("slow", Some(ms)) => {
                 tokio::time::sleep(Duration::from_millis(ms)).await;
                 self.write_full(200, "OK", conn_hdr, b"slow\n", is_head)
@@ -761,6 +772,7 @@ fn route(path: &str) -> (&str, Option<&str>) {
     const ENDPOINTS: &[&str] = &[
         "hello", "echo", "bytes", "chunked", "slow", "slowbody", "status", "headers", "die",
         "drop", "bad", "hop", "eof", "cookies", "close", "healthz", "ws", "name", "expect",
+        "cache",
     ];
     let segs: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     for (i, s) in segs.iter().enumerate() {

@@ -1,0 +1,385 @@
+//! RFC 9111 as a shared cache: what may be stored, for how long, how old a
+//! stored response is, and whether a request may be served from it.
+//! Times are integer Unix seconds.
+
+use pier_http::Headers;
+
+/// Cache-Control directives Pier acts on (request or response).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct CacheControl {
+    pub no_store: bool,
+    pub no_cache: bool,
+    pub private: bool,
+    pub public: bool,
+    pub must_revalidate: bool,
+    pub proxy_revalidate: bool,
+    pub immutable: bool,
+    pub only_if_cached: bool,
+    pub max_age: Option<u64>,
+    pub s_maxage: Option<u64>,
+    pub min_fresh: Option<u64>,
+    /// `max-stale` without a value: any staleness.
+    pub max_stale: Option<u64>,
+    pub stale_while_revalidate: Option<u64>,
+    pub stale_if_error: Option<u64>,
+}
+
+fn seconds(v: &str) -> Option<u64> {
+    let v = v.trim().trim_matches('"');
+    if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    // Overflow means "a very long time" (RFC 9111 §1.2.2).
+    Some(v.parse::<u64>().unwrap_or(u64::MAX >> 2).min(1 << 40))
+}
+
+impl CacheControl {
+    pub fn parse(h: &Headers) -> CacheControl {
+        let mut c = CacheControl::default();
+        for v in h.get_all(b"cache-control") {
+            let Ok(v) = std::str::from_utf8(v) else {
+                continue;
+            };
+            for d in v.split(',') {
+                let (k, val) = match d.split_once('=') {
+                    Some((k, v)) => (k.trim(), Some(v)),
+                    None => (d.trim(), None),
+                };
+                match k.to_ascii_lowercase().as_str() {
+                    "no-store" => c.no_store = true,
+                    // `no-cache="field"` only restricts fields: treat as no-cache.
+                    "no-cache" => c.no_cache = true,
+                    "private" => c.private = true,
+                    "public" => c.public = true,
+                    "must-revalidate" => c.must_revalidate = true,
+                    "proxy-revalidate" => c.proxy_revalidate = true,
+                    "immutable" => c.immutable = true,
+                    "only-if-cached" => c.only_if_cached = true,
+                    "max-age" => {
+                        // A malformed max-age makes the response stale.
+                        c.max_age = Some(val.and_then(seconds).unwrap_or(0))
+                    }
+                    "s-maxage" => c.s_maxage = Some(val.and_then(seconds).unwrap_or(0)),
+                    "min-fresh" => c.min_fresh = val.and_then(seconds),
+                    "max-stale" => {
+                        c.max_stale = Some(val.and_then(seconds).unwrap_or(u64::MAX >> 2))
+                    }
+                    "stale-while-revalidate" => c.stale_while_revalidate = val.and_then(seconds),
+                    "stale-if-error" => c.stale_if_error = val.and_then(seconds),
+                    _ => {}
+                }
+            }
+        }
+        c
+    }
+}
+
+/// An HTTP date as Unix seconds.
+pub fn http_date(v: &[u8]) -> Option<u64> {
+    let s = std::str::from_utf8(v).ok()?;
+    let t = httpdate::parse_http_date(s.trim()).ok()?;
+    t.duration_since(std::time::UNIX_EPOCH)
+        .ok()
+        .map(|d| d.as_secs())
+}
+
+/// Statuses cacheable by default, heuristically (RFC 9110 §15.1).
+pub fn heuristically_cacheable(status: u16) -> bool {
+    matches!(
+        status,
+        200 | 203 | 204 | 206 | 300 | 301 | 308 | 404 | 405 | 410 | 414 | 501
+    )
+}
+
+/// Statuses Pier understands well enough to store.
+fn understood(status: u16) -> bool {
+    matches!(
+        status,
+        200 | 203 | 204 | 300 | 301 | 302 | 303 | 307 | 308 | 404 | 405 | 410 | 414 | 501
+    )
+}
+
+/// Route settings that bear on storing.
+#[derive(Debug, Clone, Default)]
+pub struct StorePolicy {
+    /// TTL by status for responses that carry no freshness of their own.
+    pub default_ttl: Vec<(u16, u64)>,
+    /// Use `default_ttl` even when the origin says otherwise.
+    pub override_origin: bool,
+    /// Heuristic freshness: this fraction of the Last-Modified age...
+    pub heuristic_fraction: f64,
+    /// ...capped at this many seconds.
+    pub heuristic_max: u64,
+}
+
+impl StorePolicy {
+    fn ttl_for(&self, status: u16) -> Option<u64> {
+        self.default_ttl
+            .iter()
+            .find(|(s, _)| *s == status)
+            .map(|(_, t)| *t)
+    }
+}
+
+/// Why a response was not stored (Cache-Status `fwd`/`detail`, metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotStored {
+    Method,
+    Status,
+    NoStore,
+    Private,
+    Authorization,
+    SetCookie,
+    VaryStar,
+    NoFreshness,
+    Partial,
+}
+
+/// The freshness lifetime (seconds) a response may be stored with, or why
+/// not. `req_*` describe the request it answers.
+pub fn storable(
+    req_method_get_or_head: bool,
+    req_cc: &CacheControl,
+    req_has_authorization: bool,
+    status: u16,
+    resp: &Headers,
+    now: u64,
+    policy: &StorePolicy,
+) -> Result<u64, NotStored> {
+    if !req_method_get_or_head {
+        return Err(NotStored::Method);
+    }
+    if status == 206 || resp.get(b"content-range").is_some() {
+        return Err(NotStored::Partial);
+    }
+    if !understood(status) {
+        return Err(NotStored::Status);
+    }
+    let cc = CacheControl::parse(resp);
+    if cc.no_store || req_cc.no_store {
+        return Err(NotStored::NoStore);
+    }
+    if cc.private {
+        return Err(NotStored::Private);
+    }
+    if resp
+        .get_all(b"vary")
+        .any(|v| v.split(|&c| c == b',').any(|t| t.trim_ascii() == b"*"))
+    {
+        return Err(NotStored::VaryStar);
+    }
+    // A response to an authorized request: only when the origin says so
+    // (RFC 9111 §3.5).
+    if req_has_authorization && !(cc.public || cc.s_maxage.is_some() || cc.must_revalidate) {
+        return Err(NotStored::Authorization);
+    }
+    // A Set-Cookie would hand one client's cookie to every client.
+    if resp.get(b"set-cookie").is_some() && !cc.public {
+        return Err(NotStored::SetCookie);
+    }
+    if policy.override_origin {
+        if let Some(t) = policy.ttl_for(status) {
+            return Ok(t);
+        }
+    }
+    if let Some(s) = cc.s_maxage.or(cc.max_age) {
+        return Ok(s);
+    }
+    if let Some(exp) = resp.get(b"expires") {
+        // An invalid Expires (e.g. "0") means already expired.
+        let date = resp.get(b"date").and_then(http_date).unwrap_or(now);
+        return Ok(http_date(exp).map(|e| e.saturating_sub(date)).unwrap_or(0));
+    }
+    if let Some(t) = policy.ttl_for(status) {
+        return Ok(t);
+    }
+    if cc.no_cache || cc.public || heuristically_cacheable(status) {
+        if let Some(lm) = resp.get(b"last-modified").and_then(http_date) {
+            let date = resp.get(b"date").and_then(http_date).unwrap_or(now);
+            let age = date.saturating_sub(lm) as f64;
+            return Ok(((age * policy.heuristic_fraction) as u64).min(policy.heuristic_max));
+        }
+        if cc.no_cache || cc.public {
+            // Storable, but stale at once: every use revalidates.
+            return Ok(0);
+        }
+    }
+    Err(NotStored::NoFreshness)
+}
+
+/// A stored response's age now (RFC 9111 §4.2.3), in seconds.
+pub fn current_age(
+    age_header: u64,
+    date: u64,
+    request_time: u64,
+    response_time: u64,
+    now: u64,
+) -> u64 {
+    let apparent = response_time.saturating_sub(date);
+    let response_delay = response_time.saturating_sub(request_time);
+    let corrected = age_header.saturating_add(response_delay);
+    apparent.max(corrected) + now.saturating_sub(response_time)
+}
+
+/// How a stored response may serve a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Use {
+    Fresh,
+    /// Stale, but within `stale-while-revalidate`: serve and refresh.
+    StaleWhileRevalidate,
+    /// Must go to the origin (revalidate when it has validators).
+    Revalidate,
+}
+
+/// Whether a stored response (with `lifetime`, `age` and its own
+/// directives) may answer a request with `req` directives.
+pub fn usable(lifetime: u64, age: u64, stored: &CacheControl, req: &CacheControl) -> Use {
+    if req.no_cache || stored.no_cache {
+        return Use::Revalidate;
+    }
+    let mut fresh = lifetime;
+    if let Some(m) = req.max_age {
+        fresh = fresh.min(m);
+    }
+    let need = age.saturating_add(req.min_fresh.unwrap_or(0));
+    if need < fresh {
+        return Use::Fresh;
+    }
+    let stale_by = age.saturating_sub(lifetime);
+    if !(stored.must_revalidate || stored.proxy_revalidate || stored.s_maxage.is_some()) {
+        if let Some(ms) = req.max_stale {
+            if stale_by <= ms && req.max_age.is_none() {
+                return Use::Fresh;
+            }
+        }
+        if let Some(swr) = stored.stale_while_revalidate {
+            if stale_by <= swr {
+                return Use::StaleWhileRevalidate;
+            }
+        }
+    }
+    Use::Revalidate
+}
+
+/// Does `If-None-Match` (a list of entity tags, weak comparison) match?
+pub fn etag_matches(if_none_match: &[u8], etag: &[u8]) -> bool {
+    let strip = |t: &[u8]| -> Vec<u8> {
+        let t = t.trim_ascii();
+        t.strip_prefix(b"W/").unwrap_or(t).to_vec()
+    };
+    let want = strip(etag);
+    if_none_match
+        .split(|&c| c == b',')
+        .any(|t| t.trim_ascii() == b"*" || strip(t) == want)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(pairs: &[(&str, &str)]) -> Headers {
+        let mut x = Headers::default();
+        for (k, v) in pairs {
+            x.append(k.as_bytes(), v.as_bytes());
+        }
+        x
+    }
+
+    fn store(resp: &[(&str, &str)], status: u16) -> Result<u64, NotStored> {
+        let p = StorePolicy {
+            heuristic_fraction: 0.1,
+            heuristic_max: 86_400,
+            ..Default::default()
+        };
+        storable(
+            true,
+            &CacheControl::default(),
+            false,
+            status,
+            &h(resp),
+            1_000_000,
+            &p,
+        )
+    }
+
+    #[test]
+    fn freshness_sources_in_order() {
+        assert_eq!(store(&[("cache-control", "max-age=60")], 200), Ok(60));
+        assert_eq!(
+            store(&[("cache-control", "max-age=60, s-maxage=5")], 200),
+            Ok(5)
+        );
+        assert_eq!(store(&[("cache-control", "max-age=abc")], 200), Ok(0));
+        assert_eq!(
+            store(
+                &[
+                    ("date", "Sun, 06 Nov 1994 08:49:37 GMT"),
+                    ("expires", "Sun, 06 Nov 1994 08:50:37 GMT")
+                ],
+                200
+            ),
+            Ok(60)
+        );
+        assert_eq!(store(&[("expires", "0")], 200), Ok(0));
+        assert_eq!(
+            store(
+                &[
+                    ("date", "Sun, 06 Nov 1994 08:49:37 GMT"),
+                    ("last-modified", "Sun, 06 Nov 1994 06:09:37 GMT")
+                ],
+                200
+            ),
+            Ok(960)
+        );
+        assert_eq!(store(&[], 200), Err(NotStored::NoFreshness));
+        assert_eq!(
+            store(&[("cache-control", "max-age=60")], 500),
+            Err(NotStored::Status)
+        );
+        assert_eq!(
+            store(&[("cache-control", "no-store, max-age=60")], 200),
+            Err(NotStored::NoStore)
+        );
+        assert_eq!(
+            store(&[("cache-control", "private, max-age=60")], 200),
+            Err(NotStored::Private)
+        );
+        assert_eq!(
+            store(
+                &[("cache-control", "max-age=60"), ("set-cookie", "a=1")],
+                200
+            ),
+            Err(NotStored::SetCookie)
+        );
+        assert_eq!(
+            store(&[("cache-control", "max-age=60"), ("vary", "*")], 200),
+            Err(NotStored::VaryStar)
+        );
+        assert_eq!(
+            store(&[("cache-control", "max-age=60")], 206),
+            Err(NotStored::Partial)
+        );
+    }
+
+    #[test]
+    fn age_and_use() {
+        assert_eq!(current_age(0, 100, 100, 100, 130), 30);
+        assert_eq!(current_age(50, 100, 100, 101, 101), 51);
+        let none = CacheControl::default();
+        assert_eq!(usable(60, 10, &none, &none), Use::Fresh);
+        assert_eq!(usable(60, 60, &none, &none), Use::Revalidate);
+        let swr = CacheControl::parse(&h(&[(
+            "cache-control",
+            "max-age=60, stale-while-revalidate=30",
+        )]));
+        assert_eq!(usable(60, 80, &swr, &none), Use::StaleWhileRevalidate);
+        assert_eq!(usable(60, 100, &swr, &none), Use::Revalidate);
+        let req = CacheControl::parse(&h(&[("cache-control", "max-age=5")]));
+        assert_eq!(usable(60, 10, &none, &req), Use::Revalidate);
+        let req = CacheControl::parse(&h(&[("cache-control", "no-cache")]));
+        assert_eq!(usable(60, 1, &none, &req), Use::Revalidate);
+        assert!(etag_matches(b"\"a\", W/\"b\"", b"\"b\""));
+        assert!(etag_matches(b"*", b"\"x\""));
+        assert!(!etag_matches(b"\"a\"", b"\"b\""));
+    }
+}
