@@ -22,6 +22,13 @@ PIER_LUA_CONFIG="${PIER_LUA_CONFIG:-$ROOT/examples/lua-access.toml}"
 SKIP_INSTALL="${SKIP_INSTALL:-0}"   # 1 = never call apt-get
 SKIP_BUILD="${SKIP_BUILD:-0}"       # 1 = use $PIER_BIN as is
 OUT_DIR="${OUT_DIR:-$BENCH_DIR/out}"
+TLS="${TLS:-0}"                     # 1 = the proxies serve HTTPS (pier, nginx, haproxy)
+CERT_KIND="${CERT_KIND:-ecdsa}"     # TLS certificate: ecdsa (P-256) or rsa (2048)
+HANDSHAKE_CONNS="${HANDSHAKE_CONNS-50}"  # TLS=1: connections of the new-connection-per-request runs (empty: none)
+if [ "$TLS" = 1 ]; then
+    PROXIES="${PROXIES_TLS:-pier,nginx,haproxy}"
+    export BENCH_SCHEME=https
+fi
 
 log() { printf '[bench %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -118,7 +125,42 @@ untrack() {
 }
 
 template() {   # template SRC DST PORT
-    sed -e "s/@PORT@/$3/g" -e "s/@ORIGIN@/${ORIGIN_PORT:-0}/g" "$1" >"$2"
+    sed -e "s/@PORT@/$3/g" -e "s/@ORIGIN@/${ORIGIN_PORT:-0}/g" \
+        -e "s|@CERT@|${CERT_FILE:-}|g" -e "s|@KEY@|${KEY_FILE:-}|g" -e "s|@PEM@|${PEM_FILE:-}|g" \
+        "$1" >"$2"
+}
+
+# TLS=1: a bench CA and a leaf certificate for 127.0.0.1/localhost, made now (never committed).
+make_certs() {
+    local d="$RUN/certs"
+    mkdir -p "$d"; chmod 755 "$d"
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+        -subj /CN=pier-bench-ca -keyout "$d/ca.key" -out "$d/ca.pem" 2>/dev/null
+    case "$CERT_KIND" in
+        rsa) openssl req -newkey rsa:2048 -nodes -subj /CN=localhost -keyout "$d/leaf.key" -out "$d/leaf.csr" 2>/dev/null ;;
+        *)   openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=localhost \
+                 -keyout "$d/leaf.key" -out "$d/leaf.csr" 2>/dev/null ;;
+    esac
+    printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n' >"$d/ext.cnf"
+    openssl x509 -req -in "$d/leaf.csr" -CA "$d/ca.pem" -CAkey "$d/ca.key" -CAcreateserial \
+        -days 2 -extfile "$d/ext.cnf" -out "$d/leaf.pem" 2>/dev/null
+    cat "$d/leaf.pem" "$d/leaf.key" >"$d/combined.pem"
+    chmod 644 "$d"/*
+    CERT_FILE="$d/leaf.pem"; KEY_FILE="$d/leaf.key"; PEM_FILE="$d/combined.pem"
+    log "TLS: $CERT_KIND certificate in $d"
+}
+
+# The config a proxy runs from (TLS variants when TLS=1).
+peer_conf() {   # peer_conf DIR FILE
+    if [ "$TLS" = 1 ]; then
+        case "$2" in
+            nginx.conf) echo "$BENCH_DIR/peers/$1/nginx-tls.conf" ;;
+            haproxy.cfg) echo "$BENCH_DIR/peers/$1/haproxy-tls.cfg" ;;
+            pier.toml) echo "$BENCH_DIR/peers/$1/pier-tls.toml" ;;
+        esac
+    else
+        echo "$BENCH_DIR/peers/$1/$2"
+    fi
 }
 
 prep_nginx_dir() {   # fresh prefix dir for one nginx instance
@@ -134,17 +176,17 @@ start_proxy() {
         nginx|nginx-lua)
             local src="nginx-proxy"; [ "$name" = nginx-lua ] && src="nginx-lua"
             prep_nginx_dir "$dir"
-            template "$BENCH_DIR/peers/$src/nginx.conf" "$dir/nginx.conf" "$port"
+            template "$(peer_conf "$src" nginx.conf)" "$dir/nginx.conf" "$port"
             nginx -p "$dir/" -c nginx.conf -e "$dir/logs/error.log" >"$dir/stdout.log" 2>&1 &
             ;;
         haproxy)
             rm -rf "$dir"; mkdir -p "$dir"
-            template "$BENCH_DIR/peers/haproxy/haproxy.cfg" "$dir/haproxy.cfg" "$port"
+            template "$(peer_conf haproxy haproxy.cfg)" "$dir/haproxy.cfg" "$port"
             haproxy -db -f "$dir/haproxy.cfg" >"$dir/stdout.log" 2>&1 &
             ;;
         pier)
             rm -rf "$dir"; mkdir -p "$dir"
-            template "$BENCH_DIR/peers/pier/pier.toml" "$dir/pier.toml" "$port"
+            template "$(peer_conf pier pier.toml)" "$dir/pier.toml" "$port"
             "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
             ;;
         pier-lua)
@@ -206,6 +248,7 @@ mkdir -p "$RUN"; chmod 755 "$RUN"
 RESULTS="$RUN/results.jsonl"
 : >"$RESULTS"
 log "run directory: $RUN"
+[ "$TLS" = 1 ] && make_certs
 
 # 10,000 idle client connections (plus the proxy's own) need more than the default 1024.
 ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
@@ -236,6 +279,7 @@ log "origin: nginx pid $ORIGIN_PID on 127.0.0.1:$ORIGIN_PORT"
 cat >"$RUN/settings.json" <<EOF
 {"proxies": "$PROXIES", "duration": $DURATION, "conns": "$CONNS", "paths": "$PATHS",
  "reps": $REPS, "threads": $THREADS, "idle_conns": $IDLE_CONNS,
+ "tls": $TLS, "cert": "$CERT_KIND",
  "date": "$(date -u +%Y-%m-%dT%H:%M:%SZ)", "nproc": $(nproc),
  "kernel": "$(uname -r)",
  "nginx": "$(nginx -v 2>&1 | sed 's/.*nginx\///')",
@@ -265,6 +309,18 @@ for rep in $(seq 1 "$REPS"); do
             done
         done
     done
+    if [ "$TLS" = 1 ] && [ -n "$HANDSHAKE_CONNS" ]; then
+        log "rep $rep/$REPS: a full TLS handshake per request ($CERT_KIND), $HANDSHAKE_CONNS connections"
+        for proxy in "${PROXY_LIST[@]}"; do
+            start_proxy "$proxy" || { FAILED_STARTS=$((FAILED_STARTS + 1)); continue; }
+            python3 "$BENCH_DIR/tool.py" measure --proxy "$proxy" --path /hello --close \
+                --out "$RESULTS" --pid "$PROXY_PID" --port "$PROXY_PORT" \
+                --origin-pid "$ORIGIN_PID" --origin-port "$ORIGIN_PORT" --conns "$HANDSHAKE_CONNS" \
+                --duration "$DURATION" --threads "$THREADS" --rep "$rep" \
+                || log "$proxy: handshake run reported an error (kept in $RESULTS)"
+            stop_proxy
+        done
+    fi
     if [ "$IDLE_CONNS" -gt 0 ]; then
         log "rep $rep/$REPS: RSS with $IDLE_CONNS idle keep-alive connections"
         for proxy in "${PROXY_LIST[@]}"; do

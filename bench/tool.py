@@ -91,10 +91,25 @@ def wait_port(port, secs, pid=None):
 # ---------------------------------------------------------------- http
 
 
-def http_get(port, path, headers=None, timeout=5.0):
+# TLS=1 runs: the proxies speak https (bench certificates, not verified here).
+SCHEME = os.environ.get("BENCH_SCHEME", "http")
+
+
+def _ssl_ctx():
+    import ssl
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def http_get(port, path, headers=None, timeout=5.0, scheme="http"):
     """One request on a fresh connection; returns (status, headers dict, body)."""
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    req = urllib.request.Request(f"{scheme}://127.0.0.1:{port}{path}", headers=headers or {})
+    handlers = [urllib.request.ProxyHandler({})]
+    if scheme == "https":
+        handlers.append(urllib.request.HTTPSHandler(context=_ssl_ctx()))
+    opener = urllib.request.build_opener(*handlers)
     try:
         with opener.open(req, timeout=timeout) as r:
             return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
@@ -113,10 +128,10 @@ def origin_accepts(port):
 
 def check(port, lua):
     ua = {"User-Agent": "pier-bench"}
-    st, hd, body = http_get(port, "/hello", ua)
+    st, hd, body = http_get(port, "/hello", ua, scheme=SCHEME)
     if st != 200 or body != b"hello world\n":
         return f"GET /hello -> {st} {body[:80]!r}, want 200 'hello world'"
-    st, _, body = http_get(port, "/4k.bin", ua)
+    st, _, body = http_get(port, "/4k.bin", ua, scheme=SCHEME)
     if st != 200 or len(body) != 4096:
         return f"GET /4k.bin -> {st}, {len(body)} bytes, want 200 and 4096 bytes"
     if lua:
@@ -242,8 +257,11 @@ def parse_wrk(text):
 
 def measure(a):
     wrk = ["wrk", f"-t{a.threads}", f"-c{a.conns}", f"-d{a.duration}s", "--latency",
-           "--timeout", "10s", "-H", "User-Agent: pier-bench",
-           f"http://127.0.0.1:{a.port}{a.path}"]
+           "--timeout", "10s", "-H", "User-Agent: pier-bench"]
+    if a.close:
+        # A new connection (a full TLS handshake) per request.
+        wrk += ["-H", "Connection: close"]
+    wrk.append(f"{SCHEME}://127.0.0.1:{a.port}{a.path}")
     acc0 = origin_accepts(a.origin_port)
     user0, sys0, _, _, _ = stat_split(a.pid)
     ocpu0, _, _, _ = stat(a.origin_pid)
@@ -264,7 +282,8 @@ def measure(a):
     cpu = user + sys_
     reqs = r["requests"]
     r.update({
-        "kind": "load", "proxy": a.proxy, "path": a.path, "conns": a.conns, "rep": a.rep,
+        "kind": "handshake" if a.close else "load", "proxy": a.proxy, "path": a.path,
+        "conns": a.conns, "rep": a.rep, "scheme": SCHEME,
         "duration": a.duration, "wall_s": round(wall, 3),
         "cpu_s": round(cpu, 3),
         "user_s": round(user, 3),
@@ -322,8 +341,9 @@ async def _idle(port, n, path, parallel, hold_cb):
     async def opener():
         async with sem:
             try:
+                ssl_ctx = _ssl_ctx() if SCHEME == "https" else None
                 reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection("127.0.0.1", port), 10)
+                    asyncio.open_connection("127.0.0.1", port, ssl=ssl_ctx), 10)
                 st = await asyncio.wait_for(one_request(reader, writer), 10)
                 if st != 200:
                     raise RuntimeError(f"status {st}")
@@ -456,6 +476,7 @@ def main():
         m.add_argument(f"--{k}", required=True)
     for k in ("pid", "port", "origin-pid", "origin-port", "conns", "duration", "threads", "rep"):
         m.add_argument(f"--{k}", type=int, required=True)
+    m.add_argument("--close", action="store_true", help="Connection: close on every request")
     i = sp.add_parser("idle")
     for k in ("proxy", "out"):
         i.add_argument(f"--{k}", required=True)

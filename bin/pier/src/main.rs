@@ -57,6 +57,10 @@ enum Cmd {
         /// A CA to trust for https origins (else the system trust store).
         #[arg(long)]
         upstream_ca: Option<PathBuf>,
+        /// Put a shared memory cache of this size in front of the origins
+        /// (e.g. 256MiB); responses are cached as their headers allow.
+        #[arg(long)]
+        cache: Option<String>,
     },
     /// Validate a config file and print every error with its location.
     Check {
@@ -151,6 +155,7 @@ fn main() -> ExitCode {
             tls_cert,
             tls_key,
             upstream_ca,
+            cache,
         } => {
             let parse = |s: &str| pier_config::parse_listen_addr(s.trim());
             let listen = match parse(&listen) {
@@ -181,8 +186,22 @@ fn main() -> ExitCode {
                 (Some(cert), Some(key)) => Some(pier_config::CertFiles { cert, key }),
                 _ => None,
             };
+            let cache = match cache
+                .as_deref()
+                .map(|c| pier_config::parse_size(c.trim_end_matches("iB").trim_end_matches("IB")))
+            {
+                None => None,
+                Some(Ok(n)) if n >= 4096 => Some(n as usize),
+                Some(Ok(_)) => return usage_error("--cache: at least 4k"),
+                Some(Err(e)) => return usage_error(&format!("--cache: {e}")),
+            };
             match Config::quick_with(listen, origins, admin, tls, upstream_ca) {
-                Ok(cfg) => run(cfg, None),
+                Ok(mut cfg) => {
+                    if let Some(bytes) = cache {
+                        cfg.enable_quick_cache(bytes);
+                    }
+                    run(cfg, None)
+                }
                 Err(e) => usage_error(&e),
             }
         }

@@ -148,3 +148,28 @@ fn concurrent_misses_reach_the_origin_once() {
     );
     let _ = Duration::ZERO;
 }
+
+#[test]
+fn quick_mode_cache() {
+    let o = Origin::start();
+    let p = PierProcess::start_args(
+        bin(),
+        &[
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--to",
+            &o.addr().to_string(),
+            "--cache",
+            "16MiB",
+        ],
+    );
+    let mut c = RawConn::connect(p.listener("main"));
+    for _ in 0..3 {
+        assert_eq!(c.get("/cache/60").unwrap().status, 200);
+    }
+    // Without freshness of its own, /hello is not stored in quick mode.
+    c.get("/hello").unwrap();
+    c.get("/hello").unwrap();
+    assert_eq!(o.requests(), 3);
+}

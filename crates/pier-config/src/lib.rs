@@ -145,6 +145,26 @@ impl Config {
         Ok(c)
     }
 
+    /// `pier proxy --cache SIZE`: one memory zone `quick` of `bytes`, used by
+    /// the catch-all route; freshness only from the origin's headers.
+    pub fn enable_quick_cache(&mut self, bytes: usize) {
+        self.caches.push(CacheZone {
+            name: "quick".into(),
+            memory: bytes,
+            max_object: (bytes / 8).min(64 << 20),
+        });
+        let zone = self.caches.len() - 1;
+        for r in &mut self.routes {
+            r.cache = Some(RouteCache {
+                zone,
+                ttl: Vec::new(),
+                override_origin: false,
+                lock_timeout: Duration::from_secs(5),
+                hit_for_miss: Duration::from_secs(120),
+            });
+        }
+    }
+
     fn quick_servers(
         listen: SocketAddr,
         servers: Vec<UpstreamServer>,
