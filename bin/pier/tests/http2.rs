@@ -411,7 +411,9 @@ fn rapid_reset_gets_goaway() {
         o.requests()
     );
     // ENHANCE_YOUR_CALM (0xb) or closed; never 2000 requests upstream.
-    assert_eq!(code, Some(0xb), "GOAWAY ENHANCE_YOUR_CALM expected");
+    // GOAWAY (h2 sends ENHANCE_YOUR_CALM, 0xb) or a close; never 2000
+    // requests upstream.
+    assert!(code.is_none() || code == Some(0xb), "GOAWAY code {code:?}");
     assert!(
         o.requests() < 2000,
         "{} requests reached the origin",

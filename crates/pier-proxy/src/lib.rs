@@ -259,41 +259,54 @@ impl<P: Phases> Admission for Admit<P> {
             && listener
                 .and_then(|i| w.shared.state.load().cfg.listeners.get(i).map(|l| l.h2c))
                 .unwrap_or(false);
-        tokio::task::spawn_local(async move {
-            let _slot = slot;
-            match tls {
-                None => {
-                    let conn = session::ConnInfo {
-                        listener,
-                        tls: None,
-                        h2: false,
-                    };
-                    if h2c && http2::prior_knowledge(&stream, &w.shared).await {
+        let conn = session::ConnInfo {
+            listener,
+            tls: None,
+            h2: false,
+        };
+        // One task per connection, its future as small as the plain HTTP/1
+        // path allows: an idle keep-alive connection holds only that. The
+        // TLS and h2c paths (a rustls acceptor, an h2 connection: kilobytes
+        // inline) are boxed, so they cost only the connections that use them.
+        match tls {
+            None if !h2c => {
+                tokio::task::spawn_local(async move {
+                    let _slot = slot;
+                    driver::serve_connection(w, stream, peer, local, conn).await
+                });
+            }
+            None => {
+                tokio::task::spawn_local(Box::pin(async move {
+                    let _slot = slot;
+                    if http2::prior_knowledge(&stream, &w.shared).await {
                         http2::serve_h2(w, stream, peer, local, conn).await
                     } else {
                         driver::serve_connection(w, stream, peer, local, conn).await
                     }
-                }
-                Some(t) => {
+                }));
+            }
+            Some(t) => {
+                tokio::task::spawn_local(async move {
+                    let _slot = slot;
                     // Bounded in time and in number, counted (pier-tls).
-                    let Some((stream, info)) = t.accept(stream).await else {
+                    let Some((stream, info)) = Box::pin(t.accept(stream)).await else {
                         return;
                     };
                     drop(t);
                     let is_h2 = info.alpn.as_deref() == Some("h2");
                     let conn = session::ConnInfo {
-                        listener,
                         tls: Some(Arc::new(info)),
-                        h2: false,
+                        ..conn
                     };
                     if is_h2 {
-                        http2::serve_h2(w, stream, peer, local, conn).await
+                        Box::pin(http2::serve_h2(w, stream, peer, local, conn)).await
                     } else {
-                        driver::serve_connection(w, stream, peer, local, conn).await
+                        // The TLS stream lives in this box (rustls state).
+                        Box::pin(driver::serve_connection(w, stream, peer, local, conn)).await
                     }
-                }
+                });
             }
-        });
+        }
     }
 }
 
