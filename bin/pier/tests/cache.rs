@@ -71,6 +71,29 @@ fn hits_age_head_and_cache_status() {
 }
 
 #[test]
+fn a_head_miss_is_not_stored_as_the_get() {
+    let o = Origin::start();
+    let pier = pier(&cache_config(o.addr(), ""));
+    let mut c = RawConn::connect(pier.listener("main"));
+    let r = c.request("HEAD", "/cache/60", &[], b"").unwrap();
+    assert_eq!(r.status, 200);
+    // The GET after it gets the whole body (from the origin, then stored).
+    let r = c.get("/cache/60").unwrap();
+    assert_eq!(
+        r.body.len(),
+        r.header("content-length")
+            .unwrap()
+            .parse::<usize>()
+            .unwrap()
+    );
+    assert!(!r.body.is_empty());
+    let r2 = c.get("/cache/60").unwrap();
+    assert_eq!(r2.body, r.body);
+    assert!(r2.header("cache-status").unwrap().contains("hit"));
+    assert_eq!(o.requests(), 2);
+}
+
+#[test]
 fn conditional_requests_get_304_from_the_cache() {
     let o = Origin::start();
     let pier = pier(&cache_config(o.addr(), ""));

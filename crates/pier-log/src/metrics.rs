@@ -359,8 +359,7 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
-            "# TYPE pier_requests_by_protocol_total counter\npier_requests_by_protocol_total{{protocol=\"http/1.1\"}} {}\npier_requests_by_protocol_total{{protocol=\"h2\"}} {}",
-            self.by_protocol[0].load(Relaxed),
+            "# HELP pier_requests_by_protocol_total Requests over HTTP/2 (HTTP/1.x: the rest of pier_requests_total).\n# TYPE pier_requests_by_protocol_total counter\npier_requests_by_protocol_total{{protocol=\"h2\"}} {}",
             self.by_protocol[1].load(Relaxed)
         );
         out.push_str("# HELP pier_grpc_responses_total Proxied gRPC calls by grpc-status (\"none\": the origin sent none).\n# TYPE pier_grpc_responses_total counter\n");

@@ -100,6 +100,12 @@ pub async fn lookup(state: &State, sess: &mut Session, route: usize) -> Lookup {
         if cc.only_if_cached && stale.is_none() {
             return Lookup::NotCached;
         }
+        if method == Method::Head {
+            // A HEAD is answered from a stored GET, but its own answer has
+            // no body to store: it goes to the origin without a fill.
+            zone.stats.pass.fetch_add(1, Relaxed);
+            return Lookup::Miss(None);
+        }
         match zone.fill(&key, now) {
             Fill::Leader(g) => break (Some(g), stale),
             Fill::Follower(rx) if !waited => {

@@ -421,8 +421,11 @@ pub(crate) fn finish<P: Phases>(
         .map(|r| state.routes[r].metric)
         .unwrap_or(pier_log::metrics::MAX_ROUTES - 1);
     w.shared.metrics.request(metric, sess.status, dur_us);
-    w.shared.metrics.by_protocol[sess.conn.h2 as usize]
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if sess.conn.h2 {
+        // Only HTTP/2 is counted apart: HTTP/1.x is the rest of
+        // pier_requests_total, and its hot path pays no shared atomic.
+        w.shared.metrics.by_protocol[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
     let log = &w.shared.access;
     if log.enabled() {
         let mut up = [0u8; 64];
