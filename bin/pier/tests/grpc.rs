@@ -357,3 +357,89 @@ fn cors_preflight_from_config() {
     let no = pre("https://evil.test");
     assert!(no.starts_with("http/1.1 403"), "{no}");
 }
+
+/// A gRPC health server (grpc.health.v1.Health/Check over h2c) whose answer
+/// the test switches between SERVING and NOT_SERVING.
+fn health_server(serving: std::sync::Arc<std::sync::atomic::AtomicBool>) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    l.set_nonblocking(true).unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::from_std(l).unwrap();
+            loop {
+                let Ok((tcp, _)) = l.accept().await else {
+                    return;
+                };
+                let serving = serving.clone();
+                tokio::spawn(async move {
+                    let Ok(mut conn) = h2::server::handshake(tcp).await else {
+                        return;
+                    };
+                    while let Some(Ok((req, mut respond))) = conn.accept().await {
+                        let serving = serving.clone();
+                        tokio::spawn(async move {
+                            let mut body = req.into_body();
+                            while let Some(Ok(d)) = body.data().await {
+                                let _ = body.flow_control().release_capacity(d.len());
+                            }
+                            let status = if serving.load(std::sync::atomic::Ordering::SeqCst) {
+                                1
+                            } else {
+                                2
+                            };
+                            let resp = http::Response::builder()
+                                .status(200)
+                                .header("content-type", "application/grpc")
+                                .body(())
+                                .unwrap();
+                            let Ok(mut send) = respond.send_response(resp, false) else {
+                                return;
+                            };
+                            let _ = send.send_data(
+                                bytes::Bytes::from(vec![0, 0, 0, 0, 2, 0x08, status]),
+                                false,
+                            );
+                            let mut t = http::HeaderMap::new();
+                            t.insert("grpc-status", http::HeaderValue::from_static("0"));
+                            let _ = send.send_trailers(t);
+                        });
+                    }
+                });
+            }
+        });
+    });
+    addr
+}
+
+#[test]
+fn grpc_health_check_follows_serving() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let serving = std::sync::Arc::new(AtomicBool::new(true));
+    let addr = health_server(serving.clone());
+    let cfg = config(addr).replace(
+        "retries = 0\n",
+        "retries = 0\n[upstream.svc.health_check]\ntype = \"grpc\"\ninterval = \"100ms\"\ntimeout = \"2s\"\nrise = 1\nfall = 1\n",
+    );
+    let pier = pier(&cfg);
+    let healthy = |want: f64| {
+        wait_until(Duration::from_secs(30), || {
+            pier.metric_value(&format!(
+                "pier_upstream_healthy{{upstream=\"svc\",server=\"{addr}\"}}"
+            )) == Some(want)
+        })
+    };
+    assert!(healthy(1.0), "{}", pier.metrics());
+    serving.store(false, Ordering::SeqCst);
+    assert!(
+        healthy(0.0),
+        "NOT_SERVING must mark the server down: {}",
+        pier.logs()
+    );
+    serving.store(true, Ordering::SeqCst);
+    assert!(healthy(1.0), "SERVING again: {}", pier.logs());
+}

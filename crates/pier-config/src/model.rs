@@ -417,6 +417,11 @@ pub enum HealthKind {
         expect_min: u16,
         expect_max: u16,
     },
+    /// `grpc.health.v1.Health/Check` over cleartext HTTP/2: healthy when the
+    /// answer is SERVING with grpc-status 0. `service` "" = the whole server.
+    Grpc {
+        service: String,
+    },
 }
 
 #[derive(Debug, Clone)]

@@ -362,6 +362,8 @@ pub struct HealthCheckSection {
     pub timeout: Option<Spanned<String>>,
     pub rise: Option<Spanned<i64>>,
     pub fall: Option<Spanned<i64>>,
+    /// type = "grpc": the service asked about ("" = the server).
+    pub service: Option<Spanned<String>>,
 }
 
 /// `{ addr = "...", weight = 3 }` form of an upstream server.

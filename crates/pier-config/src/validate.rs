@@ -1509,14 +1509,39 @@ fn health(c: &mut Check, name: &str, h: &HealthCheckSection) -> HealthCheck {
             }
             HealthKind::Tcp
         }
+        Some(("grpc", _)) => {
+            for (key, v) in [("path", &h.path), ("host", &h.host), ("expect", &h.expect)] {
+                if let Some(v) = v {
+                    c.err(
+                        sp(v),
+                        format!("upstream `{name}`: `{key}` only applies to type = \"http\""),
+                    );
+                }
+            }
+            HealthKind::Grpc {
+                service: h
+                    .service
+                    .as_ref()
+                    .map(|v| v.get_ref().clone())
+                    .unwrap_or_default(),
+            }
+        }
         Some((other, span)) => {
             c.err(
                 span,
-                format!("unknown health check type {other:?}: expected \"http\" or \"tcp\""),
+                format!(
+                    "unknown health check type {other:?}: expected \"http\", \"tcp\" or \"grpc\""
+                ),
             );
             HealthKind::Tcp
         }
     };
+    if let (Some(v), false) = (&h.service, matches!(kind, HealthKind::Grpc { .. })) {
+        c.err(
+            sp(v),
+            format!("upstream `{name}`: `service` only applies to type = \"grpc\""),
+        );
+    }
     HealthCheck {
         kind,
         interval: c.duration(&h.interval, "interval", HealthCheck::DEFAULT_INTERVAL),

@@ -55,6 +55,7 @@ async fn check_loop(
     let request = match &hc.kind {
         HealthKind::Tcp => Vec::new(),
         HealthKind::Http { path, host, .. } => http_request(path, host.as_deref(), peer.addr),
+        HealthKind::Grpc { .. } => Vec::new(),
     };
     let rise = hc.rise.max(1);
     let fall = hc.fall.max(1);
@@ -155,6 +156,9 @@ pub(crate) async fn check(
         let mut stream = TcpStream::connect(addr)
             .await
             .map_err(|e| CheckError::Connect(e.kind()))?;
+        if let HealthKind::Grpc { service } = kind {
+            return grpc_check(stream, addr, service).await;
+        }
         let HealthKind::Http {
             expect_min,
             expect_max,
@@ -177,6 +181,80 @@ pub(crate) async fn check(
     tokio::time::timeout(timeout, run)
         .await
         .unwrap_or(Err(CheckError::Timeout))
+}
+
+/// `grpc.health.v1.Health/Check` on an h2c connection: SERVING (1) with
+/// grpc-status 0 is healthy; anything else is a failed check.
+async fn grpc_check(stream: TcpStream, addr: SocketAddr, service: &str) -> Result<(), CheckError> {
+    fn bad<E>(_: E) -> CheckError {
+        CheckError::BadResponse
+    }
+    let (send, conn) = h2::client::handshake(stream)
+        .await
+        .map_err(|_| CheckError::BadResponse)?;
+    // The connection's I/O runs beside the request; it ends with the check.
+    let driver = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let result = async {
+        let mut send = send.ready().await.map_err(bad)?;
+        let req = http::Request::builder()
+            .method("POST")
+            .uri(format!("http://{addr}/grpc.health.v1.Health/Check"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .header("user-agent", "pier-health")
+            .body(())
+            .map_err(bad)?;
+        // HealthCheckRequest { service = 1 }: one length-prefixed message.
+        let mut msg = Vec::with_capacity(2 + service.len());
+        if !service.is_empty() {
+            msg.push(0x0a);
+            msg.push(service.len().min(127) as u8);
+            msg.extend_from_slice(&service.as_bytes()[..service.len().min(127)]);
+        }
+        let mut frame = vec![0u8];
+        frame.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+        frame.extend_from_slice(&msg);
+        let (resp, mut body) = send.send_request(req, false).map_err(bad)?;
+        body.send_data(bytes::Bytes::from(frame), true)
+            .map_err(bad)?;
+        let resp = resp.await.map_err(bad)?;
+        if resp.status() != 200 {
+            return Err(CheckError::Status(resp.status().as_u16()));
+        }
+        let trailers_only = resp.headers().get("grpc-status").cloned();
+        let mut recv = resp.into_body();
+        let mut data = Vec::new();
+        while let Some(chunk) = recv.data().await {
+            let chunk = chunk.map_err(bad)?;
+            let _ = recv.flow_control().release_capacity(chunk.len());
+            data.extend_from_slice(&chunk);
+            if data.len() > 1024 {
+                return Err(CheckError::BadResponse);
+            }
+        }
+        let status = match trailers_only {
+            Some(s) => Some(s),
+            None => recv
+                .trailers()
+                .await
+                .map_err(bad)?
+                .and_then(|t| t.get("grpc-status").cloned()),
+        };
+        if status.as_ref().map(|s| s.as_bytes()) != Some(b"0") {
+            return Err(CheckError::Status(200));
+        }
+        // HealthCheckResponse { status = 1 (SERVING) }, after the 5-byte prefix.
+        if data.len() >= 5 && data[5..].windows(2).any(|w| w == [0x08, 0x01]) {
+            Ok(())
+        } else {
+            Err(CheckError::BadResponse)
+        }
+    }
+    .await;
+    driver.abort();
+    result
 }
 
 /// Largest response head a check reads.
