@@ -560,3 +560,38 @@ pier.resp.set_header("x-filtered", "yes")
         pier.metrics()
     );
 }
+
+#[test]
+fn idle_http2_connections_get_goaway() {
+    let o = Origin::start();
+    let pier = pier(&h2_config(
+        o.addr(),
+        None,
+        "[timeouts]\nclient_idle = \"1s\"\n",
+    ));
+    // A connection that finished a request, then said nothing.
+    let mut s = raw::connect(pier.listener("clear"));
+    {
+        use std::io::Write;
+        let mut out = Vec::new();
+        raw::frame(
+            &mut out,
+            raw::HEADERS,
+            raw::END_HEADERS | raw::END_STREAM,
+            1,
+            &raw::get_block(),
+        );
+        s.write_all(&out).unwrap();
+    }
+    let t0 = std::time::Instant::now();
+    let code = raw::until_goaway(&mut s, Duration::from_secs(30));
+    assert!(
+        code.is_none() || code == Some(0),
+        "GOAWAY NO_ERROR expected, got {code:?}"
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_millis(900),
+        "closed before client_idle"
+    );
+    assert_eq!(o.requests(), 1);
+}

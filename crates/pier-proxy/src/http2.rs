@@ -53,7 +53,14 @@ pub async fn serve_h2<P: Phases, S: Stream>(
     let conn = Arc::new(ConnInfo { h2: true, ..conn });
     let mut drain = w.shared.drain_rx();
     let mut draining = false;
+    // Streams running now, and a wake-up when one ends: a connection with
+    // none for `client_idle` gets GOAWAY and closes, as an idle HTTP/1
+    // keep-alive connection does.
+    let open = std::rc::Rc::new(std::cell::Cell::new(0usize));
+    let ended = std::rc::Rc::new(tokio::sync::Notify::new());
+    let idle = state.cfg.timeouts.client_idle;
     loop {
+        let quiet = open.get() == 0 && !draining;
         let next = tokio::select! {
             r = h2c.accept() => r,
             _ = drain.changed(), if !draining => {
@@ -62,12 +69,21 @@ pub async fn serve_h2<P: Phases, S: Stream>(
                 h2c.graceful_shutdown();
                 continue;
             }
+            _ = tokio::time::sleep(idle), if quiet => {
+                draining = true;
+                h2c.graceful_shutdown();
+                continue;
+            }
+            // A stream ended: look again whether the connection is idle.
+            _ = ended.notified(), if !quiet => continue,
         };
         match next {
             Some(Ok((req, respond))) => {
                 let w = w.clone();
                 let conn = conn.clone();
+                let guard = StreamGuard::enter(&open, &ended);
                 tokio::task::spawn_local(async move {
+                    let _guard = guard;
                     serve_stream(w, req, respond, client, local, conn).await;
                 });
             }
@@ -77,6 +93,32 @@ pub async fn serve_h2<P: Phases, S: Stream>(
             }
             None => break,
         }
+    }
+}
+
+/// One running stream of a connection (released however its task ends).
+struct StreamGuard {
+    open: std::rc::Rc<std::cell::Cell<usize>>,
+    ended: std::rc::Rc<tokio::sync::Notify>,
+}
+
+impl StreamGuard {
+    fn enter(
+        open: &std::rc::Rc<std::cell::Cell<usize>>,
+        ended: &std::rc::Rc<tokio::sync::Notify>,
+    ) -> Self {
+        open.set(open.get() + 1);
+        StreamGuard {
+            open: open.clone(),
+            ended: ended.clone(),
+        }
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.open.set(self.open.get().saturating_sub(1));
+        self.ended.notify_one();
     }
 }
 
