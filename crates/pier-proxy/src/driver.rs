@@ -570,7 +570,7 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
     sess.route = Some(route);
     let rc = &state.cfg.routes[route];
     if let Some(cors) = &rc.cors {
-        if let Some(r) = cors_preflight(cors, &sess.req) {
+        if let Some(r) = crate::cors::preflight(cors, &sess.req) {
             return respond(w, state, down, b, sess, ctx, &r, body_pending).await;
         }
     }
@@ -898,7 +898,7 @@ async fn send_answer<P: Phases, D: Downstream>(
     let mut filtered_body = None;
     if sess.route.is_some() {
         apply_response_rules(state, sess.route, &mut b.resp);
-        apply_cors(state, sess, &mut b.resp);
+        crate::cors::apply(state, sess, &mut b.resp);
         if w.phases.filters_local(state, sess) {
             // A filter that fails leaves the response as it was (the hook
             // layer logs its error): an answer is already due.
@@ -1036,7 +1036,7 @@ pub(crate) fn local_error(kind: Kind) -> LocalResponse {
 // === one attempt against one origin ===
 
 /// Request headers Pier writes itself or never forwards.
-fn skip_request_header(k: Known) -> bool {
+pub(crate) fn skip_request_header(k: Known) -> bool {
     matches!(
         k,
         known::CONNECTION
@@ -1127,7 +1127,7 @@ async fn attempt_h2<P: Phases, D: Downstream>(
     };
     w.shared.metrics.pool(reused);
     sess.step = Step::Send;
-    let req = h2_request(state, sess, key.addr, tls.is_some())?;
+    let req = crate::upstream_h2::request(state, sess, key.addr, tls.is_some())?;
     let body = sess.req.body_len();
     let head_only = sess.up_req.method_kind() == pier_http::Method::Head;
     let (fut, send) = send_request(&lease, req, body == BodyLen::None, t.upstream_response).await?;
@@ -1189,170 +1189,6 @@ async fn attempt_h2<P: Phases, D: Downstream>(
         Relayed::Done(_, client_keep) => Ok(client_keep),
         // No Upgrade over HTTP/2.
         Relayed::Upgrade => Err(Error::new(Kind::UpstreamProtocol)),
-    }
-}
-
-/// The upstream request as an HTTP/2 request: `:authority` from the Host
-/// the engine would send, connection-specific fields dropped, `te:
-/// trailers` kept (gRPC needs it), X-Forwarded-* as over HTTP/1.
-fn h2_request(
-    state: &State,
-    sess: &Session,
-    addr: SocketAddr,
-    tls: bool,
-) -> Result<http::Request<()>, Error> {
-    let req = &sess.up_req;
-    let host_is_peer = matches!(
-        sess.route.map(|r| &state.routes[r].host_header),
-        Some(HostHeader::Upstream)
-    );
-    let authority = match req.host() {
-        Some(h) if !host_is_peer => String::from_utf8_lossy(h).into_owned(),
-        _ => addr.to_string(),
-    };
-    let target = String::from_utf8_lossy(req.uri());
-    let uri = format!(
-        "{}://{authority}{target}",
-        if tls { "https" } else { "http" }
-    );
-    fn bad<E>(_: E) -> Error {
-        Error::new(Kind::InvalidHeader)
-    }
-    let mut r = http::Request::builder()
-        .method(
-            http::Method::from_bytes(req.method())
-                .map_err(|_| Error::new(Kind::InvalidRequestLine))?,
-        )
-        .uri(uri)
-        .version(http::Version::HTTP_2)
-        .body(())
-        .map_err(|_| Error::new(Kind::InvalidHost))?;
-    let h = r.headers_mut();
-    for (k, name, value) in req.headers.iter_known() {
-        if skip_request_header(k) || k == known::HOST || k == known::TRANSFER_ENCODING {
-            continue;
-        }
-        h.append(
-            http::HeaderName::from_bytes(name).map_err(bad)?,
-            http::HeaderValue::from_bytes(value).map_err(bad)?,
-        );
-    }
-    if req.headers.has_token(known::TE, b"trailers") {
-        h.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
-    }
-    let mut xff = Vec::new();
-    for v in req.headers.get_all_known(known::X_FORWARDED_FOR) {
-        xff.extend_from_slice(v);
-        xff.extend_from_slice(b", ");
-    }
-    xff.extend_from_slice(sess.client_ip.as_bytes());
-    h.insert(
-        "x-forwarded-for",
-        http::HeaderValue::from_bytes(&xff).map_err(bad)?,
-    );
-    h.insert(
-        "x-forwarded-proto",
-        http::HeaderValue::from_static(sess.scheme()),
-    );
-    if let Some(a) = sess.req.absolute_form().map(|(a, _)| a).or(sess.req.host()) {
-        h.insert(
-            "x-forwarded-host",
-            http::HeaderValue::from_bytes(a).map_err(bad)?,
-        );
-    }
-    Ok(r)
-}
-
-/// A CORS preflight (OPTIONS with Origin and Access-Control-Request-Method)
-/// answered from the route's `[route.cors]`: 204 with the allowed origin,
-/// methods and headers; a disallowed origin gets 403.
-fn cors_preflight(cors: &pier_config::Cors, req: &pier_http::RequestHead) -> Option<LocalResponse> {
-    if req.method_kind() != pier_http::Method::Options {
-        return None;
-    }
-    let origin = req.headers.get(b"origin")?;
-    req.headers.get(b"access-control-request-method")?;
-    let Some(allow) = cors_origin(cors, origin) else {
-        return Some(LocalResponse {
-            status: 403,
-            headers: Vec::new(),
-            body: b"CORS origin not allowed\n".to_vec(),
-            reason: "cors-origin",
-            kind: None,
-        });
-    };
-    let mut headers = vec![
-        (b"Access-Control-Allow-Origin".to_vec(), allow),
-        (
-            b"Access-Control-Allow-Methods".to_vec(),
-            cors.allow_methods.join(", ").into_bytes(),
-        ),
-        (
-            b"Access-Control-Allow-Headers".to_vec(),
-            cors.allow_headers.join(", ").into_bytes(),
-        ),
-        (
-            b"Access-Control-Max-Age".to_vec(),
-            cors.max_age.as_secs().to_string().into_bytes(),
-        ),
-        (b"Vary".to_vec(), b"Origin".to_vec()),
-    ];
-    if !cors.expose_headers.is_empty() {
-        headers.push((
-            b"Access-Control-Expose-Headers".to_vec(),
-            cors.expose_headers.join(", ").into_bytes(),
-        ));
-    }
-    if cors.allow_credentials {
-        headers.push((
-            b"Access-Control-Allow-Credentials".to_vec(),
-            b"true".to_vec(),
-        ));
-    }
-    Some(LocalResponse {
-        status: 204,
-        headers,
-        body: Vec::new(),
-        reason: "cors-preflight",
-        kind: None,
-    })
-}
-
-/// The Access-Control-Allow-Origin value for `origin`, if it is allowed.
-fn cors_origin(cors: &pier_config::Cors, origin: &[u8]) -> Option<Vec<u8>> {
-    if cors.allow_origins.iter().any(|o| o == "*") && !cors.allow_credentials {
-        return Some(b"*".to_vec());
-    }
-    cors.allow_origins
-        .iter()
-        .any(|o| o.as_bytes().eq_ignore_ascii_case(origin))
-        .then(|| origin.to_vec())
-}
-
-/// CORS fields on an actual response of a `[route.cors]` route.
-fn apply_cors(state: &State, sess: &Session, resp: &mut ResponseHead) {
-    let Some(cors) = sess.route.and_then(|r| state.cfg.routes[r].cors.as_ref()) else {
-        return;
-    };
-    let Some(origin) = sess.req.headers.get(b"origin") else {
-        return;
-    };
-    let Some(allow) = cors_origin(cors, origin) else {
-        return;
-    };
-    resp.headers.insert(b"Access-Control-Allow-Origin", &allow);
-    if allow != b"*" {
-        resp.headers.append(b"Vary", b"Origin");
-    }
-    if !cors.expose_headers.is_empty() {
-        resp.headers.insert(
-            b"Access-Control-Expose-Headers",
-            cors.expose_headers.join(", ").as_bytes(),
-        );
-    }
-    if cors.allow_credentials {
-        resp.headers
-            .insert(b"Access-Control-Allow-Credentials", b"true");
     }
 }
 
@@ -1689,7 +1525,7 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         sess.step = Step::CacheStore;
         w.phases.cache_store(state, sess, resp, ctx);
         apply_response_rules(state, sess.route, resp);
-        apply_cors(state, sess, resp);
+        crate::cors::apply(state, sess, resp);
     }
     sess.step = Step::ResponseFilter;
     if let Err(e) = w.phases.response_filter(state, sess, resp, ctx) {

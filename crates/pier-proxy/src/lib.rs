@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod cache;
+mod cors;
 pub mod driver;
 pub mod grpc;
 pub mod grpc_web;

@@ -7,12 +7,17 @@
 //! connection serves the whole process — the sharing an HTTP/2 origin wants.
 
 use crate::protocol::{BodySize, RequestSink, ResponseSource};
+use crate::session::Session;
+use crate::state::State;
 use bytes::Bytes;
+use pier_config::HostHeader;
 use pier_core::{Connector, PeerKey};
 use pier_error::{Error, Kind};
+use pier_http::known;
 use pier_http::{Headers, ResponseHead};
 use std::collections::HashMap;
 use std::future::poll_fn;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -296,4 +301,78 @@ impl RequestSink for H2RequestSink {
         };
         r.map_err(|_| Error::new(Kind::UpstreamClosed))
     }
+}
+
+/// The upstream request as an HTTP/2 request: `:authority` from the Host
+/// the engine would send, connection-specific fields dropped, `te:
+/// trailers` kept (gRPC needs it), X-Forwarded-* as over HTTP/1.
+pub(crate) fn request(
+    state: &State,
+    sess: &Session,
+    addr: SocketAddr,
+    tls: bool,
+) -> Result<http::Request<()>, Error> {
+    let req = &sess.up_req;
+    let host_is_peer = matches!(
+        sess.route.map(|r| &state.routes[r].host_header),
+        Some(HostHeader::Upstream)
+    );
+    let authority = match req.host() {
+        Some(h) if !host_is_peer => String::from_utf8_lossy(h).into_owned(),
+        _ => addr.to_string(),
+    };
+    let target = String::from_utf8_lossy(req.uri());
+    let uri = format!(
+        "{}://{authority}{target}",
+        if tls { "https" } else { "http" }
+    );
+    fn bad<E>(_: E) -> Error {
+        Error::new(Kind::InvalidHeader)
+    }
+    let mut r = http::Request::builder()
+        .method(
+            http::Method::from_bytes(req.method())
+                .map_err(|_| Error::new(Kind::InvalidRequestLine))?,
+        )
+        .uri(uri)
+        .version(http::Version::HTTP_2)
+        .body(())
+        .map_err(|_| Error::new(Kind::InvalidHost))?;
+    let h = r.headers_mut();
+    for (k, name, value) in req.headers.iter_known() {
+        if crate::driver::skip_request_header(k)
+            || k == known::HOST
+            || k == known::TRANSFER_ENCODING
+        {
+            continue;
+        }
+        h.append(
+            http::HeaderName::from_bytes(name).map_err(bad)?,
+            http::HeaderValue::from_bytes(value).map_err(bad)?,
+        );
+    }
+    if req.headers.has_token(known::TE, b"trailers") {
+        h.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
+    }
+    let mut xff = Vec::new();
+    for v in req.headers.get_all_known(known::X_FORWARDED_FOR) {
+        xff.extend_from_slice(v);
+        xff.extend_from_slice(b", ");
+    }
+    xff.extend_from_slice(sess.client_ip.as_bytes());
+    h.insert(
+        "x-forwarded-for",
+        http::HeaderValue::from_bytes(&xff).map_err(bad)?,
+    );
+    h.insert(
+        "x-forwarded-proto",
+        http::HeaderValue::from_static(sess.scheme()),
+    );
+    if let Some(a) = sess.req.absolute_form().map(|(a, _)| a).or(sess.req.host()) {
+        h.insert(
+            "x-forwarded-host",
+            http::HeaderValue::from_bytes(a).map_err(bad)?,
+        );
+    }
+    Ok(r)
 }
