@@ -305,6 +305,7 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
     let worker_shared = shared.clone();
     let handles = match pier_core::spawn_workers(sockets, move |ctx| {
         let shared = worker_shared.clone();
+        pier_lua::set_worker(ctx.id, workers);
         async move { pier_proxy::run_worker(ctx, shared, ConfigPhases::new()).await }
     }) {
         Ok(h) => h,

@@ -149,6 +149,16 @@ impl RequestHead {
         Some((authority, &rest[end..]))
     }
 
+    /// Replaces the method (a token, checked by the caller), e.g. from a Lua
+    /// hook's `ngx.req.set_method`: the new bytes go to the arena as
+    /// [`set_uri`](Self::set_uri)'s do.
+    pub fn set_method(&mut self, method: &[u8]) {
+        let arena = self.headers.arena_mut();
+        let off = arena.len();
+        arena.extend_from_slice(method);
+        self.method = (off as u32, method.len() as u32);
+        self.method_kind = Some(Method::from_bytes(method));
+    }
     pub fn set_uri(&mut self, uri: &[u8]) {
         let arena = self.headers.arena_mut();
         let off = arena.len();

@@ -47,6 +47,13 @@ pub use phase::Phase;
 pub use setup::{LuaSetup, RouteHooks, Source};
 pub use view::HttpView;
 
+/// Tells the Lua layer which worker this thread is (`ngx.worker.id()`,
+/// `ngx.worker.count()`); call it on each worker thread before its engine
+/// is built. Threads that never call it are worker 0 of 1.
+pub fn set_worker(id: usize, count: usize) {
+    ffi::set_worker(id, count);
+}
+
 /// What the proxy does after a hook.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Flow {

@@ -3,7 +3,7 @@
 use std::cell::RefCell;
 use std::rc::Weak;
 
-use mlua::{Lua, Table};
+use mlua::{LightUserData, Lua, Table, Value};
 
 use crate::engine::Inner;
 use crate::phase::mask;
@@ -18,6 +18,7 @@ pub(crate) const MODULES: &[(&str, &str)] = &[
     ("pier.var", include_str!("../lua/pier/var.lua")),
     ("pier.shared", include_str!("../lua/pier/shared.lua")),
     ("pier.socket", include_str!("../lua/pier/socket.lua")),
+    ("pier.ngx", include_str!("../lua/pier/ngx.lua")),
 ];
 
 pub(crate) fn bootstrap(
@@ -35,12 +36,26 @@ pub(crate) fn bootstrap(
     let natives = lua.create_table()?;
     // A user-space address is below 2^47: exact as a double.
     natives.set("api_addr", crate::ffi::api_addr() as f64)?;
+    natives.set("pid", std::process::id())?;
+    natives.set("ngx_api_addr", crate::ffi::ngx_api_addr() as f64)?;
+    // ngx.null: a NULL light userdata, as ngx_lua's (and cjson's) null.
+    natives.set(
+        "null",
+        Value::LightUserData(LightUserData(std::ptr::null_mut())),
+    )?;
     let masks = lua.create_table()?;
     for (k, v) in [
         ("yield", mask::YIELD),
         ("timer", mask::TIMER),
         ("exit", mask::EXIT),
         ("say", mask::SAY),
+        ("req_read", mask::REQ_READ),
+        ("req_write", mask::REQ_WRITE),
+        ("resp_read", mask::RESP_READ),
+        ("resp_write", mask::RESP_WRITE),
+        ("ctx", mask::CTX),
+        ("body", mask::BODY),
+        ("balancer", mask::BALANCER),
     ] {
         masks.set(k, v)?;
     }
@@ -59,5 +74,11 @@ pub(crate) fn bootstrap(
         .set_name("=pier bootstrap")
         .eval()?;
     globals.set("pier", pier)?;
+    // OpenResty compatibility: `ngx` over the same FFI functions.
+    let ngx: Table = lua
+        .load("return require('pier.ngx')")
+        .set_name("=ngx bootstrap")
+        .eval()?;
+    globals.set("ngx", ngx)?;
     Ok(())
 }

@@ -19,6 +19,11 @@ pub trait HttpView {
     fn method(&self) -> &[u8];
     /// The request target as received: `path?query`.
     fn uri(&self) -> &[u8];
+    /// Replaces the request method (an HTTP token, checked by the caller);
+    /// false if this view cannot change it.
+    fn set_method(&mut self, _method: &[u8]) -> bool {
+        false
+    }
     /// Replaces the request target (`path?query`); always starts with `/`.
     fn set_uri(&mut self, uri: &[u8]);
     /// The first value of request header `name` (case-insensitive).

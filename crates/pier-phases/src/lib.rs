@@ -458,6 +458,10 @@ impl HttpView for View<'_> {
     fn set_uri(&mut self, uri: &[u8]) {
         self.sess.up_req.set_uri(uri);
     }
+    fn set_method(&mut self, method: &[u8]) -> bool {
+        self.sess.up_req.set_method(method);
+        true
+    }
     fn req_header(&self, name: &[u8]) -> Option<&[u8]> {
         self.sess.up_req.headers.get(name)
     }

@@ -26,6 +26,7 @@
 
 mod ctx;
 mod limit;
+mod ngx;
 mod req;
 mod resp;
 mod shdict;
@@ -36,6 +37,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::current::{self, Current};
 use crate::view::HttpView;
+
+pub(crate) use ngx::{ngx_api_addr, set_worker};
 
 /// Not allowed in the current phase (or no request is running).
 pub const E_PHASE: c_int = -2;

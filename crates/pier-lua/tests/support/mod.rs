@@ -70,6 +70,10 @@ impl HttpView for TestView {
     fn set_uri(&mut self, uri: &[u8]) {
         self.uri = uri.to_vec();
     }
+    fn set_method(&mut self, method: &[u8]) -> bool {
+        self.method = method.to_vec();
+        true
+    }
     fn req_header(&self, name: &[u8]) -> Option<&[u8]> {
         find(&self.headers, name)
     }
