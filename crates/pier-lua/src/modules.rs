@@ -18,7 +18,12 @@ pub(crate) const MODULES: &[(&str, &str)] = &[
     ("pier.var", include_str!("../lua/pier/var.lua")),
     ("pier.shared", include_str!("../lua/pier/shared.lua")),
     ("pier.socket", include_str!("../lua/pier/socket.lua")),
+    ("pier.ngx_str", include_str!("../lua/pier/ngx_str.lua")),
+    ("ngx.re", "return require('pier.ngx_str').ngx_re"),
     ("pier.ngx", include_str!("../lua/pier/ngx.lua")),
+    // `require "resty.core"` (common in init code): ngx.* is FFI-based
+    // already, there is nothing more to load.
+    ("resty.core", "return { version = 'pier' }"),
 ];
 
 pub(crate) fn bootstrap(
@@ -36,6 +41,7 @@ pub(crate) fn bootstrap(
     let natives = lua.create_table()?;
     // A user-space address is below 2^47: exact as a double.
     natives.set("api_addr", crate::ffi::api_addr() as f64)?;
+    natives.set("str_api_addr", crate::ffi::strings::str_api_addr() as f64)?;
     natives.set("pid", std::process::id())?;
     natives.set("ngx_api_addr", crate::ffi::ngx_api_addr() as f64)?;
     // ngx.null: a NULL light userdata, as ngx_lua's (and cjson's) null.
@@ -66,7 +72,12 @@ pub(crate) fn bootstrap(
 
     let preload: Table = package.get("preload")?;
     for (name, src) in MODULES {
-        let file = format!("@pier/{}.lua", name.strip_prefix("pier.").unwrap_or("init"));
+        let file = match name.strip_prefix("pier.") {
+            Some(rest) => format!("@pier/{rest}.lua"),
+            None if *name == "pier" => "@pier/init.lua".to_owned(),
+            // Modules under their OpenResty names (`ngx.re`, `ngx.semaphore`).
+            None => format!("@{}.lua", name.replace('.', "/")),
+        };
         preload.set(*name, lua.load(*src).set_name(file).into_function()?)?;
     }
     let pier: Table = lua

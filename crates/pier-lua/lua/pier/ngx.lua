@@ -392,11 +392,23 @@ function req.clear_header(name)
   preq.clear_header(name)
 end
 
--- Request bodies are streamed to the origin, never held by the proxy, so
--- the body-reading calls behave as nginx's does when the body was not read
--- into memory (docs/lua.md, compatibility table).
+-- Request bodies are streamed to the origin, never held by the proxy.
+-- Without a body (no Content-Length or 0, no Transfer-Encoding) the calls
+-- behave as ngx_lua's do on an empty body; with one, read_body raises
+-- instead of pretending the body is empty (docs/lua.md).
+local function has_body()
+  local te = preq.get_header("transfer-encoding")
+  if te then return true end
+  local cl = tonumber(preq.get_header("content-length") or "0")
+  return cl == nil or cl > 0
+end
+
 function req.read_body()
   if C_phase_allowed(M_REQ_WRITE) == 0 then disabled() end
+  if has_body() then
+    error("ngx.req.read_body is not supported by Pier for requests with a body "
+      .. "(bodies are streamed to the origin)", 2)
+  end
 end
 
 function req.discard_body()
@@ -415,7 +427,11 @@ end
 
 function req.get_post_args()
   if C_phase_allowed(M_REQ_READ) == 0 then disabled() end
-  return nil, "request body not read"
+  if has_body() then
+    error("ngx.req.get_post_args is not supported by Pier for requests with a body "
+      .. "(bodies are streamed to the origin)", 2)
+  end
+  return {}
 end
 
 req.socket = unsupported("ngx.req.socket")
@@ -681,13 +697,9 @@ ngx.worker = {
 
 -- === modules provided by pier.ngx_* ===
 
--- Strings (ngx.re, escaping, digests): merged as they are.
-do
-  local ok, m = pcall(require, "pier.ngx_str")
-  if ok and type(m) == "table" then
-    for k, v in pairs(m) do ngx[k] = v end
-  end
-end
+-- Strings (ngx.re, escaping, digests): merged as they are. Loading it
+-- also puts libcrypto's symbols in the global namespace for lua-resty-string.
+for k, v in pairs(require "pier.ngx_str") do ngx[k] = v end
 
 -- Cosockets and light threads: their constructors checked the ngx way.
 local function yielding(f)

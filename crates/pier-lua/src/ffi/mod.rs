@@ -30,6 +30,7 @@ mod ngx;
 mod req;
 mod resp;
 mod shdict;
+pub(crate) mod strings;
 
 use std::cell::RefCell;
 use std::os::raw::{c_char, c_int};

@@ -95,7 +95,7 @@ fn hex(c: u8) -> Option<u8> {
 }
 
 /// Appends the `application/x-www-form-urlencoded` decoding of `s`.
-fn unescape_into(s: &[u8], out: &mut Vec<u8>) {
+pub(super) fn unescape_into(s: &[u8], out: &mut Vec<u8>) {
     let mut i = 0;
     while i < s.len() {
         match s[i] {
