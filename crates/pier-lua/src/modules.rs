@@ -18,6 +18,18 @@ pub(crate) const MODULES: &[(&str, &str)] = &[
     ("pier.var", include_str!("../lua/pier/var.lua")),
     ("pier.shared", include_str!("../lua/pier/shared.lua")),
     ("pier.socket", include_str!("../lua/pier/socket.lua")),
+    (
+        "ngx.semaphore",
+        include_str!("../lua/pier/ngx_semaphore.lua"),
+    ),
+    (
+        "pier.ngx_thread",
+        "return require('pier.native').ngx_thread",
+    ),
+    (
+        "pier.ngx_socket",
+        include_str!("../lua/pier/ngx_socket.lua"),
+    ),
     ("pier.ngx_str", include_str!("../lua/pier/ngx_str.lua")),
     ("ngx.re", "return require('pier.ngx_str').ngx_re"),
     ("pier.ngx", include_str!("../lua/pier/ngx.lua")),

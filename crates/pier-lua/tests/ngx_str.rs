@@ -348,27 +348,27 @@ fn base64_hashes_crc_sql() {
     );
 }
 
-const RESTY_STRING_DIR: &str = "/tmp/lualibs/root/usr/share/lua/5.1";
-
 /// Debian's lua-resty-string (package lua-nginx-string) unchanged: OpenSSL
 /// through ffi.C (libcrypto loaded globally by pier.ngx_str) and nginx's
 /// ngx_hex_dump / ngx_atoi (exported by this test binary, see build.rs).
+/// `PIER_LUA_LIBS` names the unpacked libraries (.ci/run sets it; the test
+/// fails if it is set and the library is missing, skips if it is unset).
 #[test]
 fn lua_resty_string_runs_unchanged() {
-    if !std::path::Path::new(RESTY_STRING_DIR)
-        .join("nginx/string.lua")
-        .exists()
-    {
+    let Ok(dir) = std::env::var("PIER_LUA_LIBS") else {
         println!(
-            "note: skipped, {RESTY_STRING_DIR}/nginx absent \
-             (apt-get download lua-nginx-string && dpkg-deb -x lua-nginx-string_*.deb /tmp/lualibs/root)"
+            "note: skipped, PIER_LUA_LIBS is unset (.ci/run unpacks Debian's lua-nginx-string)"
         );
         return;
-    }
+    };
+    assert!(
+        std::path::Path::new(&dir).join("nginx/string.lua").exists(),
+        "PIER_LUA_LIBS={dir} lacks nginx/string.lua: the library install is broken"
+    );
     check_with(
         |hooks| LuaSetup {
             routes: vec![hooks],
-            package_path: vec![format!("{RESTY_STRING_DIR}/?.lua")],
+            package_path: vec![format!("{dir}/?.lua")],
             ..Default::default()
         },
         "resty.string",

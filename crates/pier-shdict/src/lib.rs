@@ -33,7 +33,9 @@
 //!
 //! **Accounting.** An entry is charged `key.len() + value bytes +`
 //! [`ENTRY_OVERHEAD`], where value bytes are the string's length, 8 for a
-//! number and 1 for a boolean (as ngx.shared). Every shard keeps
+//! number and 1 for a boolean (as ngx.shared); a list entry is charged its
+//! key plus [`ENTRY_OVERHEAD`] plus, per item, the item's bytes (as a value's)
+//! plus [`LIST_ITEM_OVERHEAD`]. Every shard keeps
 //! `used <= capacity share` at all times; an entry larger than a shard's share
 //! fails with `NoMemory` and changes nothing. The charge approximates real
 //! memory (slab slot, table slot, allocator header); the slab and table may
@@ -89,7 +91,20 @@
 //! - The `forcible` result is set only when a *live* entry was evicted.
 //! - `ttl`/`expire` treat an expired entry as not found (nginx can report a
 //!   negative TTL or revive it).
-//! - Lists (`lpush`/`rpop`…) are not implemented.
+//!
+//! # Lists
+//!
+//! `lpush` / `rpush` / `lpop` / `rpop` / `llen` follow ngx.shared: a key may
+//! hold a list of strings and numbers instead of a value. Pushing to a key
+//! that holds no live value creates the list (without a TTL; `expire` sets
+//! one), pushing to a live non-list fails with [`ListError::NotAList`],
+//! popping the last item deletes the key, popping a missing key gives
+//! `None`, and `get` reports [`HitValue::List`]. The items are charged to the
+//! shard like values; a push never evicts a live entry (it frees expired
+//! ones, then fails with [`ListError::NoMemory`]), but a list can be evicted
+//! whole by other writes. `ttl`, `expire`, `delete`, `flush_all`,
+//! `flush_expired` and `get_keys` treat a list key like any other; `set` /
+//! `replace` overwrite it and `incr` reports it is not a number.
 
 #![forbid(unsafe_code)]
 
@@ -102,11 +117,11 @@ use hashbrown::DefaultHashBuilder;
 use parking_lot::Mutex;
 
 pub use registry::{Registry, RegistryError};
-pub use shard::ENTRY_OVERHEAD;
 use shard::{
-    is_expired, value_bytes, NewEntry, Shard, StoreOp, Stored, KIND_BOOL, KIND_NUMBER, KIND_STR,
-    NEVER, NIL,
+    is_expired, value_bytes, ListFail, NewEntry, Shard, StoreOp, Stored, KIND_BOOL, KIND_LIST,
+    KIND_NUMBER, KIND_STR, NEVER, NIL,
 };
+pub use shard::{ListItem, ENTRY_OVERHEAD, LIST_ITEM_OVERHEAD};
 
 /// Longest key accepted (as ngx.shared).
 pub const MAX_KEY_LEN: usize = 65535;
@@ -150,15 +165,20 @@ pub enum HitValue {
     Number(f64),
     /// The bytes were copied into the `out` buffer passed to `get`.
     Str,
+    /// The key holds a list (ngx.shared's `get` fails with "value is a
+    /// list"); nothing was copied.
+    List,
 }
 
 impl HitValue {
-    /// Lua's type number for this value (see [`Value::type_code`]).
+    /// Lua's type number for this value (see [`Value::type_code`]; 5 for a
+    /// list, ngx.shared's SHDICT_TLIST).
     pub fn type_code(&self) -> u8 {
         match self {
             HitValue::Bool(_) => KIND_BOOL,
             HitValue::Number(_) => KIND_NUMBER,
             HitValue::Str => KIND_STR,
+            HitValue::List => KIND_LIST,
         }
     }
 }
@@ -244,6 +264,40 @@ impl IncrError {
             IncrError::NotANumber => "not a number",
             IncrError::NoMemory => "no memory",
             IncrError::InvalidKey => "invalid key",
+        }
+    }
+}
+
+/// Why a list operation (`lpush`, `lpop`, `llen`...) failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ListError {
+    /// The key holds a live value that is not a list.
+    NotAList,
+    /// No room for the item: list writes never evict live entries.
+    NoMemory,
+    /// Only strings and numbers can be pushed.
+    BadValue,
+    /// The key is empty or longer than [`MAX_KEY_LEN`].
+    InvalidKey,
+}
+
+impl ListError {
+    /// ngx.shared's error string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ListError::NotAList => "value not a list",
+            ListError::NoMemory => "no memory",
+            ListError::BadValue => "bad value type",
+            ListError::InvalidKey => "invalid key",
+        }
+    }
+}
+
+impl From<ListFail> for ListError {
+    fn from(f: ListFail) -> Self {
+        match f {
+            ListFail::NotAList => ListError::NotAList,
+            ListFail::NoMemory => ListError::NoMemory,
         }
     }
 }
@@ -420,6 +474,7 @@ impl SharedDict {
             let value = match e.kind {
                 KIND_BOOL => HitValue::Bool(e.num != 0.0),
                 KIND_NUMBER => HitValue::Number(e.num),
+                KIND_LIST => HitValue::List,
                 _ => {
                     let v = e.str_value();
                     if v.len() > out.capacity() && !grown {
@@ -436,7 +491,8 @@ impl SharedDict {
                     HitValue::Str
                 }
             };
-            let flags = e.flags;
+            // A list entry's `flags` field holds its list slot, not user flags.
+            let flags = if e.kind == KIND_LIST { 0 } else { e.flags };
             s.touch(i);
             return Some(Hit {
                 value,
@@ -765,6 +821,85 @@ impl SharedDict {
             freed += shard.0.lock().flush_expired(now_ms, max - freed);
         }
         freed
+    }
+
+    // === lists ===
+
+    /// Inserts `value` (a string or a number) at the head of the list at
+    /// `key`, creating the list if the key holds no live value; returns the
+    /// list's length. ngx.shared `lpush`.
+    pub fn lpush(&self, key: &[u8], value: Value<'_>, now_ms: u64) -> Result<usize, ListError> {
+        self.push(key, value, true, now_ms)
+    }
+
+    /// Like [`lpush`](Self::lpush), at the tail. ngx.shared `rpush`.
+    pub fn rpush(&self, key: &[u8], value: Value<'_>, now_ms: u64) -> Result<usize, ListError> {
+        self.push(key, value, false, now_ms)
+    }
+
+    fn push(
+        &self,
+        key: &[u8],
+        value: Value<'_>,
+        front: bool,
+        now_ms: u64,
+    ) -> Result<usize, ListError> {
+        if validate_key(key).is_err() {
+            return Err(ListError::InvalidKey);
+        }
+        let str_len = match value {
+            Value::Str(s) => s.len(),
+            Value::Number(_) => 0,
+            Value::Nil | Value::Bool(_) => return Err(ListError::BadValue),
+        };
+        // Checked before building, so a huge value costs no allocation.
+        let charge = LIST_ITEM_OVERHEAD + value_bytes(value.type_code(), str_len);
+        if key.len() + ENTRY_OVERHEAD + charge > self.max_entry_size() {
+            return Err(ListError::NoMemory);
+        }
+        let item = match value {
+            Value::Str(s) => ListItem::Str(s.into()),
+            Value::Number(n) => ListItem::Number(n),
+            Value::Nil | Value::Bool(_) => return Err(ListError::BadValue),
+        };
+        let hash = self.hash(key);
+        let r = self.shard(hash).lock().push(hash, key, item, front, now_ms);
+        r.map_err(ListError::from)
+    }
+
+    /// Removes and returns the head item of the list at `key`; `None` if the
+    /// key holds no live value. Popping the last item deletes the key.
+    /// ngx.shared `lpop`.
+    pub fn lpop(&self, key: &[u8], now_ms: u64) -> Result<Option<ListItem>, ListError> {
+        self.pop(key, true, now_ms)
+    }
+
+    /// Like [`lpop`](Self::lpop), at the tail. ngx.shared `rpop`.
+    pub fn rpop(&self, key: &[u8], now_ms: u64) -> Result<Option<ListItem>, ListError> {
+        self.pop(key, false, now_ms)
+    }
+
+    fn pop(&self, key: &[u8], front: bool, now_ms: u64) -> Result<Option<ListItem>, ListError> {
+        if validate_key(key).is_err() {
+            return Err(ListError::InvalidKey);
+        }
+        let hash = self.hash(key);
+        let r = self.shard(hash).lock().pop(hash, key, front, now_ms);
+        // The lock is released: the emptied entry (if any) is freed here.
+        let (item, garbage) = r?;
+        drop(garbage);
+        Ok(item)
+    }
+
+    /// The number of items of the list at `key`, 0 if the key holds no live
+    /// value. ngx.shared `llen`.
+    pub fn llen(&self, key: &[u8], now_ms: u64) -> Result<usize, ListError> {
+        if validate_key(key).is_err() {
+            return Err(ListError::InvalidKey);
+        }
+        let hash = self.hash(key);
+        let r = self.shard(hash).lock().llen(hash, key, now_ms);
+        r.map_err(ListError::from)
     }
 
     /// Checks internal invariants (accounting, table, LRU and free lists);

@@ -4,6 +4,8 @@
 //! Everything here runs under the shard's mutex, so nothing here blocks,
 //! and the hot paths (lookup, touch, in-place number update) never allocate.
 
+use std::collections::VecDeque;
+
 use hashbrown::HashTable;
 
 /// Fixed bytes charged per entry on top of key and value: its slab slot
@@ -12,6 +14,12 @@ use hashbrown::HashTable;
 /// buffer's allocator header and rounding (16). Charging it keeps a
 /// dictionary of tiny entries bounded too.
 pub const ENTRY_OVERHEAD: usize = 88;
+
+/// Fixed bytes charged per list item on top of its value: its `VecDeque`
+/// slot (`size_of::<ListItem>()`, 16 bytes) and a string's allocator header
+/// and rounding (16). A list entry itself costs its key plus
+/// [`ENTRY_OVERHEAD`], as any entry.
+pub const LIST_ITEM_OVERHEAD: usize = 32;
 
 /// "No slot": list ends and the empty free list.
 pub(crate) const NIL: u32 = u32::MAX;
@@ -26,6 +34,8 @@ pub(crate) const KIND_FREE: u8 = 0;
 pub(crate) const KIND_BOOL: u8 = 1;
 pub(crate) const KIND_NUMBER: u8 = 3;
 pub(crate) const KIND_STR: u8 = 4;
+/// A list (`lpush`...); 5 is ngx.shared's SHDICT_TLIST (and LUA_TTABLE).
+pub(crate) const KIND_LIST: u8 = 5;
 
 /// Bytes a value of `kind` with `str_len` string bytes is charged for
 /// (as ngx.shared: a number is 8 bytes, a boolean 1).
@@ -34,8 +44,52 @@ pub(crate) fn value_bytes(kind: u8, str_len: usize) -> usize {
     match kind {
         KIND_BOOL => 1,
         KIND_NUMBER => 8,
+        // A list's items are charged through its `List::bytes`.
+        KIND_LIST => 0,
         _ => str_len,
     }
+}
+
+/// One item of a list: lists hold strings and numbers (as ngx.shared).
+#[derive(Clone, Debug, PartialEq)]
+pub enum ListItem {
+    Number(f64),
+    Str(Box<[u8]>),
+}
+
+impl ListItem {
+    /// Bytes this item is charged for.
+    #[inline]
+    pub fn charge(&self) -> usize {
+        LIST_ITEM_OVERHEAD
+            + match self {
+                ListItem::Number(_) => 8,
+                ListItem::Str(s) => s.len(),
+            }
+    }
+}
+
+/// The items of one list entry, in `Shard::lists` at the entry's `flags`.
+#[derive(Default)]
+pub(crate) struct List {
+    items: VecDeque<ListItem>,
+    /// Sum of the items' charges.
+    bytes: usize,
+}
+
+/// What removing or overwriting an entry freed, handed back so that the
+/// caller can drop it after releasing the lock.
+#[derive(Default)]
+pub(crate) struct Garbage {
+    _data: Box<[u8]>,
+    _items: VecDeque<ListItem>,
+}
+
+/// Why a list operation failed (mapped to `ListError` by the caller).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum ListFail {
+    NotAList,
+    NoMemory,
 }
 
 /// Whether an entry expiring at `expires_at` is expired at `now`. An entry
@@ -72,6 +126,8 @@ pub(crate) struct Entry {
     /// Key bytes followed by the string value's bytes: one allocation per entry.
     pub data: Box<[u8]>,
     pub key_len: u32,
+    /// The user flags; on a list entry (which has none), the index of its
+    /// items in `Shard::lists` (keeps `Entry` at 64 bytes).
     pub flags: u32,
     /// Towards the most recently used end; NIL at the head.
     pub prev: u32,
@@ -119,6 +175,9 @@ pub(crate) enum Stored {
 pub(crate) struct Shard {
     table: HashTable<u32>,
     pub slots: Vec<Entry>,
+    /// Items of the list entries (slab indexed by a list entry's `flags`).
+    lists: Vec<List>,
+    free_lists: Vec<u32>,
     free_head: u32,
     /// Most recently used.
     head: u32,
@@ -134,6 +193,8 @@ impl Shard {
         Shard {
             table: HashTable::new(),
             slots: Vec::new(),
+            lists: Vec::new(),
+            free_lists: Vec::new(),
             free_head: NIL,
             head: NIL,
             tail: NIL,
@@ -165,6 +226,34 @@ impl Shard {
         self.table
             .find(hash, |&i| slots[i as usize].key() == key)
             .copied()
+    }
+
+    /// Bytes entry `i` is charged for, a list's items included.
+    #[inline]
+    pub fn size_of(&self, i: u32) -> usize {
+        let e = &self.slots[i as usize];
+        let base = e.size();
+        if e.kind == KIND_LIST {
+            base + self.lists[e.flags as usize].bytes
+        } else {
+            base
+        }
+    }
+
+    /// Number of items of list entry `i`.
+    pub fn list_len(&self, i: u32) -> usize {
+        self.lists[self.slots[i as usize].flags as usize]
+            .items
+            .len()
+    }
+
+    /// Frees the list slot of list entry `i` (the entry itself stays).
+    fn free_list(&mut self, i: u32) -> VecDeque<ListItem> {
+        let slot = self.slots[i as usize].flags;
+        let list = std::mem::take(&mut self.lists[slot as usize]);
+        self.used -= list.bytes;
+        self.free_lists.push(slot);
+        list.items
     }
 
     #[inline]
@@ -222,14 +311,19 @@ impl Shard {
 
     // === insert / remove ===
 
-    /// Unlinks and frees slot `i`, returning its buffer so the caller may drop
-    /// it after releasing the lock.
-    pub fn remove(&mut self, i: u32) -> Box<[u8]> {
+    /// Unlinks and frees slot `i`, returning its buffers so the caller may
+    /// drop them after releasing the lock.
+    pub fn remove(&mut self, i: u32) -> Garbage {
         let hash = self.slots[i as usize].hash;
         if let Ok(found) = self.table.find_entry(hash, |&j| j == i) {
             found.remove();
         }
         self.unlink(i);
+        let items = if self.slots[i as usize].kind == KIND_LIST {
+            self.free_list(i)
+        } else {
+            VecDeque::new()
+        };
         let size = self.slots[i as usize].size();
         self.used -= size;
         self.len -= 1;
@@ -239,7 +333,10 @@ impl Shard {
         e.next = free_head;
         e.prev = NIL;
         self.free_head = i;
-        std::mem::take(&mut e.data)
+        Garbage {
+            _data: std::mem::take(&mut e.data),
+            _items: items,
+        }
     }
 
     /// Links a new entry in as most recently used. The caller has made room.
@@ -277,8 +374,13 @@ impl Shard {
     }
 
     /// Overwrites entry `i` in place with `new` (same key), returning the old
-    /// buffer. The caller has checked that the size change fits.
-    fn overwrite(&mut self, i: u32, new: NewEntry) -> Box<[u8]> {
+    /// buffers. The caller has checked that the size change fits.
+    fn overwrite(&mut self, i: u32, new: NewEntry) -> Garbage {
+        let items = if self.slots[i as usize].kind == KIND_LIST {
+            self.free_list(i)
+        } else {
+            VecDeque::new()
+        };
         let old_size = self.slots[i as usize].size();
         self.used = self.used - old_size + new.size();
         let e = &mut self.slots[i as usize];
@@ -289,7 +391,10 @@ impl Shard {
         e.key_len = new.key_len;
         let old = std::mem::replace(&mut e.data, new.data);
         self.touch(i);
-        old
+        Garbage {
+            _data: old,
+            _items: items,
+        }
     }
 
     // === expiry and eviction ===
@@ -319,7 +424,7 @@ impl Shard {
         op: StoreOp,
         forcible: bool,
         now: u64,
-    ) -> (Stored, Option<Box<[u8]>>) {
+    ) -> (Stored, Option<Garbage>) {
         self.reclaim_expired_tail(now, 2);
         let mut found = self.find(hash, key);
         let live = found.is_some_and(|i| !is_expired(self.slots[i as usize].expires_at, now));
@@ -339,8 +444,7 @@ impl Shard {
             return (Stored::NoMemory, None);
         }
 
-        let old_size =
-            |s: &Shard, found: Option<u32>| found.map_or(0, |i| s.slots[i as usize].size());
+        let old_size = |s: &Shard, found: Option<u32>| found.map_or(0, |i| s.size_of(i));
         let fits = |s: &Shard, found: Option<u32>| s.used - old_size(s, found) + need <= s.cap;
 
         // Expired entries at the tail are free to take: reclaim them first.
@@ -408,9 +512,160 @@ impl Shard {
         freed
     }
 
+    // === lists ===
+
+    /// Frees expired entries from the LRU tail until `need` more bytes fit;
+    /// whether they do. Never evicts a live entry (list writes do not, as
+    /// in ngx.shared: they fail with "no memory" instead).
+    fn reclaim_for(&mut self, need: usize, now: u64) -> bool {
+        while self.used + need > self.cap {
+            let t = self.tail;
+            if t == NIL || !is_expired(self.slots[t as usize].expires_at, now) {
+                return false;
+            }
+            drop(self.remove(t));
+        }
+        true
+    }
+
+    /// `lpush` (`front`) / `rpush`: appends `item` to the list at `key`,
+    /// creating it (with no TTL) when the key holds no live value; returns
+    /// the list's new length. An expired value at `key` is replaced.
+    pub fn push(
+        &mut self,
+        hash: u64,
+        key: &[u8],
+        item: ListItem,
+        front: bool,
+        now: u64,
+    ) -> Result<usize, ListFail> {
+        self.reclaim_expired_tail(now, 2);
+        let charge = item.charge();
+        let mut found = self.find(hash, key);
+        if let Some(i) = found {
+            if is_expired(self.slots[i as usize].expires_at, now) {
+                drop(self.remove(i));
+                found = None;
+            } else if self.slots[i as usize].kind != KIND_LIST {
+                return Err(ListFail::NotAList);
+            }
+        }
+        let i = match found {
+            Some(i) => {
+                if !self.reclaim_for(charge, now) {
+                    return Err(ListFail::NoMemory);
+                }
+                i
+            }
+            None => {
+                let entry = key.len() + ENTRY_OVERHEAD;
+                if entry + charge > self.cap || !self.reclaim_for(entry + charge, now) {
+                    return Err(ListFail::NoMemory);
+                }
+                let slot = match self.free_lists.pop() {
+                    Some(slot) => slot,
+                    None => {
+                        // As slab indices (see `insert`): bounded by the capacity.
+                        let slot = u32::try_from(self.lists.len()).expect("list slot overflow");
+                        self.lists.push(List::default());
+                        slot
+                    }
+                };
+                self.insert(
+                    hash,
+                    NewEntry {
+                        data: key.into(),
+                        key_len: key.len() as u32, // <= MAX_KEY_LEN
+                        kind: KIND_LIST,
+                        num: 0.0,
+                        flags: slot,
+                        expires_at: NEVER,
+                    },
+                )
+            }
+        };
+        let slot = self.slots[i as usize].flags as usize;
+        let list = &mut self.lists[slot];
+        if front {
+            list.items.push_front(item);
+        } else {
+            list.items.push_back(item);
+        }
+        list.bytes += charge;
+        let len = list.items.len();
+        self.used += charge;
+        self.touch(i);
+        Ok(len)
+    }
+
+    /// `lpop` (`front`) / `rpop`: takes an item off the live list at `key`
+    /// (`None` if the key holds no live value). Popping the last item
+    /// deletes the key.
+    pub fn pop(
+        &mut self,
+        hash: u64,
+        key: &[u8],
+        front: bool,
+        now: u64,
+    ) -> Result<(Option<ListItem>, Option<Garbage>), ListFail> {
+        let Some(i) = self.find(hash, key) else {
+            return Ok((None, None));
+        };
+        let e = &self.slots[i as usize];
+        if is_expired(e.expires_at, now) {
+            return Ok((None, None));
+        }
+        if e.kind != KIND_LIST {
+            return Err(ListFail::NotAList);
+        }
+        let list = &mut self.lists[e.flags as usize];
+        let item = if front {
+            list.items.pop_front()
+        } else {
+            list.items.pop_back()
+        };
+        // A list entry is never empty (its last pop removes it).
+        let Some(item) = item else {
+            return Ok((None, None));
+        };
+        let charge = item.charge();
+        list.bytes -= charge;
+        self.used -= charge;
+        if list.items.is_empty() {
+            return Ok((Some(item), Some(self.remove(i))));
+        }
+        // Spare slots are not charged: keep them proportionate to the items.
+        if list.items.capacity() > 64 && list.items.len() < list.items.capacity() / 4 {
+            let keep = list.items.len() * 2;
+            list.items.shrink_to(keep);
+        }
+        self.touch(i);
+        Ok((Some(item), None))
+    }
+
+    /// `llen`: the number of items of the live list at `key`, 0 if the key
+    /// holds no live value.
+    pub fn llen(&mut self, hash: u64, key: &[u8], now: u64) -> Result<usize, ListFail> {
+        self.reclaim_expired_tail(now, 2);
+        let Some(i) = self.find(hash, key) else {
+            return Ok(0);
+        };
+        let e = &self.slots[i as usize];
+        if is_expired(e.expires_at, now) {
+            return Ok(0);
+        }
+        if e.kind != KIND_LIST {
+            return Err(ListFail::NotAList);
+        }
+        let n = self.list_len(i);
+        self.touch(i);
+        Ok(n)
+    }
+
     /// Verifies the shard's internal invariants (tests only; O(n)).
     pub fn check(&self) -> Result<(), String> {
         let mut count = 0;
+        let mut lists = 0;
         let mut bytes = 0;
         let mut prev = NIL;
         let mut i = self.head;
@@ -426,7 +681,23 @@ impl Shard {
                 return Err(format!("slot {i} not found by its key"));
             }
             count += 1;
-            bytes += e.size();
+            bytes += self.size_of(i);
+            if e.kind == KIND_LIST {
+                let l = self
+                    .lists
+                    .get(e.flags as usize)
+                    .ok_or_else(|| format!("slot {i}: list slot {} out of range", e.flags))?;
+                if self.free_lists.contains(&e.flags) {
+                    return Err(format!("slot {i}: list slot {} is free", e.flags));
+                }
+                if l.items.is_empty() {
+                    return Err(format!("slot {i}: empty list kept"));
+                }
+                if l.bytes != l.items.iter().map(ListItem::charge).sum::<usize>() {
+                    return Err(format!("slot {i}: list bytes {} wrong", l.bytes));
+                }
+                lists += 1;
+            }
             if count > self.slots.len() {
                 return Err("LRU list has a cycle".into());
             }
@@ -464,6 +735,13 @@ impl Shard {
             }
             f = self.slots[f as usize].next;
         }
+        if lists + self.free_lists.len() != self.lists.len() {
+            return Err(format!(
+                "{lists} lists + {} free != {} list slots",
+                self.free_lists.len(),
+                self.lists.len()
+            ));
+        }
         if free + count != self.slots.len() {
             return Err(format!(
                 "{free} free + {count} live != {} slots",
@@ -484,5 +762,8 @@ mod tests {
         // ENTRY_OVERHEAD's doc adds up from this size: keep them in step.
         assert_eq!(std::mem::size_of::<Entry>(), 64);
         assert_eq!(ENTRY_OVERHEAD, 64 + 8 + 16);
+        // LIST_ITEM_OVERHEAD's doc, likewise.
+        assert_eq!(std::mem::size_of::<ListItem>(), 16);
+        assert_eq!(LIST_ITEM_OVERHEAD, 16 + 16);
     }
 }

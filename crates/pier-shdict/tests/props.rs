@@ -126,6 +126,7 @@ fn hit_model(v: HitValue, out: &[u8]) -> MVal {
         HitValue::Bool(b) => MVal::Bool(b),
         HitValue::Number(n) => MVal::Num(n),
         HitValue::Str => MVal::Str(out.to_vec()),
+        HitValue::List => unreachable!("the model stores no lists"),
     }
 }
 

@@ -49,6 +49,9 @@ typedef struct {
   int (*hook_done)(void);
   double (*limit_incr)(const char *, size_t, double);
   double (*limit_rate)(const char *, size_t);
+  int (*shdict_push)(int, int, const char *, size_t, int, const char *, size_t, double);
+  int (*shdict_pop)(int, int, const char *, size_t, const char **, size_t *, double *);
+  int (*shdict_llen)(int, const char *, size_t);
 } pier_api_t;
 ]]
 

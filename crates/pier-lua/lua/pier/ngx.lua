@@ -669,11 +669,8 @@ ngx.timer = {
     if not delay or delay <= 0 then error("bad argument #1 to 'every' (invalid delay)", 2) end
     return native.timer_every(delay, fn, ...)
   end,
-  running_count = function() return native.timer_count() end,
-  pending_count = function()
-    if native.timer_pending then return native.timer_pending() end
-    return 0
-  end,
+  running_count = function() return native.timer_running() end,
+  pending_count = function() return native.timer_pending() end,
 }
 
 ngx.shared = pier.shared
@@ -694,6 +691,31 @@ ngx.worker = {
   pid = function() return native.pid end,
   exiting = function() return false end,
 }
+
+-- `require "ngx.balancer"` (lua-resty-core) over pier.balancer.
+package.preload["ngx.balancer"] = function()
+  local pb = pier.balancer
+  return {
+    set_current_peer = function(addr, port)
+      if port == nil then
+        local host, p = tostring(addr):match("^(.*):(%d+)$")
+        if not host then error("bad argument #1 to 'set_current_peer' (no port given)", 2) end
+        addr, port = host:gsub("^%[(.*)%]$", "%1"), p
+      end
+      pb.set_peer(addr, port)
+      return true
+    end,
+    set_more_tries = function(n)
+      pb.set_retries(n)
+      return true
+    end,
+    -- Pier runs the balancer hook once per request and retries by itself.
+    get_last_failure = function() return nil end,
+    set_timeouts = function()
+      return nil, "not supported by Pier: set [upstream] timeouts in the config"
+    end,
+  }
+end
 
 -- === modules provided by pier.ngx_* ===
 

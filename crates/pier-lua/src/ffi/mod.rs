@@ -150,6 +150,20 @@ pub(crate) struct PierApi {
     // pier.limit: count-min sketch counters shared by all threads
     limit_incr: unsafe extern "C" fn(*const c_char, usize, f64) -> f64,
     limit_rate: unsafe extern "C" fn(*const c_char, usize) -> f64,
+    // shared dict lists
+    shdict_push: unsafe extern "C" fn(
+        c_int,
+        c_int,
+        *const c_char,
+        usize,
+        c_int,
+        *const c_char,
+        usize,
+        f64,
+    ) -> c_int,
+    shdict_pop:
+        unsafe extern "C" fn(c_int, c_int, *const c_char, usize, OutPtr, OutLen, *mut f64) -> c_int,
+    shdict_llen: unsafe extern "C" fn(c_int, *const c_char, usize) -> c_int,
 }
 
 /// The one API table; its address is what Lua casts.
@@ -196,6 +210,9 @@ static API: PierApi = PierApi {
     hook_done: ctx::hook_done,
     limit_incr: limit::incr,
     limit_rate: limit::rate,
+    shdict_push: shdict::push,
+    shdict_pop: shdict::pop,
+    shdict_llen: shdict::llen,
 };
 
 /// The address Lua casts to `const pier_api_t*` (fits a double: user-space

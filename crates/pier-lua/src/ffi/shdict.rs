@@ -5,12 +5,16 @@ use std::cell::RefCell;
 use std::os::raw::{c_char, c_int};
 use std::sync::Arc;
 
-use pier_shdict::{IncrError, SetResult, SharedDict, Value};
+use pier_shdict::{IncrError, ListError, ListItem, SetResult, SharedDict, Value};
 
 use super::{
-    arg, copy_out, guard, put, PierPair, E_DURATION, E_EXISTS, E_INVAL, E_NAN, E_NOMEM, E_NOTFOUND,
-    E_PHASE, SCRATCH,
+    arg, copy_out, guard, out, put, OutLen, OutPtr, PierPair, E_DURATION, E_EXISTS, E_INVAL, E_NAN,
+    E_NOMEM, E_NOTFOUND, E_PHASE, SCRATCH,
 };
+
+/// List operations: the key holds a value that is not a list ("value not a
+/// list"). Local to the list functions (`lua/pier/shared.lua` maps it).
+const E_NOT_LIST: c_int = -20;
 use crate::current::{self, Current};
 
 thread_local! {
@@ -113,6 +117,8 @@ pub(super) unsafe extern "C" fn get(
                     unsafe { put(len, copy_out(buf, out_buf, cap)) };
                     4
                 }
+                // The wrapper answers nil, "value is a list".
+                pier_shdict::HitValue::List => 5,
             };
             code + if hit.stale { 16 } else { 0 }
         })
@@ -283,5 +289,99 @@ pub(super) unsafe extern "C" fn capacity(idx: c_int, cap: *mut f64, free: *mut f
         // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
         unsafe { put(free, d.free_space() as f64) };
         0
+    })
+}
+
+fn list_status(e: ListError) -> c_int {
+    match e {
+        ListError::NotAList => E_NOT_LIST,
+        ListError::NoMemory => E_NOMEM,
+        ListError::BadValue | ListError::InvalidKey => E_INVAL,
+    }
+}
+
+/// `lpush` (`front != 0`) / `rpush`: `vtype` 3 (number `vnum`) or 4 (string
+/// `(vp, vlen)`). Returns the list's new length.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe extern "C" fn push(
+    idx: c_int,
+    front: c_int,
+    key: *const c_char,
+    klen: usize,
+    vtype: c_int,
+    vp: *const c_char,
+    vlen: usize,
+    vnum: f64,
+) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let key = unsafe { arg(key, klen) };
+    let value = match vtype {
+        3 => Value::Number(vnum),
+        // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+        4 => Value::Str(unsafe { arg(vp, vlen) }),
+        _ => return E_INVAL,
+    };
+    with_dict(idx, |d, cur| {
+        let now = now_ms(cur);
+        let r = if front != 0 {
+            d.lpush(key, value, now)
+        } else {
+            d.rpush(key, value, now)
+        };
+        match r {
+            Ok(n) => c_int::try_from(n).unwrap_or(c_int::MAX),
+            Err(e) => list_status(e),
+        }
+    })
+}
+
+/// `lpop` (`front != 0`) / `rpop`: 0 if the key holds no live value, 3 with
+/// the number in `*num`, or 4 with the string in `(*outp, *outl)` (a
+/// per-thread buffer, valid until the next call: a pop cannot be retried
+/// with a bigger buffer).
+pub(super) unsafe extern "C" fn pop(
+    idx: c_int,
+    front: c_int,
+    key: *const c_char,
+    klen: usize,
+    outp: OutPtr,
+    outl: OutLen,
+    num: *mut f64,
+) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let key = unsafe { arg(key, klen) };
+    with_dict(idx, |d, cur| {
+        let now = now_ms(cur);
+        let r = if front != 0 {
+            d.lpop(key, now)
+        } else {
+            d.rpop(key, now)
+        };
+        match r {
+            Ok(None) => 0,
+            Ok(Some(ListItem::Number(n))) => {
+                // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+                unsafe { put(num, n) };
+                3
+            }
+            Ok(Some(ListItem::Str(v))) => VALUE.with_borrow_mut(|buf| {
+                // Keep the popped buffer until the next call: Lua copies it.
+                *buf = v.into_vec();
+                // SAFETY: out-pointers from Lua are NULL or writable (ffi contract).
+                unsafe { out(buf, outp, outl) };
+                4
+            }),
+            Err(e) => list_status(e),
+        }
+    })
+}
+
+/// `llen`: the list's length (0 if the key holds no live value).
+pub(super) unsafe extern "C" fn llen(idx: c_int, key: *const c_char, klen: usize) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let key = unsafe { arg(key, klen) };
+    with_dict(idx, |d, cur| match d.llen(key, now_ms(cur)) {
+        Ok(n) => c_int::try_from(n).unwrap_or(c_int::MAX),
+        Err(e) => list_status(e),
     })
 }

@@ -15,10 +15,16 @@ use crate::phase::Phase;
 
 mod http;
 mod pool;
+mod sema;
 mod tcp;
+mod udp;
 
 pub(crate) use pool::idle_count;
-pub(crate) use tcp::free_owner;
+/// A request or timer run ended: its cosockets close, its semaphore waits end.
+pub(crate) fn free_owner(owner: u64) {
+    tcp::free_owner(owner);
+    sema::free_owner(owner);
+}
 
 /// Timers alive at once per engine (as `lua_max_running_timers` + pending).
 pub const MAX_TIMERS: usize = 4096;
@@ -28,7 +34,28 @@ pub const MAX_TIMERS: usize = 4096;
 #[derive(Default)]
 pub(crate) struct Timers {
     pending: RefCell<Vec<TimerJob>>,
+    /// Timers alive: waiting for their delay or running their callback.
     count: Rc<Cell<usize>>,
+    /// Timers running their callback now (ngx_lua's `running_count`; the
+    /// others are its `pending_count`).
+    running: Rc<Cell<usize>>,
+}
+
+/// Counts one timer as running its callback while alive (also when the
+/// run is dropped midway).
+struct Running(Rc<Cell<usize>>);
+
+impl Running {
+    fn start(c: &Rc<Cell<usize>>) -> Self {
+        c.set(c.get() + 1);
+        Running(c.clone())
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.set(self.0.get().saturating_sub(1));
+    }
 }
 
 impl Timers {
@@ -49,6 +76,7 @@ struct TimerJob {
     func: Function,
     args: MultiValue,
     count: Rc<Cell<usize>>,
+    running: Rc<Cell<usize>>,
 }
 
 impl TimerJob {
@@ -59,7 +87,9 @@ impl TimerJob {
             let Some(inner) = self.engine.upgrade() else {
                 break;
             };
+            let running = Running::start(&self.running);
             let r = self.fire(&inner).await;
+            drop(running);
             if let Err(e) = r {
                 tracing::error!(target: "pier::lua", "lua timer failed: {}", crate::error::describe(&e));
             }
@@ -71,9 +101,13 @@ impl TimerJob {
     }
 
     async fn fire(&self, inner: &Rc<Inner>) -> mlua::Result<()> {
-        let thread = inner.lua.create_thread(self.func.clone())?;
+        // Through ngx.thread's entry: the run ends when the light threads
+        // the callback spawned have.
+        let entry: Function = inner.lua.named_registry_value(sema::THREAD_ENTRY)?;
+        let thread = inner.lua.create_thread(entry)?;
         // OpenResty passes `premature` first; it is always false here.
-        let mut args = MultiValue::with_capacity(self.args.len() + 1);
+        let mut args = MultiValue::with_capacity(self.args.len() + 2);
+        args.push_back(Value::Function(self.func.clone()));
         args.push_back(Value::Boolean(false));
         args.extend(self.args.iter().cloned());
         let fut = thread.into_async::<()>(args)?;
@@ -111,6 +145,7 @@ fn timer_native(
             return Ok((None, Some("engine gone")));
         };
         let count = inner.timers.count.clone();
+        let running = inner.timers.running.clone();
         if count.get() >= MAX_TIMERS {
             return Ok((None, Some("too many pending timers")));
         }
@@ -122,6 +157,7 @@ fn timer_native(
             func,
             args,
             count,
+            running,
         };
         if current::get().phase == Some(Phase::InitWorker) {
             inner.timers.pending.borrow_mut().push(job);
@@ -138,6 +174,8 @@ pub(crate) fn register(
     natives: &Table,
     engine: Rc<RefCell<Weak<Inner>>>,
 ) -> mlua::Result<()> {
+    // Light threads: every async native below is created with ngx.thread's yield.
+    let real_yield = sema::install_threads(lua, natives)?;
     natives.set(
         "sleep",
         lua.create_async_function(|_, secs: f64| async move {
@@ -147,6 +185,8 @@ pub(crate) fn register(
         })?,
     )?;
     tcp::register(lua, natives)?;
+    sema::register(lua, natives)?;
+    udp::register(lua, natives)?;
     natives.set(
         "http_request",
         lua.create_async_function(|lua, opts: Table| async move {
@@ -166,12 +206,39 @@ pub(crate) fn register(
     natives.set("timer_every", timer_native(lua, engine.clone(), true)?)?;
     natives.set(
         "timer_count",
+        lua.create_function({
+            let engine = engine.clone();
+            move |_, ()| {
+                Ok(engine
+                    .borrow()
+                    .upgrade()
+                    .map_or(0, |i| i.timers.count.get()))
+            }
+        })?,
+    )?;
+    // ngx.timer.pending_count / running_count: waiting for the delay vs
+    // running the callback now.
+    natives.set(
+        "timer_pending",
+        lua.create_function({
+            let engine = engine.clone();
+            move |_, ()| {
+                Ok(engine.borrow().upgrade().map_or(0, |i| {
+                    let t = &i.timers;
+                    t.count.get().saturating_sub(t.running.get())
+                }))
+            }
+        })?,
+    )?;
+    natives.set(
+        "timer_running",
         lua.create_function(move |_, ()| {
             Ok(engine
                 .borrow()
                 .upgrade()
-                .map_or(0, |i| i.timers.count.get()))
+                .map_or(0, |i| i.timers.running.get()))
         })?,
     )?;
+    sema::restore_yield(lua, real_yield)?;
     Ok(())
 }

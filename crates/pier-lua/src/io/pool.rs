@@ -1,11 +1,21 @@
-//! Per-thread keep-alive pool of idle TCP connections, shared by cosockets
-//! (`setkeepalive`) and `pier.http` (keyed by `host:port`).
+//! Per-thread keep-alive pools of idle connections.
+//!
+//! Two namespaces: `pier.http`'s plain TCP connections (`take` / `put`,
+//! keyed by `host:port`), and the cosockets' pools ([`Spool`], keyed by
+//! `host:port`, `unix:path` or the `pool` option), which follow ngx_lua:
+//! a pool has a size (idle connections kept), counts the connections
+//! opened under it, and with a `backlog` caps them at `size`, queueing
+//! further connects.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpStream;
+use tokio::sync::Notify;
+
+use super::tcp::Conn;
 
 struct Idle {
     stream: TcpStream,
@@ -59,7 +69,278 @@ pub(crate) fn put(key: String, stream: TcpStream, reused: u32, idle: Duration, s
     });
 }
 
-/// Idle connections pooled for `key` (tests).
+/// Idle connections pooled for `key`, both namespaces (tests).
 pub(crate) fn idle_count(key: &str) -> usize {
-    POOL.with_borrow(|pool| pool.get(key).map_or(0, VecDeque::len))
+    let http = POOL.with_borrow(|pool| pool.get(key).map_or(0, VecDeque::len));
+    let cosock = SPOOLS.with_borrow(|m| m.get(key.as_bytes()).map_or(0, |s| s.idle.borrow().len()));
+    http + cosock
+}
+
+// === cosocket pools ===
+
+/// Most cosocket pools one thread keeps (pool names come from Lua): past
+/// it, pools with no connection are dropped, and if none is, connects
+/// go unpooled.
+const MAX_POOLS: usize = 4096;
+/// Most idle cosocket connections one thread keeps, all pools together
+/// (pool sizes come from Lua): past it `setkeepalive` closes instead.
+const MAX_IDLE: usize = 16384;
+/// Longest pool name accepted (`pool` option, or `host:port`).
+pub(crate) const MAX_KEY: usize = 1024;
+
+/// One cosocket pool (ngx_lua's `ngx_http_lua_socket_pool_t`).
+pub(crate) struct Spool {
+    key: Rc<[u8]>,
+    /// Idle connections kept (the least recently used goes first).
+    size: usize,
+    /// `Some(n)`: at most `size` connections open, `n` connects waiting.
+    backlog: Option<usize>,
+    /// Connections opened under this pool and still open (in use or idle).
+    connections: Cell<usize>,
+    waiting: Cell<usize>,
+    wake: Notify,
+    idle: RefCell<VecDeque<SpoolIdle>>,
+}
+
+struct SpoolIdle {
+    conn: Conn,
+    slot: Counted,
+    reused: u32,
+    deadline: Instant,
+}
+
+/// A connection counted in its pool's `connections`: dropping it (the
+/// connection closed) frees the place and wakes one queued connect.
+pub(crate) struct Counted(Rc<Spool>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        let s = &self.0;
+        s.connections.set(s.connections.get().saturating_sub(1));
+        if s.waiting.get() > 0 {
+            s.wake.notify_one();
+        }
+    }
+}
+
+/// Counts a queued connect while it waits (dropped with its coroutine too).
+struct Waiting<'a>(&'a Spool);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.waiting.set(self.0.waiting.get() - 1);
+    }
+}
+
+thread_local! {
+    static SPOOLS: RefCell<HashMap<Rc<[u8]>, Rc<Spool>>> = RefCell::new(HashMap::new());
+    /// Idle cosocket connections on this thread (all pools).
+    static IDLE: Cell<usize> = const { Cell::new(0) };
+    /// Whether this thread's idle sweeper task is running.
+    static SWEEPER: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The pool for `key`, if one exists (no allocation).
+pub(crate) fn find(key: &[u8]) -> Option<Rc<Spool>> {
+    SPOOLS.with_borrow(|m| m.get(key).cloned())
+}
+
+/// The pool for `key`, created with `size` / `backlog` if there is none
+/// (an existing pool keeps its size, as in ngx_lua). `None` when the
+/// thread already has [`MAX_POOLS`] pools in use.
+pub(crate) fn find_or_create(key: &[u8], size: usize, backlog: Option<usize>) -> Option<Rc<Spool>> {
+    if let Some(s) = find(key) {
+        return Some(s);
+    }
+    SPOOLS.with_borrow_mut(|m| {
+        if m.len() >= MAX_POOLS {
+            m.retain(|_, s| s.connections.get() > 0 || s.waiting.get() > 0);
+            if m.len() >= MAX_POOLS {
+                return None;
+            }
+        }
+        let key: Rc<[u8]> = Rc::from(key);
+        let s = Rc::new(Spool {
+            key: key.clone(),
+            size: size.max(1),
+            backlog,
+            connections: Cell::new(0),
+            waiting: Cell::new(0),
+            wake: Notify::new(),
+            idle: RefCell::new(VecDeque::new()),
+        });
+        m.insert(key, s.clone());
+        Some(s)
+    })
+}
+
+/// What `acquire` got.
+pub(crate) enum Acquired {
+    /// An idle connection, with its reuse count before this use.
+    Reused(Conn, Counted, u32),
+    /// Room for a new connection (counted now).
+    Open(Counted),
+    /// `"too many waiting connect operations"`.
+    Full,
+    /// Waited `timeout` in the backlog queue.
+    Timeout,
+}
+
+impl Spool {
+    pub fn key(&self) -> &Rc<[u8]> {
+        &self.key
+    }
+
+    /// An idle connection still open, most recent first.
+    fn take_idle(&self) -> Option<(Conn, Counted, u32)> {
+        let now = Instant::now();
+        loop {
+            // Pop under the borrow, drop a dead one after it.
+            let mut idle = self.idle.borrow_mut().pop_back()?;
+            IDLE.set(IDLE.get() - 1);
+            if idle.deadline > now && idle.conn.still_open() {
+                return Some((idle.conn, idle.slot, idle.reused));
+            }
+        }
+    }
+
+    /// ngx_lua's connect on a pool: an idle connection, else a place for
+    /// a new one, queueing (up to `backlog`, for at most `timeout`) when
+    /// the pool has a backlog and `size` connections are open.
+    pub async fn acquire(self: &Rc<Self>, timeout: Duration) -> Acquired {
+        if let Some((c, slot, reused)) = self.take_idle() {
+            return Acquired::Reused(c, slot, reused);
+        }
+        let Some(backlog) = self.backlog else {
+            return Acquired::Open(self.count());
+        };
+        // Queued connects go first: a new one opens only with none waiting.
+        if self.connections.get() < self.size && self.waiting.get() == 0 {
+            return Acquired::Open(self.count());
+        }
+        if self.waiting.get() >= backlog {
+            return Acquired::Full;
+        }
+        self.waiting.set(self.waiting.get() + 1);
+        // Leaves the queue however this ends (the coroutine may be dropped).
+        let _queued = Waiting(self);
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if tokio::time::timeout_at(deadline, self.wake.notified())
+                .await
+                .is_err()
+            {
+                return Acquired::Timeout;
+            }
+            if let Some((c, slot, reused)) = self.take_idle() {
+                return Acquired::Reused(c, slot, reused);
+            }
+            if self.connections.get() < self.size {
+                return Acquired::Open(self.count());
+            }
+        }
+    }
+
+    fn count(self: &Rc<Self>) -> Counted {
+        self.connections.set(self.connections.get() + 1);
+        Counted(self.clone())
+    }
+
+    /// Parks `conn` for `idle`, evicting the least recently used idle
+    /// connection when `size` are already idle, and wakes a queued connect.
+    pub fn put(self: &Rc<Self>, conn: Conn, slot: Option<Counted>, reused: u32, idle: Duration) {
+        if IDLE.get() >= MAX_IDLE {
+            return;
+        }
+        let slot = slot.unwrap_or_else(|| self.count());
+        let evicted = {
+            let mut list = self.idle.borrow_mut();
+            let evicted = if list.len() >= self.size {
+                list.pop_front()
+            } else {
+                None
+            };
+            list.push_back(SpoolIdle {
+                conn,
+                slot,
+                reused,
+                deadline: Instant::now() + idle,
+            });
+            IDLE.set(IDLE.get() + 1 - usize::from(evicted.is_some()));
+            evicted
+        };
+        drop(evicted);
+        if self.waiting.get() > 0 {
+            self.wake.notify_one();
+        }
+        start_sweeper();
+    }
+}
+
+/// Closes idle connections past their idle timeout (ngx_lua closes them
+/// on a timer): one task per thread, running while any connection idles.
+fn start_sweeper() {
+    if SWEEPER.get() {
+        return;
+    }
+    SWEEPER.set(true);
+    tokio::task::spawn_local(async {
+        // Cleared however the task ends (its runtime may shut down).
+        let _running = SweeperFlag;
+        loop {
+            let next = sweep();
+            let Some(next) = next else {
+                return;
+            };
+            // Wake at the earliest deadline, at most a second from now (a
+            // closed peer's connection is dropped then too).
+            let now = Instant::now();
+            let wait = next
+                .saturating_duration_since(now)
+                .min(Duration::from_secs(1));
+            tokio::time::sleep(wait.max(Duration::from_millis(1))).await;
+        }
+    });
+}
+
+struct SweeperFlag;
+
+impl Drop for SweeperFlag {
+    fn drop(&mut self) {
+        let _ = SWEEPER.try_with(|s| s.set(false));
+    }
+}
+
+/// Drops expired or dead idle connections; the earliest remaining deadline.
+fn sweep() -> Option<Instant> {
+    let spools: Vec<Rc<Spool>> = SPOOLS
+        .try_with(|m| {
+            m.try_borrow()
+                .map(|m| m.values().cloned().collect())
+                .unwrap_or_default()
+        })
+        .unwrap_or_default();
+    let now = Instant::now();
+    let mut next: Option<Instant> = None;
+    for s in spools {
+        let dead: Vec<SpoolIdle> = {
+            let mut list = s.idle.borrow_mut();
+            let mut dead = Vec::new();
+            let mut i = 0;
+            while i < list.len() {
+                if list[i].deadline <= now || !list[i].conn.still_open() {
+                    if let Some(d) = list.remove(i) {
+                        IDLE.set(IDLE.get() - 1);
+                        dead.push(d);
+                    }
+                } else {
+                    next = Some(next.map_or(list[i].deadline, |n| n.min(list[i].deadline)));
+                    i += 1;
+                }
+            }
+            dead
+        };
+        drop(dead);
+    }
+    next
 }

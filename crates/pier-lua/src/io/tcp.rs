@@ -1,32 +1,157 @@
-//! `pier.socket.tcp()`: OpenResty-style cosockets over tokio, as mlua async
-//! userdata. Calls yield the hook's coroutine, never the thread. Results
-//! follow ngx.socket.tcp: `nil, err[, partial]` on failure.
+//! Cosockets over tokio, as ngx_lua's `ngx.socket.tcp()` has them: calls
+//! yield the hook's coroutine, never the thread; results follow ngx_lua
+//! (`nil, err[, partial]` on failure, its error strings). TCP (host names
+//! resolved), unix sockets, TLS (`sslhandshake`, rustls) and keep-alive
+//! pools with ngx_lua's `pool` / `pool_size` / `backlog` (see `pool.rs`).
+//! `lua/pier/socket.lua` wraps the natives in objects and checks the
+//! arguments.
 
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
-use std::cell::RefCell;
-use std::collections::HashMap;
-use std::rc::Rc;
+use mlua::{IntoLuaMulti, Lua, LuaString, MultiValue, Value};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpStream, UnixStream};
+use tokio_rustls::client::TlsStream;
 
-use mlua::{Lua, MultiValue, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
-
-use super::pool;
+use super::pool::{self, Acquired, Counted, Spool};
+use super::udp::UdpSock;
 use crate::current;
 use crate::limits::LuaLimits;
 
+/// ngx_lua's `lua_socket_{connect,send,read}_timeout` and
+/// `lua_socket_keepalive_timeout` defaults.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// `lua_socket_pool_size`'s default.
+const DEFAULT_POOL_SIZE: usize = 30;
 /// `fill`'s error when the receive buffer is full: raised as a Lua error.
 const TOO_LARGE: &str = "receive buffer full";
+/// Deepest nesting of tables `send` flattens (a table may contain itself).
+const MAX_SEND_DEPTH: usize = 100;
+/// A `send` buffer above this is released after the send.
+const KEEP_WBUF: usize = 64 << 10;
+
+// === connections ===
+
+/// A cosocket's connection: TCP or unix, cleartext or TLS.
+pub(crate) enum Conn {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+    TlsTcp(Box<TlsStream<TcpStream>>),
+    TlsUnix(Box<TlsStream<UnixStream>>),
+}
+
+macro_rules! each_conn {
+    ($self:expr, $s:ident => $e:expr) => {
+        match $self {
+            Conn::Tcp($s) => $e,
+            Conn::Unix($s) => $e,
+            Conn::TlsTcp($s) => $e,
+            Conn::TlsUnix($s) => $e,
+        }
+    };
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        each_conn!(self.get_mut(), s => Pin::new(s).poll_read(cx, buf))
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        each_conn!(self.get_mut(), s => Pin::new(s).poll_write(cx, buf))
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        each_conn!(self.get_mut(), s => Pin::new(s).poll_flush(cx))
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        each_conn!(self.get_mut(), s => Pin::new(s).poll_shutdown(cx))
+    }
+}
+
+impl Conn {
+    /// An idle connection must have nothing to read: data or EOF means the
+    /// peer closed it or broke the protocol. One non-blocking read through
+    /// the TLS layer too, so a TLS 1.3 session ticket is not "data".
+    pub fn still_open(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        let mut rb = ReadBuf::new(&mut b);
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        matches!(Pin::new(self).poll_read(&mut cx, &mut rb), Poll::Pending)
+    }
+
+    fn is_tls(&self) -> bool {
+        matches!(self, Conn::TlsTcp(_) | Conn::TlsUnix(_))
+    }
+
+    fn sock_ref(&self) -> socket2::SockRef<'_> {
+        match self {
+            Conn::Tcp(s) => socket2::SockRef::from(s),
+            Conn::Unix(s) => socket2::SockRef::from(s),
+            Conn::TlsTcp(s) => socket2::SockRef::from(s.get_ref().0),
+            Conn::TlsUnix(s) => socket2::SockRef::from(s.get_ref().0),
+        }
+    }
+}
+
+/// An I/O error as ngx_lua words it: the lowercased `strerror` text.
+pub(super) fn io_err(e: &io::Error) -> Cow<'static, str> {
+    use io::ErrorKind as K;
+    Cow::Borrowed(match e.kind() {
+        K::TimedOut => "timeout",
+        K::ConnectionRefused => "connection refused",
+        K::ConnectionReset => "connection reset by peer",
+        K::BrokenPipe => "broken pipe",
+        K::NotFound => "no such file or directory",
+        K::PermissionDenied => "permission denied",
+        K::AddrNotAvailable => "cannot assign requested address",
+        K::HostUnreachable => "no route to host",
+        K::NetworkUnreachable => "network is unreachable",
+        K::UnexpectedEof => "closed",
+        _ => {
+            let s = e.to_string();
+            let s = s.split(" (os error").next().unwrap_or("error");
+            return Cow::Owned(s.to_ascii_lowercase());
+        }
+    })
+}
+
+// === the socket ===
 
 pub(crate) struct TcpSock {
-    stream: Option<TcpStream>,
-    key: String,
+    conn: Option<Conn>,
+    /// The connection's place in its pool's connection count.
+    slot: Option<Counted>,
+    /// The pool found (or made) at connect, else the pool key.
+    spool: Option<Rc<Spool>>,
+    key: Option<Rc<[u8]>>,
     buf: BytesMut,
-    timeout: Duration,
+    /// `send`'s buffer for tables (reused).
+    wbuf: Vec<u8>,
+    connect_timeout: Duration,
+    send_timeout: Duration,
+    read_timeout: Duration,
     reused: u32,
+    /// TLS without a server name names the peer by its address.
+    peer_ip: Option<IpAddr>,
     /// Most bytes buffered (`[lua] socket_buffer`): a peer that never sends
     /// the delimiter, or `*a` on an endless stream, cannot grow the buffer
     /// without bound.
@@ -39,132 +164,352 @@ fn fail(lua: &Lua, err: &str) -> Ret {
     (Value::Nil, lua.create_string(err)?).into_lua_multi(lua)
 }
 
-use mlua::IntoLuaMulti;
+fn fail3(lua: &Lua, err: &str, partial: &[u8]) -> Ret {
+    (
+        Value::Nil,
+        lua.create_string(err)?,
+        lua.create_string(partial)?,
+    )
+        .into_lua_multi(lua)
+}
 
-fn io_err(e: &std::io::Error) -> &'static str {
-    match e.kind() {
-        std::io::ErrorKind::ConnectionRefused => "connection refused",
-        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe => "closed",
-        std::io::ErrorKind::TimedOut => "timeout",
-        _ => "io error",
-    }
+fn ok1(lua: &Lua) -> Ret {
+    1.into_lua_multi(lua)
 }
 
 impl TcpSock {
     pub fn new(max_buf: usize) -> Self {
         TcpSock {
-            stream: None,
-            key: String::new(),
+            conn: None,
+            slot: None,
+            spool: None,
+            key: None,
             buf: BytesMut::new(),
-            timeout: DEFAULT_TIMEOUT,
+            wbuf: Vec::new(),
+            connect_timeout: DEFAULT_TIMEOUT,
+            send_timeout: DEFAULT_TIMEOUT,
+            read_timeout: DEFAULT_TIMEOUT,
             reused: 0,
+            peer_ip: None,
             max_buf,
         }
     }
 
+    /// Closes the connection (and frees its pool place).
+    fn close_conn(&mut self) {
+        self.conn = None;
+        self.slot = None;
+        self.buf.clear();
+    }
+
     /// Reads more into `buf`: Ok(false) on EOF.
-    async fn fill(&mut self) -> Result<bool, &'static str> {
-        let Some(s) = self.stream.as_mut() else {
-            return Err("closed");
+    async fn fill(&mut self) -> Result<bool, Cow<'static, str>> {
+        let Some(s) = self.conn.as_mut() else {
+            return Err("closed".into());
         };
         let room = self.max_buf.saturating_sub(self.buf.len());
         if room == 0 {
-            return Err(TOO_LARGE);
+            return Err(TOO_LARGE.into());
         }
         self.buf.reserve(room.min(8192));
         // Never read past the bound (`read_buf` fills all spare capacity).
         let mut limited = (&mut *s).take(room as u64);
-        match tokio::time::timeout(self.timeout, limited.read_buf(&mut self.buf)).await {
-            Err(_) => Err("timeout"),
+        match tokio::time::timeout(self.read_timeout, limited.read_buf(&mut self.buf)).await {
+            Err(_) => Err("timeout".into()),
             Ok(Err(e)) => Err(io_err(&e)),
             Ok(Ok(0)) => Ok(false),
             Ok(Ok(_)) => Ok(true),
         }
     }
 
-    /// Data up to `delim` (consumed, not returned).
-    async fn read_until(&mut self, delim: &[u8]) -> Result<BytesMut, (&'static str, BytesMut)> {
+    /// A failed read: the partial data is consumed and returned; any error
+    /// but a timeout closes the connection (ngx_lua).
+    fn read_failed(&mut self, lua: &Lua, e: Cow<'static, str>, strip_cr: bool) -> Ret {
+        if e == TOO_LARGE {
+            return Err(too_large(self));
+        }
+        let r = if strip_cr && memchr::memchr(b'\r', &self.buf).is_some() {
+            let v: Vec<u8> = self.buf.iter().copied().filter(|&b| b != b'\r').collect();
+            fail3(lua, &e, &v)
+        } else {
+            fail3(lua, &e, &self.buf)
+        };
+        self.buf.clear();
+        if e != "timeout" {
+            self.close_conn();
+        }
+        r
+    }
+
+    /// `*l`: a line without its LF; CRs are dropped (as ngx_lua does).
+    async fn read_line(&mut self, lua: &Lua) -> Ret {
         let mut scanned = 0;
         loop {
-            if let Some(i) = memchr::memmem::find(&self.buf[scanned..], delim) {
-                let data = self.buf.split_to(scanned + i);
-                self.buf.advance(delim.len());
-                return Ok(data);
+            if let Some(i) = memchr::memchr(b'\n', &self.buf[scanned..]) {
+                let mut line = &self.buf[..scanned + i];
+                // The usual CRLF: no copy.
+                if let Some(l) = line.strip_suffix(b"\r") {
+                    line = l;
+                }
+                let s = if memchr::memchr(b'\r', line).is_some() {
+                    let v: Vec<u8> = line.iter().copied().filter(|&b| b != b'\r').collect();
+                    lua.create_string(&v)?
+                } else {
+                    lua.create_string(line)?
+                };
+                self.buf.advance(scanned + i + 1);
+                return s.into_lua_multi(lua);
             }
-            scanned = self.buf.len().saturating_sub(delim.len() - 1);
+            scanned = self.buf.len();
             match self.fill().await {
                 Ok(true) => {}
-                Ok(false) => return Err(("closed", self.buf.split())),
-                Err(e) => return Err((e, self.buf.split())),
+                Ok(false) => return self.read_failed(lua, "closed".into(), true),
+                Err(e) => return self.read_failed(lua, e, true),
             }
         }
     }
 
-    async fn receive(&mut self, lua: &Lua, pattern: Value) -> Ret {
-        let r = match &pattern {
-            Value::Nil => self.read_line().await,
-            Value::String(s) if s.as_bytes().starts_with(b"*l") => self.read_line().await,
-            Value::String(s) if s.as_bytes().starts_with(b"*a") => loop {
-                match self.fill().await {
-                    Ok(true) => {}
-                    Ok(false) => break Ok(self.buf.split()),
-                    Err(e) => break Err((e, self.buf.split())),
+    async fn read_all(&mut self, lua: &Lua) -> Ret {
+        loop {
+            match self.fill().await {
+                Ok(true) => {}
+                Ok(false) => {
+                    let s = lua.create_string(&self.buf)?;
+                    self.buf.clear();
+                    return s.into_lua_multi(lua);
+                }
+                Err(e) => return self.read_failed(lua, e, false),
+            }
+        }
+    }
+
+    async fn read_n(&mut self, lua: &Lua, n: usize) -> Ret {
+        while self.buf.len() < n {
+            match self.fill().await {
+                Ok(true) => {}
+                Ok(false) => return self.read_failed(lua, "closed".into(), false),
+                Err(e) => return self.read_failed(lua, e, false),
+            }
+        }
+        let s = lua.create_string(&self.buf[..n])?;
+        self.buf.advance(n);
+        s.into_lua_multi(lua)
+    }
+
+    async fn read_any(&mut self, lua: &Lua, max: usize) -> Ret {
+        if self.buf.is_empty() {
+            match self.fill().await {
+                Ok(true) => {}
+                Ok(false) => return self.read_failed(lua, "closed".into(), false),
+                Err(e) => return self.read_failed(lua, e, false),
+            }
+        }
+        let n = max.min(self.buf.len());
+        let s = lua.create_string(&self.buf[..n])?;
+        self.buf.advance(n);
+        s.into_lua_multi(lua)
+    }
+
+    /// `receiveuntil`'s iterator: the data before `pat` (with it when
+    /// `inclusive`), or with `size` at most `size` bytes of it per call.
+    /// A 4th result `true` says this piece ends at the pattern.
+    async fn read_until(&mut self, lua: &Lua, pat: &[u8], inclusive: bool, size: usize) -> Ret {
+        let mut scanned = 0;
+        loop {
+            if let Some(i) = memchr::memmem::find(&self.buf[scanned..], pat) {
+                let i = scanned + i;
+                let end = if inclusive { i + pat.len() } else { i };
+                if size == 0 || end <= size {
+                    if end == 0 && size != 0 {
+                        // Sized reads: nothing before the pattern, done.
+                        self.buf.advance(pat.len());
+                        return Value::Nil.into_lua_multi(lua);
+                    }
+                    let s = lua.create_string(&self.buf[..end])?;
+                    self.buf.advance(i + pat.len());
+                    return (s, Value::Nil, Value::Nil, true).into_lua_multi(lua);
+                }
+                if i > 0 {
+                    // The data before the pattern, in pieces of `size`.
+                    let n = i.min(size);
+                    let s = lua.create_string(&self.buf[..n])?;
+                    self.buf.advance(n);
+                    return s.into_lua_multi(lua);
+                }
+                // Inclusive, a pattern longer than `size`: it comes whole.
+                let s = lua.create_string(&self.buf[..pat.len()])?;
+                self.buf.advance(pat.len());
+                return (s, Value::Nil, Value::Nil, true).into_lua_multi(lua);
+            }
+            // Bytes that cannot start a match are data.
+            let safe = self.buf.len().saturating_sub(pat.len() - 1);
+            if size != 0 && safe >= size {
+                let s = lua.create_string(&self.buf[..size])?;
+                self.buf.advance(size);
+                return s.into_lua_multi(lua);
+            }
+            scanned = safe;
+            match self.fill().await {
+                Ok(true) => {}
+                Ok(false) => return self.read_failed(lua, "closed".into(), false),
+                Err(e) => return self.read_failed(lua, e, false),
+            }
+        }
+    }
+
+    async fn send(&mut self, lua: &Lua, data: &Value) -> Ret {
+        if self.conn.is_none() {
+            return fail(lua, "closed");
+        }
+        let mut num = itoa::Buffer::new();
+        let mut wbuf = std::mem::take(&mut self.wbuf);
+        wbuf.clear();
+        // Strings go out as they are; anything else is flattened into `wbuf`.
+        let s;
+        let bytes: &[u8] = match data {
+            Value::String(v) => {
+                s = v.as_bytes();
+                &s
+            }
+            Value::Table(_) => {
+                flatten(lua, data, &mut wbuf, 0, self.max_buf)?;
+                &wbuf
+            }
+            _ => match scalar(lua, data, &mut num)? {
+                Some(Scalar::Static(b)) => b,
+                Some(Scalar::Num(b)) => b,
+                Some(Scalar::Lua(v)) => {
+                    wbuf.extend_from_slice(&v.as_bytes());
+                    &wbuf
+                }
+                None => {
+                    return Err(mlua::Error::runtime(format!(
+                        "bad argument #1 to 'send' (string, number, boolean, nil, or array table expected, got {})",
+                        data.type_name()
+                    )))
                 }
             },
-            Value::Integer(_) | Value::Number(_) => {
-                let n = match pattern {
-                    Value::Integer(n) => n as f64,
-                    Value::Number(n) => n,
-                    _ => unreachable!(),
-                };
-                if !(0.0..=self.max_buf as f64).contains(&n) {
+        };
+        let n = bytes.len();
+        let r = if n == 0 {
+            Ok(Ok(()))
+        } else {
+            let Some(c) = self.conn.as_mut() else {
+                return fail(lua, "closed");
+            };
+            tokio::time::timeout(self.send_timeout, async {
+                c.write_all(bytes).await?;
+                c.flush().await
+            })
+            .await
+        };
+        if wbuf.capacity() > KEEP_WBUF {
+            wbuf = Vec::new();
+        }
+        self.wbuf = wbuf;
+        match r {
+            Ok(Ok(())) => (n as i64).into_lua_multi(lua),
+            Ok(Err(e)) => {
+                self.close_conn();
+                fail(lua, &io_err(&e))
+            }
+            Err(_) => fail(lua, "timeout"),
+        }
+    }
+}
+
+/// A scalar `send` value's bytes.
+pub(super) enum Scalar<'a> {
+    Static(&'static [u8]),
+    Num(&'a [u8]),
+    Lua(LuaString),
+}
+
+/// nil, booleans, numbers and `ngx.null` as ngx_lua's `send` writes them;
+/// `None` for other types.
+pub(super) fn scalar<'a>(
+    lua: &Lua,
+    v: &Value,
+    num: &'a mut itoa::Buffer,
+) -> mlua::Result<Option<Scalar<'a>>> {
+    Ok(Some(match v {
+        Value::Nil => Scalar::Static(b"nil"),
+        Value::Boolean(true) => Scalar::Static(b"true"),
+        Value::Boolean(false) => Scalar::Static(b"false"),
+        Value::LightUserData(p) if p.0.is_null() => Scalar::Static(b"null"),
+        Value::Integer(n) => Scalar::Num(num.format(*n).as_bytes()),
+        // Whole numbers without allocating; others as Lua prints them (%.14g).
+        Value::Number(f) if f.fract() == 0.0 && f.abs() < 1e15 && *f != 0.0 => {
+            Scalar::Num(num.format(*f as i64).as_bytes())
+        }
+        Value::Number(_) => match lua.coerce_string(v.clone())? {
+            Some(s) => Scalar::Lua(s),
+            None => return Ok(None),
+        },
+        _ => return Ok(None),
+    }))
+}
+
+/// Appends `v` (a string, scalar or array of them, nested) to `out`,
+/// at most `max` bytes.
+pub(super) fn flatten(
+    lua: &Lua,
+    v: &Value,
+    out: &mut Vec<u8>,
+    depth: usize,
+    max: usize,
+) -> mlua::Result<()> {
+    let too_big =
+        || mlua::Error::runtime("bad argument #1 to 'send' (data over lua.socket_buffer bytes)");
+    match v {
+        Value::String(s) => {
+            let b = s.as_bytes();
+            if out.len() + b.len() > max {
+                return Err(too_big());
+            }
+            out.extend_from_slice(&b);
+        }
+        Value::Table(t) => {
+            if depth >= MAX_SEND_DEPTH {
+                return Err(mlua::Error::runtime(
+                    "bad argument #1 to 'send' (tables nested too deeply)",
+                ));
+            }
+            let n = t.raw_len();
+            for i in 1..=n {
+                let item: Value = t.raw_get(i)?;
+                if matches!(item, Value::Nil) {
                     return Err(mlua::Error::runtime(
-                        "bad argument #1 to receive (bad size, or over lua.socket_buffer)",
+                        "bad argument #1 to 'send' (non-array table found)",
                     ));
                 }
-                let n = n as usize;
-                loop {
-                    if self.buf.len() >= n {
-                        break Ok(self.buf.split_to(n));
-                    }
-                    match self.fill().await {
-                        Ok(true) => {}
-                        Ok(false) => break Err(("closed", self.buf.split())),
-                        Err(e) => break Err((e, self.buf.split())),
-                    }
+                flatten(lua, &item, out, depth + 1, max)?;
+            }
+        }
+        _ => {
+            let mut num = itoa::Buffer::new();
+            match scalar(lua, v, &mut num)? {
+                Some(Scalar::Static(b)) | Some(Scalar::Num(b)) => out.extend_from_slice(b),
+                Some(Scalar::Lua(s)) => out.extend_from_slice(&s.as_bytes()),
+                None => {
+                    return Err(mlua::Error::runtime(format!(
+                        "bad argument #1 to 'send' (bad data type {} found)",
+                        v.type_name()
+                    )))
                 }
             }
-            _ => {
-                return Err(mlua::Error::runtime(
-                    "bad argument #1 to receive (bad pattern)",
-                ))
-            }
-        };
-        match r {
-            Ok(data) => lua.create_string(&data[..])?.into_lua_multi(lua),
-            Err((e, _)) if e == TOO_LARGE => Err(too_large(self)),
-            Err((e, partial)) => {
-                if e != "timeout" {
-                    self.stream = None;
-                }
-                (Value::Nil, e, lua.create_string(&partial[..])?).into_lua_multi(lua)
+            if out.len() > max {
+                return Err(too_big());
             }
         }
     }
-
-    async fn read_line(&mut self) -> Result<BytesMut, (&'static str, BytesMut)> {
-        let mut line = self.read_until(b"\n").await?;
-        if line.last() == Some(&b'\r') {
-            line.truncate(line.len() - 1);
-        }
-        Ok(line)
-    }
+    Ok(())
 }
 
 /// The Lua error for a full receive buffer; the connection is closed (its
 /// state is unknown) and the buffer released.
 fn too_large(sock: &mut TcpSock) -> mlua::Error {
-    sock.stream = None;
+    sock.close_conn();
     sock.buf = BytesMut::new();
     mlua::Error::runtime(format!(
         "receive buffer full: more than {} bytes (lua.socket_buffer)",
@@ -172,17 +517,525 @@ fn too_large(sock: &mut TcpSock) -> mlua::Error {
     ))
 }
 
+// === connecting ===
+
+thread_local! {
+    /// The pool key being built (no allocation once pools exist).
+    static KEY: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Where to connect.
+enum Target<'a> {
+    Unix(&'a str),
+    Inet(&'a str, u16),
+}
+
+/// `host` (an address, `[v6]`, or a name looked up) with `port`.
+pub(super) async fn resolve(
+    host: &str,
+    port: u16,
+    deadline: tokio::time::Instant,
+) -> Result<SocketAddr, Cow<'static, str>> {
+    let h = literal(host);
+    if let Ok(ip) = h.parse::<IpAddr>() {
+        return Ok(SocketAddr::new(ip, port));
+    }
+    let found = match tokio::time::timeout_at(deadline, tokio::net::lookup_host((h, port))).await {
+        Err(_) => return Err("timeout".into()),
+        Ok(Ok(mut addrs)) => addrs.next(),
+        Ok(Err(_)) => None,
+    };
+    found.ok_or_else(|| unresolved(host))
+}
+
+async fn open(
+    target: Target<'_>,
+    timeout: Duration,
+) -> Result<(Conn, Option<IpAddr>), Cow<'static, str>> {
+    match target {
+        Target::Unix(path) => {
+            match tokio::time::timeout(timeout, UnixStream::connect(path)).await {
+                Err(_) => Err("timeout".into()),
+                Ok(Err(e)) => Err(io_err(&e)),
+                Ok(Ok(s)) => Ok((Conn::Unix(s), None)),
+            }
+        }
+        Target::Inet(host, port) => {
+            let deadline = tokio::time::Instant::now() + timeout;
+            if literal(host).parse::<IpAddr>().is_ok() {
+                let addr = resolve(host, port, deadline).await?;
+                return connect_addr(addr, deadline).await;
+            }
+            // A name: each address in turn (`localhost` may list ::1 first).
+            let addrs = match tokio::time::timeout_at(
+                deadline,
+                tokio::net::lookup_host((host, port)),
+            )
+            .await
+            {
+                Err(_) => return Err("timeout".into()),
+                Ok(Ok(a)) => a,
+                Ok(Err(_)) => return Err(unresolved(host)),
+            };
+            let mut last = unresolved(host);
+            for addr in addrs {
+                match connect_addr(addr, deadline).await {
+                    Ok(c) => return Ok(c),
+                    Err(e) if e == "timeout" => return Err(e),
+                    Err(e) => last = e,
+                }
+            }
+            Err(last)
+        }
+    }
+}
+
+async fn connect_addr(
+    addr: SocketAddr,
+    deadline: tokio::time::Instant,
+) -> Result<(Conn, Option<IpAddr>), Cow<'static, str>> {
+    match tokio::time::timeout_at(deadline, TcpStream::connect(addr)).await {
+        Err(_) => Err("timeout".into()),
+        Ok(Err(e)) => Err(io_err(&e)),
+        Ok(Ok(s)) => {
+            let _ = s.set_nodelay(true);
+            Ok((Conn::Tcp(s), Some(addr.ip())))
+        }
+    }
+}
+
+fn unresolved(host: &str) -> Cow<'static, str> {
+    Cow::Owned(format!("{host} could not be resolved (3: Host not found)"))
+}
+
+/// An address literal without IPv6's brackets.
+fn literal(host: &str) -> &str {
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+}
+
+impl TcpSock {
+    /// `connect(host, port|-1, pool, pool_size|0, backlog|-1)`; arguments
+    /// already checked by the Lua side.
+    async fn connect(
+        &mut self,
+        lua: &Lua,
+        host: LuaString,
+        port: i64,
+        pool_name: Option<LuaString>,
+        pool_size: i64,
+        backlog: i64,
+    ) -> Ret {
+        self.close_conn();
+        self.spool = None;
+        let host_b = host.as_bytes();
+        let Ok(host_s) = std::str::from_utf8(&host_b) else {
+            return fail(lua, "failed to parse host name");
+        };
+        let unix = host_s.len() >= 5 && host_s[..5].eq_ignore_ascii_case("unix:");
+        // The pool key: `pool`, else `host:port` (`unix:path` alone).
+        let spool = KEY.with_borrow_mut(|key| -> mlua::Result<Option<Rc<Spool>>> {
+            key.clear();
+            match &pool_name {
+                Some(p) => key.extend_from_slice(&p.as_bytes()),
+                None => {
+                    key.extend_from_slice(host_s.as_bytes());
+                    if port >= 0 {
+                        key.push(b':');
+                        key.extend_from_slice(itoa::Buffer::new().format(port).as_bytes());
+                    }
+                }
+            }
+            if key.len() > pool::MAX_KEY {
+                return Err(mlua::Error::runtime(format!(
+                    "bad pool name (longer than {} bytes)",
+                    pool::MAX_KEY
+                )));
+            }
+            let spool = if pool_size > 0 {
+                let backlog = usize::try_from(backlog).ok();
+                pool::find_or_create(key, pool_size as usize, backlog)
+            } else {
+                pool::find(key)
+            };
+            self.key = Some(match &spool {
+                Some(s) => s.key().clone(),
+                // First use of this key (no pool yet): its own copy.
+                None => Rc::from(&key[..]),
+            });
+            Ok(spool)
+        })?;
+        if let Some(sp) = &spool {
+            match sp.acquire(self.connect_timeout).await {
+                Acquired::Reused(c, slot, reused) => {
+                    self.conn = Some(c);
+                    self.slot = Some(slot);
+                    self.reused = reused + 1;
+                    self.spool = spool;
+                    return ok1(lua);
+                }
+                Acquired::Open(slot) => self.slot = Some(slot),
+                Acquired::Full => return fail(lua, "too many waiting connect operations"),
+                Acquired::Timeout => return fail(lua, "timeout"),
+            }
+        }
+        let target = if unix {
+            Target::Unix(&host_s[5..])
+        } else {
+            Target::Inet(host_s, port as u16)
+        };
+        match open(target, self.connect_timeout).await {
+            Ok((c, ip)) => {
+                self.conn = Some(c);
+                self.peer_ip = ip;
+                self.reused = 0;
+                self.spool = spool;
+                ok1(lua)
+            }
+            Err(e) => {
+                // Frees the pool place taken for it.
+                self.slot = None;
+                fail(lua, &e)
+            }
+        }
+    }
+
+    fn setkeepalive(&mut self, lua: &Lua, idle: Duration, size: usize) -> Ret {
+        let Some(mut conn) = self.conn.take() else {
+            return fail(lua, "closed");
+        };
+        if !self.buf.is_empty() {
+            // Unread data: the connection's state is unknown, close it.
+            self.close_conn();
+            return fail(lua, "unread data in buffer");
+        }
+        if !conn.still_open() {
+            self.close_conn();
+            return fail(lua, "invalid connection");
+        }
+        let spool = match self.spool.take() {
+            Some(s) => Some(s),
+            None => self
+                .key
+                .as_ref()
+                .and_then(|k| pool::find_or_create(k, size, None)),
+        };
+        match spool {
+            Some(s) => s.put(conn, self.slot.take(), self.reused, idle),
+            // Too many pools on this thread: the connection just closes.
+            None => self.close_conn(),
+        }
+        ok1(lua)
+    }
+
+    async fn sslhandshake(&mut self, lua: &Lua, name: Option<LuaString>, verify: bool) -> Ret {
+        let Some(conn) = self.conn.take() else {
+            return fail(lua, "closed");
+        };
+        if conn.is_tls() {
+            // A pooled connection, already TLS (ngx_lua returns at once).
+            self.conn = Some(conn);
+            return ok1(lua);
+        }
+        let name_b = name.as_ref().map(|n| n.as_bytes());
+        let server_name = match name_b.as_deref().filter(|n| !n.is_empty()) {
+            Some(n) => match std::str::from_utf8(n)
+                .ok()
+                .and_then(|n| rustls::pki_types::ServerName::try_from(n.to_owned()).ok())
+            {
+                Some(n) => n,
+                None => {
+                    self.close_conn();
+                    return fail(lua, "bad server name");
+                }
+            },
+            // No SNI (rustls sends none for an address), no name check.
+            None => rustls::pki_types::ServerName::IpAddress(
+                self.peer_ip
+                    .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED))
+                    .into(),
+            ),
+        };
+        let cfg = match tls_config(verify, name_b.as_deref().is_some_and(|n| !n.is_empty())) {
+            Ok(c) => c,
+            Err(e) => {
+                self.close_conn();
+                return fail(lua, e);
+            }
+        };
+        let connector = tokio_rustls::TlsConnector::from(cfg);
+        let t = self.connect_timeout;
+        let r = match conn {
+            Conn::Tcp(s) => tokio::time::timeout(t, connector.connect(server_name, s))
+                .await
+                .map(|r| r.map(|s| Conn::TlsTcp(Box::new(s)))),
+            Conn::Unix(s) => tokio::time::timeout(t, connector.connect(server_name, s))
+                .await
+                .map(|r| r.map(|s| Conn::TlsUnix(Box::new(s)))),
+            // Already TLS (checked above; kept as it is).
+            c @ (Conn::TlsTcp(_) | Conn::TlsUnix(_)) => {
+                self.conn = Some(c);
+                return ok1(lua);
+            }
+        };
+        match r {
+            Ok(Ok(c)) => {
+                self.conn = Some(c);
+                ok1(lua)
+            }
+            Ok(Err(e)) => {
+                self.close_conn();
+                fail(lua, tls_err(&e))
+            }
+            Err(_) => {
+                self.close_conn();
+                fail(lua, "timeout")
+            }
+        }
+    }
+
+    fn setoption(&mut self, lua: &Lua, opt: u8, val: f64) -> Ret {
+        let Some(c) = self.conn.as_ref() else {
+            return fail(lua, "closed");
+        };
+        if !(0.0..=f64::from(i32::MAX)).contains(&val) {
+            return fail(lua, "bad option value");
+        }
+        let s = c.sock_ref();
+        let on = val != 0.0;
+        let r = match opt {
+            1 => s.set_keepalive(on),
+            2 => s.set_reuse_address(on),
+            3 => s.set_tcp_nodelay(on),
+            4 => s.set_send_buffer_size(val as usize),
+            5 => s.set_recv_buffer_size(val as usize),
+            _ => return fail(lua, "unsupported option"),
+        };
+        match r {
+            Ok(()) => true.into_lua_multi(lua),
+            Err(e) => fail(lua, &io_err(&e)),
+        }
+    }
+
+    fn getoption(&mut self, lua: &Lua, opt: u8) -> Ret {
+        let Some(c) = self.conn.as_ref() else {
+            return fail(lua, "closed");
+        };
+        let s = c.sock_ref();
+        let r = match opt {
+            1 => s.keepalive().map(i64::from),
+            2 => s.reuse_address().map(i64::from),
+            3 => s.tcp_nodelay().map(i64::from),
+            4 => s.send_buffer_size().map(|n| n as i64),
+            5 => s.recv_buffer_size().map(|n| n as i64),
+            _ => return fail(lua, "unsupported option"),
+        };
+        match r {
+            Ok(v) => v.into_lua_multi(lua),
+            Err(e) => fail(lua, &io_err(&e)),
+        }
+    }
+}
+
+// === TLS ===
+
+/// The three client configs (`ssl_verify` with a server name, without
+/// one, no verification), built once per process. Sessions are cached by
+/// rustls (in memory, per server name): `reused_session` is not needed.
+fn tls_config(verify: bool, named: bool) -> Result<Arc<rustls::ClientConfig>, &'static str> {
+    static CFG: OnceLock<[Option<Arc<rustls::ClientConfig>>; 3]> = OnceLock::new();
+    let cfgs = CFG.get_or_init(build_tls_configs);
+    let i = match (verify, named) {
+        (true, true) => 0,
+        (true, false) => 1,
+        (false, _) => 2,
+    };
+    cfgs[i]
+        .clone()
+        .ok_or("20: unable to get local issuer certificate")
+}
+
+fn build_tls_configs() -> [Option<Arc<rustls::ClientConfig>>; 3] {
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let builder = || {
+        rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .ok()
+    };
+    // The system trust store (`SSL_CERT_FILE` / `SSL_CERT_DIR` override it).
+    let mut roots = rustls::RootCertStore::empty();
+    let (added, _) =
+        roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+    let roots = Arc::new(roots);
+    let webpki = (added > 0)
+        .then(|| {
+            rustls::client::WebPkiServerVerifier::builder_with_provider(
+                roots.clone(),
+                provider.clone(),
+            )
+            .build()
+            .ok()
+        })
+        .flatten();
+    let named = webpki.as_ref().and_then(|_| {
+        Some(Arc::new(
+            builder()?
+                .with_root_certificates(roots.clone())
+                .with_no_client_auth(),
+        ))
+    });
+    let chain_only = webpki.and_then(|v| {
+        Some(Arc::new(
+            builder()?
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(ChainOnly(v)))
+                .with_no_client_auth(),
+        ))
+    });
+    let none = builder().map(|b| {
+        Arc::new(
+            b.dangerous()
+                .with_custom_certificate_verifier(Arc::new(NoVerify(provider.clone())))
+                .with_no_client_auth(),
+        )
+    });
+    [named, chain_only, none]
+}
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{CertificateError, DigitallySignedStruct, SignatureScheme};
+
+/// `ssl_verify` without a server name: the chain is verified, not the
+/// name (ngx_lua checks the name only when one is given).
+#[derive(Debug)]
+struct ChainOnly(Arc<rustls::client::WebPkiServerVerifier>);
+
+impl ServerCertVerifier for ChainOnly {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
+        {
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            r => r,
+        }
+    }
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+/// `ssl_verify` false: any certificate (its handshake signatures are
+/// still checked).
+#[derive(Debug)]
+struct NoVerify(Arc<rustls::crypto::CryptoProvider>);
+
+impl ServerCertVerifier for NoVerify {
+    fn verify_server_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: &ServerName<'_>,
+        _: &[u8],
+        _: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// A failed handshake as ngx_lua reports it (OpenSSL's verify codes).
+fn tls_err(e: &io::Error) -> &'static str {
+    let Some(re) = e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) else {
+        return "handshake failed";
+    };
+    match re {
+        rustls::Error::InvalidCertificate(c) => match c {
+            CertificateError::UnknownIssuer => "20: unable to get local issuer certificate",
+            CertificateError::Expired | CertificateError::ExpiredContext { .. } => {
+                "10: certificate has expired"
+            }
+            CertificateError::NotValidYet | CertificateError::NotValidYetContext { .. } => {
+                "9: certificate is not yet valid"
+            }
+            CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. } => {
+                "certificate host mismatch"
+            }
+            CertificateError::Revoked => "23: certificate revoked",
+            CertificateError::BadSignature => "7: certificate signature failure",
+            _ => "certificate verify failed",
+        },
+        _ => "handshake failed",
+    }
+}
+
 // === the socket table ===
 //
-// Sockets live in a per-thread slab and Lua holds only a handle: the slot
-// index plus the slot's generation, bumped whenever the slot is freed, so a
-// handle to a freed socket never reaches the socket that reuses its slot
-// (`bad socket`). Each socket records its owner (the request or timer run
-// that created it, see `Current::owner`): another one using it gets `bad
-// request`, as OpenResty answers. A request's sockets are freed when it
-// ends (`RequestCtx` drop), a timer run's when it returns, and any of them
-// earlier when Lua collects the object (an `ffi.gc` anchor). Lua never
-// holds a pointer to a socket, only this checked handle.
+// Sockets (TCP and UDP) live in a per-thread slab and Lua holds only a
+// handle: the slot index plus the slot's generation, bumped whenever the
+// slot is freed, so a handle to a freed socket never reaches the socket
+// that reuses its slot (`bad socket`). Each socket records its owner (the
+// request or timer run that created it, see `Current::owner`): another one
+// using it gets `bad request`, as OpenResty answers. A request's sockets
+// are freed when it ends (`RequestCtx` drop), a timer run's when it
+// returns, and any of them earlier when Lua collects the object (an
+// `ffi.gc` anchor). Lua never holds a pointer to a socket, only this
+// checked handle.
 
 /// Bits of the slot index in a handle: a handle is `gen << INDEX_BITS | index`,
 /// below 2^53 so that Lua's doubles hold it exactly.
@@ -195,10 +1048,16 @@ thread_local! {
     static SOCKS: RefCell<Slab> = RefCell::new(Slab::default());
 }
 
+#[derive(Clone)]
+pub(super) enum Sock {
+    Tcp(Rc<RefCell<TcpSock>>),
+    Udp(Rc<RefCell<UdpSock>>),
+}
+
 struct Slot {
     gen: u32,
     owner: u64,
-    sock: Option<Rc<RefCell<TcpSock>>>,
+    sock: Option<Sock>,
 }
 
 #[derive(Default)]
@@ -225,7 +1084,12 @@ enum Full {
 }
 
 impl Slab {
-    fn alloc(&mut self, owner: u64, limits: &LuaLimits) -> Result<u64, Full> {
+    fn alloc(
+        &mut self,
+        owner: u64,
+        limits: &LuaLimits,
+        make: &dyn Fn(&LuaLimits) -> Sock,
+    ) -> Result<u64, Full> {
         if self.live >= limits.max_sockets_per_worker.min(MAX_SLOTS) {
             return Err(Full::Worker);
         }
@@ -233,7 +1097,7 @@ impl Slab {
         if mine >= limits.max_sockets_per_request {
             return Err(Full::Request);
         }
-        let sock = Some(Rc::new(RefCell::new(TcpSock::new(limits.socket_buffer))));
+        let sock = Some(make(limits));
         let i = match self.free.pop() {
             Some(i) => i,
             None => {
@@ -253,14 +1117,11 @@ impl Slab {
         Ok(u64::from(slot.gen) << INDEX_BITS | i as u64)
     }
 
-    /// Frees slot `i` if it holds a socket; its generation moves on.
-    fn release(&mut self, i: usize) {
-        let Some(slot) = self.slots.get_mut(i) else {
-            return;
-        };
-        if slot.sock.take().is_none() {
-            return;
-        }
+    /// Frees slot `i` if it holds a socket; its generation moves on. The
+    /// socket is returned, to be dropped after the slab's borrow ends.
+    fn release(&mut self, i: usize) -> Option<Sock> {
+        let slot = self.slots.get_mut(i)?;
+        let sock = slot.sock.take()?;
         slot.gen = (slot.gen + 1) & GEN_MASK;
         let owner = std::mem::take(&mut slot.owner);
         self.live -= 1;
@@ -271,6 +1132,7 @@ impl Slab {
             }
         }
         self.free.push(i);
+        Some(sock)
     }
 }
 
@@ -280,38 +1142,44 @@ fn free_sock(handle: u64) {
     // `try_with`: finalizers may run while the thread is being torn down.
     // `try_borrow_mut`: never panic in a finalizer (nothing borrows the
     // slab while Lua runs, so this does not skip in practice).
-    let _ = SOCKS.try_with(|s| {
+    let freed = SOCKS.try_with(|s| {
         let Ok(mut s) = s.try_borrow_mut() else {
-            return;
+            return None;
         };
         if s.slots.get(i).is_some_and(|slot| slot.gen == gen) {
-            s.release(i);
+            s.release(i)
+        } else {
+            None
         }
     });
+    drop(freed);
 }
 
 /// Frees every socket of `owner` (a request ended, a timer run returned).
 pub(crate) fn free_owner(owner: u64) {
-    let _ = SOCKS.try_with(|s| {
+    let freed = SOCKS.try_with(|s| {
         // Never panic in a `Drop` (see `free_sock`).
         let Ok(mut s) = s.try_borrow_mut() else {
-            return;
+            return Vec::new();
         };
         // Every request end comes here: no hashing when no socket is alive.
         if s.live == 0 || !s.per_owner.contains_key(&owner) {
-            return;
+            return Vec::new();
         }
+        let mut freed = Vec::new();
         for i in 0..s.slots.len() {
             if s.slots[i].sock.is_some() && s.slots[i].owner == owner {
-                s.release(i);
+                freed.extend(s.release(i));
             }
         }
+        freed
     });
+    drop(freed);
 }
 
 /// The socket `handle`, if it is still that socket and belongs to the
 /// request (or timer run) now running.
-fn sock(handle: u64) -> mlua::Result<Rc<RefCell<TcpSock>>> {
+pub(super) fn lookup(handle: u64) -> mlua::Result<Sock> {
     let (i, gen) = split(handle);
     let owner = current::get().owner;
     SOCKS.with_borrow(|s| match s.slots.get(i) {
@@ -326,14 +1194,23 @@ fn sock(handle: u64) -> mlua::Result<Rc<RefCell<TcpSock>>> {
                 Ok(sock.clone())
             }
         }
-        _ => Err(mlua::Error::runtime(
-            "bad socket (closed: collected, or its request ended)",
-        )),
+        _ => Err(bad_socket()),
     })
 }
 
-/// `pier.socket.tcp()`: a new socket for the current request or timer run.
-fn new_sock(lua: &Lua) -> mlua::Result<u64> {
+fn bad_socket() -> mlua::Error {
+    mlua::Error::runtime("bad socket (closed: collected, or its request ended)")
+}
+
+fn sock(handle: u64) -> mlua::Result<Rc<RefCell<TcpSock>>> {
+    match lookup(handle)? {
+        Sock::Tcp(s) => Ok(s),
+        Sock::Udp(_) => Err(bad_socket()),
+    }
+}
+
+/// A new socket for the current request or timer run.
+pub(super) fn new_sock(lua: &Lua, make: &dyn Fn(&LuaLimits) -> Sock) -> mlua::Result<u64> {
     let cur = current::get();
     let Some(engine) = cur.engine else {
         return Err(mlua::Error::runtime("no request"));
@@ -343,18 +1220,26 @@ fn new_sock(lua: &Lua) -> mlua::Result<u64> {
     if cur.owner == 0 {
         return Err(mlua::Error::runtime("no request"));
     }
-    let mut r = SOCKS.with_borrow_mut(|s| s.alloc(cur.owner, &limits));
+    let mut r = SOCKS.with_borrow_mut(|s| s.alloc(cur.owner, &limits, make));
     if r.is_err() {
         // Sockets Lua no longer references may just not be collected yet:
         // collect (their anchors free them) and try once more.
         lua.gc_collect()?;
-        r = SOCKS.with_borrow_mut(|s| s.alloc(cur.owner, &limits));
+        r = SOCKS.with_borrow_mut(|s| s.alloc(cur.owner, &limits, make));
     }
     r.map_err(|full| {
         mlua::Error::runtime(match full {
             Full::Request => "too many sockets in this request (lua.max_sockets_per_request)",
             Full::Worker => "too many sockets in this worker (lua.max_sockets_per_worker)",
         })
+    })
+}
+
+/// Frees a socket (its Lua object was collected); shared with UDP.
+pub(super) fn free_native(lua: &Lua) -> mlua::Result<mlua::Function> {
+    lua.create_function(|_, id: u64| {
+        free_sock(id);
+        Ok(())
     })
 }
 
@@ -369,105 +1254,144 @@ macro_rules! with_sock {
     }};
 }
 
+/// A duration in ms from Lua; 0 means `default`.
+fn ms_or(ms: f64, default: Duration, what: &str) -> mlua::Result<Duration> {
+    let d = crate::limits::lua_ms(ms, what)?;
+    Ok(if d.is_zero() { default } else { d })
+}
+
 /// The socket natives; `lua/pier/socket.lua` wraps them in objects.
 // Holding a socket's `RefCell` across awaits is the point: a socket belongs
 // to one coroutine at a time, and a second user gets "socket busy"
 // (`try_borrow_mut`), never a panic.
 #[allow(clippy::await_holding_refcell_ref)]
 pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
-    natives.set("tcp_new", lua.create_function(|lua, ()| new_sock(lua))?)?;
     natives.set(
-        "tcp_free",
-        lua.create_function(|_, id: u64| {
-            free_sock(id);
-            Ok(())
-        })?,
-    )?;
-    natives.set(
-        "tcp_connect",
-        lua.create_async_function(|lua, (id, host, port): (u64, String, u16)| async move {
-            with_sock!(id, this, {
-                this.stream = None;
-                this.buf.clear();
-                let key = format!("{host}:{port}");
-                if let Some((s, reused)) = pool::take(&key) {
-                    this.stream = Some(s);
-                    this.reused = reused + 1;
-                    this.key = key;
-                    return 1.into_lua_multi(&lua);
-                }
-                match tokio::time::timeout(this.timeout, TcpStream::connect((host.as_str(), port)))
-                    .await
-                {
-                    Err(_) => fail(&lua, "timeout"),
-                    Ok(Err(e)) => fail(&lua, io_err(&e)),
-                    Ok(Ok(s)) => {
-                        let _ = s.set_nodelay(true);
-                        this.stream = Some(s);
-                        this.reused = 0;
-                        this.key = key;
-                        1.into_lua_multi(&lua)
-                    }
-                }
+        "tcp_new",
+        lua.create_function(|lua, ()| {
+            new_sock(lua, &|l| {
+                Sock::Tcp(Rc::new(RefCell::new(TcpSock::new(l.socket_buffer))))
             })
         })?,
+    )?;
+    natives.set("tcp_free", free_native(lua)?)?;
+    natives.set(
+        "tcp_connect",
+        lua.create_async_function(
+            |lua,
+             (id, host, port, pool, pool_size, backlog): (
+                u64,
+                LuaString,
+                i64,
+                Option<LuaString>,
+                i64,
+                i64,
+            )| async move {
+                with_sock!(id, this, {
+                    this.connect(&lua, host, port, pool, pool_size, backlog)
+                        .await
+                })
+            },
+        )?,
+    )?;
+    natives.set(
+        "tcp_sslhandshake",
+        lua.create_async_function(
+            |lua, (id, name, verify): (u64, Option<LuaString>, bool)| async move {
+                with_sock!(id, this, { this.sslhandshake(&lua, name, verify).await })
+            },
+        )?,
     )?;
     natives.set(
         "tcp_send",
         lua.create_async_function(|lua, (id, data): (u64, Value)| async move {
-            let mut bytes = Vec::new();
-            flatten(&data, &mut bytes)?;
-            with_sock!(id, this, {
-                let timeout = this.timeout;
-                let Some(s) = this.stream.as_mut() else {
-                    return fail(&lua, "closed");
-                };
-                match tokio::time::timeout(timeout, s.write_all(&bytes)).await {
-                    Err(_) => fail(&lua, "timeout"),
-                    Ok(Err(e)) => {
-                        this.stream = None;
-                        fail(&lua, io_err(&e))
-                    }
-                    Ok(Ok(())) => (bytes.len() as i64).into_lua_multi(&lua),
-                }
-            })
+            with_sock!(id, this, { this.send(&lua, &data).await })
         })?,
     )?;
     natives.set(
         "tcp_receive",
         lua.create_async_function(|lua, (id, pattern): (u64, Value)| async move {
-            with_sock!(id, this, { this.receive(&lua, pattern).await })
-        })?,
-    )?;
-    natives.set(
-        "tcp_receiveuntil",
-        lua.create_async_function(|lua, (id, delim): (u64, mlua::LuaString)| async move {
-            let delim = delim.as_bytes().to_vec();
-            if delim.is_empty() {
-                return Err(mlua::Error::runtime(
-                    "bad argument #1 to receiveuntil (empty pattern)",
-                ));
-            }
             with_sock!(id, this, {
-                match this.read_until(&delim).await {
-                    Ok(data) => lua.create_string(&data[..])?.into_lua_multi(&lua),
-                    Err((e, _)) if e == TOO_LARGE => Err(too_large(this)),
-                    Err((e, partial)) => {
-                        (Value::Nil, e, lua.create_string(&partial[..])?).into_lua_multi(&lua)
+                if this.conn.is_none() {
+                    return fail(&lua, "closed");
+                }
+                match &pattern {
+                    Value::Nil => this.read_line(&lua).await,
+                    Value::String(s) if &s.as_bytes()[..] == b"*l" => this.read_line(&lua).await,
+                    Value::String(s) if &s.as_bytes()[..] == b"*a" => this.read_all(&lua).await,
+                    Value::Integer(_) | Value::Number(_) => {
+                        let n = match pattern {
+                            Value::Integer(n) => n as f64,
+                            Value::Number(n) => n,
+                            _ => 0.0,
+                        };
+                        if !(0.0..=this.max_buf as f64).contains(&n) {
+                            return Err(mlua::Error::runtime(
+                                "bad argument #1 to 'receive' (bad pattern argument, or over lua.socket_buffer)",
+                            ));
+                        }
+                        this.read_n(&lua, n as usize).await
                     }
+                    _ => Err(mlua::Error::runtime(
+                        "bad argument #1 to 'receive' (bad pattern argument)",
+                    )),
                 }
             })
         })?,
     )?;
     natives.set(
-        "tcp_settimeout",
-        lua.create_function(|_, (id, ms): (u64, f64)| {
+        "tcp_receiveany",
+        lua.create_async_function(|lua, (id, max): (u64, f64)| async move {
+            // NaN fails the range check too.
+            if max.is_nan() || max < 1.0 {
+                return Err(mlua::Error::runtime(
+                    "bad argument #1 to 'receiveany' (bad max argument)",
+                ));
+            }
             with_sock!(id, this, {
-                // 0 (or no number) keeps the current timeout.
-                let d = crate::limits::lua_ms(ms, "bad argument #1 to settimeout")?;
-                if !d.is_zero() {
-                    this.timeout = d;
+                if this.conn.is_none() {
+                    return fail(&lua, "closed");
                 }
+                let max = if max >= this.max_buf as f64 {
+                    this.max_buf
+                } else {
+                    max as usize
+                };
+                this.read_any(&lua, max).await
+            })
+        })?,
+    )?;
+    natives.set(
+        "tcp_receiveuntil",
+        lua.create_async_function(
+            |lua, (id, pat, inclusive, size): (u64, LuaString, bool, f64)| async move {
+                let pat = pat.as_bytes();
+                if pat.is_empty() || size.is_nan() || size < 0.0 {
+                    return Err(mlua::Error::runtime(
+                        "bad argument to receiveuntil's iterator (empty pattern or bad size)",
+                    ));
+                }
+                with_sock!(id, this, {
+                    if this.conn.is_none() {
+                        return fail(&lua, "closed");
+                    }
+                    let size = if size >= this.max_buf as f64 {
+                        this.max_buf
+                    } else {
+                        size as usize
+                    };
+                    this.read_until(&lua, &pat, inclusive, size).await
+                })
+            },
+        )?,
+    )?;
+    natives.set(
+        "tcp_settimeouts",
+        lua.create_function(|_, (id, c, s, r): (u64, f64, f64, f64)| {
+            with_sock!(id, this, {
+                this.connect_timeout = ms_or(c, DEFAULT_TIMEOUT, "bad timeout")?;
+                this.send_timeout = ms_or(s, DEFAULT_TIMEOUT, "bad timeout")?;
+                this.read_timeout = ms_or(r, DEFAULT_TIMEOUT, "bad timeout")?;
                 Ok(())
             })
         })?,
@@ -475,73 +1399,64 @@ pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
     natives.set(
         "tcp_setkeepalive",
         lua.create_function(
-            |lua, (id, idle_ms, size): (u64, Option<f64>, Option<u32>)| {
-                with_sock!(id, this, {
-                    // 0 or nil: the default idle time.
-                    let idle = match idle_ms {
-                        Some(ms) => crate::limits::lua_ms(ms, "bad argument #1 to setkeepalive")?,
-                        None => Duration::ZERO,
-                    };
-                    let idle = if idle.is_zero() {
-                        DEFAULT_TIMEOUT
-                    } else {
-                        idle
-                    };
-                    let Some(s) = this.stream.take() else {
-                        return fail(lua, "closed");
-                    };
-                    if !this.buf.is_empty() {
-                        // Unread data: the connection's state is unknown, close it.
-                        this.buf.clear();
-                        return fail(lua, "unread data in buffer");
+            |lua, (id, idle_ms, size): (u64, Option<f64>, Option<f64>)| {
+                // nil: 60 s; 0: never expires (ngx_lua).
+                let idle = match idle_ms {
+                    None => DEFAULT_TIMEOUT,
+                    Some(ms) => ms_or(
+                        ms,
+                        Duration::from_secs_f64(crate::limits::MAX_DURATION_SECS),
+                        "bad argument #1 to 'setkeepalive'",
+                    )?,
+                };
+                let size = match size {
+                    None => DEFAULT_POOL_SIZE,
+                    Some(n) if (1.0..=1e9).contains(&n) => n as usize,
+                    Some(n) => {
+                        return Err(mlua::Error::runtime(format!(
+                            "bad \"pool_size\" option value: {n}"
+                        )))
                     }
-                    pool::put(
-                        std::mem::take(&mut this.key),
-                        s,
-                        this.reused,
-                        idle,
-                        size.unwrap_or(30) as usize,
-                    );
-                    1.into_lua_multi(lua)
-                })
+                };
+                with_sock!(id, this, { this.setkeepalive(lua, idle, size) })
             },
         )?,
     )?;
     natives.set(
         "tcp_reused",
-        lua.create_function(|_, id: u64| with_sock!(id, this, { Ok(this.reused) }))?,
+        lua.create_function(|lua, id: u64| {
+            with_sock!(id, this, {
+                if this.conn.is_none() {
+                    return fail(lua, "closed");
+                }
+                this.reused.into_lua_multi(lua)
+            })
+        })?,
     )?;
     natives.set(
         "tcp_close",
         lua.create_function(|lua, id: u64| {
             with_sock!(id, this, {
-                this.buf.clear();
-                if this.stream.take().is_none() {
+                if this.conn.is_none() {
+                    this.close_conn();
                     return fail(lua, "closed");
                 }
-                1.into_lua_multi(lua)
+                this.close_conn();
+                ok1(lua)
             })
         })?,
     )?;
-    Ok(())
-}
-
-/// `send` accepts a string, a number, or a (nested) list of them.
-fn flatten(v: &Value, out: &mut Vec<u8>) -> mlua::Result<()> {
-    match v {
-        Value::String(s) => out.extend_from_slice(&s.as_bytes()),
-        Value::Integer(n) => out.extend_from_slice(itoa::Buffer::new().format(*n).as_bytes()),
-        Value::Number(n) => out.extend_from_slice(n.to_string().as_bytes()),
-        Value::Table(t) => {
-            for item in t.sequence_values::<Value>() {
-                flatten(&item?, out)?;
-            }
-        }
-        _ => {
-            return Err(mlua::Error::runtime(
-                "bad argument #1 to send (string or table expected)",
-            ))
-        }
-    }
+    natives.set(
+        "tcp_setoption",
+        lua.create_function(|lua, (id, opt, val): (u64, u8, f64)| {
+            with_sock!(id, this, { this.setoption(lua, opt, val) })
+        })?,
+    )?;
+    natives.set(
+        "tcp_getoption",
+        lua.create_function(|lua, (id, opt): (u64, u8)| {
+            with_sock!(id, this, { this.getoption(lua, opt) })
+        })?,
+    )?;
     Ok(())
 }
