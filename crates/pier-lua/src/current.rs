@@ -5,8 +5,9 @@
 //! API functions find the request without Lua ever holding a pointer to it.
 //! Outside a resume it is empty and every request API reports "disabled".
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ptr::NonNull;
+use std::task::Waker;
 
 use bytes::BytesMut;
 
@@ -55,6 +56,10 @@ impl Current {
 
 thread_local! {
     static CURRENT: Cell<Current> = const { Cell::new(Current::NONE) };
+    /// The waker of the task polling a hook's coroutine, while it polls it:
+    /// the cosocket fast path (`io/tcp/fast.rs`) registers it with the
+    /// connection and the socket's timer before asking Lua to yield.
+    static WAKER: RefCell<Option<Waker>> = const { RefCell::new(None) };
     static NEXT_OWNER: Cell<u64> = const { Cell::new(1) };
 }
 
@@ -101,4 +106,48 @@ impl Drop for Scope {
     fn drop(&mut self) {
         CURRENT.with(|c| c.set(self.prev));
     }
+}
+
+/// Publishes `waker` until dropped (see [`with_waker`]); a clone is kept
+/// only when it would not wake the same task as the one already there.
+pub(crate) struct WakerScope {
+    prev: Option<Waker>,
+    replaced: bool,
+}
+
+impl WakerScope {
+    #[inline]
+    pub fn enter(waker: &Waker) -> WakerScope {
+        WAKER.with_borrow_mut(|w| match w {
+            Some(cur) if cur.will_wake(waker) => WakerScope {
+                prev: None,
+                replaced: false,
+            },
+            _ => WakerScope {
+                prev: w.replace(waker.clone()),
+                replaced: true,
+            },
+        })
+    }
+}
+
+impl Drop for WakerScope {
+    #[inline]
+    fn drop(&mut self) {
+        if self.replaced {
+            let prev = self.prev.take();
+            // Dropping the replaced waker runs no Lua: safe under the borrow.
+            let _ = WAKER.try_with(|w| {
+                if let Ok(mut w) = w.try_borrow_mut() {
+                    *w = prev;
+                }
+            });
+        }
+    }
+}
+
+/// Runs `f` with the polling task's waker, None outside a hook's poll.
+#[inline]
+pub(crate) fn with_waker<R>(f: impl FnOnce(Option<&Waker>) -> R) -> R {
+    WAKER.with_borrow(|w| f(w.as_ref()))
 }

@@ -500,6 +500,7 @@ impl<F: Future<Output = mlua::Result<()>> + Unpin> Future for Hooked<F> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let _scope = Scope::enter(self.cur);
+        let _waker = crate::current::WakerScope::enter(cx.waker());
         match Pin::new(&mut self.fut).poll(cx) {
             Poll::Ready(r) => Poll::Ready(r),
             Poll::Pending => {

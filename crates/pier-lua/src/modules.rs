@@ -56,6 +56,7 @@ pub(crate) fn bootstrap(
     natives.set("str_api_addr", crate::ffi::strings::str_api_addr() as f64)?;
     natives.set("pid", std::process::id())?;
     natives.set("ngx_api_addr", crate::ffi::ngx_api_addr() as f64)?;
+    natives.set("sock_api_addr", crate::io::sock_api_addr() as f64)?;
     // ngx.null: a NULL light userdata, as ngx_lua's (and cjson's) null.
     natives.set(
         "null",

@@ -1,20 +1,90 @@
 -- TCP cosocket objects (pier.socket.tcp() and ngx.socket.tcp()), with
 -- ngx_lua's methods, arguments and results. An object is a plain table
 -- holding the handle (slot index and generation) of a Rust-side socket;
--- methods check their arguments here and call the (yielding) natives. An
--- ffi.gc anchor frees the Rust slot when the object is collected; the
--- request's end frees it too (a stale handle then fails).
+-- methods check their arguments here. An ffi.gc anchor frees the Rust slot
+-- when the object is collected; the request's end frees it too (a stale
+-- handle then fails).
+--
+-- The hot methods (send, receive*, setkeepalive, getreusedtimes, connect
+-- from a pool) call `extern "C"` functions through the FFI (src/io/tcp/
+-- fast.rs): a call that would block returns AGAIN, and the wrapper yields
+-- mlua's pending marker (through ngx.thread's scheduler, so light threads
+-- run meanwhile) until the connection or its deadline wakes the hook, then
+-- calls again. Connecting, TLS and options go through the async natives.
 local ffi = require "ffi"
 local base = require "pier.base"
 
 local type, tonumber, tostring, error, setmetatable = type, tonumber, tostring, error, setmetatable
+local ffi_string = ffi.string
 local native = base.native
 local n_new, n_free = native.tcp_new, native.tcp_free
-local n_connect, n_send, n_receive, n_any, n_until = native.tcp_connect, native.tcp_send, native.tcp_receive,
-  native.tcp_receiveany, native.tcp_receiveuntil
-local n_settimeouts, n_keepalive, n_close, n_reused = native.tcp_settimeouts, native.tcp_setkeepalive,
-  native.tcp_close, native.tcp_reused
+local n_connect = native.tcp_connect
+local n_settimeouts, n_close = native.tcp_settimeouts, native.tcp_close
 local n_ssl, n_setoption, n_getoption = native.tcp_sslhandshake, native.tcp_setoption, native.tcp_getoption
+
+ffi.cdef [[
+typedef struct {
+  int (*recv)(double, int, double, const char *, size_t, int, char *, size_t, int *);
+  int (*send)(double, const char *, size_t, int);
+  int (*errmsg)(double, char *, size_t);
+  int (*setkeepalive)(double, double, double);
+  int (*reused)(double);
+  int (*connect_pooled)(double, const char *, size_t, int, const char *, size_t);
+} pier_sock_api_t;
+]]
+local S = ffi.cast("const pier_sock_api_t*", native.sock_api_addr)
+local C_recv, C_send, C_errmsg, C_keepalive, C_reused, C_pooled =
+  S.recv, S.send, S.errmsg, S.setkeepalive, S.reused, S.connect_pooled
+
+-- Waits for the hook's task to be woken (the pending marker, through the
+-- light-thread scheduler's yield).
+local wait = native.ngx_thread._yield
+local PENDING = native.poll_pending
+
+local AGAIN, E_TIMEOUT, E_CLOSED, E_IO, E_BADSOCK, E_BADREQ, E_BUSY, E_TOOLARGE, E_NEED =
+  -11, -20, -21, -22, -23, -24, -25, -26, -27
+local E_PHASE, E_INVAL, E_DURATION = -2, -3, -9
+local LINE, ALL, SIZE, ANY, UNTIL, UNTIL_INCL = 0, 1, 2, 3, 4, 5
+local APPEND, RETRY = 1, 2
+local NAN = 0 / 0
+
+-- The receive buffer (grown, never shrunk) and its length out-parameter.
+local rcap = 16384
+local rbuf = ffi.new("char[?]", rcap)
+local outlen = ffi.new("int[1]")
+local ebuf = ffi.new("char[256]")
+
+local function grow(n)
+  while rcap < n do rcap = rcap * 2 end
+  rbuf = ffi.new("char[?]", rcap)
+end
+
+local contexts = { [0] = "init_by_lua*", "init_worker_by_lua*", "access_by_lua*",
+  "content_by_lua*", "balancer_by_lua*", "access_by_lua*", "header_filter_by_lua*",
+  "body_filter_by_lua*", "log_by_lua*", "ngx.timer" }
+
+-- Errors that are raised, not returned (as ngx_lua raises them), at the
+-- caller's line (level 3: the method's caller).
+local function raise(rc, what)
+  if rc == E_BADSOCK then error("bad socket (closed: collected, or its request ended)", 3) end
+  if rc == E_BADREQ then error("bad request", 3) end
+  if rc == E_TOOLARGE then error(what .. ": data over lua.socket_buffer bytes (receive buffer full)", 3) end
+  if rc == E_PHASE then
+    error("API disabled in the context of " .. (contexts[base.api.phase()] or "(unknown)"), 3)
+  end
+  if rc == E_DURATION then error("bad argument to " .. what .. ": invalid duration", 3) end
+  error(what .. " failed (" .. tostring(rc) .. ")", 3)
+end
+
+local function errtext(id, rc)
+  if rc == E_TIMEOUT then return "timeout" end
+  if rc == E_CLOSED then return "closed" end
+  if rc == E_IO then
+    local n = C_errmsg(id, ebuf, 256)
+    if n >= 0 then return ffi_string(ebuf, n < 256 and n or 256) end
+  end
+  return nil
+end
 
 local Sock = {}
 Sock.__index = Sock
@@ -61,6 +131,13 @@ function Sock.connect(self, host, port, opts)
   else
     return nil, "missing the port number"
   end
+  -- An idle connection of an existing pool: no yield, nothing allocated.
+  local rc = C_pooled(self.id, host, #host, p, pool, pool and #pool or 0)
+  if rc == 1 then return 1 end
+  if rc < 0 then
+    if rc == E_BUSY then return nil, "socket busy connecting" end
+    raise(rc, "connect")
+  end
   return n_connect(self.id, host, p, pool, pool_size, backlog)
 end
 
@@ -78,24 +155,106 @@ function Sock.sslhandshake(self, reused_session, server_name, ssl_verify, send_s
   return SESSION
 end
 
+local null = native.null
+
+-- Appends `v` (a string, scalar or nested array of them) to the socket's
+-- send buffer, piece by piece (no concatenation in Lua); 0 or an error code.
+local function append(id, v, depth)
+  local t = type(v)
+  if t == "string" then return C_send(id, v, #v, APPEND) end
+  if t == "table" then
+    if depth >= 100 then error("bad argument #1 to 'send' (tables nested too deeply)", 3) end
+    for i = 1, #v do
+      local item = v[i]
+      if item == nil then error("bad argument #1 to 'send' (non-array table found)", 3) end
+      local rc = append(id, item, depth + 1)
+      if rc < 0 then return rc end
+    end
+    return 0
+  end
+  local s
+  if t == "number" or t == "boolean" or t == "nil" then
+    s = tostring(v)
+  elseif v == null then
+    s = "null"
+  else
+    error("bad argument #1 to 'send' (bad data type " .. t .. " found)", 3)
+  end
+  return C_send(id, s, #s, APPEND)
+end
+
+local function send_result(id, rc)
+  while rc == AGAIN do
+    wait(PENDING)
+    rc = C_send(id, nil, 0, RETRY)
+  end
+  if rc >= 0 then return rc end
+  if rc == E_BUSY then return nil, "socket busy writing" end
+  local err = errtext(id, rc)
+  if err then return nil, err end
+  raise(rc, "send")
+end
+
 -- data: a string, number, boolean, nil, or (nested) array of them -> bytes sent
-function Sock.send(self, data) return n_send(self.id, data) end
+function Sock.send(self, data)
+  local id = self.id
+  if type(data) == "string" then
+    return send_result(id, C_send(id, data, #data, 0))
+  end
+  local t = type(data)
+  if t ~= "table" and t ~= "number" and t ~= "boolean" and data ~= nil and data ~= null then
+    error("bad argument #1 to 'send' (string, number, boolean, nil, or array table expected, got "
+      .. t .. ")", 2)
+  end
+  local rc = append(id, data, 0)
+  if rc >= 0 then rc = C_send(id, nil, 0, 0) end
+  return send_result(id, rc)
+end
+
+-- One receive: data, or nil, err, partial. `fin` (receiveuntil) says the
+-- data ended at the pattern.
+local function recv(id, mode, n, pat, patlen)
+  local rc = C_recv(id, mode, n, pat, patlen, 0, rbuf, rcap, outlen)
+  while true do
+    if rc >= 0 then
+      if rc == 2 then return nil end
+      local data = ffi_string(rbuf, outlen[0])
+      if rc == 1 then return data, nil, nil, true end
+      return data
+    end
+    if rc == AGAIN then
+      wait(PENDING)
+    elseif rc == E_NEED then
+      grow(outlen[0])
+    else
+      break
+    end
+    rc = C_recv(id, mode, n, pat, patlen, 1, rbuf, rcap, outlen)
+  end
+  if rc == E_BUSY then return nil, "socket busy reading" end
+  local err = errtext(id, rc)
+  if err then
+    -- The partial data is in the buffer when the error came with some.
+    return nil, err, ffi_string(rbuf, outlen[0])
+  end
+  raise(rc, "receive")
+end
 
 -- pattern: "*l" (default: a line, CR/LF dropped), "*a" (until closed), or a byte count
 function Sock.receive(self, pattern)
-  if type(pattern) == "string" and pattern ~= "*l" and pattern ~= "*a" then
-    local n = tonumber(pattern)
-    if not n then argerr(1, "receive", "bad pattern argument: " .. pattern) end
-    pattern = n
-  end
-  return n_receive(self.id, pattern)
+  if pattern == nil or pattern == "*l" then return recv(self.id, LINE, 0, nil, 0) end
+  if pattern == "*a" then return recv(self.id, ALL, 0, nil, 0) end
+  local n = tonumber(pattern)
+  if not n then argerr(1, "receive", "bad pattern argument: " .. tostring(pattern)) end
+  if not (n >= 0) then argerr(1, "receive", "bad pattern argument") end
+  return recv(self.id, SIZE, n, nil, 0)
 end
 
 -- At most max bytes, whatever arrives first.
 function Sock.receiveany(self, max)
   local n = tonumber(max)
   if not n or not (n >= 1) then argerr(1, "receiveany", "bad max argument") end
-  return n_any(self.id, n)
+  return recv(self.id, ANY, n, nil, 0)
 end
 
 -- An iterator reading up to (and consuming) `pattern`; opts.inclusive
@@ -105,17 +264,18 @@ function Sock.receiveuntil(self, pattern, opts)
   local tp = type(pattern)
   if tp == "number" then pattern = tostring(pattern)
   elseif tp ~= "string" then argerr(1, "receiveuntil", "string expected, got " .. tp) end
-  local inclusive = false
+  local mode = UNTIL
   if opts ~= nil then
     if type(opts) ~= "table" then argerr(2, "receiveuntil", "table expected, got " .. type(opts)) end
     local v = opts.inclusive
     if v ~= nil then
       if type(v) ~= "boolean" then error('bad "inclusive" option value type: ' .. type(v), 2) end
-      inclusive = v
+      if v then mode = UNTIL_INCL end
     end
   end
   if #pattern == 0 then return nil, "pattern is empty" end
   local done = false
+  local plen = #pattern
   -- The iterator holds the object (not just its id), so the socket lives
   -- as long as the iterator does.
   return function(size)
@@ -128,7 +288,7 @@ function Sock.receiveuntil(self, pattern, opts)
       n = tonumber(size)
       if not n or not (n >= 0) then error('bad "size" argument', 2) end
     end
-    local data, err, partial, fin = n_until(self.id, pattern, inclusive, n)
+    local data, err, partial, fin = recv(self.id, mode, n, pattern, plen)
     if fin and n > 0 then done = true end
     return data, err, partial
   end
@@ -147,20 +307,38 @@ end
 -- idle_ms: nil = 60 s, 0 = no timeout; pool_size: nil = 30 (used when the
 -- pool is created)
 function Sock.setkeepalive(self, idle_ms, pool_size)
+  local idle, size = NAN, NAN
   if idle_ms ~= nil then
-    local n = tonumber(idle_ms)
-    if not n then argerr(1, "setkeepalive", "number expected, got " .. type(idle_ms)) end
-    idle_ms = n
+    idle = tonumber(idle_ms)
+    if not idle then argerr(1, "setkeepalive", "number expected, got " .. type(idle_ms)) end
+    -- NaN is "not given" to the C side: refuse it (and the other bad
+    -- durations) here, as every duration from Lua is (docs/lua.md).
+    if not (idle >= 0 and idle <= 31536000000) then
+      error("bad argument #1 to 'setkeepalive' (invalid duration " .. tostring(idle) .. " ms)", 2)
+    end
   end
   if pool_size ~= nil then
-    local n = tonumber(pool_size)
-    if not n then argerr(2, "setkeepalive", "number expected, got " .. type(pool_size)) end
-    pool_size = n
+    size = tonumber(pool_size)
+    if not size then argerr(2, "setkeepalive", "number expected, got " .. type(pool_size)) end
+    if not (size >= 1 and size <= 1e9) then error('bad "pool_size" option value: ' .. tostring(size), 2) end
   end
-  return n_keepalive(self.id, idle_ms, pool_size)
+  local id = self.id
+  local rc = C_keepalive(id, idle, size)
+  if rc >= 0 then return 1 end
+  if rc == E_BUSY then return nil, "socket busy" end
+  local err = errtext(id, rc)
+  if err then return nil, err end
+  raise(rc, "setkeepalive")
 end
 
-function Sock.getreusedtimes(self) return n_reused(self.id) end
+function Sock.getreusedtimes(self)
+  local id = self.id
+  local rc = C_reused(id)
+  if rc >= 0 then return rc end
+  if rc == E_CLOSED then return nil, "closed" end
+  raise(rc, "getreusedtimes")
+end
+
 function Sock.close(self) return n_close(self.id) end
 
 local OPTIONS = { keepalive = 1, reuseaddr = 2, ["tcp-nodelay"] = 3, sndbuf = 4, rcvbuf = 5 }

@@ -20,6 +20,7 @@ mod tcp;
 mod udp;
 
 pub(crate) use pool::idle_count;
+pub(crate) use tcp::sock_api_addr;
 /// A request or timer run ended: its cosockets close, its semaphore waits end.
 pub(crate) fn free_owner(owner: u64) {
     tcp::free_owner(owner);

@@ -192,7 +192,7 @@ impl Spool {
     }
 
     /// An idle connection still open, most recent first.
-    fn take_idle(&self) -> Option<(Conn, Counted, u32)> {
+    pub(super) fn take_idle(&self) -> Option<(Conn, Counted, u32)> {
         let now = Instant::now();
         loop {
             // Pop under the borrow, drop a dead one after it.

@@ -17,11 +17,15 @@ use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Buf, BytesMut};
+use bytes::BytesMut;
 use mlua::{IntoLuaMulti, Lua, LuaString, MultiValue, Value};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
 use tokio_rustls::client::TlsStream;
+
+mod fast;
+
+pub(crate) use fast::sock_api_addr;
 
 use super::pool::{self, Acquired, Counted, Spool};
 use super::udp::UdpSock;
@@ -156,21 +160,14 @@ pub(crate) struct TcpSock {
     /// the delimiter, or `*a` on an endless stream, cannot grow the buffer
     /// without bound.
     max_buf: usize,
+    /// The fast path's operation in progress (`fast.rs`).
+    op: fast::OpState,
 }
 
 type Ret = mlua::Result<MultiValue>;
 
 fn fail(lua: &Lua, err: &str) -> Ret {
     (Value::Nil, lua.create_string(err)?).into_lua_multi(lua)
-}
-
-fn fail3(lua: &Lua, err: &str, partial: &[u8]) -> Ret {
-    (
-        Value::Nil,
-        lua.create_string(err)?,
-        lua.create_string(partial)?,
-    )
-        .into_lua_multi(lua)
 }
 
 fn ok1(lua: &Lua) -> Ret {
@@ -192,6 +189,7 @@ impl TcpSock {
             reused: 0,
             peer_ip: None,
             max_buf,
+            op: fast::OpState::default(),
         }
     }
 
@@ -200,221 +198,6 @@ impl TcpSock {
         self.conn = None;
         self.slot = None;
         self.buf.clear();
-    }
-
-    /// Reads more into `buf`: Ok(false) on EOF.
-    async fn fill(&mut self) -> Result<bool, Cow<'static, str>> {
-        let Some(s) = self.conn.as_mut() else {
-            return Err("closed".into());
-        };
-        let room = self.max_buf.saturating_sub(self.buf.len());
-        if room == 0 {
-            return Err(TOO_LARGE.into());
-        }
-        self.buf.reserve(room.min(8192));
-        // Never read past the bound (`read_buf` fills all spare capacity).
-        let mut limited = (&mut *s).take(room as u64);
-        match tokio::time::timeout(self.read_timeout, limited.read_buf(&mut self.buf)).await {
-            Err(_) => Err("timeout".into()),
-            Ok(Err(e)) => Err(io_err(&e)),
-            Ok(Ok(0)) => Ok(false),
-            Ok(Ok(_)) => Ok(true),
-        }
-    }
-
-    /// A failed read: the partial data is consumed and returned; any error
-    /// but a timeout closes the connection (ngx_lua).
-    fn read_failed(&mut self, lua: &Lua, e: Cow<'static, str>, strip_cr: bool) -> Ret {
-        if e == TOO_LARGE {
-            return Err(too_large(self));
-        }
-        let r = if strip_cr && memchr::memchr(b'\r', &self.buf).is_some() {
-            let v: Vec<u8> = self.buf.iter().copied().filter(|&b| b != b'\r').collect();
-            fail3(lua, &e, &v)
-        } else {
-            fail3(lua, &e, &self.buf)
-        };
-        self.buf.clear();
-        if e != "timeout" {
-            self.close_conn();
-        }
-        r
-    }
-
-    /// `*l`: a line without its LF; CRs are dropped (as ngx_lua does).
-    async fn read_line(&mut self, lua: &Lua) -> Ret {
-        let mut scanned = 0;
-        loop {
-            if let Some(i) = memchr::memchr(b'\n', &self.buf[scanned..]) {
-                let mut line = &self.buf[..scanned + i];
-                // The usual CRLF: no copy.
-                if let Some(l) = line.strip_suffix(b"\r") {
-                    line = l;
-                }
-                let s = if memchr::memchr(b'\r', line).is_some() {
-                    let v: Vec<u8> = line.iter().copied().filter(|&b| b != b'\r').collect();
-                    lua.create_string(&v)?
-                } else {
-                    lua.create_string(line)?
-                };
-                self.buf.advance(scanned + i + 1);
-                return s.into_lua_multi(lua);
-            }
-            scanned = self.buf.len();
-            match self.fill().await {
-                Ok(true) => {}
-                Ok(false) => return self.read_failed(lua, "closed".into(), true),
-                Err(e) => return self.read_failed(lua, e, true),
-            }
-        }
-    }
-
-    async fn read_all(&mut self, lua: &Lua) -> Ret {
-        loop {
-            match self.fill().await {
-                Ok(true) => {}
-                Ok(false) => {
-                    let s = lua.create_string(&self.buf)?;
-                    self.buf.clear();
-                    return s.into_lua_multi(lua);
-                }
-                Err(e) => return self.read_failed(lua, e, false),
-            }
-        }
-    }
-
-    async fn read_n(&mut self, lua: &Lua, n: usize) -> Ret {
-        while self.buf.len() < n {
-            match self.fill().await {
-                Ok(true) => {}
-                Ok(false) => return self.read_failed(lua, "closed".into(), false),
-                Err(e) => return self.read_failed(lua, e, false),
-            }
-        }
-        let s = lua.create_string(&self.buf[..n])?;
-        self.buf.advance(n);
-        s.into_lua_multi(lua)
-    }
-
-    async fn read_any(&mut self, lua: &Lua, max: usize) -> Ret {
-        if self.buf.is_empty() {
-            match self.fill().await {
-                Ok(true) => {}
-                Ok(false) => return self.read_failed(lua, "closed".into(), false),
-                Err(e) => return self.read_failed(lua, e, false),
-            }
-        }
-        let n = max.min(self.buf.len());
-        let s = lua.create_string(&self.buf[..n])?;
-        self.buf.advance(n);
-        s.into_lua_multi(lua)
-    }
-
-    /// `receiveuntil`'s iterator: the data before `pat` (with it when
-    /// `inclusive`), or with `size` at most `size` bytes of it per call.
-    /// A 4th result `true` says this piece ends at the pattern.
-    async fn read_until(&mut self, lua: &Lua, pat: &[u8], inclusive: bool, size: usize) -> Ret {
-        let mut scanned = 0;
-        loop {
-            if let Some(i) = memchr::memmem::find(&self.buf[scanned..], pat) {
-                let i = scanned + i;
-                let end = if inclusive { i + pat.len() } else { i };
-                if size == 0 || end <= size {
-                    if end == 0 && size != 0 {
-                        // Sized reads: nothing before the pattern, done.
-                        self.buf.advance(pat.len());
-                        return Value::Nil.into_lua_multi(lua);
-                    }
-                    let s = lua.create_string(&self.buf[..end])?;
-                    self.buf.advance(i + pat.len());
-                    return (s, Value::Nil, Value::Nil, true).into_lua_multi(lua);
-                }
-                if i > 0 {
-                    // The data before the pattern, in pieces of `size`.
-                    let n = i.min(size);
-                    let s = lua.create_string(&self.buf[..n])?;
-                    self.buf.advance(n);
-                    return s.into_lua_multi(lua);
-                }
-                // Inclusive, a pattern longer than `size`: it comes whole.
-                let s = lua.create_string(&self.buf[..pat.len()])?;
-                self.buf.advance(pat.len());
-                return (s, Value::Nil, Value::Nil, true).into_lua_multi(lua);
-            }
-            // Bytes that cannot start a match are data.
-            let safe = self.buf.len().saturating_sub(pat.len() - 1);
-            if size != 0 && safe >= size {
-                let s = lua.create_string(&self.buf[..size])?;
-                self.buf.advance(size);
-                return s.into_lua_multi(lua);
-            }
-            scanned = safe;
-            match self.fill().await {
-                Ok(true) => {}
-                Ok(false) => return self.read_failed(lua, "closed".into(), false),
-                Err(e) => return self.read_failed(lua, e, false),
-            }
-        }
-    }
-
-    async fn send(&mut self, lua: &Lua, data: &Value) -> Ret {
-        if self.conn.is_none() {
-            return fail(lua, "closed");
-        }
-        let mut num = itoa::Buffer::new();
-        let mut wbuf = std::mem::take(&mut self.wbuf);
-        wbuf.clear();
-        // Strings go out as they are; anything else is flattened into `wbuf`.
-        let s;
-        let bytes: &[u8] = match data {
-            Value::String(v) => {
-                s = v.as_bytes();
-                &s
-            }
-            Value::Table(_) => {
-                flatten(lua, data, &mut wbuf, 0, self.max_buf)?;
-                &wbuf
-            }
-            _ => match scalar(lua, data, &mut num)? {
-                Some(Scalar::Static(b)) => b,
-                Some(Scalar::Num(b)) => b,
-                Some(Scalar::Lua(v)) => {
-                    wbuf.extend_from_slice(&v.as_bytes());
-                    &wbuf
-                }
-                None => {
-                    return Err(mlua::Error::runtime(format!(
-                        "bad argument #1 to 'send' (string, number, boolean, nil, or array table expected, got {})",
-                        data.type_name()
-                    )))
-                }
-            },
-        };
-        let n = bytes.len();
-        let r = if n == 0 {
-            Ok(Ok(()))
-        } else {
-            let Some(c) = self.conn.as_mut() else {
-                return fail(lua, "closed");
-            };
-            tokio::time::timeout(self.send_timeout, async {
-                c.write_all(bytes).await?;
-                c.flush().await
-            })
-            .await
-        };
-        if wbuf.capacity() > KEEP_WBUF {
-            wbuf = Vec::new();
-        }
-        self.wbuf = wbuf;
-        match r {
-            Ok(Ok(())) => (n as i64).into_lua_multi(lua),
-            Ok(Err(e)) => {
-                self.close_conn();
-                fail(lua, &io_err(&e))
-            }
-            Err(_) => fail(lua, "timeout"),
-        }
     }
 }
 
@@ -504,17 +287,6 @@ pub(super) fn flatten(
         }
     }
     Ok(())
-}
-
-/// The Lua error for a full receive buffer; the connection is closed (its
-/// state is unknown) and the buffer released.
-fn too_large(sock: &mut TcpSock) -> mlua::Error {
-    sock.close_conn();
-    sock.buf = BytesMut::new();
-    mlua::Error::runtime(format!(
-        "receive buffer full: more than {} bytes (lua.socket_buffer)",
-        sock.max_buf
-    ))
 }
 
 // === connecting ===
@@ -701,18 +473,20 @@ impl TcpSock {
         }
     }
 
-    fn setkeepalive(&mut self, lua: &Lua, idle: Duration, size: usize) -> Ret {
+    /// Puts the connection in its pool (`setkeepalive`); the socket is
+    /// then closed. Errors as ngx_lua words them.
+    fn keepalive(&mut self, idle: Duration, size: usize) -> Result<(), Cow<'static, str>> {
         let Some(mut conn) = self.conn.take() else {
-            return fail(lua, "closed");
+            return Err("closed".into());
         };
         if !self.buf.is_empty() {
             // Unread data: the connection's state is unknown, close it.
             self.close_conn();
-            return fail(lua, "unread data in buffer");
+            return Err("unread data in buffer".into());
         }
         if !conn.still_open() {
             self.close_conn();
-            return fail(lua, "invalid connection");
+            return Err("invalid connection".into());
         }
         let spool = match self.spool.take() {
             Some(s) => Some(s),
@@ -726,7 +500,7 @@ impl TcpSock {
             // Too many pools on this thread: the connection just closes.
             None => self.close_conn(),
         }
-        ok1(lua)
+        Ok(())
     }
 
     async fn sslhandshake(&mut self, lua: &Lua, name: Option<LuaString>, verify: bool) -> Ret {
@@ -1152,7 +926,10 @@ fn free_sock(handle: u64) {
             None
         }
     });
-    drop(freed);
+    // After the slab's borrow: closing a connection may wake a queued connect.
+    if let Ok(Some(sock)) = freed {
+        fast::recycle(sock);
+    }
 }
 
 /// Frees every socket of `owner` (a request ended, a timer run returned).
@@ -1174,12 +951,31 @@ pub(crate) fn free_owner(owner: u64) {
         }
         freed
     });
-    drop(freed);
+    for sock in freed.unwrap_or_default() {
+        fast::recycle(sock);
+    }
 }
 
 /// The socket `handle`, if it is still that socket and belongs to the
 /// request (or timer run) now running.
 pub(super) fn lookup(handle: u64) -> mlua::Result<Sock> {
+    lookup_raw(handle).map_err(|bad| match bad {
+        Bad::Request => mlua::Error::runtime("bad request"),
+        Bad::Socket => bad_socket(),
+    })
+}
+
+/// Why a handle does not name a usable socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Bad {
+    /// Another request's (or timer run's) socket.
+    Request,
+    /// Freed: collected, closed with its request, or never a socket.
+    Socket,
+}
+
+/// [`lookup`] without building an error (the FFI fast path).
+pub(super) fn lookup_raw(handle: u64) -> Result<Sock, Bad> {
     let (i, gen) = split(handle);
     let owner = current::get().owner;
     SOCKS.with_borrow(|s| match s.slots.get(i) {
@@ -1189,12 +985,12 @@ pub(super) fn lookup(handle: u64) -> mlua::Result<Sock> {
             sock: Some(sock),
         }) if *g == gen => {
             if *o != owner || owner == 0 {
-                Err(mlua::Error::runtime("bad request"))
+                Err(Bad::Request)
             } else {
                 Ok(sock.clone())
             }
         }
-        _ => Err(bad_socket()),
+        _ => Err(Bad::Socket),
     })
 }
 
@@ -1269,9 +1065,7 @@ pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
     natives.set(
         "tcp_new",
         lua.create_function(|lua, ()| {
-            new_sock(lua, &|l| {
-                Sock::Tcp(Rc::new(RefCell::new(TcpSock::new(l.socket_buffer))))
-            })
+            new_sock(lua, &|l| Sock::Tcp(fast::new_tcp(l.socket_buffer)))
         })?,
     )?;
     natives.set("tcp_free", free_native(lua)?)?;
@@ -1303,89 +1097,6 @@ pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
         )?,
     )?;
     natives.set(
-        "tcp_send",
-        lua.create_async_function(|lua, (id, data): (u64, Value)| async move {
-            with_sock!(id, this, { this.send(&lua, &data).await })
-        })?,
-    )?;
-    natives.set(
-        "tcp_receive",
-        lua.create_async_function(|lua, (id, pattern): (u64, Value)| async move {
-            with_sock!(id, this, {
-                if this.conn.is_none() {
-                    return fail(&lua, "closed");
-                }
-                match &pattern {
-                    Value::Nil => this.read_line(&lua).await,
-                    Value::String(s) if &s.as_bytes()[..] == b"*l" => this.read_line(&lua).await,
-                    Value::String(s) if &s.as_bytes()[..] == b"*a" => this.read_all(&lua).await,
-                    Value::Integer(_) | Value::Number(_) => {
-                        let n = match pattern {
-                            Value::Integer(n) => n as f64,
-                            Value::Number(n) => n,
-                            _ => 0.0,
-                        };
-                        if !(0.0..=this.max_buf as f64).contains(&n) {
-                            return Err(mlua::Error::runtime(
-                                "bad argument #1 to 'receive' (bad pattern argument, or over lua.socket_buffer)",
-                            ));
-                        }
-                        this.read_n(&lua, n as usize).await
-                    }
-                    _ => Err(mlua::Error::runtime(
-                        "bad argument #1 to 'receive' (bad pattern argument)",
-                    )),
-                }
-            })
-        })?,
-    )?;
-    natives.set(
-        "tcp_receiveany",
-        lua.create_async_function(|lua, (id, max): (u64, f64)| async move {
-            // NaN fails the range check too.
-            if max.is_nan() || max < 1.0 {
-                return Err(mlua::Error::runtime(
-                    "bad argument #1 to 'receiveany' (bad max argument)",
-                ));
-            }
-            with_sock!(id, this, {
-                if this.conn.is_none() {
-                    return fail(&lua, "closed");
-                }
-                let max = if max >= this.max_buf as f64 {
-                    this.max_buf
-                } else {
-                    max as usize
-                };
-                this.read_any(&lua, max).await
-            })
-        })?,
-    )?;
-    natives.set(
-        "tcp_receiveuntil",
-        lua.create_async_function(
-            |lua, (id, pat, inclusive, size): (u64, LuaString, bool, f64)| async move {
-                let pat = pat.as_bytes();
-                if pat.is_empty() || size.is_nan() || size < 0.0 {
-                    return Err(mlua::Error::runtime(
-                        "bad argument to receiveuntil's iterator (empty pattern or bad size)",
-                    ));
-                }
-                with_sock!(id, this, {
-                    if this.conn.is_none() {
-                        return fail(&lua, "closed");
-                    }
-                    let size = if size >= this.max_buf as f64 {
-                        this.max_buf
-                    } else {
-                        size as usize
-                    };
-                    this.read_until(&lua, &pat, inclusive, size).await
-                })
-            },
-        )?,
-    )?;
-    natives.set(
         "tcp_settimeouts",
         lua.create_function(|_, (id, c, s, r): (u64, f64, f64, f64)| {
             with_sock!(id, this, {
@@ -1393,43 +1104,6 @@ pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
                 this.send_timeout = ms_or(s, DEFAULT_TIMEOUT, "bad timeout")?;
                 this.read_timeout = ms_or(r, DEFAULT_TIMEOUT, "bad timeout")?;
                 Ok(())
-            })
-        })?,
-    )?;
-    natives.set(
-        "tcp_setkeepalive",
-        lua.create_function(
-            |lua, (id, idle_ms, size): (u64, Option<f64>, Option<f64>)| {
-                // nil: 60 s; 0: never expires (ngx_lua).
-                let idle = match idle_ms {
-                    None => DEFAULT_TIMEOUT,
-                    Some(ms) => ms_or(
-                        ms,
-                        Duration::from_secs_f64(crate::limits::MAX_DURATION_SECS),
-                        "bad argument #1 to 'setkeepalive'",
-                    )?,
-                };
-                let size = match size {
-                    None => DEFAULT_POOL_SIZE,
-                    Some(n) if (1.0..=1e9).contains(&n) => n as usize,
-                    Some(n) => {
-                        return Err(mlua::Error::runtime(format!(
-                            "bad \"pool_size\" option value: {n}"
-                        )))
-                    }
-                };
-                with_sock!(id, this, { this.setkeepalive(lua, idle, size) })
-            },
-        )?,
-    )?;
-    natives.set(
-        "tcp_reused",
-        lua.create_function(|lua, id: u64| {
-            with_sock!(id, this, {
-                if this.conn.is_none() {
-                    return fail(lua, "closed");
-                }
-                this.reused.into_lua_multi(lua)
             })
         })?,
     )?;

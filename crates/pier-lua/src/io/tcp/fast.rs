@@ -1,0 +1,830 @@
+//! The cosocket fast path: `send`, `receive*`, `setkeepalive`,
+//! `getreusedtimes` and connects served from a pool, as `extern "C"`
+//! functions reached through the LuaJIT FFI like the rest of the API,
+//! instead of mlua async functions (which box a future and build result
+//! values on every call: the malloc/free and GC work seen in profiles).
+//!
+//! A call tries its operation at once, against the socket's buffer and the
+//! connection, polling with the waker of the task that runs the hook
+//! (`current::with_waker`). When it cannot finish it arms the socket's
+//! deadline and returns [`AGAIN`]; the Lua wrapper (`lua/pier/socket.lua`)
+//! then yields mlua's pending marker, the task sleeps until the connection
+//! or the deadline wakes it, and the wrapper calls again with `retry` set.
+//! Nothing is allocated per call in steady state: results are copied into
+//! the caller's buffer, and each socket's buffers and timer are reused, as
+//! are the sockets themselves (see `recycle`).
+//!
+//! Every function follows the FFI conventions of `crate::ffi` (status as
+//! an `int`, panics caught, every pointer argument NULL or valid for the
+//! call: "the ffi contract").
+
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::future::Future;
+use std::os::raw::{c_char, c_int};
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, BufMut};
+use tokio::io::AsyncWrite;
+use tokio::time::{Instant, Sleep};
+
+use super::{lookup_raw, pool, Bad, Sock, TcpSock, KEY, TOO_LARGE};
+use crate::current;
+use crate::ffi::{arg, guard, put, E_PHASE};
+use crate::phase::mask;
+
+/// Would block: yield the pending marker, then call again with `retry`.
+pub(crate) const AGAIN: c_int = -11;
+const E_TIMEOUT: c_int = -20;
+const E_CLOSED: c_int = -21;
+/// Another error: its text from `errmsg`.
+const E_IO: c_int = -22;
+const E_BADSOCK: c_int = -23;
+const E_BADREQ: c_int = -24;
+/// Another coroutine is reading (or writing) this socket.
+const E_BUSY: c_int = -25;
+/// The receive buffer or a send reached `[lua] socket_buffer`: raised.
+const E_TOOLARGE: c_int = -26;
+/// The result is larger than the caller's buffer: its size is in `*outlen`.
+const E_NEED: c_int = -27;
+
+/// `recv` modes.
+const LINE: c_int = 0;
+const ALL: c_int = 1;
+const SIZE: c_int = 2;
+const ANY: c_int = 3;
+const UNTIL: c_int = 4;
+const UNTIL_INCLUSIVE: c_int = 5;
+
+/// `recv` results besides errors: data, data ending at the pattern
+/// (`receiveuntil`), and "nothing" (a sized `receiveuntil` at the pattern).
+const OK: c_int = 0;
+const FIN: c_int = 1;
+const NOTHING: c_int = 2;
+
+/// `send` flags: append to the socket's send buffer without I/O, or go on
+/// with a send that returned [`AGAIN`].
+const APPEND: c_int = 1;
+const RETRY: c_int = 2;
+
+/// The state of the operation in progress, kept across `AGAIN`s.
+#[derive(Default)]
+pub(super) struct OpState {
+    reading: bool,
+    writing: bool,
+    /// Bytes of `buf` already searched for the delimiter.
+    scanned: usize,
+    /// The running operation's timer is armed.
+    armed: bool,
+    /// Taken from this thread's spare timers the first time the socket
+    /// waits; given back when the socket is recycled.
+    sleep: Option<Pin<Box<Sleep>>>,
+    /// A finished receive whose result did not fit the caller's buffer and
+    /// cannot be computed again (an error with partial data): its code.
+    parked: Option<c_int>,
+    /// Result bytes that are not a slice of `buf` (CRs dropped, parked).
+    scratch: Vec<u8>,
+    /// The text of the last [`E_IO`].
+    err: Cow<'static, str>,
+    /// Flushed bytes of `wbuf`, and the size of the send in progress.
+    wpos: usize,
+    wtotal: usize,
+}
+
+thread_local! {
+    /// Spare timers and recycled sockets (bounded): a request that opens a
+    /// socket per request (lua-resty-redis does) allocates none of them.
+    static SPARE_SLEEPS: RefCell<Vec<Pin<Box<Sleep>>>> = const { RefCell::new(Vec::new()) };
+    static SPARE_SOCKS: RefCell<Vec<Rc<RefCell<TcpSock>>>> = const { RefCell::new(Vec::new()) };
+}
+const MAX_SPARE: usize = 256;
+/// Receive buffers larger than this are not kept by a recycled socket.
+const KEEP_RBUF: usize = 64 << 10;
+
+/// A socket for `tcp_new`: a recycled one if there is one.
+pub(super) fn new_tcp(max_buf: usize) -> Rc<RefCell<TcpSock>> {
+    if let Some(s) = SPARE_SOCKS.with_borrow_mut(Vec::pop) {
+        if let Ok(mut t) = s.try_borrow_mut() {
+            t.max_buf = max_buf;
+        }
+        return s;
+    }
+    Rc::new(RefCell::new(TcpSock::new(max_buf)))
+}
+
+/// Takes a freed socket back for reuse (its connection, if any, closes).
+pub(super) fn recycle(sock: Sock) {
+    let Sock::Tcp(rc) = sock else {
+        return;
+    };
+    if Rc::strong_count(&rc) != 1 {
+        return;
+    }
+    {
+        let Ok(mut t) = rc.try_borrow_mut() else {
+            return;
+        };
+        t.close_conn();
+        t.spool = None;
+        t.key = None;
+        if t.buf.capacity() > KEEP_RBUF {
+            t.buf = bytes::BytesMut::new();
+        }
+        t.wbuf.clear();
+        t.connect_timeout = super::DEFAULT_TIMEOUT;
+        t.send_timeout = super::DEFAULT_TIMEOUT;
+        t.read_timeout = super::DEFAULT_TIMEOUT;
+        t.reused = 0;
+        t.peer_ip = None;
+        let op = &mut t.op;
+        op.reading = false;
+        op.writing = false;
+        op.scanned = 0;
+        op.armed = false;
+        op.parked = None;
+        op.scratch.clear();
+        op.wpos = 0;
+        op.wtotal = 0;
+    }
+    let _ = SPARE_SOCKS.try_with(|s| {
+        if let Ok(mut s) = s.try_borrow_mut() {
+            if s.len() < MAX_SPARE {
+                s.push(rc);
+            }
+        }
+    });
+}
+
+impl Drop for OpState {
+    fn drop(&mut self) {
+        if let Some(t) = self.sleep.take() {
+            let _ = SPARE_SLEEPS.try_with(|s| {
+                if let Ok(mut s) = s.try_borrow_mut() {
+                    if s.len() < MAX_SPARE {
+                        s.push(t);
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// Runs `f` on the TCP socket `h` names, if the current request owns it.
+fn with_tcp(h: f64, f: impl FnOnce(&mut TcpSock) -> c_int) -> c_int {
+    // A handle is below 2^53 (see `INDEX_BITS`); anything else is no socket.
+    if !(0.0..9.007_199_254_740_992e15).contains(&h) {
+        return E_BADSOCK;
+    }
+    let rc = match lookup_raw(h as u64) {
+        Ok(Sock::Tcp(s)) => s,
+        Ok(Sock::Udp(_)) | Err(Bad::Socket) => return E_BADSOCK,
+        Err(Bad::Request) => return E_BADREQ,
+    };
+    let Ok(mut s) = rc.try_borrow_mut() else {
+        return E_BUSY;
+    };
+    guard(|| f(&mut s))
+}
+
+/// Where a receive's result is.
+enum Src {
+    Buf(usize, usize),
+    Scratch,
+}
+
+/// What happens to the buffer once the result is delivered.
+enum After {
+    Advance(usize),
+    Clear,
+    ClearClose,
+}
+
+struct Outcome {
+    code: c_int,
+    src: Src,
+    after: After,
+}
+
+impl TcpSock {
+    /// Reads more into `buf` without waiting; `Ready(Ok(false))` at EOF.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<Result<bool, Cow<'static, str>>> {
+        let Some(c) = self.conn.as_mut() else {
+            return Poll::Ready(Err("closed".into()));
+        };
+        let room = self.max_buf.saturating_sub(self.buf.len());
+        if room == 0 {
+            return Poll::Ready(Err(TOO_LARGE.into()));
+        }
+        self.buf.reserve(room.min(8192));
+        // Never past the bound (a read fills all spare capacity).
+        let mut limited = (&mut self.buf).limit(room);
+        match tokio_util::io::poll_read_buf(Pin::new(c), cx, &mut limited) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err(e)) => Poll::Ready(Err(super::io_err(&e))),
+            Poll::Ready(Ok(0)) => Poll::Ready(Ok(false)),
+            Poll::Ready(Ok(_)) => Poll::Ready(Ok(true)),
+        }
+    }
+
+    /// Arms the operation's deadline the first time it waits; true once it
+    /// has passed. The timer is registered with `cx` either way.
+    fn timed_out(&mut self, cx: &mut Context<'_>, timeout: std::time::Duration) -> bool {
+        let op = &mut self.op;
+        if !op.armed {
+            let deadline = Instant::now() + timeout;
+            match op.sleep.as_mut() {
+                Some(t) => t.as_mut().reset(deadline),
+                None => {
+                    op.sleep = Some(match SPARE_SLEEPS.with_borrow_mut(Vec::pop) {
+                        Some(mut t) => {
+                            t.as_mut().reset(deadline);
+                            t
+                        }
+                        None => Box::pin(tokio::time::sleep_until(deadline)),
+                    })
+                }
+            }
+            op.armed = true;
+        }
+        match op.sleep.as_mut() {
+            Some(t) => t.as_mut().poll(cx).is_ready(),
+            None => false,
+        }
+    }
+
+    /// The receive `mode` from what is buffered, if it can end now.
+    fn complete(&mut self, mode: c_int, n: usize, pat: &[u8]) -> Option<Outcome> {
+        let len = self.buf.len();
+        match mode {
+            LINE => {
+                let from = self.op.scanned.min(len);
+                let Some(i) = memchr::memchr(b'\n', &self.buf[from..]) else {
+                    self.op.scanned = len;
+                    return None;
+                };
+                let end = from + i;
+                let mut line_end = end;
+                if line_end > 0 && self.buf[line_end - 1] == b'\r' {
+                    line_end -= 1;
+                }
+                // CRs inside a line are dropped too (ngx_lua), at a copy's cost.
+                let src = if memchr::memchr(b'\r', &self.buf[..line_end]).is_some() {
+                    self.op.scratch.clear();
+                    let buf = &self.buf[..line_end];
+                    self.op.scratch.extend(buf.iter().filter(|&&b| b != b'\r'));
+                    Src::Scratch
+                } else {
+                    Src::Buf(0, line_end)
+                };
+                Some(Outcome {
+                    code: OK,
+                    src,
+                    after: After::Advance(end + 1),
+                })
+            }
+            ALL => None,
+            SIZE => (len >= n).then_some(Outcome {
+                code: OK,
+                src: Src::Buf(0, n),
+                after: After::Advance(n),
+            }),
+            ANY => (len > 0).then(|| {
+                let k = n.min(len);
+                Outcome {
+                    code: OK,
+                    src: Src::Buf(0, k),
+                    after: After::Advance(k),
+                }
+            }),
+            _ => self.complete_until(n, pat, mode == UNTIL_INCLUSIVE),
+        }
+    }
+
+    /// `receiveuntil`'s iterator step: the data before `pat` (with it when
+    /// `inclusive`), or at most `size` bytes of it when `size` > 0.
+    fn complete_until(&mut self, size: usize, pat: &[u8], inclusive: bool) -> Option<Outcome> {
+        let len = self.buf.len();
+        let from = self.op.scanned.min(len);
+        if let Some(i) = memchr::memmem::find(&self.buf[from..], pat) {
+            let i = from + i;
+            let end = if inclusive { i + pat.len() } else { i };
+            if size == 0 || end <= size {
+                if end == 0 && size != 0 {
+                    // Sized reads: nothing before the pattern, done.
+                    return Some(Outcome {
+                        code: NOTHING,
+                        src: Src::Buf(0, 0),
+                        after: After::Advance(pat.len()),
+                    });
+                }
+                return Some(Outcome {
+                    code: FIN,
+                    src: Src::Buf(0, end),
+                    after: After::Advance(i + pat.len()),
+                });
+            }
+            if i > 0 {
+                // The data before the pattern, in pieces of `size`.
+                let k = i.min(size);
+                return Some(Outcome {
+                    code: OK,
+                    src: Src::Buf(0, k),
+                    after: After::Advance(k),
+                });
+            }
+            // Inclusive, a pattern longer than `size`: it comes whole.
+            return Some(Outcome {
+                code: FIN,
+                src: Src::Buf(0, pat.len()),
+                after: After::Advance(pat.len()),
+            });
+        }
+        // Bytes that cannot start a match are data.
+        let safe = len.saturating_sub(pat.len() - 1);
+        if size != 0 && safe >= size {
+            return Some(Outcome {
+                code: OK,
+                src: Src::Buf(0, size),
+                after: After::Advance(size),
+            });
+        }
+        self.op.scanned = safe;
+        None
+    }
+
+    /// A receive that failed with `code`: the buffered data is its partial
+    /// result (CRs dropped for `*l`); any error but a timeout closes.
+    fn failed(&mut self, code: c_int, mode: c_int) -> Outcome {
+        let src = if mode == LINE && memchr::memchr(b'\r', &self.buf).is_some() {
+            self.op.scratch.clear();
+            let buf = &self.buf[..];
+            self.op.scratch.extend(buf.iter().filter(|&&b| b != b'\r'));
+            Src::Scratch
+        } else {
+            Src::Buf(0, self.buf.len())
+        };
+        Outcome {
+            code,
+            src,
+            after: if code == E_TIMEOUT {
+                After::Clear
+            } else {
+                After::ClearClose
+            },
+        }
+    }
+
+    /// Copies the outcome's bytes to `(out, cap)`, or reports their size
+    /// ([`E_NEED`]): a success is then computed again by the next call (the
+    /// buffer is left as it is), an error is parked for it.
+    fn deliver(&mut self, o: Outcome, out: *mut c_char, cap: usize, outlen: *mut c_int) -> c_int {
+        let data: &[u8] = match o.src {
+            Src::Buf(a, b) => &self.buf[a..b],
+            Src::Scratch => &self.op.scratch,
+        };
+        let n = data.len();
+        let Ok(n32) = c_int::try_from(n) else {
+            return E_TOOLARGE;
+        };
+        // SAFETY: `outlen` is NULL or writable (the ffi contract).
+        unsafe { put(outlen, n32) };
+        if n > cap || (out.is_null() && n > 0) {
+            if o.code < 0 {
+                if let Src::Buf(a, b) = o.src {
+                    let (buf, scratch) = (&self.buf, &mut self.op.scratch);
+                    scratch.clear();
+                    scratch.extend_from_slice(&buf[a..b]);
+                }
+                self.op.parked = Some(o.code);
+                self.finish_recv(o.after);
+            }
+            return E_NEED;
+        }
+        if n > 0 {
+            // SAFETY: `out` is writable for `cap >= n` bytes (ffi contract)
+            // and does not overlap the socket's buffers.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), out.cast::<u8>(), n) };
+        }
+        self.finish_recv(o.after);
+        o.code
+    }
+
+    fn finish_recv(&mut self, after: After) {
+        match after {
+            After::Advance(k) => self.buf.advance(k),
+            After::Clear => self.buf.clear(),
+            After::ClearClose => self.close_conn(),
+        }
+        self.op.reading = false;
+        self.op.scanned = 0;
+        self.op.armed = false;
+    }
+
+    #[allow(clippy::too_many_arguments)] // the C function's arguments, plus the context
+    fn recv(
+        &mut self,
+        cx: &mut Context<'_>,
+        mode: c_int,
+        n: usize,
+        pat: &[u8],
+        retry: bool,
+        out: *mut c_char,
+        cap: usize,
+        outlen: *mut c_int,
+    ) -> c_int {
+        if let Some(code) = self.op.parked {
+            let n = self.op.scratch.len();
+            let Ok(n32) = c_int::try_from(n) else {
+                return E_TOOLARGE;
+            };
+            // SAFETY: `outlen` is NULL or writable (the ffi contract).
+            unsafe { put(outlen, n32) };
+            if n > cap || (out.is_null() && n > 0) {
+                return E_NEED;
+            }
+            if n > 0 {
+                // SAFETY: `out` is writable for `cap >= n` bytes (ffi contract).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(self.op.scratch.as_ptr(), out.cast::<u8>(), n)
+                };
+            }
+            self.op.parked = None;
+            return code;
+        }
+        if !retry {
+            if self.op.reading {
+                return E_BUSY;
+            }
+            self.op.scanned = 0;
+            self.op.armed = false;
+        }
+        if self.conn.is_none() {
+            self.op.reading = false;
+            // SAFETY: `outlen` is NULL or writable (the ffi contract).
+            unsafe { put(outlen, 0) };
+            return E_CLOSED;
+        }
+        loop {
+            if let Some(o) = self.complete(mode, n, pat) {
+                return self.deliver(o, out, cap, outlen);
+            }
+            match self.poll_fill(cx) {
+                Poll::Ready(Ok(true)) => {}
+                Poll::Ready(Ok(false)) => {
+                    let o = if mode == ALL {
+                        Outcome {
+                            code: OK,
+                            src: Src::Buf(0, self.buf.len()),
+                            after: After::Clear,
+                        }
+                    } else {
+                        self.failed(E_CLOSED, mode)
+                    };
+                    return self.deliver(o, out, cap, outlen);
+                }
+                Poll::Ready(Err(e)) => {
+                    if e == TOO_LARGE {
+                        self.close_conn();
+                        self.buf = bytes::BytesMut::new();
+                        self.op.reading = false;
+                        return E_TOOLARGE;
+                    }
+                    let code = if e == "closed" { E_CLOSED } else { E_IO };
+                    self.op.err = e;
+                    let o = self.failed(code, mode);
+                    return self.deliver(o, out, cap, outlen);
+                }
+                Poll::Pending => {
+                    if self.timed_out(cx, self.read_timeout) {
+                        let o = self.failed(E_TIMEOUT, mode);
+                        return self.deliver(o, out, cap, outlen);
+                    }
+                    self.op.reading = true;
+                    return AGAIN;
+                }
+            }
+        }
+    }
+
+    /// Writes `wbuf[wpos..]` and flushes; the size of the send when done.
+    fn flush_send(&mut self, cx: &mut Context<'_>) -> c_int {
+        loop {
+            let Some(c) = self.conn.as_mut() else {
+                self.end_send();
+                return E_CLOSED;
+            };
+            let r = if self.op.wpos < self.wbuf.len() {
+                match Pin::new(c).poll_write(cx, &self.wbuf[self.op.wpos..]) {
+                    Poll::Ready(Ok(0)) => Poll::Ready(Err(Cow::Borrowed("broken pipe"))),
+                    Poll::Ready(Ok(k)) => {
+                        self.op.wpos += k;
+                        continue;
+                    }
+                    Poll::Ready(Err(e)) => Poll::Ready(Err(super::io_err(&e))),
+                    Poll::Pending => Poll::Pending,
+                }
+            } else {
+                Pin::new(c).poll_flush(cx).map_err(|e| super::io_err(&e))
+            };
+            return match r {
+                Poll::Ready(Ok(())) => {
+                    let total = self.op.wtotal;
+                    self.end_send();
+                    c_int::try_from(total).unwrap_or(c_int::MAX)
+                }
+                Poll::Ready(Err(e)) => {
+                    self.op.err = e;
+                    self.end_send();
+                    self.close_conn();
+                    E_IO
+                }
+                Poll::Pending => {
+                    if self.timed_out(cx, self.send_timeout) {
+                        // The rest is dropped, the connection kept (ngx_lua).
+                        self.end_send();
+                        return E_TIMEOUT;
+                    }
+                    self.op.writing = true;
+                    AGAIN
+                }
+            };
+        }
+    }
+
+    fn end_send(&mut self) {
+        self.wbuf.clear();
+        if self.wbuf.capacity() > super::KEEP_WBUF {
+            self.wbuf = Vec::new();
+        }
+        self.op.wpos = 0;
+        self.op.wtotal = 0;
+        self.op.writing = false;
+        self.op.armed = false;
+    }
+
+    /// A send of `data` (after what was appended), started or continued.
+    fn send(&mut self, cx: &mut Context<'_>, data: &[u8], flags: c_int) -> c_int {
+        if flags & RETRY == 0 {
+            if self.op.writing {
+                return E_BUSY;
+            }
+            if self.conn.is_none() {
+                self.end_send();
+                return E_CLOSED;
+            }
+            self.op.armed = false;
+            self.op.wpos = 0;
+            if self.wbuf.is_empty() && !data.is_empty() {
+                // A string alone: straight from Lua's memory while the
+                // socket takes it.
+                let Some(c) = self.conn.as_mut() else {
+                    return E_CLOSED;
+                };
+                let mut done = 0;
+                while done < data.len() {
+                    match Pin::new(&mut *c).poll_write(cx, &data[done..]) {
+                        Poll::Ready(Ok(0)) => {
+                            self.op.err = "broken pipe".into();
+                            self.close_conn();
+                            return E_IO;
+                        }
+                        Poll::Ready(Ok(k)) => done += k,
+                        Poll::Ready(Err(e)) => {
+                            self.op.err = super::io_err(&e);
+                            self.close_conn();
+                            return E_IO;
+                        }
+                        Poll::Pending => break,
+                    }
+                }
+                self.wbuf.extend_from_slice(&data[done..]);
+                self.op.wpos = 0;
+                self.op.wtotal = data.len();
+            } else {
+                if self.wbuf.len() + data.len() > self.max_buf {
+                    self.end_send();
+                    return E_TOOLARGE;
+                }
+                self.wbuf.extend_from_slice(data);
+                self.op.wtotal = self.wbuf.len();
+            }
+        }
+        self.flush_send(cx)
+    }
+}
+
+/// The polling task's context for `f`, if a hook is being polled in a
+/// phase that may yield.
+fn with_cx(f: impl FnOnce(&mut Context<'_>) -> c_int) -> c_int {
+    if !current::get().allows(mask::YIELD) {
+        return E_PHASE;
+    }
+    current::with_waker(|w| match w {
+        Some(w) => f(&mut Context::from_waker(w)),
+        None => E_PHASE,
+    })
+}
+
+// === the C side ===
+
+#[repr(C)]
+pub(crate) struct SockApi {
+    recv: unsafe extern "C" fn(
+        f64,
+        c_int,
+        f64,
+        *const c_char,
+        usize,
+        c_int,
+        *mut c_char,
+        usize,
+        *mut c_int,
+    ) -> c_int,
+    send: unsafe extern "C" fn(f64, *const c_char, usize, c_int) -> c_int,
+    errmsg: unsafe extern "C" fn(f64, *mut c_char, usize) -> c_int,
+    setkeepalive: unsafe extern "C" fn(f64, f64, f64) -> c_int,
+    reused: unsafe extern "C" fn(f64) -> c_int,
+    connect_pooled:
+        unsafe extern "C" fn(f64, *const c_char, usize, c_int, *const c_char, usize) -> c_int,
+}
+
+static SOCK_API: SockApi = SockApi {
+    recv,
+    send,
+    errmsg,
+    setkeepalive,
+    reused,
+    connect_pooled,
+};
+
+/// The address Lua casts to `const pier_sock_api_t*`.
+pub(crate) fn sock_api_addr() -> usize {
+    &SOCK_API as *const SockApi as usize
+}
+
+/// `receive` (`*l`, `*a`, a size), `receiveany(max)` and `receiveuntil`'s
+/// iterator (`pat`, `inclusive`, `size`): see the module's comment.
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn recv(
+    h: f64,
+    mode: c_int,
+    n: f64,
+    pat: *const c_char,
+    patlen: usize,
+    retry: c_int,
+    out: *mut c_char,
+    cap: usize,
+    outlen: *mut c_int,
+) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let pat = unsafe { arg(pat, patlen) };
+    if !(LINE..=UNTIL_INCLUSIVE).contains(&mode) || (mode >= UNTIL && pat.is_empty()) {
+        return crate::ffi::E_INVAL;
+    }
+    // NaN and negatives are refused by the wrapper; clamp whatever comes.
+    let n = if n.is_nan() || n < 0.0 { 0.0 } else { n };
+    with_cx(|cx| {
+        with_tcp(h, |s| {
+            let n = if n >= s.max_buf as f64 {
+                s.max_buf
+            } else {
+                n as usize
+            };
+            if mode == SIZE && n == 0 {
+                // SAFETY: `outlen` is NULL or writable (the ffi contract).
+                unsafe { put(outlen, 0) };
+                return if s.conn.is_some() { OK } else { E_CLOSED };
+            }
+            s.recv(cx, mode, n, pat, retry != 0, out, cap, outlen)
+        })
+    })
+}
+
+/// `send`: `flags` [`APPEND`] adds `data` to the socket's send buffer
+/// (the pieces of a table), 0 sends it (after what was appended), and
+/// [`RETRY`] goes on after [`AGAIN`]. The bytes sent when done.
+unsafe extern "C" fn send(h: f64, p: *const c_char, n: usize, flags: c_int) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let data = unsafe { arg(p, n) };
+    if flags & APPEND != 0 {
+        return with_tcp(h, |s| {
+            if s.op.writing {
+                return E_BUSY;
+            }
+            if s.wbuf.len() + data.len() > s.max_buf {
+                s.wbuf.clear();
+                return E_TOOLARGE;
+            }
+            s.wbuf.extend_from_slice(data);
+            OK
+        });
+    }
+    if data.len() > c_int::MAX as usize {
+        return E_TOOLARGE;
+    }
+    with_cx(|cx| with_tcp(h, |s| s.send(cx, data, flags)))
+}
+
+/// The text of the socket's last [`E_IO`], copied to `(out, cap)`.
+unsafe extern "C" fn errmsg(h: f64, out: *mut c_char, cap: usize) -> c_int {
+    with_tcp(h, |s| {
+        // SAFETY: `out` is NULL or writable for `cap` bytes (the ffi contract).
+        unsafe { crate::ffi::copy_out(s.op.err.as_bytes(), out, cap) }
+    })
+}
+
+/// `setkeepalive(idle_ms, pool_size)` (NaN: not given; checked by the
+/// wrapper): 1, or an error ([`E_IO`] with its text).
+unsafe extern "C" fn setkeepalive(h: f64, idle_ms: f64, size: f64) -> c_int {
+    with_tcp(h, |s| {
+        if s.op.reading || s.op.writing {
+            return E_BUSY;
+        }
+        // nil: 60 s; 0: never expires (ngx_lua).
+        let idle = if idle_ms.is_nan() {
+            super::DEFAULT_TIMEOUT
+        } else {
+            match crate::limits::duration_from_ms(idle_ms) {
+                Ok(d) if d.is_zero() => {
+                    std::time::Duration::from_secs_f64(crate::limits::MAX_DURATION_SECS)
+                }
+                Ok(d) => d,
+                Err(_) => return crate::ffi::E_DURATION,
+            }
+        };
+        let size = if size.is_nan() {
+            super::DEFAULT_POOL_SIZE
+        } else if (1.0..=1e9).contains(&size) {
+            size as usize
+        } else {
+            return crate::ffi::E_INVAL;
+        };
+        match s.keepalive(idle, size) {
+            Ok(()) => 1,
+            Err(e) if e == "closed" => E_CLOSED,
+            Err(e) => {
+                s.op.err = e;
+                E_IO
+            }
+        }
+    })
+}
+
+/// `getreusedtimes()`.
+unsafe extern "C" fn reused(h: f64) -> c_int {
+    with_tcp(h, |s| {
+        if s.conn.is_none() {
+            return E_CLOSED;
+        }
+        c_int::try_from(s.reused).unwrap_or(c_int::MAX)
+    })
+}
+
+/// `connect` served from an existing pool: 1 with an idle connection of
+/// the pool (`pool`, else `host:port`; `port` < 0 for `unix:`), 0 when
+/// there is none (the wrapper then calls the async connect, which opens
+/// one, or queues with `backlog`).
+unsafe extern "C" fn connect_pooled(
+    h: f64,
+    host: *const c_char,
+    hlen: usize,
+    port: c_int,
+    pool_name: *const c_char,
+    plen: usize,
+) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let (host, pool_name) = unsafe { (arg(host, hlen), arg(pool_name, plen)) };
+    with_tcp(h, |s| {
+        if s.op.reading || s.op.writing {
+            return E_BUSY;
+        }
+        let spool = KEY.with_borrow_mut(|key| {
+            key.clear();
+            if pool_name.is_empty() {
+                key.extend_from_slice(host);
+                if port >= 0 {
+                    key.push(b':');
+                    key.extend_from_slice(itoa::Buffer::new().format(port).as_bytes());
+                }
+            } else {
+                key.extend_from_slice(pool_name);
+            }
+            pool::find(key)
+        });
+        let Some(sp) = spool else {
+            return 0;
+        };
+        let Some((c, slot, reused)) = sp.take_idle() else {
+            return 0;
+        };
+        s.close_conn();
+        s.conn = Some(c);
+        s.slot = Some(slot);
+        s.reused = reused + 1;
+        s.key = Some(sp.key().clone());
+        s.spool = Some(sp);
+        1
+    })
+}
