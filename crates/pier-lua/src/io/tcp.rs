@@ -96,9 +96,20 @@ impl Conn {
     /// peer closed it or broke the protocol. One non-blocking read through
     /// the TLS layer too, so a TLS 1.3 session ticket is not "data".
     pub fn still_open(&mut self) -> bool {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        // No readiness event since the last read that would block: nothing
+        // arrived (no data, no FIN), so no read is needed to know (this is
+        // checked on every pooled connect and every setkeepalive).
+        let quiet = match self {
+            Conn::Tcp(s) => s.poll_read_ready(&mut cx).is_pending(),
+            Conn::Unix(s) => s.poll_read_ready(&mut cx).is_pending(),
+            Conn::TlsTcp(_) | Conn::TlsUnix(_) => false,
+        };
+        if quiet {
+            return true;
+        }
         let mut b = [0u8; 1];
         let mut rb = ReadBuf::new(&mut b);
-        let mut cx = Context::from_waker(std::task::Waker::noop());
         matches!(Pin::new(self).poll_read(&mut cx, &mut rb), Poll::Pending)
     }
 
