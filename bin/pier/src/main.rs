@@ -290,6 +290,17 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
         idle_timeout: cfg.timeouts.upstream_idle,
     });
     let grace = cfg.grace_period;
+    // The control thread's runtime, made now so that host names are
+    // resolved (with the resolver the DNS task goes on using) before the
+    // first request.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("control runtime");
+    if let Err(e) = rt.block_on(seed_names(&mut cfg, None)) {
+        eprintln!("pier: {e}");
+        return ExitCode::from(1);
+    }
     let state = match State::build(cfg, &metrics, 1, None) {
         Ok(mut s) => {
             pier_phases::prepare(&mut s);
@@ -338,10 +349,6 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
         eprintln!("pier:   or write a config (see examples/quickstart.toml, docs/config.md) and run: pier serve -c FILE");
     }
 
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("control runtime");
     let local = tokio::task::LocalSet::new();
     let code = local.block_on(
         &rt,
@@ -393,6 +400,10 @@ async fn control(
         }
     }
     let mut health_stop = start_health(&shared);
+    // Host names re-resolved as their TTLs run out; a changed answer swaps
+    // a group's peers, whose health checkers are then restarted.
+    let (dns_tx, mut dns_rx) = tokio::sync::mpsc::channel(1);
+    tokio::task::spawn_local(pier_proxy::dns::run(shared.clone(), dns_tx));
     let mut generation = 1u64;
     write_ready(&bound, admin_addr, generation);
 
@@ -414,7 +425,7 @@ async fn control(
                     tracing::warn!("SIGHUP: running the embedded config; nothing to reload");
                     continue;
                 };
-                match reload(&shared, p, generation + 1) {
+                match reload(&shared, p, generation + 1).await {
                     Ok(new_grace) => {
                         generation += 1;
                         grace = new_grace;
@@ -425,6 +436,10 @@ async fn control(
                     }
                     Err(e) => tracing::error!("reload refused, old config keeps serving:\n{e}"),
                 }
+            }
+            Some(()) = dns_rx.recv() => {
+                let _ = health_stop.send(true);
+                health_stop = start_health(&shared);
             }
             _ = term.recv() => {
                 tracing::info!("SIGTERM: draining (grace period {grace:?})");
@@ -457,8 +472,22 @@ fn start_health(shared: &Arc<Shared>) -> watch::Sender<bool> {
     tx
 }
 
-fn reload(shared: &Arc<Shared>, path: &Path, generation: u64) -> Result<Duration, String> {
-    let cfg = pier_config::load_file(path).map_err(|e| e.to_string())?;
+/// Fill in the addresses of the servers given by host name (`resolve =
+/// true`): those `prev` has for the same name, else resolved now.
+async fn seed_names(cfg: &mut Config, prev: Option<&State>) -> Result<(), String> {
+    if cfg.upstreams.values().all(|u| u.resolve.is_empty()) {
+        return Ok(());
+    }
+    let dns = pier_proxy::dns::Dns::new(&cfg.resolver)?;
+    pier_proxy::dns::seed(cfg, prev, &dns).await;
+    Ok(())
+}
+
+async fn reload(shared: &Arc<Shared>, path: &Path, generation: u64) -> Result<Duration, String> {
+    let mut cfg = pier_config::load_file(path).map_err(|e| e.to_string())?;
+    let running = shared.state.load_full();
+    seed_names(&mut cfg, Some(&running)).await?;
+    // After the await: the DNS task may have swapped peers meanwhile.
     let old = shared.state.load();
     if cfg.listeners.iter().map(|l| (&l.name, l.addr)).ne(old
         .cfg

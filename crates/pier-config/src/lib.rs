@@ -100,7 +100,7 @@ impl Config {
     pub fn quick(listen: SocketAddr, to: Vec<SocketAddr>, admin: Option<SocketAddr>) -> Config {
         let servers = to
             .into_iter()
-            .map(|addr| UpstreamServer { addr, weight: 1 })
+            .map(|addr| UpstreamServer::new(addr, 1))
             .collect();
         Config::quick_servers(listen, servers, admin)
     }
@@ -124,10 +124,17 @@ impl Config {
             return Err("https origins given by name must share one name (it is the SNI)".into());
         }
         let server_name = names.first().map(|n| n.to_string());
+        // Resolved once, here; the name stays the Host and SNI.
         let servers = to
             .iter()
-            .flat_map(|o| o.addrs.iter())
-            .map(|&addr| UpstreamServer { addr, weight: 1 })
+            .flat_map(|o| {
+                let host: Option<std::sync::Arc<str>> = o.name.as_deref().map(Into::into);
+                o.addrs.iter().map(move |&addr| UpstreamServer {
+                    addr,
+                    weight: 1,
+                    host: host.clone(),
+                })
+            })
             .collect();
         let mut c = Config::quick_servers(listen, servers, admin);
         if https {
@@ -208,6 +215,7 @@ impl Config {
             upgrade: validate::default_upgrade(),
             http2: Http2::default(),
             caches: Vec::new(),
+            resolver: Resolver::default(),
         }
     }
 }

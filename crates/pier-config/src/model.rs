@@ -40,6 +40,34 @@ pub struct Config {
     pub http2: Http2,
     /// `[cache.NAME]` zones.
     pub caches: Vec<CacheZone>,
+    /// `[resolver]`: re-resolution of upstream host names.
+    pub resolver: Resolver,
+}
+
+/// `[resolver]`: how upstream servers given by host name are re-resolved
+/// while running.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resolver {
+    /// DNS servers asked (UDP, then TCP); empty = the system's
+    /// (`/etc/resolv.conf`).
+    pub nameservers: Vec<SocketAddr>,
+    /// Floor and ceiling on a record's TTL: how soon and how late a name is
+    /// asked again.
+    pub min_ttl: Duration,
+    pub max_ttl: Duration,
+    /// One resolution (every query and retry of it) gives up after this.
+    pub timeout: Duration,
+}
+
+impl Default for Resolver {
+    fn default() -> Resolver {
+        Resolver {
+            nameservers: Vec::new(),
+            min_ttl: Duration::from_secs(5),
+            max_ttl: Duration::from_secs(300),
+            timeout: Duration::from_secs(5),
+        }
+    }
 }
 
 /// `[cache.NAME]`: a memory cache zone, shared by every worker.
@@ -360,6 +388,20 @@ pub struct Upstream {
     pub protocol: UpstreamProtocol,
     /// Streams per HTTP/2 connection before another connection is opened.
     pub h2_max_streams: usize,
+    /// Servers given by host name with `resolve = true`: their addresses
+    /// (in `servers`, each with `host` set) are re-resolved while running.
+    /// Validation does not resolve them: whoever builds the running state
+    /// fills `servers` (see pier-proxy's `dns`).
+    pub resolve: Vec<NamedServer>,
+}
+
+/// An upstream server given by host name, re-resolved while running.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct NamedServer {
+    /// Lower-cased host name, no trailing dot.
+    pub host: std::sync::Arc<str>,
+    pub port: u16,
+    pub weight: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -376,6 +418,20 @@ pub enum UpstreamProtocol {
 pub struct UpstreamServer {
     pub addr: SocketAddr,
     pub weight: u32,
+    /// The host name `addr` was resolved from (None for an IP literal): the
+    /// SNI and the Host sent to it.
+    pub host: Option<std::sync::Arc<str>>,
+}
+
+impl UpstreamServer {
+    /// A server given as an IP address.
+    pub fn new(addr: SocketAddr, weight: u32) -> UpstreamServer {
+        UpstreamServer {
+            addr,
+            weight,
+            host: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

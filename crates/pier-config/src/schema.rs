@@ -91,6 +91,15 @@ pub struct SecuritySection {
     pub deny_origins: Option<Vec<Spanned<String>>>,
 }
 
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [resolver] table")]
+pub struct ResolverSection {
+    pub nameservers: Option<Vec<Spanned<String>>>,
+    pub min_ttl: Option<Spanned<String>>,
+    pub max_ttl: Option<Spanned<String>>,
+    pub timeout: Option<Spanned<String>>,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a [demo] table")]
 pub struct DemoSection {
@@ -345,6 +354,7 @@ pub struct UpstreamEntry {
     pub tls: Option<UpstreamTlsSection>,
     pub protocol: Option<Spanned<String>>,
     pub h2_max_streams: Option<Spanned<i64>>,
+    pub resolve: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -470,8 +480,8 @@ impl<'de> Deserialize<'de> for SizeValue {
 
 /// Top-level sections, in the order the docs present them.
 pub const SECTIONS: &[&str] = &[
-    "server", "admin", "log", "limits", "timeouts", "http", "http2", "security", "demo",
-    "listener", "route", "upstream", "lua", "limit", "cache",
+    "server", "admin", "log", "limits", "timeouts", "http", "http2", "security", "resolver",
+    "demo", "listener", "route", "upstream", "lua", "limit", "cache",
 ];
 
 /// A `[upstream.NAME]` entry: its name (with the key's span) and its body,
@@ -494,6 +504,7 @@ pub struct RawFile {
     pub http: Option<HttpSection>,
     pub http2: Option<Http2Section>,
     pub security: Option<SecuritySection>,
+    pub resolver: Option<ResolverSection>,
     pub demo: Option<DemoSection>,
     pub lua: Option<LuaSection>,
     /// Entries that deserialized; `listener_count` counts all of them, so
@@ -532,6 +543,7 @@ pub(crate) fn parse(text: &str) -> Result<(RawFile, Vec<RawError>), RawError> {
             "http" => file.http = section(item, span, &mut errors),
             "http2" => file.http2 = section(item, span, &mut errors),
             "security" => file.security = section(item, span, &mut errors),
+            "resolver" => file.resolver = section(item, span, &mut errors),
             "demo" => file.demo = section(item, span, &mut errors),
             "lua" => file.lua = section(item, span, &mut errors),
             "limit" => {

@@ -1011,6 +1011,7 @@ fn documented_tables() -> Vec<(&'static str, Vec<&'static str>)> {
         ("## `[http]`", fields_of::<HttpSection>()),
         ("## `[http2]`", fields_of::<Http2Section>()),
         ("## `[security]`", fields_of::<SecuritySection>()),
+        ("## `[resolver]`", fields_of::<ResolverSection>()),
         ("## `[demo]`", fields_of::<DemoSection>()),
         ("## `[[listener]]`", fields_of::<ListenerEntry>()),
         ("### `[listener.tls]`", fields_of::<ListenerTlsSection>()),

@@ -84,6 +84,7 @@ impl Upstream {
             tls: None,
             protocol: UpstreamProtocol::Http1,
             h2_max_streams: 100,
+            resolve: Vec::new(),
         }
     }
 }
@@ -273,6 +274,7 @@ pub(crate) fn validate(
     let http2 = http2(&mut c, file.http2.unwrap_or_default());
     let lua = lua_config(&mut c, file.lua.unwrap_or_default(), base);
 
+    let resolver = resolver(&mut c, file.resolver.unwrap_or_default());
     let mut deny_origins = Vec::new();
     for v in file
         .security
@@ -418,6 +420,7 @@ pub(crate) fn validate(
         upgrade,
         http2,
         caches,
+        resolver,
     })
 }
 
@@ -1261,6 +1264,8 @@ fn upstream(
     base: &Path,
 ) -> Upstream {
     let mut servers = Vec::new();
+    let mut resolve_names = Vec::new();
+    let resolve = e.resolve.unwrap_or(true);
     if e.servers.get_ref().is_empty() {
         c.err(
             sp(&e.servers),
@@ -1275,6 +1280,24 @@ fn upstream(
                 sp(&t.addr),
                 c.int(&t.weight, "weight", 1, 1, 1000) as u32,
             ),
+        };
+        // A host name with `resolve` on is resolved while running (pier-proxy's
+        // dns module), not here: `pier check` needs no DNS and a name that
+        // does not resolve yet does not stop the start.
+        if resolve && parse_listen_addr(addr_s).is_err() {
+            match split_host_port(addr_s) {
+                Ok((host, port)) => resolve_names.push(NamedServer {
+                    host: host.into(),
+                    port,
+                    weight,
+                }),
+                Err(msg) => c.err(addr_span, format!("upstream `{name}`: {msg}")),
+            }
+            continue;
+        }
+        let host: Option<std::sync::Arc<str>> = match parse_listen_addr(addr_s) {
+            Ok(_) => None,
+            Err(_) => split_host_port(addr_s).ok().map(|(h, _)| h.into()),
         };
         match resolve_upstream_addr(addr_s) {
             Ok(addrs) => {
@@ -1294,14 +1317,19 @@ fn upstream(
                             ),
                         );
                     }
-                    servers.push(UpstreamServer { addr, weight });
+                    servers.push(UpstreamServer {
+                        addr,
+                        weight,
+                        host: host.clone(),
+                    });
                 }
             }
             Err(msg) => c.err(addr_span, format!("upstream `{name}`: {msg}")),
         }
     }
 
-    let weighted = servers.iter().any(|s| s.weight != 1);
+    let weighted =
+        servers.iter().any(|s| s.weight != 1) || resolve_names.iter().any(|s| s.weight != 1);
     let balance = match &e.balance {
         // Weights given but no balancer named: the user wants them honoured.
         None if weighted => Balance::WeightedRoundRobin,
@@ -1447,6 +1475,64 @@ fn upstream(
             1,
             10_000,
         ) as usize,
+        resolve: resolve_names,
+    }
+}
+
+/// "name:port" of a server to resolve: the host lower-cased, checked to be
+/// a DNS name (letters, digits, `-`, `_`, dots; at most 253 bytes).
+fn split_host_port(s: &str) -> Result<(String, u16), String> {
+    // Not even HOST:PORT: the address parser says what is expected.
+    let bad = || parse_listen_addr(s).err().unwrap_or_default();
+    let (host, port) = s.rsplit_once(':').ok_or_else(bad)?;
+    let port: u16 = port.parse().map_err(|_| bad())?;
+    let host = host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase();
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    };
+    if host.is_empty() || host.len() > 253 || !host.split('.').all(label_ok) {
+        return Err(format!("invalid server {s:?}: {host:?} is not a host name"));
+    }
+    Ok((host, port))
+}
+
+fn resolver(c: &mut Check, r: ResolverSection) -> Resolver {
+    let d = Resolver::default();
+    let mut nameservers = Vec::new();
+    for v in r.nameservers.unwrap_or_default() {
+        // A bare IP means port 53.
+        let parsed = v
+            .get_ref()
+            .parse::<IpAddr>()
+            .map(|ip| SocketAddr::new(ip, 53))
+            .or_else(|_| v.get_ref().parse::<SocketAddr>());
+        match parsed {
+            Ok(a) => nameservers.push(a),
+            Err(_) => c.err(
+                sp(&v),
+                format!(
+                    "`nameservers`: invalid address {:?}: expected IP or IP:PORT",
+                    v.get_ref()
+                ),
+            ),
+        }
+    }
+    let min_ttl = c.duration(&r.min_ttl, "min_ttl", d.min_ttl);
+    let max_ttl = c.duration(&r.max_ttl, "max_ttl", d.max_ttl);
+    if max_ttl < min_ttl {
+        c.err(
+            r.max_ttl.as_ref().and_then(sp),
+            "`max_ttl` must not be less than `min_ttl`",
+        );
+    }
+    Resolver {
+        nameservers,
+        min_ttl,
+        max_ttl,
+        timeout: c.duration(&r.timeout, "timeout", d.timeout),
     }
 }
 

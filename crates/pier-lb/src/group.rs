@@ -37,16 +37,18 @@ impl Group {
         let peers = cfg
             .servers
             .iter()
-            .map(|s| Arc::new(Peer::new(s.addr, s.weight)))
+            .map(|s| Arc::new(Peer::new(s.addr, s.weight, s.host.clone())))
             .collect();
         Group::build(cfg, peers)
     }
 
-    /// Build the group for a reloaded config, keeping the state of servers
-    /// that did not change (same address and weight): the very same
-    /// `Arc<Peer>`, so health, failure streaks and the in-flight counts of
-    /// requests still running on `prev` carry over. A server whose weight
-    /// changed keeps its up/down state. The caller stops `prev`'s health
+    /// Build the group for a reloaded config (or a new DNS answer), keeping
+    /// the state of servers that did not change (same address, weight and
+    /// host name): the very same `Arc<Peer>`, so health, failure streaks and
+    /// the in-flight counts of requests still running on `prev` carry over.
+    /// A server whose weight or name changed keeps its up/down state. Peers
+    /// of `prev` not in `cfg` live on in `prev` (and in the guards of their
+    /// requests) until those requests end. The caller stops `prev`'s health
     /// checkers and spawns new ones for this group.
     pub fn reload(cfg: &Upstream, prev: &Group) -> Group {
         let peers = cfg
@@ -55,9 +57,9 @@ impl Group {
             .map(|s| {
                 let old = prev.peers.iter().find(|p| p.addr == s.addr);
                 match old {
-                    Some(p) if p.weight == s.weight.max(1) => p.clone(),
+                    Some(p) if p.weight == s.weight.max(1) && p.host == s.host => p.clone(),
                     Some(p) => {
-                        let fresh = Peer::new(s.addr, s.weight);
+                        let fresh = Peer::new(s.addr, s.weight, s.host.clone());
                         if !p.is_healthy() {
                             fresh.set_healthy(false);
                             fresh
@@ -66,7 +68,7 @@ impl Group {
                         }
                         Arc::new(fresh)
                     }
-                    None => Arc::new(Peer::new(s.addr, s.weight)),
+                    None => Arc::new(Peer::new(s.addr, s.weight, s.host.clone())),
                 }
             })
             .collect();

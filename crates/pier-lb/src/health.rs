@@ -54,7 +54,14 @@ async fn check_loop(
     let peer = group.peers()[idx].clone();
     let request = match &hc.kind {
         HealthKind::Tcp => Vec::new(),
-        HealthKind::Http { path, host, .. } => http_request(path, host.as_deref(), peer.addr),
+        HealthKind::Http { path, host, .. } => {
+            // The configured Host, else the server's name (or address) and port.
+            let named = peer
+                .host
+                .as_deref()
+                .map(|h| format!("{h}:{}", peer.addr.port()));
+            http_request(path, host.as_deref().or(named.as_deref()), peer.addr)
+        }
         HealthKind::Grpc { .. } => Vec::new(),
     };
     let rise = hc.rise.max(1);

@@ -51,8 +51,8 @@
 //! ```
 //! # use pier_config::*;
 //! # let cfg = Upstream::with_defaults("app", vec![
-//! #     UpstreamServer { addr: ([127, 0, 0, 1], 8001).into(), weight: 1 },
-//! #     UpstreamServer { addr: ([127, 0, 0, 1], 8002).into(), weight: 1 }]);
+//! #     UpstreamServer::new(([127, 0, 0, 1], 8001).into(), 1),
+//! #     UpstreamServer::new(([127, 0, 0, 1], 8002).into(), 1)]);
 //! let group = pier_lb::Group::new(&cfg);
 //! let now = pier_lb::clock_ms();
 //! group.on_request_at(now);

@@ -24,6 +24,9 @@ impl<T> std::ops::Deref for CachePadded<T> {
 #[derive(Debug)]
 pub struct Peer {
     pub addr: SocketAddr,
+    /// The host name `addr` was resolved from (None for an IP literal): the
+    /// SNI and the Host sent to this peer.
+    pub host: Option<Arc<str>>,
     /// Configured weight, at least 1 (a 0 in the config is treated as 1).
     pub weight: u32,
     /// Up/down as seen by the balancer (active checks and passive failures).
@@ -44,9 +47,10 @@ pub struct Peer {
 }
 
 impl Peer {
-    pub(crate) fn new(addr: SocketAddr, weight: u32) -> Peer {
+    pub(crate) fn new(addr: SocketAddr, weight: u32, host: Option<Arc<str>>) -> Peer {
         Peer {
             addr,
+            host,
             weight: weight.max(1),
             healthy: AtomicBool::new(true),
             active: CachePadded(AtomicUsize::new(0)),

@@ -157,7 +157,7 @@ fn http_check(rise: u32, fall: u32) -> HealthCheck {
 fn group(addrs: &[SocketAddr], hc: Option<HealthCheck>) -> Arc<Group> {
     let servers = addrs
         .iter()
-        .map(|&addr| UpstreamServer { addr, weight: 1 })
+        .map(|&addr| UpstreamServer::new(addr, 1))
         .collect();
     Arc::new(Group::new(&upstream_with(Balance::RoundRobin, servers, hc)))
 }

@@ -104,6 +104,16 @@ pub fn render_metrics(shared: &Shared) -> String {
             );
         }
     }
+    out.push_str("# HELP pier_upstream_peers Servers in the group (after DNS resolution).\n# TYPE pier_upstream_peers gauge\n");
+    for g in &state.groups {
+        let _ = writeln!(
+            out,
+            "pier_upstream_peers{{upstream=\"{}\"}} {}",
+            g.name(),
+            g.peers().len()
+        );
+    }
+    crate::dns::stats().render(&mut out);
     out.push_str("# TYPE pier_upstream_active_requests gauge\n");
     for g in &state.groups {
         for p in g.peers() {

@@ -771,6 +771,8 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
             Err(e) => return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await,
         }
         sess.upstream = Some(addr);
+        // An Arc clone only for servers given by name.
+        sess.upstream_host = idx.and_then(|i| group.peers()[i].host.clone());
         let res = attempt_once(
             w,
             state,
@@ -1234,11 +1236,13 @@ async fn attempt_once<P: Phases, D: Downstream>(
         },
         Some(t) => PeerKey {
             addr,
-            // The configured name, else the address (verified against the
-            // certificate's IP SANs; rustls sends no SNI for an IP).
+            // The configured name, else the server's host name, else the
+            // address (verified against the certificate's IP SANs; rustls
+            // sends no SNI for an IP).
             sni: Some(
                 t.server_name
                     .clone()
+                    .or_else(|| sess.upstream_host.clone())
                     .unwrap_or_else(|| Arc::from(addr.ip().to_string())),
             ),
             alpn,
@@ -1719,11 +1723,20 @@ fn write_upstream_head(out: &mut Vec<u8>, state: &State, sess: &Session, addr: S
     }
     if host_is_peer || !req.headers.has_known(known::HOST) {
         // `host_header = "upstream"`, or as nginx does when the client gave
-        // none: the server's address.
+        // none: the server's name (or address) and port.
         out.extend_from_slice(b"Host: ");
-        let mut a = [0u8; 64];
-        let n = fmt_addr(&mut a, addr);
-        out.extend_from_slice(&a[..n]);
+        match &sess.upstream_host {
+            Some(h) => {
+                out.extend_from_slice(h.as_bytes());
+                out.push(b':');
+                out.extend_from_slice(itoa::Buffer::new().format(addr.port()).as_bytes());
+            }
+            None => {
+                let mut a = [0u8; 64];
+                let n = fmt_addr(&mut a, addr);
+                out.extend_from_slice(&a[..n]);
+            }
+        }
         out.extend_from_slice(b"\r\n");
     }
     // X-Forwarded-For: append the client to whatever the client sent.

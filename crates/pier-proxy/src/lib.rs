@@ -9,6 +9,7 @@
 pub mod admin;
 pub mod cache;
 mod cors;
+pub mod dns;
 pub mod driver;
 pub mod grpc;
 pub mod grpc_web;
@@ -38,9 +39,10 @@ use tokio::sync::watch;
 pub struct Shared {
     /// Read through `current()`; replaced whole by `install()` on reload.
     pub state: ArcSwap<State>,
-    /// Bumped on every reload, so connections re-load the state only then
-    /// (one uncontended atomic read per request instead of an Arc clone).
-    generation: std::sync::atomic::AtomicU64,
+    /// The installed state's `epoch`, bumped on every reload and every DNS
+    /// change of a group, so connections re-load the state only then (one
+    /// uncontended atomic read per request instead of an Arc clone).
+    epoch: std::sync::atomic::AtomicU64,
     pub pool: Pool,
     /// Opens upstream connections (TCP; an in-memory dialer in tests).
     pub connector: Connector,
@@ -59,10 +61,11 @@ pub struct Shared {
 impl Shared {
     pub fn new(state: State, pool: Pool, metrics: Metrics, access: AccessLog) -> Self {
         let lifecycle = Lifecycle::new(state.generation);
-        let generation = std::sync::atomic::AtomicU64::new(state.generation);
+        let mut state = state;
+        state.epoch = 1;
         Shared {
             state: ArcSwap::from_pointee(state),
-            generation,
+            epoch: std::sync::atomic::AtomicU64::new(1),
             pool,
             connector: Connector::tcp(),
             h2pool: Default::default(),
@@ -75,14 +78,26 @@ impl Shared {
     /// Swap in a new config generation.
     pub fn install(&self, state: State) {
         let g = state.generation;
-        self.state.store(Arc::new(state));
-        self.generation.store(g, Relaxed);
+        self.store(state);
         self.lifecycle.announce_reload(g);
     }
-    /// Refresh `cached` if a reload happened since it was loaded.
+    /// Swap in the same generation with other upstream servers (a new DNS
+    /// answer, see [`State::with_servers`]): connections pick it up at their
+    /// next request; nothing per-generation is set up again.
+    pub fn install_peers(&self, state: State) {
+        self.store(state);
+    }
+    fn store(&self, mut state: State) {
+        // Installs come from the control thread only, one at a time.
+        let epoch = self.epoch.load(Relaxed) + 1;
+        state.epoch = epoch;
+        self.state.store(Arc::new(state));
+        self.epoch.store(epoch, Relaxed);
+    }
+    /// Refresh `cached` if a reload or a DNS change happened since it was loaded.
     #[inline]
     pub fn refresh(&self, cached: &mut Arc<State>) {
-        if self.generation.load(Relaxed) != cached.generation {
+        if self.epoch.load(Relaxed) != cached.epoch {
             *cached = self.state.load_full();
         }
     }

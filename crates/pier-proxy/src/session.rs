@@ -42,6 +42,9 @@ pub struct Session {
     pub status: u16,
     pub bytes_sent: u64,
     pub upstream: Option<SocketAddr>,
+    /// The host name of the chosen peer (a server given by name): the SNI
+    /// and the Host sent to it. None for an IP literal or a hook's address.
+    pub upstream_host: Option<Arc<str>>,
     pub reason: &'static str,
     /// The client asked to keep the connection (read before hop-by-hop
     /// headers are stripped for the upstream request).
@@ -68,6 +71,7 @@ impl Session {
             status: 0,
             bytes_sent: 0,
             upstream: None,
+            upstream_host: None,
             reason: "",
             client_keep: true,
             upgrade: false,
@@ -94,6 +98,7 @@ impl Session {
         self.status = 0;
         self.bytes_sent = 0;
         self.upstream = None;
+        self.upstream_host = None;
         self.reason = "";
         self.client_keep = true;
         self.upgrade = false;

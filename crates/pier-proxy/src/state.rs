@@ -11,6 +11,7 @@ use pier_shdict::Registry;
 use pier_tls::{ClientTls, ServerTls};
 use std::sync::Arc;
 
+#[derive(Clone)]
 pub struct RouteRt {
     pub name: String,
     pub host: Option<HostMatch>,
@@ -33,6 +34,11 @@ pub struct State {
     pub groups: Vec<Arc<Group>>,
     pub head_limits: HeadLimits,
     pub generation: u64,
+    /// Bumped by every [`crate::Shared::install`] and
+    /// [`crate::Shared::install_peers`] (a DNS answer that changed a group's
+    /// servers keeps `generation`, so Lua and other per-generation parts are
+    /// not set up again); what connections compare to refresh their state.
+    pub epoch: u64,
     /// Per-generation data of the phase implementation (for `pier-phases`:
     /// the compiled Lua setup), set by whoever builds the state; the engine
     /// itself never looks inside.
@@ -241,6 +247,7 @@ impl State {
             groups,
             head_limits,
             generation,
+            epoch: 0,
             scripts: None,
             shdicts: Arc::new(shdicts),
             limits,
@@ -249,6 +256,40 @@ impl State {
             listener_tls,
             upstream_tls,
             cache_zones,
+        })
+    }
+
+    /// This state with upstream `name`'s servers replaced by `servers` (a
+    /// new DNS answer): the group is rebuilt keeping the peers that stay
+    /// ([`Group::reload`]); everything else is shared with `self`. Requests
+    /// holding `self` finish on its groups, so a peer that went away drains.
+    /// None if the upstream is gone.
+    pub fn with_servers(
+        &self,
+        name: &str,
+        servers: Vec<pier_config::UpstreamServer>,
+    ) -> Option<State> {
+        let gi = self.groups.iter().position(|g| g.name() == name)?;
+        let mut cfg = self.cfg.clone();
+        let u = cfg.upstreams.get_mut(name)?;
+        u.servers = servers;
+        let mut groups = self.groups.clone();
+        groups[gi] = Arc::new(Group::reload(u, &self.groups[gi]));
+        Some(State {
+            cfg,
+            routes: self.routes.clone(),
+            groups,
+            head_limits: self.head_limits,
+            generation: self.generation,
+            epoch: self.epoch,
+            scripts: self.scripts.clone(),
+            shdicts: self.shdicts.clone(),
+            limits: self.limits.clone(),
+            route_limits: self.route_limits.clone(),
+            peer_limits: self.peer_limits.clone(),
+            listener_tls: self.listener_tls.clone(),
+            upstream_tls: self.upstream_tls.clone(),
+            cache_zones: self.cache_zones.clone(),
         })
     }
 

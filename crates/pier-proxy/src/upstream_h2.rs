@@ -319,7 +319,10 @@ pub(crate) fn request(
     );
     let authority = match req.host() {
         Some(h) if !host_is_peer => String::from_utf8_lossy(h).into_owned(),
-        _ => addr.to_string(),
+        _ => match &sess.upstream_host {
+            Some(h) => format!("{h}:{}", addr.port()),
+            None => addr.to_string(),
+        },
     };
     let target = String::from_utf8_lossy(req.uri());
     let uri = format!(

@@ -15,10 +15,7 @@ pub fn upstream(balance: Balance, weights: &[u32]) -> Upstream {
     let servers = weights
         .iter()
         .enumerate()
-        .map(|(i, &weight)| UpstreamServer {
-            addr: addr(i),
-            weight,
-        })
+        .map(|(i, &weight)| UpstreamServer::new(addr(i), weight))
         .collect();
     upstream_with(balance, servers, None)
 }
@@ -46,5 +43,6 @@ pub fn upstream_with(
         tls: None,
         protocol: Default::default(),
         h2_max_streams: 100,
+        resolve: Vec::new(),
     }
 }
