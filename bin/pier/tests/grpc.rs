@@ -36,26 +36,38 @@ impl Drop for Server {
 }
 
 /// grpc-go's interop server on a free port, once it accepts connections.
+/// The port is picked by binding port 0 and letting it go, so a test running
+/// beside this one may pick the same port: a server that exits (it could
+/// not bind) is started again on another port.
 fn interop_server() -> Server {
-    let port = {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let child = Command::new(go_bin("server"))
-        .args(["-port", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    assert!(
-        wait_until(Duration::from_secs(30), || std::net::TcpStream::connect(
-            addr
-        )
-        .is_ok()),
-        "interop server did not start"
-    );
-    Server(child, addr)
+    for _ in 0..5 {
+        let port = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let mut child = Command::new(go_bin("server"))
+            .args(["-port", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let mut exited = false;
+        let up = wait_until(Duration::from_secs(30), || {
+            if matches!(child.try_wait(), Ok(Some(_))) {
+                exited = true;
+                return true;
+            }
+            std::net::TcpStream::connect(addr).is_ok()
+        });
+        if up && !exited {
+            return Server(child, addr);
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(exited, "interop server did not start");
+    }
+    panic!("interop server exited five times (no free port?)");
 }
 
 fn config(upstream: SocketAddr) -> String {

@@ -654,6 +654,8 @@ mod size_tests {
     fn session_stays_small() {
         let n = std::mem::size_of::<Session>();
         eprintln!("Session: {n} bytes");
-        assert!(n <= 560, "Session grew to {n} bytes");
+        // 576 since the chosen peer's host name (re-resolved upstream
+        // names, issue 9) joined it: 16 bytes per connection.
+        assert!(n <= 576, "Session grew to {n} bytes");
     }
 }

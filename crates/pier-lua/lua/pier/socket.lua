@@ -17,13 +17,14 @@ local base = require "pier.base"
 local type, tonumber, tostring, error, setmetatable = type, tonumber, tostring, error, setmetatable
 local ffi_string, concat = ffi.string, table.concat
 local native = base.native
-local n_new, n_free = native.tcp_new, native.tcp_free
+local n_free = native.tcp_free
 local n_connect = native.tcp_connect
 local n_settimeouts, n_close = native.tcp_settimeouts, native.tcp_close
 local n_ssl, n_setoption, n_getoption = native.tcp_sslhandshake, native.tcp_setoption, native.tcp_getoption
 
 ffi.cdef [[
 typedef struct {
+  double (*new)(void);
   int (*recv)(double, int, double, const char *, size_t, int, char *, size_t, int *);
   int (*send)(double, const char *, size_t, int);
   int (*errmsg)(double, char *, size_t);
@@ -33,8 +34,8 @@ typedef struct {
 } pier_sock_api_t;
 ]]
 local S = ffi.cast("const pier_sock_api_t*", native.sock_api_addr)
-local C_recv, C_send, C_errmsg, C_keepalive, C_reused, C_pooled =
-  S.recv, S.send, S.errmsg, S.setkeepalive, S.reused, S.connect_pooled
+local C_new, C_recv, C_send, C_errmsg, C_keepalive, C_reused, C_pooled =
+  S.new, S.recv, S.send, S.errmsg, S.setkeepalive, S.reused, S.connect_pooled
 
 -- Waits for the hook's task to be woken (the pending marker, through the
 -- light-thread scheduler's yield).
@@ -378,7 +379,20 @@ end
 -- closure per socket).
 local function free_anchor(cd) n_free(cd[0]) end
 
+local FULL = { [-1] = "no request",
+  [-2] = "too many sockets in this request (lua.max_sockets_per_request)",
+  [-3] = "too many sockets in this worker (lua.max_sockets_per_worker)" }
+
 return function()
-  local id = n_new()
+  local id = C_new()
+  if id < 0 then
+    -- Sockets Lua no longer references may just not be collected yet:
+    -- collect (their anchors free them) and try once more.
+    if id ~= -1 then
+      collectgarbage()
+      id = C_new()
+    end
+    if id < 0 then error(FULL[id] or "internal error in tcp()", 3) end
+  end
   return setmetatable({ id = id, anchor = ffi.gc(ffi.new("double[1]", id), free_anchor) }, Sock)
 end

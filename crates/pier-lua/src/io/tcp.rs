@@ -863,7 +863,7 @@ fn split(handle: u64) -> (usize, u32) {
 
 /// Why a socket could not be created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Full {
+pub(super) enum Full {
     Request,
     Worker,
 }
@@ -1042,6 +1042,34 @@ pub(super) fn new_sock(lua: &Lua, make: &dyn Fn(&LuaLimits) -> Sock) -> mlua::Re
     })
 }
 
+/// Why [`try_new_tcp`] made no socket.
+pub(super) enum NoSock {
+    NoRequest,
+    Full(Full),
+}
+
+/// A new TCP socket for the current request or timer run, without the
+/// collection [`new_sock`] tries when full (the FFI caller collects and
+/// asks again).
+pub(super) fn try_new_tcp() -> Result<u64, NoSock> {
+    let cur = current::get();
+    let Some(engine) = cur.engine else {
+        return Err(NoSock::NoRequest);
+    };
+    if cur.owner == 0 {
+        return Err(NoSock::NoRequest);
+    }
+    // SAFETY: the engine outlives every hook call it runs (see `Current`).
+    let limits = unsafe { engine.as_ref() }.limits;
+    SOCKS
+        .with_borrow_mut(|s| {
+            s.alloc(cur.owner, &limits, &|l| {
+                Sock::Tcp(fast::new_tcp(l.socket_buffer))
+            })
+        })
+        .map_err(NoSock::Full)
+}
+
 /// Frees a socket (its Lua object was collected); shared with UDP.
 pub(super) fn free_native(lua: &Lua) -> mlua::Result<mlua::Function> {
     lua.create_function(|_, id: u64| {
@@ -1073,12 +1101,6 @@ fn ms_or(ms: f64, default: Duration, what: &str) -> mlua::Result<Duration> {
 // (`try_borrow_mut`), never a panic.
 #[allow(clippy::await_holding_refcell_ref)]
 pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
-    natives.set(
-        "tcp_new",
-        lua.create_function(|lua, ()| {
-            new_sock(lua, &|l| Sock::Tcp(fast::new_tcp(l.socket_buffer)))
-        })?,
-    )?;
     natives.set("tcp_free", free_native(lua)?)?;
     natives.set(
         "tcp_connect",

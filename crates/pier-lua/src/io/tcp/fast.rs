@@ -30,7 +30,7 @@ use bytes::{Buf, BufMut};
 use tokio::io::AsyncWrite;
 use tokio::time::{Instant, Sleep};
 
-use super::{lookup_raw, pool, Bad, Sock, TcpSock, KEY, TOO_LARGE};
+use super::{lookup_raw, pool, try_new_tcp, Bad, Full, NoSock, Sock, TcpSock, KEY, TOO_LARGE};
 use crate::current;
 use crate::ffi::{arg, guard, put, E_PHASE};
 use crate::phase::mask;
@@ -631,6 +631,7 @@ fn with_cx(f: impl FnOnce(&mut Context<'_>) -> c_int) -> c_int {
 
 #[repr(C)]
 pub(crate) struct SockApi {
+    new: unsafe extern "C" fn() -> f64,
     recv: unsafe extern "C" fn(
         f64,
         c_int,
@@ -651,6 +652,7 @@ pub(crate) struct SockApi {
 }
 
 static SOCK_API: SockApi = SockApi {
+    new,
     recv,
     send,
     errmsg,
@@ -662,6 +664,20 @@ static SOCK_API: SockApi = SockApi {
 /// The address Lua casts to `const pier_sock_api_t*`.
 pub(crate) fn sock_api_addr() -> usize {
     &SOCK_API as *const SockApi as usize
+}
+
+/// `ngx.socket.tcp()`: the new socket's handle, or -1 (no request), -2
+/// (`[lua] max_sockets_per_request` reached), -3 (`max_sockets_per_worker`);
+/// when full the wrapper collects garbage (collected sockets free their
+/// slots) and asks once more.
+unsafe extern "C" fn new() -> f64 {
+    let r = std::panic::catch_unwind(|| match try_new_tcp() {
+        Ok(h) => h as f64,
+        Err(NoSock::NoRequest) => -1.0,
+        Err(NoSock::Full(Full::Request)) => -2.0,
+        Err(NoSock::Full(Full::Worker)) => -3.0,
+    });
+    r.unwrap_or(-4.0)
 }
 
 /// `receive` (`*l`, `*a`, a size), `receiveany(max)` and `receiveuntil`'s
