@@ -87,8 +87,9 @@ impl ClientTls {
 
 /// `verify = false`: accepts any certificate (signatures are still checked,
 /// so the session keys belong to whoever holds the certificate's key).
+/// Also behind Lua cosockets' `sslhandshake(..., ssl_verify = false)`.
 #[derive(Debug)]
-struct NoVerify(Arc<rustls::crypto::CryptoProvider>);
+pub struct NoVerify(pub Arc<rustls::crypto::CryptoProvider>);
 
 impl ServerCertVerifier for NoVerify {
     fn verify_server_cert(

@@ -23,7 +23,7 @@ mod server;
 pub mod stats;
 
 pub use certs::{load_certified_key, CertSummary};
-pub use client::ClientTls;
+pub use client::{ClientTls, NoVerify};
 pub use server::{Accepted, ServerTls};
 
 use std::sync::Arc;
