@@ -244,6 +244,60 @@ fn socket_receive_buffer_is_bounded() {
 }
 
 #[test]
+fn socket_send_of_a_table_is_bounded() {
+    let port = origin(b"x\n".to_vec(), 2, false);
+    let e = limited(
+        &format!(
+            r#"{STEPS}
+            local s = pier.socket.tcp()
+            assert(s:connect("127.0.0.1", {port}))
+            local piece = string.rep("a", 1000)
+            local t = {{}}
+            for i = 1, 5 do t[i] = piece end
+            if STEP == "nested" then t = {{ t }} end
+            s:send(t)
+            "#
+        ),
+        LuaLimits {
+            socket_buffer: 4096,
+            ..LuaLimits::default()
+        },
+    );
+    run(async {
+        // A flat table (sent as one concatenation) and a nested one (piece
+        // by piece): both over the bound.
+        for s in ["flat", "nested"] {
+            let err = step(&e, &mut RequestCtx::new(), s).await.unwrap_err();
+            assert!(err.contains("socket_buffer"), "{s}: {err}");
+        }
+    });
+}
+
+#[test]
+fn bad_socket_handles_are_refused() {
+    let port = origin(b"x\n".to_vec(), 1, false);
+    let e = access_engine(&format!(
+        r#"
+        local s = pier.socket.tcp()
+        assert(s:connect("127.0.0.1", {port}))
+        for _, id in ipairs {{ 0/0, -1, math.huge, 2^60, 1.5 }} do
+            local bad = setmetatable({{ id = id }}, getmetatable(s))
+            local ok, err = pcall(bad.receive, bad, "*l")
+            assert(not ok and tostring(err):find("bad socket", 1, true), tostring(id) .. ": " .. tostring(err))
+            ok, err = pcall(bad.send, bad, "x")
+            assert(not ok and tostring(err):find("bad socket", 1, true), tostring(id) .. ": " .. tostring(err))
+        end
+        assert(s:receive("*l") == "x")
+        "#
+    ));
+    run(async {
+        e.access(0, &mut TestView::default(), &mut RequestCtx::new())
+            .await
+            .unwrap();
+    });
+}
+
+#[test]
 fn http_response_body_is_bounded() {
     let mut fixed = b"HTTP/1.1 200 OK\r\nContent-Length: 5000\r\n\r\n".to_vec();
     fixed.extend_from_slice(&[b'a'; 5000]);

@@ -46,7 +46,7 @@ local AGAIN, E_TIMEOUT, E_CLOSED, E_IO, E_BADSOCK, E_BADREQ, E_BUSY, E_TOOLARGE,
   -11, -20, -21, -22, -23, -24, -25, -26, -27
 local E_PHASE, E_INVAL, E_DURATION = -2, -3, -9
 local LINE, ALL, SIZE, ANY, UNTIL, UNTIL_INCL = 0, 1, 2, 3, 4, 5
-local APPEND, RETRY = 1, 2
+local APPEND, RETRY, BOUNDED = 1, 2, 4
 local NAN = 0 / 0
 
 -- The receive buffer (grown, never shrunk) and its length out-parameter.
@@ -214,7 +214,7 @@ function Sock.send(self, data)
     end
     if flat then
       local s = concat(data)
-      return send_result(id, C_send(id, s, #s, 0))
+      return send_result(id, C_send(id, s, #s, BOUNDED))
     end
   elseif t ~= "number" and t ~= "boolean" and data ~= nil and data ~= null then
     error("bad argument #1 to 'send' (string, number, boolean, nil, or array table expected, got "

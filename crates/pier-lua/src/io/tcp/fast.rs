@@ -68,6 +68,9 @@ const NOTHING: c_int = 2;
 /// with a send that returned [`AGAIN`].
 const APPEND: c_int = 1;
 const RETRY: c_int = 2;
+/// The data is a table's content: bounded by `[lua] socket_buffer` as
+/// appended pieces are (a string is sent as it is, whatever its size).
+const BOUNDED: c_int = 4;
 
 /// The state of the operation in progress, kept across `AGAIN`s.
 #[derive(Default)]
@@ -569,6 +572,10 @@ impl TcpSock {
         if flags & RETRY == 0 {
             if self.op.writing {
                 return E_BUSY;
+            }
+            if flags & BOUNDED != 0 && self.wbuf.len() + data.len() > self.max_buf {
+                self.end_send();
+                return E_TOOLARGE;
             }
             if self.conn.is_none() {
                 self.end_send();
