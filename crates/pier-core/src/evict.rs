@@ -106,6 +106,17 @@ impl Registry {
         }
     }
 
+    /// Milliseconds until the oldest waiting connection is `min_age_ms` old
+    /// (0: it already is); `None` when no connection is waiting.
+    pub fn ms_until_evictable(&self, now_ms: u64, min_age_ms: u64) -> Option<u64> {
+        self.entries
+            .iter()
+            .filter(|e| e.mark == Mark::Waiting)
+            .map(|e| e.since_ms)
+            .min()
+            .map(|t| min_age_ms.saturating_sub(now_ms.saturating_sub(t)))
+    }
+
     /// Connections currently waiting (evictable).
     pub fn waiting(&self) -> usize {
         self.waiting
@@ -167,6 +178,8 @@ mod tests {
         assert_eq!(reg.borrow().waiting(), 2);
         // Nobody old enough yet.
         assert!(!reg.borrow_mut().evict_oldest(950, 100));
+        assert_eq!(reg.borrow().ms_until_evictable(950, 100), Some(50));
+        assert_eq!(reg.borrow().ms_until_evictable(1100, 100), Some(0));
         assert!(reg.borrow_mut().evict_oldest(1100, 100));
         assert!(wb.is_evicted() && !wa.is_evicted());
         assert_eq!(reg.borrow().waiting(), 1);
@@ -181,6 +194,7 @@ mod tests {
         drop(wd);
         assert_eq!(reg.borrow().waiting(), 0);
         assert!(!reg.borrow_mut().evict_oldest(5000, MIN_AGE_MS));
+        assert_eq!(reg.borrow().ms_until_evictable(5000, MIN_AGE_MS), None);
         // Freed entries are reused.
         let _we = Waiting::enter(&reg, 5000);
         assert_eq!(reg.borrow().entries.len(), 3, "no growth past the peak");

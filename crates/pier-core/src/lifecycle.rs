@@ -39,13 +39,26 @@ impl Lifecycle {
     }
 }
 
+/// What [`Admission::admit`] decided.
+pub enum Admitted<S> {
+    Yes(S),
+    No,
+    /// Ask again in this many milliseconds (only when `may_wait`).
+    Wait(u64),
+}
+
 /// Who gets in, and what serves them.
 pub trait Admission {
     /// Held for the connection's life (its slot in every cap).
     type Slot: 'static;
-    /// Take a slot for a connection from `peer`, or refuse it (`None`: the
-    /// socket is closed at once).
-    fn admit(&self, peer: SocketAddr) -> Option<Self::Slot>;
+    /// Take a slot for a connection from `peer`, or refuse it (the socket is
+    /// closed at once). With `may_wait`, a full server whose waiting
+    /// connections are all too young to evict answers `Wait(ms)`: the accept
+    /// loop holds this one socket that long (the next ones stay in the
+    /// kernel's backlog, as nginx leaves them when it stops accepting) and
+    /// asks again with `may_wait = false`. A client arriving in the middle of
+    /// a burst then gets in a few ms late instead of being refused.
+    fn admit(&self, peer: SocketAddr, may_wait: bool) -> Admitted<Self::Slot>;
     /// Serve an admitted connection (spawn its task).
     fn serve(&self, stream: TcpStream, peer: SocketAddr, slot: Self::Slot);
 }
@@ -77,7 +90,21 @@ pub async fn accept_loop<A: Admission>(
                 continue;
             }
         };
-        if let Some(slot) = admission.admit(peer) {
+        let slot = match admission.admit(peer, true) {
+            Admitted::Yes(slot) => Some(slot),
+            Admitted::No => None,
+            Admitted::Wait(ms) => {
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(ms)) => {}
+                    _ = drain.changed() => break,
+                }
+                match admission.admit(peer, false) {
+                    Admitted::Yes(slot) => Some(slot),
+                    _ => None,
+                }
+            }
+        };
+        if let Some(slot) = slot {
             admission.serve(stream, peer, slot);
         }
         if *drain.borrow() {

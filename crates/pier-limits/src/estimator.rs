@@ -148,6 +148,32 @@ impl Estimator {
         min
     }
 
+    /// Add `n` to every row, then read the estimate again: the count an
+    /// admission check (`concurrent = N`) must compare.
+    ///
+    /// The minimum of the values each row's `fetch_add` returned is not
+    /// enough there: two increments racing on two threads can each see the
+    /// other on one row only, and both read 1. Reading every row after all
+    /// of ours are done fixes that: of k racing callers, the one whose read
+    /// comes last sees all k (each finished its adds before its own read), the
+    /// one before it at least k-1, and so on, so no more than N are ever
+    /// admitted. Races can only over-count (refuse), never under-count.
+    /// SeqCst puts every add and read in one order; on x86 the adds are
+    /// locked either way and the loads stay plain.
+    #[inline]
+    pub fn incr_then_get_hashed(&self, key: KeyHash, n: isize) -> isize {
+        for (row, seeds) in self.row_seeds.iter().enumerate() {
+            let cell = &self.cells[row * self.slots + column(key.0, *seeds, self.slots)];
+            cell.fetch_add(n, Ordering::SeqCst);
+        }
+        let mut min = isize::MAX;
+        for (row, seeds) in self.row_seeds.iter().enumerate() {
+            let cell = &self.cells[row * self.slots + column(key.0, *seeds, self.slots)];
+            min = min.min(cell.load(Ordering::SeqCst));
+        }
+        min
+    }
+
     /// [`Estimator::decr`] for an already hashed key.
     #[inline]
     pub fn decr_hashed(&self, key: KeyHash, n: isize) {

@@ -54,7 +54,9 @@ impl Inflight {
     /// Count `n` more for `key` until the guard drops.
     pub fn incr_by<K: Hash>(&self, key: K, n: isize) -> (Guard, isize) {
         let key = self.est.hash(key);
-        let count = self.est.incr_hashed(key, n);
+        // Not `incr_hashed`: its estimate can under-count increments that
+        // race on two threads (see `incr_then_get_hashed`).
+        let count = self.est.incr_then_get_hashed(key, n);
         (
             Guard {
                 est: Arc::clone(&self.est),
@@ -102,6 +104,44 @@ impl Drop for Guard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Racing increments never admit more than the limit: every thread
+    /// that reads a count <= MAX holds a slot, and the slots held at once
+    /// never exceed MAX. (With the minimum of the per-row `fetch_add`
+    /// results, two racers could both read 1.)
+    #[test]
+    fn racing_increments_never_exceed_the_limit() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        const MAX: isize = 1;
+        let f = Inflight::from_estimator(Estimator::with_seed(4, 1024, 5));
+        let live = Arc::new(AtomicUsize::new(0));
+        let admitted = Arc::new(AtomicUsize::new(0));
+        let start = Arc::new(std::sync::Barrier::new(4));
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let (f, live, admitted) = (f.clone(), live.clone(), admitted.clone());
+                let start = start.clone();
+                std::thread::spawn(move || {
+                    start.wait();
+                    for _ in 0..1_000_000 {
+                        let (g, n) = f.incr("k");
+                        if n <= MAX {
+                            let now = live.fetch_add(1, Ordering::SeqCst) + 1;
+                            assert!(now <= MAX as usize, "{now} holders, limit {MAX}");
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                            live.fetch_sub(1, Ordering::SeqCst);
+                        }
+                        drop(g);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert!(admitted.load(Ordering::Relaxed) > 0);
+        assert_eq!(f.get("k"), 0);
+    }
 
     #[test]
     fn guard_releases_on_drop() {

@@ -27,7 +27,7 @@ pub use state::State;
 
 use arc_swap::ArcSwap;
 use pier_core::evict;
-use pier_core::lifecycle::{Admission, Lifecycle};
+use pier_core::lifecycle::{Admission, Admitted, Lifecycle};
 use pier_core::{Connector, Pool, WorkerContext};
 use pier_log::{AccessLog, Metrics};
 use std::sync::atomic::Ordering::Relaxed;
@@ -219,7 +219,7 @@ struct Slot {
 impl<P: Phases> Admission for Admit<P> {
     type Slot = Slot;
 
-    fn admit(&self, peer: std::net::SocketAddr) -> Option<Slot> {
+    fn admit(&self, peer: std::net::SocketAddr, may_wait: bool) -> Admitted<Slot> {
         let w = &self.0;
         let max = w.shared.state.load().cfg.limits.max_connections as i64;
         let before = w.shared.metrics.active_connections.fetch_add(1, Relaxed);
@@ -230,14 +230,21 @@ impl<P: Phases> Admission for Admit<P> {
             // slot (evict.rs; it closes at its next poll, briefly leaving one
             // more open than the limit); with none old enough, refuse at
             // accept. Either way memory stays a function of the config.
-            if w.waiting
-                .borrow_mut()
-                .evict_oldest(pier_lb::clock_ms(), evict::MIN_AGE_MS)
-            {
+            let now = pier_lb::clock_ms();
+            let mut reg = w.waiting.borrow_mut();
+            if reg.evict_oldest(now, evict::MIN_AGE_MS) {
                 w.shared.metrics.evicted_connection();
             } else {
-                w.shared.metrics.refused_connection();
-                return None;
+                // Waiting connections too young to evict: one will be old
+                // enough within MIN_AGE_MS, so hold this socket that long
+                // (lifecycle::accept_loop) rather than refuse it.
+                match reg.ms_until_evictable(now, evict::MIN_AGE_MS) {
+                    Some(ms) if may_wait => return Admitted::Wait(ms.max(1)),
+                    _ => {
+                        w.shared.metrics.refused_connection();
+                        return Admitted::No;
+                    }
+                }
             }
         }
         // Per-client-IP connection cap (a sketch: fixed memory whatever the IP count).
@@ -250,13 +257,13 @@ impl<P: Phases> Admission for Admit<P> {
             };
             if n > max_ip as isize {
                 w.shared.metrics.refused_connection();
-                return None;
+                return Admitted::No;
             }
             Some(g)
         } else {
             None
         };
-        Some(Slot {
+        Admitted::Yes(Slot {
             _active: active,
             _per_ip: per_ip,
         })
