@@ -1,0 +1,516 @@
+//! Per-minute aggregation of request events into [`Rollup`]s keyed by
+//! minute, host and route.
+
+use crate::codec::{put_bytes, put_u64, DecodeError, Reader};
+use crate::hll::Hll;
+use crate::sketch::Latency;
+use crate::topk::TopK;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::net::IpAddr;
+
+/// Counters kept by each top-N summary of a rollup.
+pub const TOPK_CAPACITY: usize = 64;
+/// Host names are cut to this many bytes (DNS names are at most 253).
+pub const MAX_HOST_LEN: usize = 255;
+/// Host and route of the row that collects events past the key bound.
+pub const OTHER: &str = "(other)";
+const FORMAT: u8 = 1;
+
+/// One finished request, borrowed from the proxy's request state.
+#[derive(Clone, Copy, Debug)]
+pub struct EventRef<'a> {
+    /// Wall-clock Unix time of the request's end, in milliseconds.
+    pub ts_ms: u64,
+    pub host: &'a [u8],
+    pub route: &'a str,
+    /// Not aggregated yet; carried for future per-method views.
+    pub method: &'a [u8],
+    /// Path without the query string.
+    pub path: &'a [u8],
+    pub status: u16,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub duration_us: u64,
+    /// Time spent on the upstream; 0 when there was no upstream.
+    pub upstream_us: u64,
+    pub client_ip: IpAddr,
+    pub user_agent: &'a [u8],
+}
+
+/// What a rollup is about: a time bucket, host and route.
+#[derive(Clone, PartialEq, Eq, Hash, Ord, PartialOrd, Debug)]
+pub struct Key {
+    /// Unix seconds at the start of the minute, hour or day.
+    pub bucket: i64,
+    pub host: String,
+    pub route: String,
+}
+
+/// Everything kept about a set of requests; merging two rollups gives the
+/// rollup of the union of their requests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rollup {
+    pub requests: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    /// Responses by class: 1xx, 2xx, 3xx, 4xx, 5xx. Statuses below 200 count
+    /// as 1xx and 500 or more as 5xx.
+    pub status: [u64; 5],
+    pub latency: Latency,
+    /// Only requests that reached an upstream.
+    pub upstream_latency: Latency,
+    /// Client IPs, hashed from their text form (`192.0.2.7`, `2001:db8::1`),
+    /// i.e. `hll_hash_text(host(ip))` in postgresql-hll.
+    pub clients: Hll,
+    pub top_paths: TopK,
+    pub top_clients: TopK,
+    pub top_agents: TopK,
+}
+
+impl Default for Rollup {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Index of `status`'s class in [`Rollup::status`].
+pub fn status_class(status: u16) -> usize {
+    match status {
+        0..=199 => 0,
+        200..=299 => 1,
+        300..=399 => 2,
+        400..=499 => 3,
+        _ => 4,
+    }
+}
+
+/// A small stack buffer for formatting an IP without allocating.
+struct IpText {
+    buf: [u8; 48],
+    len: usize,
+}
+
+impl std::fmt::Write for IpText {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let end = self.len + s.len();
+        let dst = self.buf.get_mut(self.len..end).ok_or(std::fmt::Error)?;
+        dst.copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
+}
+
+fn ip_text(ip: IpAddr) -> IpText {
+    let mut t = IpText {
+        buf: [0; 48],
+        len: 0,
+    };
+    // IPv4-mapped IPv6 (dual-stack sockets) counts as the IPv4 client. The
+    // longest form is 45 bytes, so the write cannot fail.
+    let _ = write!(t, "{}", ip.to_canonical());
+    t
+}
+
+impl Rollup {
+    pub fn new() -> Self {
+        Self {
+            requests: 0,
+            bytes_in: 0,
+            bytes_out: 0,
+            status: [0; 5],
+            latency: Latency::new(),
+            upstream_latency: Latency::new(),
+            clients: Hll::new(),
+            top_paths: TopK::new(TOPK_CAPACITY),
+            top_clients: TopK::new(TOPK_CAPACITY),
+            top_agents: TopK::new(TOPK_CAPACITY),
+        }
+    }
+
+    /// Counts one request.
+    pub fn add(&mut self, e: &EventRef) {
+        self.requests += 1;
+        self.bytes_in = self.bytes_in.saturating_add(e.bytes_in);
+        self.bytes_out = self.bytes_out.saturating_add(e.bytes_out);
+        self.status[status_class(e.status)] += 1;
+        self.latency.add(e.duration_us);
+        if e.upstream_us > 0 {
+            self.upstream_latency.add(e.upstream_us);
+        }
+        let ip = ip_text(e.client_ip);
+        let ip = &ip.buf[..ip.len];
+        self.clients.add_bytes(ip);
+        self.top_clients.add(ip, 1);
+        self.top_paths
+            .add(if e.path.is_empty() { b"/" } else { e.path }, 1);
+        self.top_agents.add(
+            if e.user_agent.is_empty() {
+                b"-"
+            } else {
+                e.user_agent
+            },
+            1,
+        );
+    }
+
+    /// Adds `o`'s requests to this rollup.
+    pub fn merge(&mut self, o: &Rollup) {
+        self.requests = self.requests.saturating_add(o.requests);
+        self.bytes_in = self.bytes_in.saturating_add(o.bytes_in);
+        self.bytes_out = self.bytes_out.saturating_add(o.bytes_out);
+        for (a, b) in self.status.iter_mut().zip(o.status) {
+            *a = a.saturating_add(b);
+        }
+        self.latency.merge(&o.latency);
+        self.upstream_latency.merge(&o.upstream_latency);
+        self.clients.merge(&o.clients);
+        self.top_paths.merge(&o.top_paths);
+        self.top_clients.merge(&o.top_clients);
+        self.top_agents.merge(&o.top_agents);
+    }
+
+    /// One blob: format byte, the counters as varints, then each sketch's
+    /// own encoding, length-prefixed.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(256);
+        out.push(FORMAT);
+        for v in [self.requests, self.bytes_in, self.bytes_out] {
+            put_u64(&mut out, v);
+        }
+        for v in self.status {
+            put_u64(&mut out, v);
+        }
+        put_bytes(&mut out, &self.latency.to_bytes());
+        put_bytes(&mut out, &self.upstream_latency.to_bytes());
+        put_bytes(&mut out, &self.clients.to_bytes());
+        put_bytes(&mut out, &self.top_paths.to_bytes());
+        put_bytes(&mut out, &self.top_clients.to_bytes());
+        put_bytes(&mut out, &self.top_agents.to_bytes());
+        out
+    }
+
+    /// Parses [`Rollup::to_bytes`] output; rejects anything malformed.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Rollup, DecodeError> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != FORMAT {
+            return Err(DecodeError("rollup: unknown format"));
+        }
+        let requests = r.u64()?;
+        let bytes_in = r.u64()?;
+        let bytes_out = r.u64()?;
+        let mut status = [0; 5];
+        for s in &mut status {
+            *s = r.u64()?;
+        }
+        let rollup = Rollup {
+            requests,
+            bytes_in,
+            bytes_out,
+            status,
+            latency: Latency::from_bytes(r.bytes()?)?,
+            upstream_latency: Latency::from_bytes(r.bytes()?)?,
+            clients: Hll::from_bytes(r.bytes()?)?,
+            top_paths: TopK::from_bytes(r.bytes()?)?,
+            top_clients: TopK::from_bytes(r.bytes()?)?,
+            top_agents: TopK::from_bytes(r.bytes()?)?,
+        };
+        r.finish()?;
+        Ok(rollup)
+    }
+}
+
+/// Normalizes a Host header value: ASCII lower case, port stripped
+/// (`example.com:8080`, `[::1]:443`), invalid UTF-8 replaced, cut to
+/// [`MAX_HOST_LEN`] bytes, and `-` if empty.
+pub fn normalize_host(host: &[u8], out: &mut String) {
+    out.clear();
+    let mut h = host;
+    if h.first() == Some(&b'[') {
+        // [v6]:port -> [v6]
+        if let Some(end) = h.iter().position(|&b| b == b']') {
+            h = &h[..=end];
+        }
+    } else if let Some(colon) = h.iter().position(|&b| b == b':') {
+        // name:port; a bare IPv6 address (several colons) is left alone.
+        if !h[colon + 1..].contains(&b':') {
+            h = &h[..colon];
+        }
+    }
+    let h = &h[..h.len().min(MAX_HOST_LEN)];
+    out.push_str(&String::from_utf8_lossy(h));
+    out.make_ascii_lowercase();
+    if out.is_empty() {
+        out.push('-');
+    }
+}
+
+/// Start of the minute containing `ts_ms`, in Unix seconds.
+pub fn minute_of(ts_ms: u64) -> i64 {
+    ((ts_ms / 60_000) * 60) as i64
+}
+
+/// The rollups of one minute.
+#[derive(Default)]
+struct Minute {
+    /// host -> route -> position in `rows`.
+    index: HashMap<String, HashMap<String, usize>>,
+    rows: Vec<(Key, Rollup)>,
+    /// Keys admitted under the bound (the overflow row is not one).
+    admitted: usize,
+}
+
+/// Builds per-minute rollups from events, in bounded memory: each minute
+/// keeps at most `max_keys` (host, route) rows plus one `(other)` row that
+/// collects events past the bound.
+///
+/// Events may arrive slightly out of order; one for a minute already taken
+/// starts a fresh row for that minute, which the next `take_before` returns
+/// and [`crate::Store::write_minutes`] merges into the stored one.
+pub struct Aggregator {
+    max_keys: usize,
+    minutes: BTreeMap<i64, Minute>,
+    overflowed: u64,
+    host: String,
+}
+
+impl Aggregator {
+    pub fn new(max_keys: usize) -> Self {
+        Self {
+            max_keys,
+            minutes: BTreeMap::new(),
+            overflowed: 0,
+            host: String::new(),
+        }
+    }
+
+    /// Counts one event in its minute's rollup.
+    pub fn add(&mut self, e: &EventRef) {
+        normalize_host(e.host, &mut self.host);
+        let bucket = minute_of(e.ts_ms);
+        let minute = self.minutes.entry(bucket).or_default();
+        let found = minute
+            .index
+            .get(self.host.as_str())
+            .and_then(|routes| routes.get(e.route))
+            .copied();
+        let row = match found {
+            Some(i) => i,
+            None if minute.admitted < self.max_keys => {
+                minute.admitted += 1;
+                insert_row(minute, bucket, &self.host, e.route)
+            }
+            None => {
+                self.overflowed += 1;
+                let other = minute.index.get(OTHER).and_then(|r| r.get(OTHER)).copied();
+                match other {
+                    Some(i) => i,
+                    None => insert_row(minute, bucket, OTHER, OTHER),
+                }
+            }
+        };
+        minute.rows[row].1.add(e);
+    }
+
+    /// Removes and returns every minute that starts before `minute_start_s`,
+    /// sorted by key.
+    pub fn take_before(&mut self, minute_start_s: i64) -> Vec<(Key, Rollup)> {
+        let later = self.minutes.split_off(&minute_start_s);
+        let earlier = std::mem::replace(&mut self.minutes, later);
+        collect(earlier)
+    }
+
+    /// Removes and returns every minute (at shutdown), sorted by key.
+    pub fn take_all(&mut self) -> Vec<(Key, Rollup)> {
+        collect(std::mem::take(&mut self.minutes))
+    }
+
+    /// The minutes still open, for live views (in minute order).
+    pub fn peek(&self) -> impl Iterator<Item = (&Key, &Rollup)> {
+        self.minutes
+            .values()
+            .flat_map(|m| m.rows.iter().map(|(k, r)| (k, r)))
+    }
+
+    /// Events counted in an `(other)` row because their minute already had
+    /// `max_keys` keys.
+    pub fn overflowed(&self) -> u64 {
+        self.overflowed
+    }
+
+    /// Number of open (minute, host, route) rows.
+    pub fn len(&self) -> usize {
+        self.minutes.values().map(|m| m.rows.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.minutes.is_empty()
+    }
+}
+
+fn insert_row(minute: &mut Minute, bucket: i64, host: &str, route: &str) -> usize {
+    let i = minute.rows.len();
+    minute
+        .index
+        .entry(host.to_owned())
+        .or_default()
+        .insert(route.to_owned(), i);
+    let key = Key {
+        bucket,
+        host: host.to_owned(),
+        route: route.to_owned(),
+    };
+    minute.rows.push((key, Rollup::new()));
+    i
+}
+
+fn collect(minutes: BTreeMap<i64, Minute>) -> Vec<(Key, Rollup)> {
+    let mut out: Vec<(Key, Rollup)> = minutes.into_values().flat_map(|m| m.rows).collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    fn event<'a>(ts_ms: u64, host: &'a [u8], route: &'a str, ip: u32) -> EventRef<'a> {
+        EventRef {
+            ts_ms,
+            host,
+            route,
+            method: b"GET",
+            path: b"/x",
+            status: 200,
+            bytes_in: 10,
+            bytes_out: 100,
+            duration_us: 1000,
+            upstream_us: 800,
+            client_ip: IpAddr::V4(Ipv4Addr::from(ip)),
+            user_agent: b"ua",
+        }
+    }
+
+    #[test]
+    fn host_normalization() {
+        let mut s = String::new();
+        for (input, want) in [
+            (&b"Example.COM:8080"[..], "example.com"),
+            (b"example.com", "example.com"),
+            (b"[::1]:443", "[::1]"),
+            (b"[2001:DB8::1]", "[2001:db8::1]"),
+            (b"2001:db8::1", "2001:db8::1"),
+            (b"", "-"),
+            (b":80", "-"),
+            (b"caf\xc3\xa9.example", "caf\u{e9}.example"),
+            (b"bad\xff", "bad\u{fffd}"),
+        ] {
+            normalize_host(input, &mut s);
+            assert_eq!(s, want, "{input:?}");
+        }
+        normalize_host(&[b'a'; 1000], &mut s);
+        assert_eq!(s.len(), MAX_HOST_LEN);
+    }
+
+    #[test]
+    fn counts_every_event_in_its_minute() {
+        let mut agg = Aggregator::new(100);
+        let t0 = 1_700_000_040_000; // 20 s before a minute boundary
+        let mut n = 0u64;
+        for i in 0..3000u64 {
+            let host: &[u8] = if i % 3 == 0 {
+                b"a.example"
+            } else {
+                b"B.example:80"
+            };
+            let route = if i % 5 == 0 { "api" } else { "web" };
+            agg.add(&event(t0 + i * 30, host, route, i as u32 % 50));
+            n += 1;
+        }
+        // 3000 events over 90 s: two minutes, 2 hosts x 2 routes each.
+        assert_eq!(agg.len(), 8);
+        let live: u64 = agg.peek().map(|(_, r)| r.requests).sum();
+        assert_eq!(live, n);
+        let first = agg.take_before(minute_of(t0) + 60);
+        assert_eq!(first.len(), 4);
+        assert!(first.iter().all(|(k, _)| k.bucket == minute_of(t0)));
+        assert!(first.windows(2).all(|w| w[0].0 < w[1].0));
+        let rest = agg.take_all();
+        assert!(agg.is_empty());
+        let total: u64 = first.iter().chain(&rest).map(|(_, r)| r.requests).sum();
+        assert_eq!(total, n);
+        let hosts: Vec<&str> = first.iter().map(|(k, _)| k.host.as_str()).collect();
+        assert_eq!(hosts, ["a.example", "a.example", "b.example", "b.example"]);
+        let r = &first[0].1;
+        assert_eq!(r.bytes_out, r.requests * 100);
+        assert_eq!(r.status[1], r.requests);
+        assert!(r.clients.estimate() <= 50);
+        assert_eq!(agg.overflowed(), 0);
+    }
+
+    #[test]
+    fn keys_past_the_bound_go_to_other() {
+        let mut agg = Aggregator::new(2);
+        for i in 0..10u32 {
+            let host = format!("h{i}.example");
+            agg.add(&event(60_000, host.as_bytes(), "r", i));
+        }
+        agg.add(&event(60_000, b"h0.example", "r", 0)); // admitted key still counts
+        let rows = agg.take_all();
+        assert_eq!(rows.len(), 3);
+        assert_eq!(agg.overflowed(), 8);
+        let other = rows.iter().find(|(k, _)| k.host == OTHER).unwrap();
+        assert_eq!(other.0.route, OTHER);
+        assert_eq!(other.1.requests, 8);
+        assert_eq!(rows.iter().map(|(_, r)| r.requests).sum::<u64>(), 11);
+        // A new minute has its own bound.
+        agg.add(&event(120_000, b"h9.example", "r", 0));
+        assert_eq!(agg.take_all()[0].0.host, "h9.example");
+    }
+
+    #[test]
+    fn rollup_fields_and_round_trip() {
+        let mut r = Rollup::new();
+        let mut e = event(0, b"h", "r", 1);
+        for (status, upstream) in [(101, 0), (204, 5), (302, 5), (404, 5), (503, 5), (999, 5)] {
+            e.status = status;
+            e.upstream_us = upstream;
+            r.add(&e);
+        }
+        e.client_ip = IpAddr::V6(Ipv4Addr::new(0, 0, 0, 1).to_ipv6_mapped());
+        e.path = b"";
+        e.user_agent = b"";
+        r.add(&e);
+        e.client_ip = IpAddr::V6(Ipv6Addr::LOCALHOST);
+        r.add(&e);
+        assert_eq!(r.status, [1, 1, 1, 1, 4]);
+        assert_eq!(r.requests, 8);
+        assert_eq!(r.latency.count(), 8);
+        assert_eq!(r.upstream_latency.count(), 7);
+        assert_eq!(r.clients.estimate(), 2); // 0.0.0.1 (twice, mapped) and ::1
+        assert_eq!(r.top_clients.top(1), [("0.0.0.1".to_string(), 7)]);
+        assert!(r.top_paths.top(5).contains(&("/".to_string(), 2)));
+        assert!(r.top_agents.top(5).contains(&("-".to_string(), 2)));
+        let mut want = Hll::new();
+        want.add_bytes(b"0.0.0.1");
+        want.add_bytes(b"::1");
+        assert_eq!(r.clients, want);
+
+        let back = Rollup::from_bytes(&r.to_bytes()).unwrap();
+        assert_eq!(back, r);
+        let mut m = r.clone();
+        m.merge(&back);
+        assert_eq!(m.requests, 16);
+        assert_eq!(m.clients, r.clients);
+
+        let bytes = r.to_bytes();
+        assert!(Rollup::from_bytes(&bytes[..bytes.len() - 1]).is_err());
+        assert!(Rollup::from_bytes(&[]).is_err());
+        for i in 0..bytes.len() {
+            let mut c = bytes.clone();
+            c[i] ^= 0xff;
+            let _ = Rollup::from_bytes(&c);
+        }
+    }
+}
