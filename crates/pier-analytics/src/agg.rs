@@ -36,6 +36,43 @@ pub struct EventRef<'a> {
     pub upstream_us: u64,
     pub client_ip: IpAddr,
     pub user_agent: &'a [u8],
+    /// The rest is carried to the event stream (Kafka), not aggregated.
+    /// The listener's name ("" when unnamed).
+    pub listener: &'a str,
+    /// The upstream server's address as text ("" when none was used).
+    pub upstream: &'a [u8],
+    /// Cache status: "" (no cache), "HIT", "MISS", "EXPIRED", ...
+    pub cache: &'a str,
+    /// "HTTP/1.0", "HTTP/1.1" or "HTTP/2.0".
+    pub protocol: &'a str,
+    /// "TLSv1.3", "TLSv1.2", or "" for cleartext.
+    pub tls_version: &'a str,
+    /// Fields a log hook added (`pier.analytics.field(name, value)`).
+    pub extra: &'a [(&'a [u8], &'a [u8])],
+}
+
+impl EventRef<'_> {
+    /// An event with every field empty (tests and builders start here).
+    pub const EMPTY: EventRef<'static> = EventRef {
+        ts_ms: 0,
+        host: b"",
+        route: "",
+        method: b"",
+        path: b"",
+        status: 0,
+        bytes_in: 0,
+        bytes_out: 0,
+        duration_us: 0,
+        upstream_us: 0,
+        client_ip: IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+        user_agent: b"",
+        listener: "",
+        upstream: b"",
+        cache: "",
+        protocol: "",
+        tls_version: "",
+        extra: &[],
+    };
 }
 
 /// What a rollup is about: a time bucket, host and route.
@@ -389,6 +426,7 @@ mod tests {
             upstream_us: 800,
             client_ip: IpAddr::V4(Ipv4Addr::from(ip)),
             user_agent: b"ua",
+            ..EventRef::EMPTY
         }
     }
 

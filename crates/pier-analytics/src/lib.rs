@@ -25,6 +25,7 @@
 //!     upstream_us: 1500,
 //!     client_ip: IpAddr::V4(Ipv4Addr::new(192, 0, 2, 7)),
 //!     user_agent: b"curl/8.5.0",
+//!     ..EventRef::EMPTY
 //! });
 //! // Once a minute: close the minutes before the current one.
 //! let closed = agg.take_before(1_700_000_100);

@@ -565,6 +565,7 @@ mod tests {
                 upstream_us: if i % 5 == 0 { 0 } else { 50 + i % 1000 },
                 client_ip: IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + (i % 500) as u32)),
                 user_agent: b"test-agent",
+                ..EventRef::EMPTY
             });
         }
         agg.take_all()
