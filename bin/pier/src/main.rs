@@ -62,6 +62,28 @@ enum Cmd {
         #[arg(long)]
         cache: Option<String>,
     },
+    /// Consume Pier's analytics events from Kafka in a consumer group,
+    /// aggregate them per minute and merge them into PostgreSQL (hll).
+    Aggregate {
+        /// Kafka bootstrap brokers, comma separated: HOST:PORT,...
+        #[arg(long, value_delimiter = ',', required = true)]
+        kafka: Vec<String>,
+        /// The topic Pier's [analytics.kafka] sink writes to.
+        #[arg(long, default_value = "pier-events")]
+        topic: String,
+        /// Consumer group; aggregators in one group share the partitions.
+        #[arg(long, default_value = "pier-aggregate")]
+        group: String,
+        /// PostgreSQL connection string or URL (the hll extension installed).
+        #[arg(long, required = true)]
+        postgres: String,
+        /// How often rollups are merged into PostgreSQL.
+        #[arg(long, default_value = "5s")]
+        flush: String,
+        /// (host, route) rows kept per minute; past it events count in "(other)".
+        #[arg(long, default_value_t = 10_000)]
+        max_keys: usize,
+    },
     /// Validate a config file and print every error with its location.
     Check {
         #[arg(short = 'c', long = "config")]
@@ -80,6 +102,34 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     match cli.cmd.unwrap_or(Cmd::Serve { config: None }) {
+        Cmd::Aggregate {
+            kafka,
+            topic,
+            group,
+            postgres,
+            flush,
+            max_keys,
+        } => {
+            let flush = match pier_kafka::parse_duration(&flush) {
+                Ok(d) => d,
+                Err(e) => return usage_error(&format!("--flush: {e}")),
+            };
+            let cfg = pier_kafka::AggregateConfig {
+                brokers: kafka,
+                topic,
+                group,
+                postgres,
+                flush,
+                max_keys,
+            };
+            match pier_kafka::aggregate::run_until_signal(&cfg) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("{e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
         Cmd::Check { config, file } => {
             let Some(path) = config.or(file) else {
                 eprintln!("pier check: give a config file: pier check -c FILE");
@@ -311,7 +361,20 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let shared = Arc::new(Shared::new(state, pool, metrics, access));
+    let analytics = if state.cfg.analytics.enabled {
+        match pier_proxy::analytics::Hub::start(&state.cfg.analytics) {
+            Ok(h) => Some(Arc::new(h)),
+            Err(e) => {
+                eprintln!("pier: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    } else {
+        None
+    };
+    let mut shared = Shared::new(state, pool, metrics, access);
+    shared.analytics = analytics;
+    let shared = Arc::new(shared);
 
     let worker_shared = shared.clone();
     let handles = match pier_core::spawn_workers(sockets, move |ctx| {
@@ -338,7 +401,7 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
         eprintln!("pier: listening on {scheme}://{addr} (listener {name}, {workers} workers)");
     }
     if let Some(a) = admin_addr {
-        eprintln!("pier: admin on http://{a} (/metrics, /healthz)");
+        eprintln!("pier: admin on http://{a} (/metrics, /healthz, /dashboard, /api/analytics)");
     }
     if embedded {
         eprintln!(
@@ -453,8 +516,13 @@ async fn control(
                     tracing::warn!("grace period over with {left} connection(s) open; exiting");
                 }
                 shared.access.flush();
-                // Give the access log thread a moment to write what it got.
+                // Give the access log thread a moment to write what it got
+                // (and the workers to hand over their last analytics batch).
                 tokio::time::sleep(Duration::from_millis(50)).await;
+                if let Some(a) = &shared.analytics {
+                    // Writes the minutes still open: a restart keeps them.
+                    a.stop();
+                }
                 return ExitCode::SUCCESS;
             }
             _ = int.recv() => {

@@ -192,6 +192,8 @@ impl Config {
             grace_period: validate::DEFAULT_GRACE_PERIOD,
             listeners: vec![Listener::plain("main", listen)],
             admin,
+            admin_auth: AdminAuth::default(),
+            analytics: Analytics::default(),
             routes: vec![Route {
                 name: "default".into(),
                 host: None,

@@ -18,6 +18,10 @@ pub struct Config {
     pub grace_period: Duration,
     pub listeners: Vec<Listener>,
     pub admin: Option<SocketAddr>,
+    /// `[admin]` credentials: a request must carry one of them when set.
+    pub admin_auth: AdminAuth,
+    /// `[analytics]`.
+    pub analytics: Analytics,
     pub routes: Vec<Route>,
     /// Upstream groups by name (BTreeMap: stable iteration order for metrics).
     pub upstreams: BTreeMap<String, Upstream>,
@@ -42,6 +46,60 @@ pub struct Config {
     pub caches: Vec<CacheZone>,
     /// `[resolver]`: re-resolution of upstream host names.
     pub resolver: Resolver,
+}
+
+/// Credentials the admin endpoint asks for (it shows client addresses).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AdminAuth {
+    /// `Authorization: Bearer TOKEN` (or `?token=TOKEN`, for a browser's
+    /// EventSource, which cannot set headers).
+    pub token: Option<String>,
+    /// `Authorization: Basic` user and password.
+    pub basic: Option<(String, String)>,
+}
+
+/// `[analytics]`: per-minute rollups of every request, kept on disk.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Analytics {
+    pub enabled: bool,
+    /// The SQLite file; None keeps the history in memory only.
+    pub path: Option<PathBuf>,
+    pub keep_minutes: Duration,
+    pub keep_hours: Duration,
+    pub keep_days: Duration,
+    /// (host, route) rows per minute; past it, events count in "(other)".
+    pub max_keys: usize,
+    /// Events waiting for the analytics thread; past it they are dropped
+    /// and counted, never waited for.
+    pub queue: usize,
+    pub kafka: Option<AnalyticsKafka>,
+}
+
+impl Default for Analytics {
+    fn default() -> Analytics {
+        Analytics {
+            enabled: true,
+            path: None,
+            keep_minutes: Duration::from_secs(2 * 86_400),
+            keep_hours: Duration::from_secs(90 * 86_400),
+            keep_days: Duration::from_secs(3 * 365 * 86_400),
+            max_keys: 1000,
+            queue: 65_536,
+            kafka: None,
+        }
+    }
+}
+
+/// `[analytics.kafka]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AnalyticsKafka {
+    pub brokers: Vec<String>,
+    pub topic: String,
+    pub batch_size: usize,
+    pub linger: Duration,
+    /// none, gzip, snappy, lz4 or zstd.
+    pub compression: String,
+    pub queue: usize,
 }
 
 /// `[resolver]`: how upstream servers given by host name are re-resolved

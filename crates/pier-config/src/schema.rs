@@ -33,6 +33,35 @@ pub struct ServerSection {
 #[serde(deny_unknown_fields, expecting = "an [admin] table")]
 pub struct AdminSection {
     pub listen: Spanned<String>,
+    pub token: Option<Spanned<String>>,
+    pub user: Option<Spanned<String>>,
+    pub password: Option<Spanned<String>>,
+}
+
+/// `[analytics]`: the built-in traffic analytics.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "an [analytics] table")]
+pub struct AnalyticsSection {
+    pub enabled: Option<Spanned<bool>>,
+    pub path: Option<Spanned<String>>,
+    pub keep_minutes: Option<Spanned<String>>,
+    pub keep_hours: Option<Spanned<String>>,
+    pub keep_days: Option<Spanned<String>>,
+    pub max_keys: Option<Spanned<i64>>,
+    pub queue: Option<Spanned<i64>>,
+    pub kafka: Option<AnalyticsKafkaSection>,
+}
+
+/// `[analytics.kafka]`: events also go to a Kafka topic.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "an [analytics.kafka] table")]
+pub struct AnalyticsKafkaSection {
+    pub brokers: Vec<Spanned<String>>,
+    pub topic: Option<Spanned<String>>,
+    pub batch_size: Option<Spanned<i64>>,
+    pub linger: Option<Spanned<String>>,
+    pub compression: Option<Spanned<String>>,
+    pub queue: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -480,8 +509,23 @@ impl<'de> Deserialize<'de> for SizeValue {
 
 /// Top-level sections, in the order the docs present them.
 pub const SECTIONS: &[&str] = &[
-    "server", "admin", "log", "limits", "timeouts", "http", "http2", "security", "resolver",
-    "demo", "listener", "route", "upstream", "lua", "limit", "cache",
+    "server",
+    "admin",
+    "log",
+    "limits",
+    "timeouts",
+    "http",
+    "http2",
+    "security",
+    "resolver",
+    "demo",
+    "listener",
+    "route",
+    "upstream",
+    "lua",
+    "limit",
+    "cache",
+    "analytics",
 ];
 
 /// A `[upstream.NAME]` entry: its name (with the key's span) and its body,
@@ -498,6 +542,7 @@ pub struct NamedUpstream {
 pub struct RawFile {
     pub server: Option<ServerSection>,
     pub admin: Option<AdminSection>,
+    pub analytics: Option<AnalyticsSection>,
     pub log: Option<LogSection>,
     pub limits: Option<LimitsSection>,
     pub timeouts: Option<TimeoutsSection>,
@@ -537,6 +582,7 @@ pub(crate) fn parse(text: &str) -> Result<(RawFile, Vec<RawError>), RawError> {
         match key {
             "server" => file.server = section(item, span, &mut errors),
             "admin" => file.admin = section(item, span, &mut errors),
+            "analytics" => file.analytics = section(item, span, &mut errors),
             "log" => file.log = section(item, span, &mut errors),
             "limits" => file.limits = section(item, span, &mut errors),
             "timeouts" => file.timeouts = section(item, span, &mut errors),

@@ -1005,6 +1005,11 @@ fn documented_tables() -> Vec<(&'static str, Vec<&'static str>)> {
     vec![
         ("## `[server]`", schema::fields_of::<ServerSection>()),
         ("## `[admin]`", fields_of::<AdminSection>()),
+        ("## `[analytics]`", fields_of::<AnalyticsSection>()),
+        (
+            "### `[analytics.kafka]`",
+            fields_of::<AnalyticsKafkaSection>(),
+        ),
         ("## `[log]`", fields_of::<LogSection>()),
         ("## `[limits]`", fields_of::<LimitsSection>()),
         ("## `[timeouts]`", fields_of::<TimeoutsSection>()),
@@ -2388,4 +2393,59 @@ fn redirect_https_and_upstream_tls() {
     .unwrap();
     let t = c.upstreams["default"].tls.as_ref().unwrap();
     assert_eq!(t.server_name.as_deref(), Some("localhost"));
+}
+
+#[test]
+fn analytics_and_admin_credentials() {
+    let c = ok(BASE);
+    assert!(c.analytics.enabled && c.analytics.path.is_none() && c.analytics.kafka.is_none());
+    assert_eq!(c.admin_auth, AdminAuth::default());
+    let c = ok(&format!(
+        "{BASE}[admin]\nlisten = \"127.0.0.1:0\"\ntoken = \"s3cret-token\"\nuser = \"ops\"\npassword = \"pw\"\n\
+         [analytics]\npath = \"/var/lib/pier/a.db\"\nkeep_minutes = \"1h\"\nmax_keys = 10\n\
+         [analytics.kafka]\nbrokers = [\"127.0.0.1:9092\"]\ncompression = \"zstd\"\nlinger = \"5ms\"\n"
+    ));
+    assert_eq!(c.admin_auth.token.as_deref(), Some("s3cret-token"));
+    assert_eq!(c.admin_auth.basic, Some(("ops".into(), "pw".into())));
+    assert_eq!(
+        c.analytics.path.as_deref(),
+        Some(std::path::Path::new("/var/lib/pier/a.db"))
+    );
+    assert_eq!(c.analytics.keep_minutes, Duration::from_secs(3600));
+    assert_eq!(c.analytics.max_keys, 10);
+    let k = c.analytics.kafka.expect("kafka");
+    assert_eq!(
+        (
+            k.brokers,
+            k.topic.as_str(),
+            k.compression.as_str(),
+            k.linger
+        ),
+        (
+            vec!["127.0.0.1:9092".to_string()],
+            "pier-events",
+            "zstd",
+            Duration::from_millis(5)
+        )
+    );
+    one_error(
+        &format!("{BASE}[admin]\nlisten = \"127.0.0.1:0\"\ntoken = \"short\"\n"),
+        "10:9",
+        "at least 8 characters",
+    );
+    one_error(
+        &format!("{BASE}[admin]\nlisten = \"127.0.0.1:0\"\nuser = \"ops\"\n"),
+        "9:10",
+        "go together",
+    );
+    one_error(
+        &format!("{BASE}[analytics]\nmax_keys = 0\n"),
+        "9:12",
+        "`max_keys` must be between",
+    );
+    one_error(
+        &format!("{BASE}[analytics.kafka]\nbrokers = [\"b:1\"]\ncompression = \"brotli\"\n"),
+        "10:15",
+        "`compression` must be",
+    );
 }

@@ -257,11 +257,14 @@ pub(crate) fn validate(
     let grace_period = c.duration(&server.grace_period, "grace_period", DEFAULT_GRACE_PERIOD);
     // Every socket Pier binds, to catch two things on one port.
     let mut bound = Bound::default();
+    let mut admin_auth = AdminAuth::default();
     let admin = file.admin.and_then(|a| {
+        admin_auth = admin_auth_of(&mut c, &a);
         let addr = c.listen_addr(&a.listen, "listen")?;
         bound.add(&mut c, addr, "the admin endpoint", sp(&a.listen));
         Some(addr)
     });
+    let analytics = analytics(&mut c, file.analytics.unwrap_or_default(), base);
     let demo_origin = file.demo.and_then(|d| {
         let addr = c.listen_addr(&d.origin, "origin")?;
         bound.add(&mut c, addr, "the demo origin", sp(&d.origin));
@@ -421,7 +424,87 @@ pub(crate) fn validate(
         http2,
         caches,
         resolver,
+        admin_auth,
+        analytics,
     })
+}
+
+fn admin_auth_of(c: &mut Check, a: &AdminSection) -> AdminAuth {
+    let text = |v: &Option<Spanned<String>>| v.as_ref().map(|v| v.get_ref().clone());
+    let token = text(&a.token);
+    if let Some(t) = &a.token {
+        if t.get_ref().len() < 8 {
+            c.err(sp(t), "`token` must be at least 8 characters");
+        }
+    }
+    let basic = match (text(&a.user), text(&a.password)) {
+        (Some(u), Some(p)) => {
+            if u.contains(':') {
+                c.err(a.user.as_ref().and_then(sp), "`user` must not contain ':'");
+            }
+            Some((u, p))
+        }
+        (None, None) => None,
+        _ => {
+            c.err(
+                sp(&a.listen),
+                "`user` and `password` go together: set both or neither",
+            );
+            None
+        }
+    };
+    AdminAuth { token, basic }
+}
+
+fn analytics(c: &mut Check, a: AnalyticsSection, base: &Path) -> Analytics {
+    let d = Analytics::default();
+    let kafka = a.kafka.map(|k| {
+        if k.brokers.is_empty() {
+            c.err(
+                None,
+                "`[analytics.kafka] brokers` must list at least one broker",
+            );
+        }
+        let compression = k
+            .compression
+            .as_ref()
+            .map(|v| v.get_ref().to_ascii_lowercase())
+            .unwrap_or_else(|| "lz4".into());
+        if !["none", "gzip", "snappy", "lz4", "zstd"].contains(&compression.as_str()) {
+            c.err(
+                k.compression.as_ref().and_then(sp),
+                format!(
+                    "`compression` must be none, gzip, snappy, lz4 or zstd, got {compression:?}"
+                ),
+            );
+        }
+        AnalyticsKafka {
+            brokers: k.brokers.iter().map(|b| b.get_ref().clone()).collect(),
+            topic: k
+                .topic
+                .as_ref()
+                .map(|t| t.get_ref().clone())
+                .unwrap_or_else(|| "pier-events".into()),
+            batch_size: c.int(&k.batch_size, "batch_size", 10_000, 1, 1_000_000) as usize,
+            linger: k
+                .linger
+                .as_ref()
+                .map(|_| c.duration(&k.linger, "linger", Duration::from_millis(100)))
+                .unwrap_or(Duration::from_millis(100)),
+            compression,
+            queue: c.int(&k.queue, "queue", 100_000, 1, 10_000_000) as usize,
+        }
+    });
+    Analytics {
+        enabled: a.enabled.map(|v| *v.get_ref()).unwrap_or(d.enabled),
+        path: a.path.as_ref().map(|p| path_of(base, p)),
+        keep_minutes: c.duration(&a.keep_minutes, "keep_minutes", d.keep_minutes),
+        keep_hours: c.duration(&a.keep_hours, "keep_hours", d.keep_hours),
+        keep_days: c.duration(&a.keep_days, "keep_days", d.keep_days),
+        max_keys: c.int(&a.max_keys, "max_keys", d.max_keys as u64, 1, 1_000_000) as usize,
+        queue: c.int(&a.queue, "queue", d.queue as u64, 1, 10_000_000) as usize,
+        kafka,
+    }
 }
 
 fn route_cache(

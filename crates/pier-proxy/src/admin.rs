@@ -1,13 +1,28 @@
-//! The admin listener: `/healthz` and Prometheus `/metrics`. Not a hot path,
-//! so it favours plainness over speed. Requests are read with pier-http's
-//! codec, the one HTTP/1 parser in the tree (two small GET endpoints don't
-//! call for a server crate; the live dashboard of the analytics issue, with
-//! server-sent events, may move this plane onto hyper).
+//! The admin listener: `/healthz`, Prometheus `/metrics`, the analytics
+//! API (`/api/analytics`, `/api/analytics/live` as server-sent events,
+//! `/api/status`) and the `/dashboard` page shipped in the binary. Not a
+//! hot path, so it favours plainness over speed. Requests are read with
+//! pier-http's codec, the one HTTP/1 parser in the tree: a handful of GET
+//! endpoints and one event stream don't call for a server crate.
+//!
+//! It shows client addresses, so it binds to loopback by default and, when
+//! `[admin]` sets `token` or `user`/`password`, every endpoint but
+//! `/healthz` asks for them.
 
 use crate::Shared;
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The dashboard: one page, no external scripts (it must work offline).
+const DASHBOARD: &str = include_str!("dashboard.html");
+/// Live streams open at once (each costs a task and a JSON a second).
+const MAX_STREAMS: usize = 32;
+static STREAMS: AtomicUsize = AtomicUsize::new(0);
+/// The cookie a `?token=` visit sets, so that the page's own requests
+/// (fetch, EventSource) carry the token.
+const COOKIE: &str = "pier_admin_token";
 
 pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
     loop {
@@ -35,21 +50,14 @@ pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
                 let mut req = pier_http::RequestHead::default();
                 match req.parse(&buf, &ADMIN_LIMITS) {
                     Ok(Some(n)) => {
-                        let path = String::from_utf8_lossy(req.path()).into_owned();
-                        let close = !req.keep_alive();
                         buf.drain(..n);
-                        let (status, ctype, body) = route(&path, &shared);
-                        let head = format!(
-                            "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\n{}\r\n",
-                            body.len(),
-                            if close { "Connection: close\r\n" } else { "" }
-                        );
-                        if s.write_all(head.as_bytes()).await.is_err()
-                            || s.write_all(body.as_bytes()).await.is_err()
-                        {
+                        let close = !req.keep_alive();
+                        let r = handle(&req, &shared).await;
+                        if let Answer::Stream = r.body {
+                            stream_live(s, shared).await;
                             return;
                         }
-                        if close {
+                        if write_answer(&mut s, &r, close).await.is_err() || close {
                             return;
                         }
                     }
@@ -70,22 +78,362 @@ const ADMIN_LIMITS: pier_http::HeadLimits = pier_http::HeadLimits {
     max_uri_bytes: 4096,
 };
 
-fn route(path: &str, shared: &Shared) -> (&'static str, &'static str, String) {
-    match path {
-        "/healthz" => {
-            if shared.draining() {
-                ("503 Service Unavailable", "text/plain", "draining\n".into())
-            } else {
-                ("200 OK", "text/plain", "ok\n".into())
+enum Answer {
+    Text(String),
+    Stream,
+}
+
+struct Reply {
+    status: &'static str,
+    ctype: &'static str,
+    /// Extra header lines, each ending in CRLF.
+    extra: String,
+    body: Answer,
+}
+
+fn reply(status: &'static str, ctype: &'static str, body: String) -> Reply {
+    Reply {
+        status,
+        ctype,
+        extra: String::new(),
+        body: Answer::Text(body),
+    }
+}
+
+async fn write_answer(
+    s: &mut tokio::net::TcpStream,
+    r: &Reply,
+    close: bool,
+) -> std::io::Result<()> {
+    let Answer::Text(body) = &r.body else {
+        return Ok(());
+    };
+    let head = format!(
+        "HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nCache-Control: no-store\r\n{}{}\r\n",
+        r.status,
+        r.ctype,
+        body.len(),
+        r.extra,
+        if close { "Connection: close\r\n" } else { "" }
+    );
+    s.write_all(head.as_bytes()).await?;
+    s.write_all(body.as_bytes()).await
+}
+
+/// The URL's query parameters, percent-decoded.
+fn params(query: &[u8]) -> Vec<(String, String)> {
+    query
+        .split(|&b| b == b'&')
+        .filter(|p| !p.is_empty())
+        .take(32)
+        .map(|p| {
+            let (k, v) = match p.iter().position(|&b| b == b'=') {
+                Some(i) => (&p[..i], &p[i + 1..]),
+                None => (p, &b""[..]),
+            };
+            (unescape(k), unescape(v))
+        })
+        .collect()
+}
+
+fn unescape(b: &[u8]) -> String {
+    let hex = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() => match (hex(b[i + 1]), hex(b[i + 2])) {
+                (Some(h), Some(l)) => {
+                    out.push(h << 4 | l);
+                    i += 2;
+                }
+                _ => out.push(b'%'),
+            },
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Compares without an early exit, so the time taken does not tell how
+/// much of a guess was right.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Whether the request carries the credentials `[admin]` asks for (any one
+/// of them): a bearer token, the token cookie, `?token=`, or basic.
+fn authorized(
+    req: &pier_http::RequestHead,
+    qs: &[(String, String)],
+    auth: &pier_config::AdminAuth,
+) -> bool {
+    if auth.token.is_none() && auth.basic.is_none() {
+        return true;
+    }
+    let header = req.headers.get(b"authorization").unwrap_or(b"");
+    if let Some(t) = &auth.token {
+        let t = t.as_bytes();
+        if header.len() > 7 && header[..7].eq_ignore_ascii_case(b"bearer ") && same(&header[7..], t)
+        {
+            return true;
+        }
+        if qs
+            .iter()
+            .any(|(k, v)| k == "token" && same(v.as_bytes(), t))
+        {
+            return true;
+        }
+        for c in req.headers.get_all(b"cookie") {
+            for kv in c.split(|&b| b == b';') {
+                let kv = kv.trim_ascii();
+                if kv.len() > COOKIE.len() + 1
+                    && kv.starts_with(COOKIE.as_bytes())
+                    && kv[COOKIE.len()] == b'='
+                    && same(&kv[COOKIE.len() + 1..], t)
+                {
+                    return true;
+                }
             }
         }
-        "/metrics" => (
+    }
+    if let Some((user, pass)) = &auth.basic {
+        if header.len() > 6 && header[..6].eq_ignore_ascii_case(b"basic ") {
+            use base64::Engine as _;
+            if let Ok(d) =
+                base64::engine::general_purpose::STANDARD.decode(header[6..].trim_ascii())
+            {
+                let want = format!("{user}:{pass}");
+                if same(&d, want.as_bytes()) {
+                    return true;
+                }
+            }
+        }
+    }
+    false
+}
+
+async fn handle(req: &pier_http::RequestHead, shared: &Arc<Shared>) -> Reply {
+    let path = String::from_utf8_lossy(req.path()).into_owned();
+    let qs = params(req.query().unwrap_or(b""));
+    if path == "/healthz" {
+        return if shared.draining() {
+            reply("503 Service Unavailable", "text/plain", "draining\n".into())
+        } else {
+            reply("200 OK", "text/plain", "ok\n".into())
+        };
+    }
+    let state = shared.state.load();
+    let auth = &state.cfg.admin_auth;
+    if !authorized(req, &qs, auth) {
+        let mut r = reply("401 Unauthorized", "text/plain", "unauthorized\n".into());
+        if auth.basic.is_some() {
+            r.extra
+                .push_str("WWW-Authenticate: Basic realm=\"pier admin\"\r\n");
+        }
+        return r;
+    }
+    match path.as_str() {
+        "/metrics" => reply(
             "200 OK",
             "text/plain; version=0.0.4",
             render_metrics(shared),
         ),
-        _ => ("404 Not Found", "text/plain", "not found\n".into()),
+        "/dashboard" | "/dashboard/" => {
+            let mut r = reply("200 OK", "text/html; charset=utf-8", DASHBOARD.into());
+            if let Some(t) = qs.iter().find(|(k, _)| k == "token").map(|(_, v)| v) {
+                // Authorized above, so the token is the right one.
+                let _ = write!(
+                    r.extra,
+                    "Set-Cookie: {COOKIE}={t}; Path=/; HttpOnly; SameSite=Strict\r\n"
+                );
+            }
+            r
+        }
+        "/api/status" => reply("200 OK", "application/json", status_json(shared)),
+        "/api/analytics" => {
+            let Some(hub) = shared.analytics.clone() else {
+                return reply(
+                    "404 Not Found",
+                    "application/json",
+                    "{\"error\":\"analytics is off ([analytics] enabled = false)\"}\n".into(),
+                );
+            };
+            let q = match crate::analytics::query_of(&qs, wall_s().unwrap_or(0)) {
+                Ok(q) => q,
+                Err(e) => {
+                    return reply(
+                        "400 Bad Request",
+                        "application/json",
+                        serde_json::json!({ "error": e }).to_string(),
+                    )
+                }
+            };
+            // SQLite reads block: off the control thread's runtime.
+            match tokio::task::spawn_blocking(move || hub.query(&q)).await {
+                Ok(Ok(report)) => reply(
+                    "200 OK",
+                    "application/json",
+                    serde_json::to_string(&report).unwrap_or_default(),
+                ),
+                Ok(Err(e)) => reply(
+                    "500 Internal Server Error",
+                    "application/json",
+                    serde_json::json!({ "error": e }).to_string(),
+                ),
+                Err(e) => reply(
+                    "500 Internal Server Error",
+                    "application/json",
+                    serde_json::json!({ "error": e.to_string() }).to_string(),
+                ),
+            }
+        }
+        "/api/analytics/live" => {
+            if shared.analytics.is_none() {
+                return reply("404 Not Found", "text/plain", "analytics is off\n".into());
+            }
+            Reply {
+                status: "200 OK",
+                ctype: "text/event-stream",
+                extra: String::new(),
+                body: Answer::Stream,
+            }
+        }
+        _ => reply("404 Not Found", "text/plain", "not found\n".into()),
     }
+}
+
+fn wall_s() -> Option<i64> {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()
+        .map(|d| d.as_secs() as i64)
+}
+
+/// Releases a live-stream slot however the stream ends.
+struct StreamSlot;
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        STREAMS.fetch_sub(1, Relaxed);
+    }
+}
+
+/// `/api/analytics/live`: the last two minutes of per-second figures at
+/// once (`event: history`), then one second and a status snapshot each
+/// second, until the client goes or Pier drains.
+async fn stream_live(mut s: tokio::net::TcpStream, shared: Arc<Shared>) {
+    if STREAMS.fetch_add(1, Relaxed) >= MAX_STREAMS {
+        STREAMS.fetch_sub(1, Relaxed);
+        let _ = s
+            .write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 22\r\nConnection: close\r\n\r\ntoo many live streams\n")
+            .await;
+        return;
+    }
+    let _slot = StreamSlot;
+    let Some(hub) = shared.analytics.clone() else {
+        return;
+    };
+    let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n";
+    if s.write_all(head.as_bytes()).await.is_err() {
+        return;
+    }
+    // The second before last is complete: workers hand events over once a second.
+    let mut last = wall_s().unwrap_or(0) - 2;
+    let history = seconds_json(&hub, last - 120, last + 1);
+    if s.write_all(format!("event: history\ndata: {history}\n\n").as_bytes())
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    tick.tick().await;
+    while !shared.draining() {
+        tick.tick().await;
+        let now = wall_s().unwrap_or(0) - 2;
+        if now <= last {
+            continue;
+        }
+        let secs = seconds_json(&hub, last + 1, now + 1);
+        last = now;
+        let msg = format!(
+            "event: second\ndata: {secs}\n\nevent: status\ndata: {}\n\n",
+            status_json(&shared)
+        );
+        if s.write_all(msg.as_bytes()).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn seconds_json(hub: &crate::analytics::Hub, from: i64, to: i64) -> String {
+    let secs = match hub.inner.lock() {
+        Ok(g) => g.seconds(from, to),
+        Err(_) => Vec::new(),
+    };
+    let v: Vec<_> = secs
+        .iter()
+        .map(|s| {
+            serde_json::json!({
+                "t": s.t,
+                "requests": s.requests,
+                "bytes_in": s.bytes_in,
+                "bytes_out": s.bytes_out,
+                "status": s.status,
+                "p50_us": s.latency.quantile(0.5),
+                "p90_us": s.latency.quantile(0.9),
+                "p99_us": s.latency.quantile(0.99),
+            })
+        })
+        .collect();
+    serde_json::Value::Array(v).to_string()
+}
+
+/// Upstream health, pool reuse and connection counts: `/api/status` and the
+/// live stream's `status` events.
+fn status_json(shared: &Shared) -> String {
+    let state = shared.state.load();
+    let m = &shared.metrics;
+    let upstreams: Vec<_> = state
+        .groups
+        .iter()
+        .map(|g| {
+            let peers: Vec<_> = g
+                .peers()
+                .iter()
+                .map(|p| {
+                    serde_json::json!({
+                        "server": p.addr.to_string(),
+                        "healthy": p.is_healthy(),
+                        "active": p.active(),
+                    })
+                })
+                .collect();
+            serde_json::json!({ "name": g.name(), "servers": peers })
+        })
+        .collect();
+    let a = shared.analytics.as_ref().map(|h| {
+        let c = &h.counters;
+        serde_json::json!({
+            "events": c.events.load(Relaxed),
+            "dropped": c.dropped.load(Relaxed),
+            "store_errors": c.store_errors.load(Relaxed),
+        })
+    });
+    serde_json::json!({
+        "upstreams": upstreams,
+        "pool": {
+            "created": m.pool_created(),
+            "reused": m.pool_reused(),
+            "idle": shared.pool.idle_count(),
+        },
+        "active_connections": m.active_connections.load(Relaxed),
+        "active_requests": m.active_requests.load(Relaxed),
+        "analytics": a,
+    })
+    .to_string()
 }
 
 pub fn render_metrics(shared: &Shared) -> String {
@@ -128,7 +476,6 @@ pub fn render_metrics(shared: &Shared) -> String {
     }
     pier_tls::stats::stats().render(&mut out);
     if !state.cache_zones.is_empty() {
-        use std::sync::atomic::Ordering::Relaxed;
         out.push_str("# HELP pier_cache_lookups_total Cache lookups by result.\n# TYPE pier_cache_lookups_total counter\n");
         for z in &state.cache_zones {
             let s = &z.stats;
@@ -199,5 +546,21 @@ pub fn render_metrics(shared: &Shared) -> String {
         "# TYPE pier_config_generation gauge\npier_config_generation {}",
         state.generation
     );
+    if let Some(a) = &shared.analytics {
+        let c = &a.counters;
+        let _ = writeln!(
+            out,
+            "# HELP pier_analytics_events_total Request events the analytics thread rolled up.\n# TYPE pier_analytics_events_total counter\npier_analytics_events_total {}\n\
+             # HELP pier_analytics_events_dropped_total Events dropped because the analytics queue was full.\n# TYPE pier_analytics_events_dropped_total counter\npier_analytics_events_dropped_total {}\n\
+             # HELP pier_analytics_overflowed_total Events counted under (other) past max_keys.\n# TYPE pier_analytics_overflowed_total counter\npier_analytics_overflowed_total {}\n\
+             # TYPE pier_analytics_rows_written_total counter\npier_analytics_rows_written_total {}\n\
+             # TYPE pier_analytics_store_errors_total counter\npier_analytics_store_errors_total {}",
+            c.events.load(Relaxed),
+            c.dropped.load(Relaxed),
+            c.overflowed.load(Relaxed),
+            c.minutes_written.load(Relaxed),
+            c.store_errors.load(Relaxed),
+        );
+    }
     out
 }

@@ -426,6 +426,9 @@ pub(crate) fn finish<P: Phases>(
         // pier_requests_total, and its hot path pays no shared atomic.
         w.shared.metrics.by_protocol[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
+    if let Some(a) = &w.shared.analytics {
+        record_event(a, state, sess, route, dur_us);
+    }
     let log = &w.shared.access;
     if log.enabled() {
         let mut up = [0u8; 64];
@@ -454,6 +457,61 @@ pub(crate) fn finish<P: Phases>(
             w.shared.metrics.log_dropped(dropped);
         }
     }
+}
+
+/// The logging step's hand-off to the analytics thread (analytics.rs).
+fn record_event(
+    a: &crate::analytics::Hub,
+    state: &State,
+    sess: &Session,
+    route: Option<usize>,
+    dur_us: u64,
+) {
+    let mut up = [0u8; 64];
+    let up_len = sess.upstream.map(|a| fmt_addr(&mut up, a)).unwrap_or(0);
+    let protocol = if sess.conn.h2 {
+        "HTTP/2.0"
+    } else if sess.req.version == 0 {
+        "HTTP/1.0"
+    } else {
+        "HTTP/1.1"
+    };
+    let tls = sess
+        .conn
+        .tls
+        .as_deref()
+        .map(|t| crate::analytics::tls_version(t.version))
+        .unwrap_or("");
+    let ua = sess.req.headers.get(b"user-agent").unwrap_or(b"");
+    a.record(
+        &pier_analytics::EventRef {
+            ts_ms: sess.now_ns / 1_000_000 + dur_us / 1000,
+            host: sess.req.host().unwrap_or(b""),
+            route: route.map(|r| state.routes[r].name.as_str()).unwrap_or(""),
+            method: sess.req.method(),
+            path: sess.req.path(),
+            status: sess.status,
+            bytes_in: sess.bytes_received,
+            bytes_out: sess.bytes_sent,
+            duration_us: dur_us,
+            upstream_us: sess.upstream_us as u64,
+            client_ip: pier_config::normalize(sess.client.ip()),
+            user_agent: ua,
+            listener: sess
+                .conn
+                .listener
+                .and_then(|i| state.cfg.listeners.get(i))
+                .map(|l| l.name.as_str())
+                .unwrap_or(""),
+            upstream: &up[..up_len],
+            cache: "",
+            protocol: "",
+            tls_version: "",
+            extra: &[],
+        },
+        protocol,
+        tls,
+    );
 }
 
 fn fmt_addr(buf: &mut [u8; 64], a: SocketAddr) -> usize {
@@ -1448,10 +1506,11 @@ async fn exchange_with<
     ctx: &mut P::Ctx,
     inflight: &mut Option<pier_lb::ActiveGuard>,
 ) -> Result<Relayed, Error> {
+    let mut body_in = 0u64;
     let relayed = match body_snk {
         None => relay(w, state, src, &mut snk, resp, sess, ctx, inflight).await,
         Some(body_snk) => {
-            let pump = pump(&mut body_src, body_snk);
+            let pump = pump(&mut body_src, body_snk, &mut body_in);
             let relay = relay(w, state, src, &mut snk, resp, sess, ctx, inflight);
             tokio::pin!(pump, relay);
             let mut pump_done = false;
@@ -1479,15 +1538,19 @@ async fn exchange_with<
         }
     };
     sess.bytes_sent += snk.bytes_sent();
+    sess.bytes_received += body_in;
     relayed
 }
 
-/// The request body from the client to the origin, piece by piece.
+/// The request body from the client to the origin, piece by piece;
+/// `read` counts its bytes.
 async fn pump<Src: RequestSource, Snk: RequestSink>(
     src: &mut Src,
     snk: &mut Snk,
+    read: &mut u64,
 ) -> Result<(), Error> {
     while let Some(piece) = src.read_body().await? {
+        *read += piece.len() as u64;
         snk.write_body(piece).await?;
     }
     snk.finish(src.trailers()).await
@@ -1517,6 +1580,7 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         }
         break;
     }
+    sess.upstream_us = sess.started.elapsed().as_micros().min(u32::MAX as u128) as u32;
     let upgrade = resp.status == 101;
     if upgrade && !sess.upgrade {
         return Err(Error::upstream(Kind::UpstreamProtocol));

@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod analytics;
 pub mod cache;
 mod cors;
 pub mod dns;
@@ -50,6 +51,9 @@ pub struct Shared {
     pub h2pool: upstream_h2::H2Pool,
     pub metrics: Metrics,
     pub access: AccessLog,
+    /// Built-in analytics (`[analytics]`); None when off. Set up at start:
+    /// a reload keeps it as it is.
+    pub analytics: Option<Arc<analytics::Hub>>,
     /// Open connections per client IP (`limits.max_connections_per_ip`).
     pub per_ip: pier_limits::Inflight,
     /// Drain, and the generation just installed (so that workers set up a
@@ -71,6 +75,7 @@ impl Shared {
             h2pool: Default::default(),
             metrics,
             access,
+            analytics: None,
             per_ip: pier_limits::Inflight::new(),
             lifecycle,
         }
@@ -186,6 +191,9 @@ pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phas
                 if dropped > 0 {
                     shared.metrics.log_dropped(dropped);
                 }
+                if let Some(a) = &shared.analytics {
+                    a.flush();
+                }
                 if ctx.id == 0 {
                     shared.pool.sweep();
                 }
@@ -200,6 +208,9 @@ pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phas
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     shared.access.flush();
+    if let Some(a) = &shared.analytics {
+        a.flush();
+    }
     flusher.abort();
     reloads.abort();
 }

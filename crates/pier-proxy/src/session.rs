@@ -40,7 +40,12 @@ pub struct Session {
     pub started: Instant,
     /// What went back to the client (for logging).
     pub status: u16,
+    /// From the request's head to the upstream's response head, in µs
+    /// (0: no upstream answered). For analytics; u32 fits ~71 minutes.
+    pub upstream_us: u32,
     pub bytes_sent: u64,
+    /// The request head (as decoded) and the body bytes read from the client.
+    pub bytes_received: u64,
     pub upstream: Option<SocketAddr>,
     /// The host name of the chosen peer (a server given by name): the SNI
     /// and the Host sent to it. None for an IP literal or a hook's address.
@@ -69,7 +74,9 @@ impl Session {
             now_ns: 0,
             started: Instant::now(),
             status: 0,
+            upstream_us: 0,
             bytes_sent: 0,
+            bytes_received: 0,
             upstream: None,
             upstream_host: None,
             reason: "",
@@ -96,7 +103,9 @@ impl Session {
         self.now_ns = now_ns;
         self.started = Instant::now();
         self.status = 0;
+        self.upstream_us = 0;
         self.bytes_sent = 0;
+        self.bytes_received = self.req.headers.arena().len() as u64;
         self.upstream = None;
         self.upstream_host = None;
         self.reason = "";
