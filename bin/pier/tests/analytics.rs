@@ -369,3 +369,212 @@ fn live_stream_sends_history_then_seconds() {
     assert!(got.contains("Content-Type: text/event-stream"), "{got}");
     assert_eq!(counted(&got), 20, "{got}");
 }
+
+/// Headless Chromium (Debian `chromium`, installed by .ci/run): the binary's path.
+fn chromium() -> std::path::PathBuf {
+    let p = std::env::var_os("PIER_CHROMIUM")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| "/usr/bin/chromium".into());
+    assert!(
+        p.exists(),
+        "{} not found: install Debian's chromium (.ci/run does) or set PIER_CHROMIUM",
+        p.display()
+    );
+    p
+}
+
+/// A headless Chromium showing one page, driven over the DevTools protocol
+/// (a WebSocket): the test waits on conditions in the page, not on time.
+struct Browser {
+    child: std::process::Child,
+    ws: RawConn,
+    next_id: u64,
+    _profile: TempDir,
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Browser {
+    fn open(url: &str) -> Browser {
+        let profile = TempDir::new();
+        let child = std::process::Command::new(chromium())
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--disable-dev-shm-usage",
+                "--window-size=1400,2000",
+                "--remote-debugging-address=127.0.0.1",
+                "--remote-debugging-port=0",
+            ])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .arg(url)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start chromium");
+        // Chromium writes the port it chose to DevToolsActivePort.
+        let port_file = profile.path().join("DevToolsActivePort");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let port: u16 = loop {
+            if let Some(p) = std::fs::read_to_string(&port_file)
+                .ok()
+                .and_then(|t| t.lines().next().and_then(|l| l.trim().parse().ok()))
+            {
+                break p;
+            }
+            assert!(Instant::now() < deadline, "chromium gave no DevTools port in 60 s");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let devtools: SocketAddr = ([127, 0, 0, 1], port).into();
+        // The page target's WebSocket path.
+        let path = loop {
+            // DevTools accepts only an IP or localhost as Host.
+            let host = format!("127.0.0.1:{port}");
+            let list = RawConn::connect(devtools)
+                .request("GET", "/json/list", &[("host", &host)], b"")
+                .expect("devtools /json/list");
+            let v: serde_json::Value = serde_json::from_slice(&list.body).unwrap_or_default();
+            let found = v.as_array().and_then(|a| {
+                a.iter()
+                    .find(|t| t["type"] == "page")
+                    .and_then(|t| t["webSocketDebuggerUrl"].as_str())
+                    .and_then(|u| u.split_once("/devtools/").map(|(_, p)| format!("/devtools/{p}")))
+            });
+            if let Some(p) = found {
+                break p;
+            }
+            assert!(Instant::now() < deadline, "no page target: {}", list.body_str());
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut ws = RawConn::connect(devtools);
+        ws.set_timeout(Duration::from_secs(30));
+        ws.send(
+            format!(
+                "GET {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\nupgrade: websocket\r\nconnection: Upgrade\r\n\
+                 sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        let r = ws.read_head_only().expect("devtools handshake");
+        assert_eq!(r.status, 101, "devtools handshake");
+        Browser {
+            child,
+            ws,
+            next_id: 1,
+            _profile: profile,
+        }
+    }
+
+    /// Calls a DevTools method; its `result`.
+    fn call(&mut self, method: &str, params: serde_json::Value) -> serde_json::Value {
+        let id = self.next_id;
+        self.next_id += 1;
+        let msg = serde_json::json!({ "id": id, "method": method, "params": params }).to_string();
+        self.ws
+            .send(&ws::encode_frame(true, 1, msg.as_bytes(), Some([1, 2, 3, 4])));
+        loop {
+            let f = self.ws.read_ws_frame().expect("devtools frame");
+            let Ok(v) = serde_json::from_slice::<serde_json::Value>(&f.payload) else {
+                continue;
+            };
+            if v["id"] == id {
+                assert!(v["error"].is_null(), "{method}: {v}");
+                return v["result"].clone();
+            }
+        }
+    }
+
+    /// Evaluates `expr` in the page; its value.
+    fn eval(&mut self, expr: &str) -> serde_json::Value {
+        let r = self.call(
+            "Runtime.evaluate",
+            serde_json::json!({ "expression": expr, "returnByValue": true }),
+        );
+        r["result"]["value"].clone()
+    }
+
+    /// Polls `expr` until it is true (deadline 30 s).
+    fn wait_for(&mut self, expr: &str, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.eval(expr) != serde_json::Value::Bool(true) {
+            assert!(Instant::now() < deadline, "page: {what} not true after 30 s");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// The page loads, shows for a fixed window the figures the API gives for
+/// it, and updates live; a screenshot is kept in target/test-artifacts/.
+#[test]
+fn dashboard_shows_the_api_figures_and_updates_live() {
+    let origin = Origin::start();
+    let dir = TempDir::new();
+    let p = pier(&analytics_config(
+        origin.addr(),
+        &dir.path().join("a.db"),
+        "token = \"dash-token-123\"",
+    ));
+    let mut sent = Sent::default();
+    send_traffic(&p, 60, &mut sent);
+    let auth = [("authorization", "Bearer dash-token-123")];
+    wait_requests(&p, 60, &auth);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let window = format!("from={}&to={}&step=minute", now - 1800, now + 60);
+    let api = json(&admin_get(&p, &format!("/api/analytics?{window}"), &auth));
+    let url = format!("http://{}/dashboard?token=dash-token-123&{window}", p.admin());
+
+    let mut b = Browser::open(&url);
+    b.wait_for("document.body && document.body.dataset.loaded === '1'", "the window loaded");
+    let shown = b.eval(
+        "JSON.stringify(['total-requests','unique-clients','total-bytes','errors'].map(id => document.getElementById(id).dataset.value).concat([document.getElementById('latency').dataset.p99]))",
+    );
+    let want = serde_json::json!([
+        api["total"]["requests"].to_string(),
+        api["total"]["unique_clients"].to_string(),
+        api["total"]["bytes_out"].to_string(),
+        api["total"]["status"][4].to_string(),
+        api["total"]["p99_us"].to_string(),
+    ])
+    .to_string();
+    assert_eq!(shown.as_str(), Some(want.as_str()), "page vs API: {api}");
+    let tables = b.eval("document.getElementById('top-hosts').innerText + document.getElementById('top-paths').innerText");
+    let tables = tables.as_str().unwrap_or("");
+    assert!(
+        tables.contains("a.example") && tables.contains("/status/404"),
+        "top lists: {tables:?}"
+    );
+    // Live: `second` events arrive over the event stream, more traffic shows up.
+    b.wait_for("+document.getElementById('live-updates').dataset.n >= 2", "two live updates");
+    send_traffic(&p, 10, &mut sent);
+    b.wait_for(
+        "live.reduce((n, s) => n + s.requests, 0) >= 70",
+        "the live seconds counting all 70 requests",
+    );
+
+    let shot = b.call("Page.captureScreenshot", serde_json::json!({ "format": "png" }));
+    use base64::Engine as _;
+    let png = base64::engine::general_purpose::STANDARD
+        .decode(shot["data"].as_str().expect("screenshot data"))
+        .expect("screenshot base64");
+    assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "{} bytes", png.len());
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("..")
+        .join("test-artifacts");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("dashboard.png"), &png).unwrap();
+}
