@@ -9,7 +9,7 @@ import os
 import statistics
 import sys
 
-ORDER = ["pier", "nginx", "haproxy", "pier-lua", "nginx-lua", "pier-limit"]
+ORDER = ["pier", "nginx", "haproxy", "pier-lua", "nginx-lua", "pier-limit", "pier-noanalytics"]
 LABEL = {
     "pier": "Pier",
     "nginx": "nginx",
@@ -17,6 +17,7 @@ LABEL = {
     "pier-lua": "Pier + Lua hook",
     "nginx-lua": "nginx + Lua hook",
     "pier-limit": "Pier + rate limit",
+    "pier-noanalytics": "Pier, analytics off",
 }
 # (numerator, denominator, target) ratios of requests per proxy CPU-second.
 RATIOS = [("pier", "nginx", 1.2), ("pier", "haproxy", 1.0), ("pier-lua", "nginx-lua", 1.5)]
@@ -308,6 +309,11 @@ def target_rows(load, idle, scenarios, runs):
             if x and y:
                 o = 100 * (1 - x / y)
                 rows.append(f"| Pier rate-limit overhead ≤ 3% | {sc} | {o:+.1f}% | {yes(o <= 3)} |")
+        if "pier-noanalytics" in have and "pier" in have:
+            x, y = m("pier", path, conns, "req_per_cpu_s"), m("pier-noanalytics", path, conns, "req_per_cpu_s")
+            if x and y:
+                o = 100 * (1 - x / y)
+                rows.append(f"| Pier analytics overhead ≤ 3% | {sc} | {o:+.1f}% | {yes(o <= 3)} |")
     ip = {p: med([r["rss_kib"] for r in idle if r["proxy"] == p]) for p in ("pier", "nginx")}
     if ip["pier"] is not None and ip["nginx"] is not None:
         rows.append(f"| Pier RSS with idle conns ≤ nginx's | idle | {ip['pier'] / 1024:.1f} MB vs "

@@ -65,7 +65,7 @@ drop_proxy() {
 SKIPPED=()   # "proxy: reason" lines, copied into the report
 
 build_pier() {
-    has_proxy pier || has_proxy pier-lua || has_proxy pier-limit || return 0
+    has_proxy pier || has_proxy pier-lua || has_proxy pier-limit || has_proxy pier-noanalytics || return 0
     if [ "$SKIP_BUILD" != 1 ]; then
         log "building pier: cargo build --release -p pier"
         if ! (cd "$ROOT" && nice -n 10 cargo build --release -p pier) >"$RUN/cargo-build.log" 2>&1; then
@@ -73,14 +73,14 @@ build_pier() {
             log "Pier does NOT build yet (cargo build --release -p pier failed; log: $RUN/cargo-build.log)."
             log "Skipping the pier and pier-lua scenarios; the peers are still measured."
             SKIPPED+=("pier, pier-lua: \`cargo build --release -p pier\` failed (binary not ready)")
-            drop_proxy pier; drop_proxy pier-lua; drop_proxy pier-limit
+            drop_proxy pier; drop_proxy pier-lua; drop_proxy pier-limit; drop_proxy pier-noanalytics
             return 0
         fi
     fi
     if [ ! -x "$PIER_BIN" ]; then
         log "no Pier binary at $PIER_BIN; skipping pier and pier-lua"
         SKIPPED+=("pier, pier-lua: no binary at $PIER_BIN")
-        drop_proxy pier; drop_proxy pier-lua; drop_proxy pier-limit
+        drop_proxy pier; drop_proxy pier-lua; drop_proxy pier-limit; drop_proxy pier-noanalytics
         return 0
     fi
     if has_proxy pier-lua && [ ! -f "$PIER_LUA_CONFIG" ]; then
@@ -205,7 +205,15 @@ start_proxy() {
             cat "$BENCH_DIR/peers/pier/limit.toml" >>"$dir/pier.toml"
             "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
             ;;
-        *) die "unknown proxy '$name' (known: pier, nginx, haproxy, pier-lua, nginx-lua, pier-limit)" ;;
+        pier-noanalytics)
+            # The plain Pier config with the built-in analytics (on by
+            # default, in "pier") turned off: the pair measures its cost.
+            rm -rf "$dir"; mkdir -p "$dir"
+            template "$BENCH_DIR/peers/pier/pier.toml" "$dir/pier.toml" "$port"
+            printf '\n[analytics]\nenabled = false\n' >>"$dir/pier.toml"
+            "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
+            ;;
+        *) die "unknown proxy '$name' (known: pier, nginx, haproxy, pier-lua, nginx-lua, pier-limit, pier-noanalytics)" ;;
     esac
     PROXY_PID=$!
     PIDS+=("$PROXY_PID")

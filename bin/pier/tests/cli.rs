@@ -229,6 +229,8 @@ fn quick_mode_without_admin() {
 
 #[test]
 fn default_config_proxies_to_the_demo_origin() {
+    let dir = TempDir::new();
+    let db = dir.path().join("analytics.db").to_string_lossy().into_owned();
     let p = PierProcess::launch_env(
         bin(),
         None,
@@ -237,6 +239,7 @@ fn default_config_proxies_to_the_demo_origin() {
             ("PIER_LISTEN", "127.0.0.1:0"),
             ("PIER_ADMIN", "127.0.0.1:0"),
             ("PIER_DEMO_PORT", "0"),
+            ("PIER_ANALYTICS_DB", &db),
         ],
     )
     .unwrap_or_else(|e| panic!("{e}"));
