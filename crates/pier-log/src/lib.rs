@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod access;
+pub mod fields;
 pub mod metrics;
 
 pub use access::{AccessLog, AccessRecord, TlsFields};

@@ -127,6 +127,8 @@ pub(crate) mod mask {
     pub const BODY: u32 = set(&[BodyFilter]);
     /// `pier.balancer.*`.
     pub const BALANCER: u32 = set(&[Balancer]);
+    /// `pier.analytics.field`: the log phase only (docs/analytics.md).
+    pub const LOG: u32 = set(&[Log]);
     /// Calls that yield: `pier.sleep`, cosockets, `pier.http`.
     pub const YIELD: u32 = set(&[Access, Content, Balancer, UpstreamRequest, Timer]);
     /// Any phase.

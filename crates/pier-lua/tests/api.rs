@@ -357,6 +357,11 @@ fn phase_gating_errors() {
             "pier.redirect('/x')",
             "API pier.redirect is disabled in phase header_filter",
         ),
+        (
+            Phase::Access,
+            "pier.analytics.field('user', 'alice')",
+            "API pier.analytics.field is disabled in phase access (log phase only)",
+        ),
     ];
     for (phase, code, want) in cases {
         let mut hooks = RouteHooks::default();
@@ -765,4 +770,39 @@ fn content_status_from_set_status_without_view_status() {
     ))
     .unwrap();
     assert!(matches!(flow, Flow::Respond { status: 200, .. }));
+}
+
+/// `pier.analytics.field` in the log phase fills the request's analytics
+/// fields (pier_log::fields), bounded and checked.
+#[test]
+fn analytics_fields_from_the_log_phase() {
+    pier_log::fields::enable(true);
+    let reg = registry(&[("cache", 1 << 20)]);
+    let s = setup(RouteHooks {
+        log: src(
+            "route t log",
+            r#"
+            pier.analytics.field("user", "alice")
+            pier.analytics.field("plan", 42)
+            pier.shared.cache:set("bad_name", select(2, pcall(pier.analytics.field, "a b", "x")))
+            pier.shared.cache:set("bad_value", select(2, pcall(pier.analytics.field, "v", string.rep("x", 300))))
+            pier.shared.cache:set("not_string", select(2, pcall(pier.analytics.field, {}, "x")))
+            "#,
+        ),
+        ..Default::default()
+    });
+    let e = pier_lua::LuaEngine::new(std::sync::Arc::new(s), reg.clone()).unwrap();
+    let mut v = TestView::default();
+    let mut ctx = RequestCtx::new();
+    e.log(0, &mut v, &mut ctx);
+    pier_log::fields::take(|f| {
+        assert_eq!(
+            f,
+            &[(&b"user"[..], &b"alice"[..]), (&b"plan"[..], &b"42"[..])]
+        )
+    });
+    for key in ["bad_name", "bad_value", "not_string"] {
+        let got = dict_str(&reg, key);
+        assert!(got.contains("pier.analytics.field"), "{key}: {got}");
+    }
 }

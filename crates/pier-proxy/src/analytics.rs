@@ -51,13 +51,19 @@ struct Fixed {
     protocol: &'static str,
     tls_version: &'static str,
     cache: &'static str,
+    /// `extras[extra.0 .. extra.0 + extra.1]`: fields a log hook added.
+    extra: (u32, u32),
 }
+
+/// A hook's field: (name, value) in the arena.
+type Extra = ((u32, u32), (u32, u32));
 
 /// Events copied out of their requests.
 #[derive(Default)]
 pub struct Batch {
     events: Vec<Fixed>,
     bytes: Vec<u8>,
+    extras: Vec<Extra>,
 }
 
 impl Batch {
@@ -73,6 +79,11 @@ impl Batch {
     }
 
     fn push(&mut self, e: &EventRef<'_>, protocol: &'static str, tls: &'static str) {
+        let first = self.extras.len() as u32;
+        for (k, v) in e.extra {
+            let x = (self.put(k), self.put(v));
+            self.extras.push(x);
+        }
         let f = Fixed {
             ts_ms: e.ts_ms,
             bytes_in: e.bytes_in,
@@ -91,6 +102,7 @@ impl Batch {
             protocol,
             tls_version: tls,
             cache: cache_status(e.cache),
+            extra: (first, e.extra.len() as u32),
         };
         self.events.push(f);
     }
@@ -105,8 +117,13 @@ impl Batch {
 
     /// Each event, borrowed back out of the batch.
     pub fn for_each(&self, mut f: impl FnMut(&EventRef<'_>)) {
+        let mut extra: Vec<(&[u8], &[u8])> = Vec::new();
         for e in &self.events {
             let text = |r| std::str::from_utf8(self.get(r)).unwrap_or("");
+            extra.clear();
+            for &(k, v) in &self.extras[e.extra.0 as usize..(e.extra.0 + e.extra.1) as usize] {
+                extra.push((self.get(k), self.get(v)));
+            }
             f(&EventRef {
                 ts_ms: e.ts_ms,
                 host: self.get(e.host),
@@ -125,7 +142,7 @@ impl Batch {
                 cache: e.cache,
                 protocol: e.protocol,
                 tls_version: e.tls_version,
-                extra: &[],
+                extra: &extra,
             });
         }
     }
@@ -248,6 +265,7 @@ impl Hub {
             .path
             .clone()
             .unwrap_or_else(|| std::path::PathBuf::from(":memory:"));
+        pier_log::fields::enable(true);
         let store =
             Store::open(&path).map_err(|e| format!("analytics store {}: {e}", path.display()))?;
         let inner = Arc::new(Mutex::new(Inner {
@@ -298,6 +316,7 @@ impl Hub {
                 Batch {
                     events: Vec::with_capacity(BATCH_EVENTS),
                     bytes: Vec::with_capacity(cap),
+                    extras: Vec::new(),
                 },
             ))
         });
@@ -595,6 +614,7 @@ mod tests {
                 status: 404,
                 user_agent: b"ua",
                 cache: "HIT",
+                extra: &[(b"user", b"alice")],
                 ..EventRef::EMPTY
             },
             "HTTP/1.1",
@@ -612,6 +632,7 @@ mod tests {
                 (e.cache, e.protocol, e.tls_version),
                 ("HIT", "HTTP/1.1", "TLSv1.3")
             );
+            assert_eq!(e.extra, &[(&b"user"[..], &b"alice"[..])]);
         });
         assert_eq!(seen, 1);
     }

@@ -483,35 +483,37 @@ fn record_event(
         .map(|t| crate::analytics::tls_version(t.version))
         .unwrap_or("");
     let ua = sess.req.headers.get(b"user-agent").unwrap_or(b"");
-    a.record(
-        &pier_analytics::EventRef {
-            ts_ms: sess.now_ns / 1_000_000 + dur_us / 1000,
-            host: sess.req.host().unwrap_or(b""),
-            route: route.map(|r| state.routes[r].name.as_str()).unwrap_or(""),
-            method: sess.req.method(),
-            path: sess.req.path(),
-            status: sess.status,
-            bytes_in: sess.bytes_received,
-            bytes_out: sess.bytes_sent,
-            duration_us: dur_us,
-            upstream_us: sess.upstream_us as u64,
-            client_ip: pier_config::normalize(sess.client.ip()),
-            user_agent: ua,
-            listener: sess
-                .conn
-                .listener
-                .and_then(|i| state.cfg.listeners.get(i))
-                .map(|l| l.name.as_str())
-                .unwrap_or(""),
-            upstream: &up[..up_len],
-            cache: "",
-            protocol: "",
-            tls_version: "",
-            extra: &[],
-        },
-        protocol,
-        tls,
-    );
+    pier_log::fields::take(|extra| {
+        a.record(
+            &pier_analytics::EventRef {
+                ts_ms: sess.now_ns / 1_000_000 + dur_us / 1000,
+                host: sess.req.host().unwrap_or(b""),
+                route: route.map(|r| state.routes[r].name.as_str()).unwrap_or(""),
+                method: sess.req.method(),
+                path: sess.req.path(),
+                status: sess.status,
+                bytes_in: sess.bytes_received,
+                bytes_out: sess.bytes_sent,
+                duration_us: dur_us,
+                upstream_us: sess.upstream_us as u64,
+                client_ip: pier_config::normalize(sess.client.ip()),
+                user_agent: ua,
+                listener: sess
+                    .conn
+                    .listener
+                    .and_then(|i| state.cfg.listeners.get(i))
+                    .map(|l| l.name.as_str())
+                    .unwrap_or(""),
+                upstream: &up[..up_len],
+                cache: "",
+                protocol: "",
+                tls_version: "",
+                extra,
+            },
+            protocol,
+            tls,
+        )
+    });
 }
 
 fn fmt_addr(buf: &mut [u8; 64], a: SocketAddr) -> usize {

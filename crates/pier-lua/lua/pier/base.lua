@@ -52,6 +52,7 @@ typedef struct {
   int (*shdict_push)(int, int, const char *, size_t, int, const char *, size_t, double);
   int (*shdict_pop)(int, int, const char *, size_t, const char **, size_t *, double *);
   int (*shdict_llen)(int, const char *, size_t);
+  int (*analytics_field)(const char *, size_t, const char *, size_t);
 } pier_api_t;
 ]]
 

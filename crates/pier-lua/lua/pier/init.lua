@@ -23,6 +23,30 @@ local pier = {
   STDERR = 2, EMERG = 1, ALERT = 2, CRIT = 3, ERR = 4, WARN = 5, NOTICE = 6, INFO = 7, DEBUG = 8,
 }
 
+-- pier.analytics.field(name, value): adds a field to this request's
+-- analytics event (sent to Kafka with it; docs/analytics.md). Log phase only;
+-- names of letters, digits, '_', '-', '.' (at most 64 bytes), values at most
+-- 256 bytes, 16 fields a request.
+do
+  local C_field = api.analytics_field
+  pier.analytics = {
+    field = function(name, value)
+      if type(name) ~= "string" then
+        error("bad argument #1 to pier.analytics.field (string expected)", 2)
+      end
+      value = tostring(value)
+      local rc = C_field(name, #name, value, #value)
+      if rc == 0 then return true end
+      if rc == -2 then
+        error("API pier.analytics.field is disabled in phase " .. base.phase_name() .. " (log phase only)", 2)
+      elseif rc == -11 then
+        error("pier.analytics.field: a request has at most 16 fields", 2)
+      end
+      error("bad argument to pier.analytics.field (name: [A-Za-z0-9_.-]{1,64}, value: at most 256 bytes)", 2)
+    end,
+  }
+end
+
 -- pier.limit: sliding per-second counters on a count-min sketch shared by
 -- every worker (the same estimator as [[limit]] rules; fixed memory).
 do

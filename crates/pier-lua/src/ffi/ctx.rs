@@ -53,6 +53,26 @@ pub(super) unsafe extern "C" fn log(level: c_int, p: *const c_char, n: usize) ->
     })
 }
 
+/// `pier.analytics.field(name, value)`: a field of this request's analytics
+/// event (pier_log::fields). -11: already 16 fields.
+pub(super) unsafe extern "C" fn analytics_field(
+    np: *const c_char,
+    nn: usize,
+    vp: *const c_char,
+    vn: usize,
+) -> c_int {
+    if !current::get().allows(mask::LOG) {
+        return E_PHASE;
+    }
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let (name, value) = unsafe { (arg(np, nn), arg(vp, vn)) };
+    guard(|| match pier_log::fields::set(name, value) {
+        Ok(()) => 0,
+        Err(pier_log::fields::Refused::TooMany) => -11,
+        Err(_) => E_INVAL,
+    })
+}
+
 /// Runs `f` on the current request's [`RequestCtx`] if the phase is in `m`.
 #[inline(always)]
 fn with_ctx(m: u32, f: impl FnOnce(&mut RequestCtx, &Current) -> c_int) -> c_int {

@@ -164,6 +164,8 @@ pub(crate) struct PierApi {
     shdict_pop:
         unsafe extern "C" fn(c_int, c_int, *const c_char, usize, OutPtr, OutLen, *mut f64) -> c_int,
     shdict_llen: unsafe extern "C" fn(c_int, *const c_char, usize) -> c_int,
+    // pier.analytics.field (log phase)
+    analytics_field: unsafe extern "C" fn(*const c_char, usize, *const c_char, usize) -> c_int,
 }
 
 /// The one API table; its address is what Lua casts.
@@ -213,6 +215,7 @@ static API: PierApi = PierApi {
     shdict_push: shdict::push,
     shdict_pop: shdict::pop,
     shdict_llen: shdict::llen,
+    analytics_field: ctx::analytics_field,
 };
 
 /// The address Lua casts to `const pier_api_t*` (fits a double: user-space
