@@ -19,9 +19,11 @@ pub const MAX_VALUE: usize = 256;
 /// would take the fields).
 static ENABLED: AtomicBool = AtomicBool::new(false);
 
+/// (name, value) pairs in one buffer: `(name_len, value_len)` and bytes.
+type Fields = (Vec<(u16, u16)>, Vec<u8>);
+
 thread_local! {
-    /// (name, value) pairs in one buffer: `(name_len, value_len)` and bytes.
-    static FIELDS: RefCell<(Vec<(u16, u16)>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    static FIELDS: RefCell<Fields> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 pub fn enable(on: bool) {
