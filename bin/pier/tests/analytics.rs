@@ -434,7 +434,10 @@ impl Browser {
             {
                 break p;
             }
-            assert!(Instant::now() < deadline, "chromium gave no DevTools port in 60 s");
+            assert!(
+                Instant::now() < deadline,
+                "chromium gave no DevTools port in 60 s"
+            );
             std::thread::sleep(Duration::from_millis(50));
         };
         let devtools: SocketAddr = ([127, 0, 0, 1], port).into();
@@ -450,12 +453,19 @@ impl Browser {
                 a.iter()
                     .find(|t| t["type"] == "page")
                     .and_then(|t| t["webSocketDebuggerUrl"].as_str())
-                    .and_then(|u| u.split_once("/devtools/").map(|(_, p)| format!("/devtools/{p}")))
+                    .and_then(|u| {
+                        u.split_once("/devtools/")
+                            .map(|(_, p)| format!("/devtools/{p}"))
+                    })
             });
             if let Some(p) = found {
                 break p;
             }
-            assert!(Instant::now() < deadline, "no page target: {}", list.body_str());
+            assert!(
+                Instant::now() < deadline,
+                "no page target: {}",
+                list.body_str()
+            );
             std::thread::sleep(Duration::from_millis(50));
         };
         let mut ws = RawConn::connect(devtools);
@@ -482,8 +492,12 @@ impl Browser {
         let id = self.next_id;
         self.next_id += 1;
         let msg = serde_json::json!({ "id": id, "method": method, "params": params }).to_string();
-        self.ws
-            .send(&ws::encode_frame(true, 1, msg.as_bytes(), Some([1, 2, 3, 4])));
+        self.ws.send(&ws::encode_frame(
+            true,
+            1,
+            msg.as_bytes(),
+            Some([1, 2, 3, 4]),
+        ));
         loop {
             let f = self.ws.read_ws_frame().expect("devtools frame");
             let Ok(v) = serde_json::from_slice::<serde_json::Value>(&f.payload) else {
@@ -509,7 +523,10 @@ impl Browser {
     fn wait_for(&mut self, expr: &str, what: &str) {
         let deadline = Instant::now() + Duration::from_secs(30);
         while self.eval(expr) != serde_json::Value::Bool(true) {
-            assert!(Instant::now() < deadline, "page: {what} not true after 30 s");
+            assert!(
+                Instant::now() < deadline,
+                "page: {what} not true after 30 s"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -536,10 +553,16 @@ fn dashboard_shows_the_api_figures_and_updates_live() {
         .as_secs();
     let window = format!("from={}&to={}&step=minute", now - 1800, now + 60);
     let api = json(&admin_get(&p, &format!("/api/analytics?{window}"), &auth));
-    let url = format!("http://{}/dashboard?token=dash-token-123&{window}", p.admin());
+    let url = format!(
+        "http://{}/dashboard?token=dash-token-123&{window}",
+        p.admin()
+    );
 
     let mut b = Browser::open(&url);
-    b.wait_for("document.body && document.body.dataset.loaded === '1'", "the window loaded");
+    b.wait_for(
+        "document.body && document.body.dataset.loaded === '1'",
+        "the window loaded",
+    );
     let shown = b.eval(
         "JSON.stringify(['total-requests','unique-clients','total-bytes','errors'].map(id => document.getElementById(id).dataset.value).concat([document.getElementById('latency').dataset.p99]))",
     );
@@ -559,19 +582,29 @@ fn dashboard_shows_the_api_figures_and_updates_live() {
         "top lists: {tables:?}"
     );
     // Live: `second` events arrive over the event stream, more traffic shows up.
-    b.wait_for("+document.getElementById('live-updates').dataset.n >= 2", "two live updates");
+    b.wait_for(
+        "+document.getElementById('live-updates').dataset.n >= 2",
+        "two live updates",
+    );
     send_traffic(&p, 10, &mut sent);
     b.wait_for(
         "live.reduce((n, s) => n + s.requests, 0) >= 70",
         "the live seconds counting all 70 requests",
     );
 
-    let shot = b.call("Page.captureScreenshot", serde_json::json!({ "format": "png" }));
+    let shot = b.call(
+        "Page.captureScreenshot",
+        serde_json::json!({ "format": "png" }),
+    );
     use base64::Engine as _;
     let png = base64::engine::general_purpose::STANDARD
         .decode(shot["data"].as_str().expect("screenshot data"))
         .expect("screenshot base64");
-    assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "{} bytes", png.len());
+    assert!(
+        png.starts_with(b"\x89PNG") && png.len() > 10_000,
+        "{} bytes",
+        png.len()
+    );
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join("..")
         .join("test-artifacts");

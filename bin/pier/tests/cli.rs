@@ -230,7 +230,11 @@ fn quick_mode_without_admin() {
 #[test]
 fn default_config_proxies_to_the_demo_origin() {
     let dir = TempDir::new();
-    let db = dir.path().join("analytics.db").to_string_lossy().into_owned();
+    let db = dir
+        .path()
+        .join("analytics.db")
+        .to_string_lossy()
+        .into_owned();
     let p = PierProcess::launch_env(
         bin(),
         None,
