@@ -362,7 +362,14 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
         }
     };
     let analytics = if state.cfg.analytics.enabled {
-        match pier_proxy::analytics::Hub::start(&state.cfg.analytics) {
+        let sink = match kafka_sink(&state.cfg.analytics) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("pier: [analytics.kafka]: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        match pier_proxy::analytics::Hub::start(&state.cfg.analytics, sink) {
             Ok(h) => Some(Arc::new(h)),
             Err(e) => {
                 eprintln!("pier: {e}");
@@ -419,6 +426,38 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
     );
     drop(handles); // worker threads end with the process
     code
+}
+
+/// `[analytics.kafka]`: the Kafka sink the analytics thread also hands
+/// every event to (pier-kafka; pier-proxy knows only its trait).
+struct KafkaSink(pier_kafka::Sink);
+
+impl pier_proxy::analytics::EventSink for KafkaSink {
+    fn offer(&self, e: &pier_analytics::EventRef<'_>) {
+        self.0.offer(e)
+    }
+    fn stats(&self) -> (u64, u64, u64, u64) {
+        let s = self.0.stats();
+        (s.sent, s.dropped, s.errors, s.queued)
+    }
+    fn flush(&self, timeout: Duration) {
+        self.0.flush(timeout)
+    }
+}
+
+fn kafka_sink(
+    a: &pier_config::Analytics,
+) -> Result<Option<Arc<dyn pier_proxy::analytics::EventSink>>, String> {
+    let Some(k) = &a.kafka else { return Ok(None) };
+    let sink = pier_kafka::Sink::start(&pier_kafka::SinkConfig {
+        brokers: k.brokers.clone(),
+        topic: k.topic.clone(),
+        batch_size: k.batch_size,
+        linger: k.linger,
+        compression: k.compression.clone(),
+        queue: k.queue,
+    })?;
+    Ok(Some(Arc::new(KafkaSink(sink))))
 }
 
 fn pool_idle(cfg: &Config) -> usize {

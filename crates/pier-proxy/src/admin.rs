@@ -561,6 +561,17 @@ pub fn render_metrics(shared: &Shared) -> String {
             c.minutes_written.load(Relaxed),
             c.store_errors.load(Relaxed),
         );
+        if let Some(sink) = &a.sink {
+            let (sent, dropped, errors, queued) = sink.stats();
+            let _ = writeln!(
+                out,
+                "# HELP pier_analytics_kafka_events_total Events sent to Kafka by result: sent (acknowledged), dropped (queue full, Kafka slow or down), error (never acknowledged).\n# TYPE pier_analytics_kafka_events_total counter\n\
+                 pier_analytics_kafka_events_total{{result=\"sent\"}} {sent}\n\
+                 pier_analytics_kafka_events_total{{result=\"dropped\"}} {dropped}\n\
+                 pier_analytics_kafka_events_total{{result=\"error\"}} {errors}\n\
+                 # TYPE pier_analytics_kafka_queued gauge\npier_analytics_kafka_queued {queued}"
+            );
+        }
     }
     out
 }

@@ -182,6 +182,17 @@ enum Msg {
     Stop(std::sync::mpsc::Sender<()>),
 }
 
+/// Where events also go, besides the embedded rollups (the Kafka sink of
+/// `[analytics.kafka]`, made by the binary: pier-proxy builds no Kafka
+/// client). Called from the analytics thread only; must never block.
+pub trait EventSink: Send + Sync {
+    fn offer(&self, e: &EventRef<'_>);
+    /// (sent, dropped, errors, queued).
+    fn stats(&self) -> (u64, u64, u64, u64);
+    /// At shutdown: wait up to `timeout` for what is queued.
+    fn flush(&self, timeout: Duration);
+}
+
 /// Counters shown in /metrics.
 #[derive(Default)]
 pub struct Counters {
@@ -255,12 +266,16 @@ pub struct Hub {
     tx: SyncSender<Msg>,
     pub inner: Arc<Mutex<Inner>>,
     pub counters: Arc<Counters>,
+    pub sink: Option<Arc<dyn EventSink>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl Hub {
     /// Open the store (`cfg.path`, or memory) and start the thread.
-    pub fn start(cfg: &pier_config::Analytics) -> Result<Hub, String> {
+    pub fn start(
+        cfg: &pier_config::Analytics,
+        sink: Option<Arc<dyn EventSink>>,
+    ) -> Result<Hub, String> {
         let path = cfg
             .path
             .clone()
@@ -277,16 +292,17 @@ impl Hub {
         let (tx, rx) = sync_channel(cfg.queue.div_ceil(BATCH_EVENTS).max(2));
         let keep = [cfg.keep_minutes, cfg.keep_hours, cfg.keep_days].map(|d| d.as_secs() as i64);
         let thread = {
-            let (inner, counters) = (inner.clone(), counters.clone());
+            let (inner, counters, sink) = (inner.clone(), counters.clone(), sink.clone());
             std::thread::Builder::new()
                 .name("pier-analytics".into())
-                .spawn(move || run(rx, inner, counters, keep))
+                .spawn(move || run(rx, inner, counters, keep, sink))
                 .map_err(|e| format!("analytics thread: {e}"))?
         };
         Ok(Hub {
             tx,
             inner,
             counters,
+            sink,
             thread: Mutex::new(Some(thread)),
         })
     }
@@ -359,7 +375,13 @@ fn now_ms() -> u64 {
 }
 
 /// The analytics thread.
-fn run(rx: Receiver<Msg>, inner: Arc<Mutex<Inner>>, counters: Arc<Counters>, keep: [i64; 3]) {
+fn run(
+    rx: Receiver<Msg>,
+    inner: Arc<Mutex<Inner>>,
+    counters: Arc<Counters>,
+    keep: [i64; 3],
+    sink: Option<Arc<dyn EventSink>>,
+) {
     let mut last_close = 0u64;
     let mut last_prune = 0u64;
     loop {
@@ -374,6 +396,10 @@ fn run(rx: Receiver<Msg>, inner: Arc<Mutex<Inner>>, counters: Arc<Counters>, kee
                     g.agg.add(e);
                     g.live_add(e);
                 });
+                drop(g);
+                if let Some(sink) = &sink {
+                    b.for_each(|e| sink.offer(e));
+                }
                 counters.events.fetch_add(b.len() as u64, Relaxed);
                 None
             }
@@ -389,11 +415,19 @@ fn run(rx: Receiver<Msg>, inner: Arc<Mutex<Inner>>, counters: Arc<Counters>, kee
                 Err(p) => p.into_inner(),
             };
             while let Ok(Msg::Batch(b)) = rx.try_recv() {
-                b.for_each(|e| g.agg.add(e));
+                b.for_each(|e| {
+                    g.agg.add(e);
+                    if let Some(sink) = &sink {
+                        sink.offer(e);
+                    }
+                });
                 counters.events.fetch_add(b.len() as u64, Relaxed);
             }
             let rows = g.agg.take_all();
             write(&mut g, &rows, &counters);
+            if let Some(sink) = &sink {
+                sink.flush(Duration::from_secs(5));
+            }
             if let Some(done) = done {
                 let _ = done.send(());
             }
