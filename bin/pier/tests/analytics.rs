@@ -611,3 +611,44 @@ fn dashboard_shows_the_api_figures_and_updates_live() {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("dashboard.png"), &png).unwrap();
 }
+
+/// `[analytics.kafka]` with no broker listening: requests are served as
+/// ever, the embedded figures are exact, and the events Kafka cannot take
+/// are dropped past the sink's queue and counted, never waited for.
+#[test]
+fn kafka_down_costs_requests_nothing() {
+    let origin = Origin::start();
+    let dir = TempDir::new();
+    let dead = dead_addr();
+    let cfg = analytics_config(origin.addr(), &dir.path().join("a.db"), "").replace(
+        "[log]",
+        &format!(
+            "[analytics.kafka]\nbrokers = [\"{dead}\"]\nqueue = 50\nlinger = \"5ms\"\n\n[log]"
+        ),
+    );
+    let p = pier(&cfg);
+    let mut sent = Sent::default();
+    let t = Instant::now();
+    send_traffic(&p, 200, &mut sent);
+    let took = t.elapsed();
+    wait_requests(&p, 200, &[]);
+    // The sink holds at most 50; the rest were dropped and counted.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let dropped = p.metric_value("pier_analytics_kafka_events_total{result=\"dropped\"}");
+        if dropped.is_some_and(|d| d >= 150.0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kafka drops counted: {dropped:?}\n{}",
+            p.metrics()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        p.metric_value("pier_analytics_kafka_events_total{result=\"sent\"}"),
+        Some(0.0)
+    );
+    eprintln!("200 requests with Kafka down took {took:?}");
+}
