@@ -37,7 +37,8 @@ pub struct TopK {
     total: u64,
     counters: Vec<Counter>,
     /// Item -> position in `counters`.
-    index: HashMap<Box<[u8]>, usize>,
+    /// At most `capacity` entries, so even colliding keys cost a bounded scan.
+    index: HashMap<Box<[u8]>, usize, foldhash::fast::RandomState>,
 }
 
 impl PartialEq for TopK {
@@ -57,7 +58,7 @@ impl TopK {
             capacity: capacity.max(1),
             total: 0,
             counters: Vec::new(),
-            index: HashMap::new(),
+            index: HashMap::default(),
         }
     }
 

@@ -47,7 +47,7 @@ struct Fixed {
     path: (u32, u32),
     user_agent: (u32, u32),
     listener: (u32, u32),
-    upstream: (u32, u32),
+    upstream: Option<std::net::SocketAddr>,
     protocol: &'static str,
     tls_version: &'static str,
     cache: &'static str,
@@ -78,7 +78,13 @@ impl Batch {
         &self.bytes[r.0 as usize..(r.0 + r.1) as usize]
     }
 
-    fn push(&mut self, e: &EventRef<'_>, protocol: &'static str, tls: &'static str) {
+    fn push(
+        &mut self,
+        e: &EventRef<'_>,
+        protocol: &'static str,
+        tls: &'static str,
+        upstream: Option<std::net::SocketAddr>,
+    ) {
         let first = self.extras.len() as u32;
         for (k, v) in e.extra {
             let x = (self.put(k), self.put(v));
@@ -98,7 +104,7 @@ impl Batch {
             path: self.put(e.path),
             user_agent: self.put(e.user_agent),
             listener: self.put(e.listener.as_bytes()),
-            upstream: self.put(e.upstream),
+            upstream,
             protocol,
             tls_version: tls,
             cache: cache_status(e.cache),
@@ -115,10 +121,18 @@ impl Batch {
         self.events.is_empty()
     }
 
-    /// Each event, borrowed back out of the batch.
-    pub fn for_each(&self, mut f: impl FnMut(&EventRef<'_>)) {
+    /// Each event, borrowed back out of the batch; with `upstream`, the
+    /// upstream address formatted as text (for a sink; the rollups don't
+    /// read it).
+    pub fn for_each(&self, upstream: bool, mut f: impl FnMut(&EventRef<'_>)) {
         let mut extra: Vec<(&[u8], &[u8])> = Vec::new();
+        let mut up = Vec::with_capacity(64);
         for e in &self.events {
+            up.clear();
+            if let (true, Some(a)) = (upstream, e.upstream) {
+                use std::io::Write as _;
+                let _ = write!(up, "{a}");
+            }
             let text = |r| std::str::from_utf8(self.get(r)).unwrap_or("");
             extra.clear();
             for &(k, v) in &self.extras[e.extra.0 as usize..(e.extra.0 + e.extra.1) as usize] {
@@ -138,7 +152,7 @@ impl Batch {
                 client_ip: e.client_ip,
                 user_agent: self.get(e.user_agent),
                 listener: text(e.listener),
-                upstream: self.get(e.upstream),
+                upstream: &up,
                 cache: e.cache,
                 protocol: e.protocol,
                 tls_version: e.tls_version,
@@ -308,10 +322,16 @@ impl Hub {
     }
 
     /// The logging step: copy one event into this thread's batch.
-    pub fn record(&self, e: &EventRef<'_>, protocol: &'static str, tls: &'static str) {
+    pub fn record(
+        &self,
+        e: &EventRef<'_>,
+        protocol: &'static str,
+        tls: &'static str,
+        upstream: Option<std::net::SocketAddr>,
+    ) {
         let full = BATCH.with(|b| {
             let mut b = b.borrow_mut();
-            b.push(e, protocol, tls);
+            b.push(e, protocol, tls, upstream);
             b.len() >= BATCH_EVENTS
         });
         if full {
@@ -392,13 +412,13 @@ fn run(
                     Ok(g) => g,
                     Err(p) => p.into_inner(),
                 };
-                b.for_each(|e| {
+                b.for_each(false, |e| {
                     g.agg.add(e);
                     g.live_add(e);
                 });
                 drop(g);
                 if let Some(sink) = &sink {
-                    b.for_each(|e| sink.offer(e));
+                    b.for_each(true, |e| sink.offer(e));
                 }
                 counters.events.fetch_add(b.len() as u64, Relaxed);
                 None
@@ -415,7 +435,7 @@ fn run(
                 Err(p) => p.into_inner(),
             };
             while let Ok(Msg::Batch(b)) = rx.try_recv() {
-                b.for_each(|e| {
+                b.for_each(sink.is_some(), |e| {
                     g.agg.add(e);
                     if let Some(sink) = &sink {
                         sink.offer(e);
@@ -653,10 +673,12 @@ mod tests {
             },
             "HTTP/1.1",
             "TLSv1.3",
+            Some(([10, 0, 0, 1], 8080).into()),
         );
         let mut seen = 0;
-        b.for_each(|e| {
+        b.for_each(true, |e| {
             seen += 1;
+            assert_eq!(e.upstream, b"10.0.0.1:8080");
             assert_eq!(
                 (e.ts_ms, e.host, e.route, e.status),
                 (5, &b"a.example"[..], "r", 404)

@@ -467,8 +467,6 @@ fn record_event(
     route: Option<usize>,
     dur_us: u64,
 ) {
-    let mut up = [0u8; 64];
-    let up_len = sess.upstream.map(|a| fmt_addr(&mut up, a)).unwrap_or(0);
     let protocol = if sess.conn.h2 {
         "HTTP/2.0"
     } else if sess.req.version == 0 {
@@ -504,7 +502,9 @@ fn record_event(
                     .and_then(|i| state.cfg.listeners.get(i))
                     .map(|l| l.name.as_str())
                     .unwrap_or(""),
-                upstream: &up[..up_len],
+                // Formatted on the analytics thread, and only for a sink:
+                // the rollups don't use it.
+                upstream: b"",
                 cache: "",
                 protocol: "",
                 tls_version: "",
@@ -512,6 +512,7 @@ fn record_event(
             },
             protocol,
             tls,
+            sess.upstream,
         )
     });
 }
@@ -1582,7 +1583,10 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         }
         break;
     }
-    sess.upstream_us = sess.started.elapsed().as_micros().min(u32::MAX as u128) as u32;
+    if w.shared.analytics.is_some() {
+        // One more clock read, only for the analytics that report it.
+        sess.upstream_us = sess.started.elapsed().as_micros().min(u32::MAX as u128) as u32;
+    }
     let upgrade = resp.status == 101;
     if upgrade && !sess.upgrade {
         return Err(Error::upstream(Kind::UpstreamProtocol));
