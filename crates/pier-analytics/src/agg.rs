@@ -294,7 +294,10 @@ pub fn normalize_host(host: &[u8], out: &mut String) {
         }
     }
     let h = &h[..h.len().min(MAX_HOST_LEN)];
-    out.push_str(&String::from_utf8_lossy(h));
+    match std::str::from_utf8(h) {
+        Ok(t) => out.push_str(t),
+        Err(_) => out.push_str(&String::from_utf8_lossy(h)),
+    }
     out.make_ascii_lowercase();
     if out.is_empty() {
         out.push('-');
@@ -329,6 +332,10 @@ pub struct Aggregator {
     minutes: BTreeMap<i64, Minute>,
     overflowed: u64,
     host: String,
+    /// The last event's minute, raw Host bytes and route, and its row:
+    /// events of one batch mostly share them, and then skip the host
+    /// normalization and both lookups. Cleared when minutes are taken.
+    last: Option<(i64, Vec<u8>, String, usize)>,
 }
 
 impl Aggregator {
@@ -338,40 +345,64 @@ impl Aggregator {
             minutes: BTreeMap::new(),
             overflowed: 0,
             host: String::new(),
+            last: None,
         }
     }
 
     /// Counts one event in its minute's rollup.
     pub fn add(&mut self, e: &EventRef) {
-        normalize_host(e.host, &mut self.host);
         let bucket = minute_of(e.ts_ms);
+        if let Some((b, host, route, row)) = &self.last {
+            if *b == bucket && host.as_slice() == e.host && route == e.route {
+                let row = *row;
+                if let Some(m) = self.minutes.get_mut(&bucket) {
+                    m.rows[row].1.add(e);
+                    return;
+                }
+            }
+        }
+        normalize_host(e.host, &mut self.host);
         let minute = self.minutes.entry(bucket).or_default();
         let found = minute
             .index
             .get(self.host.as_str())
             .and_then(|routes| routes.get(e.route))
             .copied();
-        let row = match found {
-            Some(i) => i,
+        let (row, cacheable) = match found {
+            Some(i) => (i, true),
             None if minute.admitted < self.max_keys => {
                 minute.admitted += 1;
-                insert_row(minute, bucket, &self.host, e.route)
+                (insert_row(minute, bucket, &self.host, e.route), true)
             }
             None => {
+                // Not remembered: each such event counts as overflowed.
                 self.overflowed += 1;
                 let other = minute.index.get(OTHER).and_then(|r| r.get(OTHER)).copied();
-                match other {
+                let row = match other {
                     Some(i) => i,
                     None => insert_row(minute, bucket, OTHER, OTHER),
-                }
+                };
+                (row, false)
             }
         };
         minute.rows[row].1.add(e);
+        if !cacheable {
+            self.last = None;
+            return;
+        }
+        let last = self.last.get_or_insert_with(Default::default);
+        last.0 = bucket;
+        last.1.clear();
+        last.1.extend_from_slice(e.host);
+        last.2.clear();
+        last.2.push_str(e.route);
+        last.3 = row;
     }
 
     /// Removes and returns every minute that starts before `minute_start_s`,
     /// sorted by key.
     pub fn take_before(&mut self, minute_start_s: i64) -> Vec<(Key, Rollup)> {
+        self.last = None;
         let later = self.minutes.split_off(&minute_start_s);
         let earlier = std::mem::replace(&mut self.minutes, later);
         collect(earlier)
@@ -379,6 +410,7 @@ impl Aggregator {
 
     /// Removes and returns every minute (at shutdown), sorted by key.
     pub fn take_all(&mut self) -> Vec<(Key, Rollup)> {
+        self.last = None;
         collect(std::mem::take(&mut self.minutes))
     }
 
@@ -431,6 +463,33 @@ fn collect(minutes: BTreeMap<i64, Minute>) -> Vec<(Key, Rollup)> {
 mod tests {
     use super::*;
     use std::net::{Ipv4Addr, Ipv6Addr};
+
+    /// Repeated events skip the lookups (`last`), yet every event past the
+    /// key bound still counts as overflowed, and a new minute or another
+    /// key is never served from the remembered row.
+    #[test]
+    fn remembered_row_keeps_counts_exact() {
+        let mut a = Aggregator::new(1);
+        a.add(&event(0, b"A.example", "r", 1));
+        a.add(&event(1, b"A.example", "r", 2));
+        a.add(&event(2, b"b.example", "r", 3));
+        a.add(&event(3, b"b.example", "r", 4));
+        a.add(&event(4, b"A.example", "r", 5));
+        a.add(&event(5, b"A.example", "s", 6));
+        a.add(&event(60_000, b"A.example", "r", 7));
+        assert_eq!(a.overflowed(), 3);
+        let rows = a.take_all();
+        let n = |b: i64, h: &str| {
+            rows.iter()
+                .find(|(k, _)| k.bucket == b && k.host == h)
+                .map(|(_, r)| r.requests)
+        };
+        assert_eq!(n(0, "a.example"), Some(3));
+        assert_eq!(n(0, OTHER), Some(3));
+        assert_eq!(n(60, "a.example"), Some(1));
+        a.add(&event(5, b"A.example", "r", 8));
+        assert_eq!(a.take_all().len(), 1, "the cache does not outlive take_all");
+    }
 
     fn event<'a>(ts_ms: u64, host: &'a [u8], route: &'a str, ip: u32) -> EventRef<'a> {
         EventRef {

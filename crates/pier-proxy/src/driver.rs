@@ -480,7 +480,11 @@ fn record_event(
         .as_deref()
         .map(|t| crate::analytics::tls_version(t.version))
         .unwrap_or("");
-    let ua = sess.req.headers.get(b"user-agent").unwrap_or(b"");
+    let ua = sess
+        .req
+        .headers
+        .get_known(pier_http::known::USER_AGENT)
+        .unwrap_or(b"");
     pier_log::fields::take(|extra| {
         a.record(
             &pier_analytics::EventRef {
