@@ -652,3 +652,23 @@ fn kafka_down_costs_requests_nothing() {
     );
     eprintln!("200 requests with Kafka down took {took:?}");
 }
+
+/// Two admin requests in one write get two answers (the second was left
+/// unread until more bytes came).
+#[test]
+fn admin_answers_pipelined_requests() {
+    let origin = Origin::start();
+    let dir = TempDir::new();
+    let p = pier(&analytics_config(
+        origin.addr(),
+        &dir.path().join("a.db"),
+        "",
+    ));
+    let mut c = RawConn::connect(p.admin());
+    c.send(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\nGET /api/status HTTP/1.1\r\nhost: x\r\n\r\n");
+    let a = c.read_response().expect("first answer");
+    assert_eq!((a.status, a.body_str().as_str()), (200, "ok\n"));
+    let b = c.read_response().expect("second answer");
+    assert_eq!(b.status, 200);
+    assert!(json(&b)["upstreams"].is_array(), "{}", b.body_str());
+}

@@ -2434,6 +2434,11 @@ fn analytics_and_admin_credentials() {
         "at least 8 characters",
     );
     one_error(
+        &format!("{BASE}[admin]\nlisten = \"127.0.0.1:0\"\ntoken = \"long enough; x\"\n"),
+        "10:9",
+        "visible ASCII",
+    );
+    one_error(
         &format!("{BASE}[admin]\nlisten = \"127.0.0.1:0\"\nuser = \"ops\"\n"),
         "9:10",
         "go together",

@@ -435,6 +435,16 @@ fn admin_auth_of(c: &mut Check, a: &AdminSection) -> AdminAuth {
     if let Some(t) = &a.token {
         if t.get_ref().len() < 8 {
             c.err(sp(t), "`token` must be at least 8 characters");
+        } else if !t
+            .get_ref()
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && !matches!(b, b';' | b',' | b'"' | b'\\'))
+        {
+            // It goes in a header and a cookie.
+            c.err(
+                sp(t),
+                "`token` must be visible ASCII without spaces, quotes, backslashes, ';' or ','",
+            );
         }
     }
     let basic = match (text(&a.user), text(&a.password)) {

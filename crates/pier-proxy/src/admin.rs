@@ -33,6 +33,30 @@ pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
         tokio::task::spawn_local(async move {
             let mut buf = Vec::with_capacity(1024);
             loop {
+                // A pipelined request may already be in `buf`: parse first.
+                if !buf.is_empty() {
+                    let mut req = pier_http::RequestHead::default();
+                    match req.parse(&buf, &ADMIN_LIMITS) {
+                        Ok(Some(n)) => {
+                            buf.drain(..n);
+                            let close = !req.keep_alive();
+                            let r = handle(&req, &shared).await;
+                            if let Answer::Stream = r.body {
+                                stream_live(s, shared).await;
+                                return;
+                            }
+                            if write_answer(&mut s, &r, close).await.is_err() || close {
+                                return;
+                            }
+                            continue;
+                        }
+                        Ok(None) => {}
+                        Err(_) => {
+                            let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").await;
+                            return;
+                        }
+                    }
+                }
                 let mut chunk = [0u8; 1024];
                 let n = match tokio::time::timeout(
                     std::time::Duration::from_secs(10),
@@ -46,26 +70,6 @@ pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
                 buf.extend_from_slice(&chunk[..n]);
                 if buf.len() > 16384 {
                     return;
-                }
-                let mut req = pier_http::RequestHead::default();
-                match req.parse(&buf, &ADMIN_LIMITS) {
-                    Ok(Some(n)) => {
-                        buf.drain(..n);
-                        let close = !req.keep_alive();
-                        let r = handle(&req, &shared).await;
-                        if let Answer::Stream = r.body {
-                            stream_live(s, shared).await;
-                            return;
-                        }
-                        if write_answer(&mut s, &r, close).await.is_err() || close {
-                            return;
-                        }
-                    }
-                    Ok(None) => continue,
-                    Err(_) => {
-                        let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").await;
-                        return;
-                    }
                 }
             }
         });
