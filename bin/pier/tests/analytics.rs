@@ -48,6 +48,27 @@ servers = ["{origin}"]
     )
 }
 
+/// An origin, a temporary directory for the store, and Pier in front with
+/// `admin_extra` under `[admin]` (the first two live as long as the test).
+fn start(admin_extra: &str) -> (Origin, TempDir, PierProcess) {
+    let origin = Origin::start();
+    let dir = TempDir::new();
+    let p = pier(&analytics_config(
+        origin.addr(),
+        &dir.path().join("a.db"),
+        admin_extra,
+    ));
+    (origin, dir, p)
+}
+
+/// Wall-clock Unix seconds.
+fn now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
 /// An admin request with optional extra headers; the raw response.
 fn admin_get(p: &PierProcess, path: &str, headers: &[(&str, &str)]) -> Response {
     let mut c = RawConn::connect(p.admin());
@@ -201,10 +222,7 @@ fn counts_are_exact_and_history_survives_a_restart() {
     assert_eq!(v2["total"]["unique_clients"].as_u64(), Some(unique), "{v2}");
     // Hours and days hold the same totals as the minutes (written with them).
     for step in ["hour", "day"] {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs();
+        let now = now_s();
         let r = admin_get(
             &p2,
             &format!(
@@ -229,13 +247,7 @@ fn counts_are_exact_and_history_survives_a_restart() {
 
 #[test]
 fn bad_parameters_get_400_with_a_reason() {
-    let origin = Origin::start();
-    let dir = TempDir::new();
-    let p = pier(&analytics_config(
-        origin.addr(),
-        &dir.path().join("a.db"),
-        "",
-    ));
+    let (_origin, _dir, p) = start("");
     for q in [
         "from=abc",
         "from=100&to=50",
@@ -269,13 +281,7 @@ fn bad_parameters_get_400_with_a_reason() {
 
 #[test]
 fn admin_credentials_are_required_but_not_for_healthz() {
-    let origin = Origin::start();
-    let dir = TempDir::new();
-    let p = pier(&analytics_config(
-        origin.addr(),
-        &dir.path().join("a.db"),
-        "token = \"tok-0123456789\"\nuser = \"ops\"\npassword = \"pw\"",
-    ));
+    let (_origin, _dir, p) = start("token = \"tok-0123456789\"\nuser = \"ops\"\npassword = \"pw\"");
     assert_eq!(admin_get(&p, "/healthz", &[]).status, 200);
     for path in ["/metrics", "/api/analytics", "/dashboard", "/api/status"] {
         let r = admin_get(&p, path, &[]);
@@ -325,13 +331,7 @@ fn admin_credentials_are_required_but_not_for_healthz() {
 /// The live stream: a history event at once, then one `second` event a second.
 #[test]
 fn live_stream_sends_history_then_seconds() {
-    let origin = Origin::start();
-    let dir = TempDir::new();
-    let p = pier(&analytics_config(
-        origin.addr(),
-        &dir.path().join("a.db"),
-        "",
-    ));
+    let (_origin, _dir, p) = start("");
     let mut sent = Sent::default();
     send_traffic(&p, 20, &mut sent);
     wait_requests(&p, 20, &[]);
@@ -536,21 +536,12 @@ impl Browser {
 /// it, and updates live; a screenshot is kept in target/test-artifacts/.
 #[test]
 fn dashboard_shows_the_api_figures_and_updates_live() {
-    let origin = Origin::start();
-    let dir = TempDir::new();
-    let p = pier(&analytics_config(
-        origin.addr(),
-        &dir.path().join("a.db"),
-        "token = \"dash-token-123\"",
-    ));
+    let (_origin, _dir, p) = start("token = \"dash-token-123\"");
     let mut sent = Sent::default();
     send_traffic(&p, 60, &mut sent);
     let auth = [("authorization", "Bearer dash-token-123")];
     wait_requests(&p, 60, &auth);
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
+    let now = now_s();
     let window = format!("from={}&to={}&step=minute", now - 1800, now + 60);
     let api = json(&admin_get(&p, &format!("/api/analytics?{window}"), &auth));
     let url = format!(
@@ -657,13 +648,7 @@ fn kafka_down_costs_requests_nothing() {
 /// unread until more bytes came).
 #[test]
 fn admin_answers_pipelined_requests() {
-    let origin = Origin::start();
-    let dir = TempDir::new();
-    let p = pier(&analytics_config(
-        origin.addr(),
-        &dir.path().join("a.db"),
-        "",
-    ));
+    let (_origin, _dir, p) = start("");
     let mut c = RawConn::connect(p.admin());
     c.send(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\nGET /api/status HTTP/1.1\r\nhost: x\r\n\r\n");
     let a = c.read_response().expect("first answer");

@@ -265,7 +265,7 @@ async fn handle(req: &pier_http::RequestHead, shared: &Arc<Shared>) -> Reply {
                     "{\"error\":\"analytics is off ([analytics] enabled = false)\"}\n".into(),
                 );
             };
-            let q = match crate::analytics::query_of(&qs, wall_s().unwrap_or(0)) {
+            let q = match crate::analytics::query_of(&qs, wall_s()) {
                 Ok(q) => q,
                 Err(e) => {
                     return reply(
@@ -309,11 +309,9 @@ async fn handle(req: &pier_http::RequestHead, shared: &Arc<Shared>) -> Reply {
     }
 }
 
-fn wall_s() -> Option<i64> {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .ok()
-        .map(|d| d.as_secs() as i64)
+/// Unix seconds, from the clock the requests use.
+fn wall_s() -> i64 {
+    (pier_http::date::now_ns() / 1_000_000_000) as i64
 }
 
 /// Releases a live-stream slot however the stream ends.
@@ -344,7 +342,7 @@ async fn stream_live(mut s: tokio::net::TcpStream, shared: Arc<Shared>) {
         return;
     }
     // The second before last is complete: workers hand events over once a second.
-    let mut last = wall_s().unwrap_or(0) - 2;
+    let mut last = wall_s() - 2;
     let history = seconds_json(&hub, last - 120, last + 1);
     if s.write_all(format!("event: history\ndata: {history}\n\n").as_bytes())
         .await
@@ -356,7 +354,7 @@ async fn stream_live(mut s: tokio::net::TcpStream, shared: Arc<Shared>) {
     tick.tick().await;
     while !shared.draining() {
         tick.tick().await;
-        let now = wall_s().unwrap_or(0) - 2;
+        let now = wall_s() - 2;
         if now <= last {
             continue;
         }

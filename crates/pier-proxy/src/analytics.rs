@@ -387,13 +387,6 @@ impl Hub {
     }
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 /// The analytics thread.
 fn run(
     rx: Receiver<Msg>,
@@ -427,7 +420,7 @@ fn run(
             Err(RecvTimeoutError::Timeout) => None,
             Err(RecvTimeoutError::Disconnected) => Some(None),
         };
-        let now = now_ms();
+        let now = pier_http::date::now_ns() / 1_000_000;
         if let Some(done) = stop {
             // Drain what the workers handed over before the stop.
             let mut g = match inner.lock() {
