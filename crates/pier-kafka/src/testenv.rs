@@ -101,6 +101,12 @@ fn cluster_id() -> String {
     if bits > 0 {
         out.push(A[((acc << (6 - bits)) & 63) as usize] as char);
     }
+    // An id starting with '-' reads as an option to the storage tool's
+    // argument parser ("--cluster-id: expected one argument"): one start in
+    // 64 failed so. Kafka's own Uuid.randomUuid refuses such ids as well.
+    if out.starts_with('-') {
+        out.replace_range(..1, "A");
+    }
     out
 }
 
@@ -526,5 +532,18 @@ impl Drop for Postgres {
 pub fn append(path: &Path, line: &str) {
     if let Ok(mut f) = fs::OpenOptions::new().create(true).append(true).open(path) {
         let _ = writeln!(f, "{line}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Never an id the storage tool would read as an option.
+    #[test]
+    fn cluster_ids_never_start_with_a_dash() {
+        for _ in 0..20_000 {
+            let id = super::cluster_id();
+            assert_eq!(id.len(), 22, "{id}");
+            assert!(!id.starts_with('-'), "{id}");
+        }
     }
 }
