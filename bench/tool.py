@@ -261,6 +261,8 @@ def measure(a):
     if a.close:
         # A new connection (a full TLS handshake) per request.
         wrk += ["-H", "Connection: close"]
+    if getattr(a, "script", None):
+        wrk += ["-s", a.script]
     wrk.append(f"{SCHEME}://127.0.0.1:{a.port}{a.path}")
     acc0 = origin_accepts(a.origin_port)
     user0, sys0, _, _, _ = stat_split(a.pid)
@@ -477,6 +479,7 @@ def main():
     for k in ("pid", "port", "origin-pid", "origin-port", "conns", "duration", "threads", "rep"):
         m.add_argument(f"--{k}", type=int, required=True)
     m.add_argument("--close", action="store_true", help="Connection: close on every request")
+    m.add_argument("--script", help="a wrk Lua script (e.g. distinct URLs per request)")
     i = sp.add_parser("idle")
     for k in ("proxy", "out"):
         i.add_argument(f"--{k}", required=True)

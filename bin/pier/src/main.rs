@@ -61,6 +61,13 @@ enum Cmd {
         /// (e.g. 256MiB); responses are cached as their headers allow.
         #[arg(long)]
         cache: Option<String>,
+        /// A disk tier for --cache in this directory (kept across restarts);
+        /// objects reach it once they have been hit twice.
+        #[arg(long, requires = "cache")]
+        cache_dir: Option<PathBuf>,
+        /// The disk tier's size (default 1GiB), e.g. 10GiB.
+        #[arg(long, requires = "cache_dir")]
+        cache_disk: Option<String>,
     },
     /// Consume Pier's analytics events from Kafka in a consumer group,
     /// aggregate them per minute and merge them into PostgreSQL (hll).
@@ -206,6 +213,8 @@ fn main() -> ExitCode {
             tls_key,
             upstream_ca,
             cache,
+            cache_dir,
+            cache_disk,
         } => {
             let parse = |s: &str| pier_config::parse_listen_addr(s.trim());
             let listen = match parse(&listen) {
@@ -245,10 +254,19 @@ fn main() -> ExitCode {
                 Some(Ok(_)) => return usage_error("--cache: at least 4k"),
                 Some(Err(e)) => return usage_error(&format!("--cache: {e}")),
             };
+            let disk = match cache_disk
+                .as_deref()
+                .map(|c| pier_config::parse_size(c.trim_end_matches("iB").trim_end_matches("IB")))
+            {
+                None => 1 << 30,
+                Some(Ok(n)) if n >= 1 << 20 => n,
+                Some(Ok(_)) => return usage_error("--cache-disk: at least 1m"),
+                Some(Err(e)) => return usage_error(&format!("--cache-disk: {e}")),
+            };
             match Config::quick_with(listen, origins, admin, tls, upstream_ca) {
                 Ok(mut cfg) => {
                     if let Some(bytes) = cache {
-                        cfg.enable_quick_cache(bytes);
+                        cfg.enable_quick_cache(bytes, cache_dir.map(|d| (d, disk)));
                     }
                     run(cfg, None)
                 }

@@ -196,3 +196,555 @@ fn quick_mode_cache() {
     c.get("/hello").unwrap();
     assert_eq!(o.requests(), 3);
 }
+
+/// The `http-cache-tests` origin (`server/server.mjs` of the npm package),
+/// on a free port; killed when dropped.
+struct SuiteOrigin {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl SuiteOrigin {
+    fn start(pkg: &std::path::Path, dir: &std::path::Path) -> SuiteOrigin {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new("node")
+            .arg("server/server.mjs")
+            .current_dir(pkg)
+            // What `npm run server` would pass, with port 0: the kernel
+            // picks a free one and the server prints it.
+            .env("npm_config_protocol", "http")
+            .env("npm_config_port", "0")
+            .env("npm_config_pidfile", dir.join("server.pid"))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("node (apt-get install nodejs; .ci/run does)");
+        let out = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                // "Listening on http://[::]:PORT/"
+                if let Some(p) = line
+                    .strip_prefix("Listening on ")
+                    .and_then(|u| u.trim_end_matches('/').rsplit(':').next())
+                    .and_then(|p| p.parse::<u16>().ok())
+                {
+                    let _ = tx.send(p);
+                }
+            }
+        });
+        let port = match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(p) => p,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("the http-cache-tests server did not say where it listens");
+            }
+        };
+        SuiteOrigin { child, port }
+    }
+}
+
+impl Drop for SuiteOrigin {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Required tests Pier does not pass on purpose (each with its reason; see
+/// docs/cache.md "http-cache-tests").
+const SUITE_DEVIATIONS: &[(&str, &str)] = &[
+    // Pier does not store a response carrying Set-Cookie unless it is
+    // marked `public`: one client's cookie would go to every client. The
+    // suite's setup needs it stored.
+    (
+        "headers-store-Set-Cookie",
+        "Set-Cookie responses are not stored",
+    ),
+    (
+        "304-etag-update-response-Set-Cookie",
+        "Set-Cookie responses are not stored",
+    ),
+    // `Age: 0,7200` expected fresh while `Age: 0, 0` (and two `Age: 0`
+    // lines) must be stale: no reading that ignores the space satisfies
+    // both; Pier treats every list or malformed Age as stale.
+    ("age-parse-prefix", "a list-valued Age is treated as stale"),
+];
+
+/// The `http-cache-tests` suite (0.4.5) against `pier proxy --cache`:
+/// every test it marks required passes (or depends on one Pier does not
+/// support, as cache-tests.fyi counts them), but for SUITE_DEVIATIONS.
+/// `HTTP_CACHE_TESTS` is the package's directory (`.ci/run` installs it).
+#[test]
+fn http_cache_tests_suite() {
+    let pkg = std::path::PathBuf::from(std::env::var("HTTP_CACHE_TESTS").expect(
+        "HTTP_CACHE_TESTS: the http-cache-tests npm package's directory (.ci/run installs it)",
+    ));
+    let summary = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/http-cache-tests/summary.mjs");
+    let dir = TempDir::new();
+    let origin = SuiteOrigin::start(&pkg, dir.path());
+    let p = PierProcess::start_args(
+        bin(),
+        &[
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--to",
+            &format!("127.0.0.1:{}", origin.port),
+            "--cache",
+            "256MiB",
+        ],
+    );
+    let base = format!("http://{}", p.listener("main"));
+    let out = run_with_timeout(
+        std::process::Command::new("node")
+            .args(["--no-warnings", "cli.mjs"])
+            .current_dir(&pkg)
+            .env("npm_config_base", &base)
+            // `npm run cli` sets this to "" (all tests).
+            .env("npm_package_config_id", ""),
+        Duration::from_secs(600),
+    );
+    let results = dir.path().join("results.json");
+    std::fs::write(&results, &out.stdout).unwrap();
+    assert!(
+        out.stdout.starts_with(b"{"),
+        "the suite printed no results: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s = run_with_timeout(
+        std::process::Command::new("node")
+            .arg(&summary)
+            .arg(&pkg)
+            .arg(&results),
+        Duration::from_secs(60),
+    );
+    let text = String::from_utf8_lossy(&s.stdout).to_string();
+    let mut bad = Vec::new();
+    let (mut passed, mut total) = (0, 0);
+    for line in text.lines() {
+        let f: Vec<&str> = line.splitn(3, '\t').collect();
+        if f.len() < 3 {
+            continue;
+        }
+        total += 1;
+        if f[1] == "pass" || f[1] == "yes" {
+            passed += 1;
+        }
+        let id = f[2].split(' ').next().unwrap_or("");
+        if f[0] == "required"
+            && !matches!(f[1], "pass" | "dependency_fail")
+            && !SUITE_DEVIATIONS.iter().any(|(d, _)| *d == id)
+        {
+            bad.push(f[2].to_string());
+        }
+    }
+    let totals: Vec<&str> = text.lines().filter(|l| l.starts_with("TOTAL")).collect();
+    println!("http-cache-tests 0.4.5 against pier proxy --cache: {passed} of {total} pass");
+    for t in &totals {
+        println!("{t}");
+    }
+    assert!(
+        total > 300,
+        "too few results:\n{text}\n{}",
+        String::from_utf8_lossy(&s.stderr)
+    );
+    assert!(
+        bad.is_empty(),
+        "required tests not passing:\n{}",
+        bad.join("\n")
+    );
+}
+
+/// A scripted origin for the stale, streaming and invalidation tests: each
+/// request (its method, path and count so far, from 1) gets the response
+/// `answer` returns — a head, body pieces with a pause before each, or a
+/// closed connection. One thread per connection.
+struct Script {
+    addr: SocketAddr,
+    count: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+enum Answer {
+    /// Head lines (without the status line's CRLF end), then pieces, each
+    /// after its pause.
+    Send(String, Vec<(Duration, Vec<u8>)>),
+    /// Close without answering.
+    Close,
+}
+
+impl Script {
+    fn start(answer: impl Fn(&str, &str, usize) -> Answer + Send + Sync + 'static) -> Script {
+        use std::io::{Read, Write};
+        use std::sync::atomic::Ordering::SeqCst;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let answer = std::sync::Arc::new(answer);
+        let (c2, s2) = (count.clone(), stop.clone());
+        std::thread::spawn(move || {
+            for conn in l.incoming() {
+                if s2.load(SeqCst) {
+                    return;
+                }
+                let Ok(mut conn) = conn else { continue };
+                let (count, answer) = (c2.clone(), answer.clone());
+                std::thread::spawn(move || {
+                    let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+                    let mut buf = Vec::new();
+                    loop {
+                        let mut b = [0u8; 4096];
+                        let end = buf.windows(4).position(|w| w == b"\r\n\r\n");
+                        let Some(end) = end else {
+                            match conn.read(&mut b) {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&b[..n]),
+                            }
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                        let cl: usize = head
+                            .lines()
+                            .find_map(|l| {
+                                let (k, v) = l.split_once(':')?;
+                                k.eq_ignore_ascii_case("content-length")
+                                    .then(|| v.trim().parse().ok())?
+                            })
+                            .unwrap_or(0);
+                        while buf.len() < end + 4 + cl {
+                            match conn.read(&mut b) {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&b[..n]),
+                            }
+                        }
+                        buf.drain(..end + 4 + cl);
+                        let mut parts = head.split(' ');
+                        let method = parts.next().unwrap_or("").to_string();
+                        let path = parts.next().unwrap_or("").to_string();
+                        let n = count.fetch_add(1, SeqCst) + 1;
+                        match answer(&method, &path, n) {
+                            Answer::Close => return,
+                            Answer::Send(h, pieces) => {
+                                if conn.write_all(format!("{h}\r\n\r\n").as_bytes()).is_err() {
+                                    return;
+                                }
+                                for (pause, p) in pieces {
+                                    std::thread::sleep(pause);
+                                    if conn.write_all(&p).is_err() {
+                                        return;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Script { addr, count, stop }
+    }
+
+    fn requests(&self) -> usize {
+        self.count.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Stop accepting (connections already open stay).
+    fn stop(&self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = std::net::TcpStream::connect(self.addr);
+    }
+}
+
+fn ok(cc: &str, body: &str) -> Answer {
+    Answer::Send(
+        format!(
+            "HTTP/1.1 200 OK\r\nCache-Control: {cc}\r\nETag: \"{body}\"\r\nContent-Length: {}",
+            body.len()
+        ),
+        vec![(Duration::ZERO, body.as_bytes().to_vec())],
+    )
+}
+
+/// Reads a response head and then body bytes from a raw stream until
+/// `want` body bytes came; returns the head text and the body.
+fn read_response(s: &mut std::net::TcpStream, want: usize) -> (String, Vec<u8>) {
+    use std::io::Read;
+    let mut buf = Vec::new();
+    let mut b = [0u8; 4096];
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            if buf.len() >= end + 4 + want {
+                let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                return (head, buf[end + 4..].to_vec());
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "timed out: {buf:?}");
+        match s.read(&mut b) {
+            Ok(0) => panic!("closed after {buf:?}"),
+            Ok(n) => buf.extend_from_slice(&b[..n]),
+            Err(e) => panic!("read: {e}"),
+        }
+    }
+}
+
+#[test]
+fn a_slow_fill_streams_to_followers_as_it_arrives() {
+    use std::io::Write;
+    // 10 bytes, one every 300 ms; the leader's client leaves after the
+    // head: the fill goes on for the others and is stored.
+    let o = Script::start(|_, _, _| {
+        Answer::Send(
+            "HTTP/1.1 200 OK\r\nCache-Control: max-age=60\r\nContent-Length: 10".into(),
+            (0..10)
+                .map(|i| (Duration::from_millis(300), vec![b'0' + i]))
+                .collect(),
+        )
+    });
+    let pier = pier(&cache_config(o.addr, ""));
+    let addr = pier.listener("main");
+    let mut leader = std::net::TcpStream::connect(addr).unwrap();
+    // The Host RawConn sends, so that the last request has the same key.
+    let req = "GET /slow HTTP/1.1\r\nHost: pier.test\r\n\r\n";
+    leader.write_all(req.as_bytes()).unwrap();
+    let (head, _) = read_response(&mut leader, 1);
+    assert!(head.contains("fwd=miss; stored"), "{head}");
+    drop(leader);
+    // A follower joins mid-fill: it gets its first bytes before the origin
+    // has sent the last one (the fill takes 1.5 s; it follows the writer).
+    let mut f = std::net::TcpStream::connect(addr).unwrap();
+    f.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    f.write_all(req.as_bytes()).unwrap();
+    let (head, first) = read_response(&mut f, 1);
+    assert!(head.contains("detail=coalesced"), "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains("content-length: 10"),
+        "{head}"
+    );
+    let early = first.len();
+    assert!(
+        early < 10,
+        "the follower waited for the whole body: {first:?}"
+    );
+    let mut all = first;
+    while all.len() < 10 {
+        use std::io::Read;
+        let mut b = [0u8; 64];
+        match f.read(&mut b) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => all.extend_from_slice(&b[..n]),
+        }
+    }
+    assert_eq!(all, b"0123456789");
+    // Stored whole although the leader's client left.
+    let r = RawConn::connect(addr).get("/slow").unwrap();
+    assert_eq!(r.body, b"0123456789");
+    assert!(
+        r.header("cache-status").unwrap().starts_with("pier; hit"),
+        "{r:?}"
+    );
+    assert_eq!(o.requests(), 1);
+}
+
+#[test]
+fn a_hundred_concurrent_cold_requests_reach_the_origin_once() {
+    let o = Script::start(|_, _, _| {
+        Answer::Send(
+            "HTTP/1.1 200 OK\r\nCache-Control: max-age=60\r\nContent-Length: 5".into(),
+            vec![(Duration::from_millis(400), b"cold\n".to_vec())],
+        )
+    });
+    let pier = pier(&cache_config(o.addr, "lock_timeout = \"20s\""));
+    let addr = pier.listener("main");
+    let threads: Vec<_> = (0..100)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let r = RawConn::connect(addr).get("/cold").unwrap();
+                (r.status, r.body)
+            })
+        })
+        .collect();
+    for t in threads {
+        assert_eq!(t.join().unwrap(), (200, b"cold\n".to_vec()));
+    }
+    assert_eq!(
+        o.requests(),
+        1,
+        "one origin request for 100 concurrent misses"
+    );
+}
+
+#[test]
+fn stale_while_revalidate_serves_stale_and_refreshes_once_in_the_background() {
+    // v1, then v2 after 1.5 s (a slow refresh the clients must not wait on).
+    let o = Script::start(|_, _, n| {
+        let body = format!("v{n}");
+        // v2 stays fresh: the test sees it as a hit.
+        let cc = if n == 1 {
+            "max-age=1, stale-while-revalidate=60"
+        } else {
+            "max-age=60"
+        };
+        let pause = if n == 1 { 0 } else { 1500 };
+        Answer::Send(
+            format!(
+                "HTTP/1.1 200 OK\r\nCache-Control: {cc}\r\nContent-Length: {}",
+                body.len()
+            ),
+            vec![(Duration::from_millis(pause), body.into_bytes())],
+        )
+    });
+    let pier = pier(&cache_config(o.addr, ""));
+    let addr = pier.listener("main");
+    assert_eq!(RawConn::connect(addr).get("/swr").unwrap().body, b"v1");
+    // Past max-age (a second, as the Age arithmetic is in seconds).
+    std::thread::sleep(Duration::from_millis(2100));
+    for _ in 0..5 {
+        let r = RawConn::connect(addr).get("/swr").unwrap();
+        assert_eq!(r.body, b"v1", "stale served at once: {r:?}");
+        assert!(
+            r.header("cache-status")
+                .unwrap()
+                .contains("stale-while-revalidate"),
+            "{r:?}"
+        );
+    }
+    // One refresh for the key, in the background; then v2 is a hit.
+    assert!(wait_until(Duration::from_secs(10), || {
+        RawConn::connect(addr).get("/swr").unwrap().body == b"v2"
+    }));
+    let r = RawConn::connect(addr).get("/swr").unwrap();
+    assert!(
+        r.header("cache-status")
+            .unwrap()
+            .starts_with("pier; hit; ttl="),
+        "{r:?}"
+    );
+    assert_eq!(o.requests(), 2, "one background refresh");
+    let m = pier.metrics();
+    assert!(m.contains("result=\"updating\"} 1"), "{m}");
+}
+
+#[test]
+fn stale_if_error_and_grace_serve_stale_when_the_origin_fails() {
+    // /sie: stale-if-error; /grace: none (the route's grace applies);
+    // /mr: must-revalidate (never stale). After the first request of each,
+    // the origin answers 503, then closes without answering.
+    let o = Script::start(|_, path, _| {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        static SEEN: [AtomicUsize; 3] = [
+            AtomicUsize::new(0),
+            AtomicUsize::new(0),
+            AtomicUsize::new(0),
+        ];
+        let (i, cc) = match path {
+            "/sie" => (0, "max-age=1, stale-if-error=60"),
+            "/grace" => (1, "max-age=1"),
+            _ => (2, "max-age=1, must-revalidate"),
+        };
+        match SEEN[i].fetch_add(1, SeqCst) {
+            0 => ok(cc, "good"),
+            1 => Answer::Send(
+                "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4".into(),
+                vec![(Duration::ZERO, b"down".to_vec())],
+            ),
+            _ => Answer::Close,
+        }
+    });
+    let pier = pier(&cache_config(o.addr, "grace = \"30s\""));
+    let addr = pier.listener("main");
+    for p in ["/sie", "/grace", "/mr"] {
+        assert_eq!(RawConn::connect(addr).get(p).unwrap().body, b"good");
+    }
+    std::thread::sleep(Duration::from_millis(2100));
+    for p in ["/sie", "/grace"] {
+        // A 503, then a closed connection: the stored response both times.
+        for _ in 0..2 {
+            let r = RawConn::connect(addr).get(p).unwrap();
+            assert_eq!(
+                (r.status, r.body.as_slice()),
+                (200, &b"good"[..]),
+                "{p}: {r:?}"
+            );
+            assert!(
+                r.header("cache-status").unwrap().contains("stale-on-error"),
+                "{r:?}"
+            );
+        }
+    }
+    let r = RawConn::connect(addr).get("/mr").unwrap();
+    assert_eq!(r.status, 503, "must-revalidate is never served stale");
+    let r = RawConn::connect(addr).get("/mr").unwrap();
+    assert_eq!(r.status, 502);
+    // The origin gone altogether: still the stored response.
+    o.stop();
+    let r = RawConn::connect(addr).get("/sie").unwrap();
+    assert_eq!(r.body, b"good");
+}
+
+#[test]
+fn ranges_from_a_stored_object_and_location_invalidation() {
+    let o = Script::start(|method, path, n| {
+        match (method, path) {
+        ("POST", _) => Answer::Send(
+            "HTTP/1.1 201 Created\r\nLocation: /other\r\nContent-Location: http://elsewhere.example/a\r\nContent-Length: 0".into(),
+            vec![],
+        ),
+        _ => ok("max-age=60", &format!("0123456789-{n}")),
+    }
+    });
+    let pier = pier(&cache_config(o.addr, ""));
+    let mut c = RawConn::connect(pier.listener("main"));
+    let full = c.get("/r").unwrap().body;
+    assert_eq!(full, b"0123456789-1");
+    let r = c
+        .request("GET", "/r", &[("Range", "bytes=2-5")], b"")
+        .unwrap();
+    assert_eq!((r.status, r.body.as_slice()), (206, &b"2345"[..]));
+    assert_eq!(r.header("content-range"), Some("bytes 2-5/12"));
+    let r = c
+        .request("GET", "/r", &[("Range", "bytes=-2")], b"")
+        .unwrap();
+    assert_eq!((r.status, r.body.as_slice()), (206, &b"-1"[..]));
+    let r = c
+        .request("GET", "/r", &[("Range", "bytes=50-")], b"")
+        .unwrap();
+    assert_eq!(r.status, 416);
+    assert_eq!(r.header("content-range"), Some("bytes */12"));
+    // Several ranges: the whole object, 200.
+    let r = c
+        .request("GET", "/r", &[("Range", "bytes=0-1,4-5")], b"")
+        .unwrap();
+    assert_eq!((r.status, r.body.len()), (200, 12));
+    // If-Range that does not match: the whole object.
+    let r = c
+        .request(
+            "GET",
+            "/r",
+            &[("Range", "bytes=0-1"), ("If-Range", "\"nope\"")],
+            b"",
+        )
+        .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(o.requests(), 1, "ranges served from the stored object");
+    // POST answered 201 with Location /other: /other is dropped, /r (the
+    // POST's own URL is /p) stays.
+    c.get("/other").unwrap();
+    assert_eq!(o.requests(), 2);
+    let r = c.request("POST", "/p", &[], b"x").unwrap();
+    assert_eq!(r.status, 201);
+    let r = c.get("/other").unwrap();
+    assert!(
+        r.header("cache-status").unwrap().contains("fwd=miss"),
+        "{r:?}"
+    );
+    let r = c.get("/r").unwrap();
+    assert!(
+        r.header("cache-status").unwrap().starts_with("pier; hit"),
+        "{r:?}"
+    );
+    assert_eq!(o.requests(), 4);
+}

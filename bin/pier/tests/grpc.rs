@@ -40,6 +40,11 @@ impl Drop for Server {
 /// beside this one may pick the same port: a server that exits (it could
 /// not bind) is started again on another port.
 fn interop_server() -> Server {
+    interop_server_with(&[])
+}
+
+/// The interop server with more arguments (TLS).
+fn interop_server_with(extra: &[&str]) -> Server {
     for _ in 0..5 {
         let port = {
             let l = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -47,6 +52,7 @@ fn interop_server() -> Server {
         };
         let mut child = Command::new(go_bin("server"))
             .args(["-port", &port.to_string()])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -99,15 +105,21 @@ retries = 0
 }
 
 fn client(to: SocketAddr, case: &str) -> (bool, String) {
+    client_with(to, case, &[])
+}
+
+fn client_with(to: SocketAddr, case: &str, extra: &[&str]) -> (bool, String) {
     let out = run_with_timeout(
-        Command::new(go_bin("client")).args([
-            "-server_host",
-            "127.0.0.1",
-            "-server_port",
-            &to.port().to_string(),
-            "-test_case",
-            case,
-        ]),
+        Command::new(go_bin("client"))
+            .args([
+                "-server_host",
+                "127.0.0.1",
+                "-server_port",
+                &to.port().to_string(),
+                "-test_case",
+                case,
+            ])
+            .args(extra),
         Duration::from_secs(60),
     );
     (
@@ -120,27 +132,90 @@ fn client(to: SocketAddr, case: &str) -> (bool, String) {
     )
 }
 
+const CASES: [&str; 14] = [
+    "empty_unary",
+    "large_unary",
+    "client_streaming",
+    "server_streaming",
+    "ping_pong",
+    "empty_stream",
+    "custom_metadata",
+    "status_code_and_message",
+    "special_status_message",
+    "unimplemented_method",
+    "unimplemented_service",
+    "cancel_after_begin",
+    "cancel_after_first_response",
+    "timeout_on_sleeping_server",
+];
+
+/// The 14 cases over TLS on both legs: the client to Pier (ALPN h2, a test
+/// CA), Pier to the interop server over TLS with `protocol = "auto"` (the
+/// server's ALPN picks h2).
+#[test]
+fn interop_cases_through_pier_over_tls() {
+    let dir = TempDir::new();
+    let ca = pier_test_support::tls::TestCa::new(dir.path(), "pier");
+    let alg = pier_test_support::tls::Alg::EcdsaP256;
+    let front = ca.server("front", &["localhost"], alg, 30);
+    let back = ca.server("back", &["grpc.test"], alg, 30);
+    let s = interop_server_with(&[
+        "-use_tls",
+        "-tls_cert_file",
+        &back.cert.display().to_string(),
+        "-tls_key_file",
+        &back.key.display().to_string(),
+    ]);
+    let cfg = config(s.1)
+        .replace(
+            "h2c = true\n",
+            &format!(
+                "[listener.tls]\ncert = \"{}\"\nkey = \"{}\"\nalpn = [\"h2\", \"http/1.1\"]\n",
+                front.cert.display(),
+                front.key.display()
+            ),
+        )
+        .replace("protocol = \"h2c\"\n", "protocol = \"auto\"\n")
+        + &format!(
+            "[upstream.svc.tls]\nserver_name = \"grpc.test\"\nca = \"{}\"\n",
+            ca.cert.display()
+        );
+    let pier = pier(&cfg);
+    let to = pier.listener("clear");
+    let ca_file = ca.cert.display().to_string();
+    let tls = [
+        "-use_tls",
+        "-use_test_ca",
+        "-ca_file",
+        &ca_file,
+        "-server_host_override",
+        "localhost",
+    ];
+    for case in CASES {
+        let (ok, out) = client_with(to, case, &tls);
+        assert!(ok, "{case} (TLS): {out}\n--- pier:\n{}", pier.logs());
+    }
+    assert_eq!(pier.metric_value("pier_panics_total"), Some(0.0));
+    assert!(
+        pier.metric_value("pier_grpc_responses_total{status=\"0\"}")
+            .unwrap_or(0.0)
+            >= 6.0,
+        "{}",
+        pier.metrics()
+    );
+    // One multiplexed TLS connection upstream carried them all.
+    let n = pier
+        .metric_value("pier_upstream_connections_created_total")
+        .unwrap();
+    assert!(n <= 2.0, "{n} upstream connections");
+}
+
 #[test]
 fn interop_cases_through_pier() {
     let s = interop_server();
     let pier = pier(&config(s.1));
     let to = pier.listener("clear");
-    for case in [
-        "empty_unary",
-        "large_unary",
-        "client_streaming",
-        "server_streaming",
-        "ping_pong",
-        "empty_stream",
-        "custom_metadata",
-        "status_code_and_message",
-        "special_status_message",
-        "unimplemented_method",
-        "unimplemented_service",
-        "cancel_after_begin",
-        "cancel_after_first_response",
-        "timeout_on_sleeping_server",
-    ] {
+    for case in CASES {
         let (ok, out) = client(to, case);
         assert!(ok, "{case}: {out}\n--- pier:\n{}", pier.logs());
     }
@@ -220,6 +295,58 @@ fn web_config(upstream: SocketAddr) -> String {
         "upstream = \"svc\"\n",
         "upstream = \"svc\"\ngrpc_web = true\n[route.cors]\nallow_origins = [\"https://app.test\"]\n",
     )
+}
+
+/// gRPC-web from a real client: Connect's gRPC-web transport under node
+/// (`grpc_web_client.cjs`; `.ci/run` installs the npm packages), over
+/// HTTP/1.1: unary, server streaming, and an error sent as trailers only.
+#[test]
+fn grpc_web_from_connect_client() {
+    let modules = std::env::var("GRPC_WEB_CLIENT_MODULES").unwrap_or_else(|_| {
+        format!(
+            "{}/../../target/grpc-web-client",
+            env!("CARGO_MANIFEST_DIR")
+        )
+    });
+    assert!(
+        std::path::Path::new(&modules)
+            .join("node_modules/@connectrpc/connect-web")
+            .exists(),
+        "{modules}/node_modules has no @connectrpc/connect-web: `.ci/run` installs it"
+    );
+    let s = interop_server();
+    let pier = pier(&web_config(s.1));
+    let script = format!("{}/tests/grpc_web_client.cjs", env!("CARGO_MANIFEST_DIR"));
+    let out = run_with_timeout(
+        Command::new("node").args([
+            script.as_str(),
+            modules.as_str(),
+            &format!("http://{}", pier.listener("clear")),
+        ]),
+        Duration::from_secs(60),
+    );
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}\n--- pier:\n{}", pier.logs());
+    for want in [
+        "ok unary",
+        "ok server streaming",
+        "ok error INVALID_ARGUMENT",
+    ] {
+        assert!(text.contains(want), "{text}");
+    }
+    // The calls went upstream as gRPC: OK twice, INVALID_ARGUMENT (3) once.
+    assert!(
+        pier.metric_value("pier_grpc_responses_total{status=\"3\"}")
+            .unwrap_or(0.0)
+            >= 1.0,
+        "{}",
+        pier.metrics()
+    );
+    assert_eq!(pier.metric_value("pier_panics_total"), Some(0.0));
 }
 
 fn web_call(pier: &PierProcess, method: &str, ct: &str, body: &[u8]) -> (String, Vec<u8>) {

@@ -239,6 +239,149 @@ fn h2spec_conformance() {
         "{}",
         pier.logs()
     );
+
+    // Cleartext with prior knowledge on an `h2c = "only"` listener: every
+    // case too, the invalid preface included (no HTTP/1.1 fallback there).
+    let only = common::pier(&h2_config(o.addr(), None, "").replace("h2c = true", "h2c = \"only\""));
+    let port = only.listener("clear").port().to_string();
+    let out = run_with_timeout(
+        Command::new(&h2spec).args(["-h", "127.0.0.1", "-p", &port, "-o", "10"]),
+        Duration::from_secs(300),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let summary = text.lines().last().unwrap_or("");
+    assert!(
+        summary.contains("145 tests, 145 passed, 0 skipped, 0 failed"),
+        "h2c only: {text}"
+    );
+    assert_eq!(only.metric_value("pier_panics_total"), Some(0.0));
+}
+
+/// `h2c = "only"`: HTTP/2 with prior knowledge is served; an HTTP/1.1
+/// request gets no HTTP/1 answer (the connection is closed after GOAWAY).
+#[test]
+fn h2c_only_listener_refuses_http1() {
+    use std::io::{Read, Write};
+    let o = Origin::start();
+    let pier = pier(&h2_config(o.addr(), None, "").replace("h2c = true", "h2c = \"only\""));
+    let base = format!("http://{}", pier.listener("clear"));
+    let (out, err) = curl_out(&["--http2-prior-knowledge", "-sS", &format!("{base}/hello")]);
+    assert_eq!(out, "hello world\n", "{err}");
+    let mut s = std::net::TcpStream::connect(pier.listener("clear")).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    assert!(
+        !got.starts_with(b"HTTP/1"),
+        "{:?}",
+        String::from_utf8_lossy(&got)
+    );
+    assert_eq!(o.requests(), 1);
+}
+
+/// 1xx from an HTTP/1.1 origin reach an HTTP/2 client as interim HEADERS:
+/// 103 Early Hints with its fields, and 100 Continue.
+#[test]
+fn interim_responses_reach_http2_clients() {
+    let o = Origin::start();
+    let pier = pier(&h2_config(o.addr(), None, ""));
+    let base = format!("http://{}", pier.listener("clear"));
+    let (out, err) = curl_out(&[
+        "--http2-prior-knowledge",
+        "-sv",
+        &format!("{base}/status/103"),
+    ]);
+    assert_eq!(out, "after 1xx\n", "{err}");
+    let lower = err.to_ascii_lowercase();
+    let early = lower
+        .find("< http/2 103")
+        .unwrap_or_else(|| panic!("no 103: {err}"));
+    let last = lower
+        .find("< http/2 200")
+        .unwrap_or_else(|| panic!("no 200: {err}"));
+    assert!(early < last, "{err}");
+    assert!(lower[early..last].contains("< link: "), "{err}");
+    // Expect: 100-continue: the origin answers 100 before reading the body.
+    let (out, err) = curl_out(&[
+        "--http2-prior-knowledge",
+        "-sv",
+        "-H",
+        "expect: 100-continue",
+        "--data-binary",
+        "0123456789",
+        &format!("{base}/expect"),
+    ]);
+    let lower = err.to_ascii_lowercase();
+    assert!(lower.contains("< http/2 100"), "{out}\n{err}");
+    assert!(out.contains("100-continue"), "{out}");
+    assert_eq!(pier.metric_value("pier_panics_total"), Some(0.0));
+}
+
+/// `protocol = "auto"`: HTTP/2 where the origin's TLS offers h2, HTTP/1.1
+/// where it does not; the choice is remembered (one connection each way
+/// for many requests, not one probe per request).
+#[test]
+fn upstream_protocol_auto_follows_alpn() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let cert = ca.server("b", &["origin.test"], Alg::EcdsaP256, 30);
+    let o = Origin::start_named("behind");
+    let b_h2 = pier(&h2_config(o.addr(), Some((&cert.cert, &cert.key)), ""));
+    let b_h1 = pier(
+        &h2_config(o.addr(), Some((&cert.cert, &cert.key)), "")
+            .replace("alpn = [\"h2\", \"http/1.1\"]", "alpn = [\"http/1.1\"]"),
+    );
+    for (b, want_h2) in [(&b_h2, true), (&b_h1, false)] {
+        let up = format!(
+            "servers = [\"{}\"]\nprotocol = \"auto\"\n[upstream.app.tls]\nserver_name = \"origin.test\"\nca = \"{}\"",
+            b.listener("tls"),
+            p(&ca.cert)
+        );
+        let a = pier(
+            &h2_config("127.0.0.1:9".parse().unwrap(), None, "")
+                .replace("servers = [\"127.0.0.1:9\"]", &up),
+        );
+        let base = format!("http://{}", a.listener("clear"));
+        for proto in ["--http1.1", "--http2-prior-knowledge"] {
+            for _ in 0..3 {
+                let (out, err) = curl_out(&["-sS", proto, &format!("{base}/hello")]);
+                assert_eq!(out, "hello world\n", "{proto}: {err}");
+            }
+        }
+        let out = run_with_timeout(
+            Command::new("h2load").args([
+                "-n",
+                "200",
+                "-c",
+                "2",
+                "-m",
+                "4",
+                &format!("{base}/hello"),
+            ]),
+            Duration::from_secs(120),
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("status codes: 200 2xx"), "{text}");
+        let h2_at_b = b
+            .metric_value("pier_requests_by_protocol_total{protocol=\"h2\"}")
+            .unwrap_or(0.0);
+        if want_h2 {
+            assert!(h2_at_b >= 206.0, "h2 requests at b: {h2_at_b}");
+        } else {
+            assert_eq!(h2_at_b, 0.0, "h2 requests at an http/1.1-only origin");
+        }
+        // Remembered: connections for concurrency, not for every request.
+        let n = a
+            .metric_value("pier_upstream_connections_created_total")
+            .unwrap();
+        assert!(
+            n <= 12.0,
+            "want_h2 {want_h2}: {n} upstream connections for 206 requests"
+        );
+        assert_eq!(a.metric_value("pier_panics_total"), Some(0.0));
+    }
 }
 
 /// Pier A → (HTTP/2) → Pier B → origin, for each client protocol.
@@ -594,4 +737,179 @@ fn idle_http2_connections_get_goaway() {
         "closed before client_idle"
     );
     assert_eq!(o.requests(), 1);
+}
+
+/// A request header block: `method` (static index), `path`, :authority
+/// localhost, without END_STREAM.
+fn block_for(method_index: u8, path: &str) -> Vec<u8> {
+    let mut b = vec![method_index, 0x86, 0x04, path.len() as u8];
+    b.extend_from_slice(path.as_bytes());
+    b.extend_from_slice(&[0x41, 9]);
+    b.extend_from_slice(b"localhost");
+    b
+}
+
+/// Memory stays under `bound_kib` above `before` while `run` goes on, and
+/// another client is served meanwhile and afterwards.
+fn bounded_while(pier: &PierProcess, before: u64, bound_kib: u64, what: &str) {
+    let after = pier.rss_kib().unwrap_or(0);
+    assert!(
+        before == 0 || after < before + bound_kib,
+        "{what}: RSS {before} → {after} KiB"
+    );
+    let r = RawConn::connect(pier.listener("clear"))
+        .get("/hello")
+        .unwrap();
+    assert_eq!(r.status, 200, "{what}");
+    assert_eq!(pier.metric_value("pier_panics_total"), Some(0.0), "{what}");
+}
+
+/// CVE-2019-9515: SETTINGS frames faster than the ACKs are read. Pier
+/// queues no ACK per frame: it stops reading (or sends GOAWAY) instead.
+#[test]
+fn settings_flood_does_not_grow_memory() {
+    use std::io::Write;
+    let o = Origin::start();
+    let pier = pier(&h2_config(o.addr(), None, ""));
+    let before = pier.rss_kib().unwrap_or(0);
+    let mut s = raw::connect(pier.listener("clear"));
+    let mut out = Vec::new();
+    // SETTINGS_ENABLE_PUSH = 0 in each, 15 bytes a frame: 1.5 MB a round.
+    for _ in 0..100_000 {
+        raw::frame(&mut out, raw::SETTINGS, 0, 0, &[0, 2, 0, 0, 0, 0]);
+    }
+    let mut written = 0;
+    for _ in 0..20 {
+        if s.write_all(&out).is_err() {
+            break;
+        }
+        written += 1;
+    }
+    eprintln!("settings flood: {written} rounds of 100,000 frames written");
+    // Pier stops reading (its ACKs are not read) or closes: the 2,000,000
+    // frames (30 MB) are never all taken in.
+    assert!(written < 20, "all 2,000,000 SETTINGS frames were taken");
+    bounded_while(&pier, before, 32 * 1024, "settings flood");
+    // The flooding connection ends, or is left unread; never a 2M-ACK queue.
+    drop(s);
+}
+
+/// CVE-2019-9518: a stream of empty DATA frames (no END_STREAM). Cut off by
+/// h2's budget for them (GOAWAY ENHANCE_YOUR_CALM); memory stays flat and
+/// other clients are served meanwhile.
+#[test]
+fn empty_frames_flood_is_bounded() {
+    use std::io::Write;
+    let o = Origin::start();
+    let pier = pier(&h2_config(o.addr(), None, ""));
+    let before = pier.rss_kib().unwrap_or(0);
+    let addr = pier.listener("clear");
+    let flood = std::thread::spawn(move || {
+        let mut s = raw::connect(addr);
+        let mut out = Vec::new();
+        raw::frame(
+            &mut out,
+            raw::HEADERS,
+            raw::END_HEADERS,
+            1,
+            &block_for(0x83, "/echo"),
+        );
+        let _ = s.write_all(&out);
+        out.clear();
+        for _ in 0..100_000 {
+            raw::frame(&mut out, 0, 0, 1, &[]);
+        }
+        let mut rounds = 0;
+        for _ in 0..20 {
+            if s.write_all(&out).is_err() {
+                break;
+            }
+            rounds += 1;
+        }
+        (rounds, raw::until_goaway(&mut s, Duration::from_secs(20)))
+    });
+    // Served while the flood runs.
+    let base = format!("http://{}", pier.listener("clear"));
+    for _ in 0..5 {
+        let (out, err) = curl_out(&[
+            "--http2-prior-knowledge",
+            "-sS",
+            "--max-time",
+            "10",
+            &format!("{base}/hello"),
+        ]);
+        assert_eq!(out, "hello world\n", "{err}");
+    }
+    let (rounds, goaway) = flood.join().unwrap();
+    eprintln!(
+        "empty DATA flood: {rounds} rounds of 100,000 frames written, then GOAWAY {goaway:?}"
+    );
+    // h2's budget of empty DATA frames: GOAWAY ENHANCE_YOUR_CALM (or the
+    // close behind it), long before the 2,000,000 offered are read.
+    assert!(rounds < 20, "all 2,000,000 empty frames were taken");
+    assert!(goaway.is_none() || goaway == Some(0xb), "GOAWAY {goaway:?}");
+    bounded_while(&pier, before, 32 * 1024, "empty frames flood");
+}
+
+/// CVE-2019-9511/9517: a client that opens large downloads and never opens
+/// its window (SETTINGS_INITIAL_WINDOW_SIZE 0), then dribbles 1-byte window
+/// updates. Responses are sent as the window opens, never buffered whole:
+/// 40 streams x 4 MB offered, memory stays far below it.
+#[test]
+fn zero_window_dribble_keeps_memory_bounded() {
+    use std::io::Write;
+    let o = Origin::start();
+    let pier = pier(&h2_config(
+        o.addr(),
+        None,
+        "[http2]\nmax_send_buffer = \"64k\"\n",
+    ));
+    let before = pier.rss_kib().unwrap_or(0);
+    let mut s = std::net::TcpStream::connect(pier.listener("clear")).unwrap();
+    s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    // SETTINGS_INITIAL_WINDOW_SIZE (4) = 0.
+    raw::frame(&mut out, raw::SETTINGS, 0, 0, &[0, 4, 0, 0, 0, 0]);
+    let streams = 40u32;
+    for i in 0..streams {
+        raw::frame(
+            &mut out,
+            raw::HEADERS,
+            raw::END_HEADERS | raw::END_STREAM,
+            2 * i + 1,
+            &block_for(0x82, "/bytes/4000000"),
+        );
+    }
+    s.write_all(&out).unwrap();
+    // Every request reaches the origin (so every response is waiting).
+    let t0 = std::time::Instant::now();
+    while o.requests() < streams as u64 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{} requests at the origin",
+            o.requests()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Dribble: 1-byte WINDOW_UPDATEs on every stream, a few rounds.
+    out.clear();
+    for _ in 0..50 {
+        for i in 0..streams {
+            raw::frame(&mut out, 8, 0, 2 * i + 1, &1u32.to_be_bytes());
+        }
+    }
+    let _ = s.write_all(&out);
+    // Sampled for two seconds while the responses wait: 160 MB offered.
+    let until = std::time::Instant::now() + Duration::from_secs(2);
+    let mut peak = 0;
+    while std::time::Instant::now() < until {
+        peak = peak.max(pier.rss_kib().unwrap_or(0));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        before == 0 || peak < before + 48 * 1024,
+        "zero window: RSS {before} → peak {peak} KiB for {streams} x 4 MB offered"
+    );
+    bounded_while(&pier, before, 48 * 1024, "zero window dribble");
+    drop(s);
 }

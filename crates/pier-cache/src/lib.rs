@@ -1,17 +1,25 @@
-//! Pier's HTTP cache (first part of issue 11): a memory tier per zone,
-//! bounded in bytes (LRU eviction), RFC 9111 storability and freshness
+//! Pier's HTTP cache: a memory tier per zone bounded in bytes (S3-FIFO,
+//! `memory.rs`), an optional disk tier behind transient admission
+//! (`disk.rs`: objects are written only once promoted by hits), RFC 9111 storability and freshness
 //! (`policy`), Vary secondary keys, and fill locks so that concurrent misses
 //! for one key reach the origin once (the others wait for the fill, up to a
 //! timeout, then are served from it; an uncacheable answer is remembered for
 //! a while — Varnish's hit-for-miss — so later requests do not queue).
 //!
-//! Written here rather than taken from a crate: the storage is small, and
-//! what matters — admission by HTTP semantics, fill locks, Vary — is
-//! Pier's own. The LRU list is the `lru` crate's.
+//! Written here rather than taken from a crate (`foyer` was weighed; see
+//! docs/cache.md): admission by HTTP semantics and by hits, fill locks,
+//! Vary variants and files that outlive a restart are Pier's own.
 
+mod disk;
+pub mod fill;
+mod memory;
 pub mod policy;
+pub mod tags;
 
 use bytes::Bytes;
+use disk::Disk;
+pub use disk::{DiskConfig, DiskStats};
+use memory::{Memory, Slot};
 use parking_lot::Mutex;
 use pier_http::Headers;
 use policy::CacheControl;
@@ -55,7 +63,8 @@ impl Object {
             now,
         )
     }
-    fn size(&self) -> usize {
+    /// Bytes it holds in memory (body, fields, the rest).
+    pub fn size(&self) -> usize {
         self.body.len() + self.headers.capacity_bytes() + 256
     }
     /// Does this variant answer a request with these headers?
@@ -103,24 +112,27 @@ pub struct Stats {
     pub hit: AtomicU64,
     pub miss: AtomicU64,
     pub stale: AtomicU64,
+    /// A stored response was found stale and went to the origin.
+    pub expired: AtomicU64,
+    /// A stale response was served while a background refresh ran
+    /// (stale-while-revalidate).
+    pub updating: AtomicU64,
     pub revalidated: AtomicU64,
     pub coalesced: AtomicU64,
     pub pass: AtomicU64,
     pub stored: AtomicU64,
+    /// Keys evicted from the memory tier.
     pub evicted: AtomicU64,
     pub lock_timeouts: AtomicU64,
-}
-
-struct Inner {
-    lru: lru::LruCache<Vec<u8>, Vec<Arc<Object>>>,
-    bytes: usize,
+    /// The disk tier's counters (zero without one).
+    pub disk: DiskStats,
 }
 
 /// Who fills a key: the first miss leads; the others wait on its watch.
 pub enum Fill {
     Leader(FillGuard),
     /// Wait for the leader (`wait`), then look again.
-    Follower(tokio::sync::watch::Receiver<()>),
+    Follower(Arc<fill::FillBuf>),
     /// The key was found uncacheable lately: go to the origin, no lock.
     Pass,
 }
@@ -129,12 +141,15 @@ pub enum Fill {
 pub struct FillGuard {
     zone: Arc<Zone>,
     key: Vec<u8>,
-    _tx: tokio::sync::watch::Sender<()>,
+    /// What the fill publishes for its followers (`fill.rs`).
+    pub buf: Arc<fill::FillBuf>,
 }
 
 impl Drop for FillGuard {
     fn drop(&mut self) {
         self.zone.fills.lock().remove(&self.key);
+        // Followers still waiting look again.
+        self.buf.close();
     }
 }
 
@@ -153,99 +168,185 @@ impl FillGuard {
     }
 }
 
-/// A cache zone (`[cache.NAME]`), shared by every worker.
+/// A cache zone (`[cache.NAME]`), shared by every worker: a memory tier
+/// (S3-FIFO, `memory.rs`) and, optionally, a disk tier behind it
+/// (`disk.rs`) that objects reach only once promoted by hits.
 pub struct Zone {
     pub name: String,
     max_bytes: usize,
     pub max_object: usize,
-    inner: Mutex<Inner>,
-    fills: Mutex<HashMap<Vec<u8>, tokio::sync::watch::Receiver<()>>>,
+    mem: Mutex<Memory>,
+    disk: Option<Disk>,
+    fills: Mutex<HashMap<Vec<u8>, Arc<fill::FillBuf>>>,
     hit_for_miss: Mutex<HashMap<Vec<u8>, u64>>,
-    pub stats: Stats,
+    pub stats: Arc<Stats>,
+    /// Tag → keys (`Surrogate-Key`, `Cache-Tag`), for purges by tag.
+    pub tags: tags::TagIndex,
 }
 
 impl Zone {
+    /// A memory-only zone.
     pub fn new(name: &str, max_bytes: usize, max_object: usize) -> Arc<Zone> {
-        Arc::new(Zone {
+        Self::open(name, max_bytes, max_object, None).expect("a memory zone needs no I/O")
+    }
+
+    /// A zone with an optional disk tier (its directory is created and its
+    /// index rebuilt in the background from what an earlier run left).
+    pub fn open(
+        name: &str,
+        max_bytes: usize,
+        max_object: usize,
+        disk: Option<DiskConfig>,
+    ) -> std::io::Result<Arc<Zone>> {
+        let stats = Arc::new(Stats::default());
+        let disk = match disk {
+            Some(cfg) => Some(Disk::open(cfg, stats.clone())?),
+            None => None,
+        };
+        Ok(Arc::new(Zone {
             name: name.to_string(),
             max_bytes,
             max_object: max_object.min(max_bytes),
-            inner: Mutex::new(Inner {
-                lru: lru::LruCache::unbounded(),
-                bytes: 0,
-            }),
+            mem: Mutex::new(Memory::new(max_bytes)),
+            disk,
             fills: Mutex::new(HashMap::new()),
             hit_for_miss: Mutex::new(HashMap::new()),
-            stats: Stats::default(),
-        })
+            stats,
+            // About 100 bytes a pair: bounded to ~1/8 of the zone's bytes.
+            tags: tags::TagIndex::new((max_bytes / 800).clamp(1024, 4_000_000)),
+        }))
     }
 
-    /// The stored variant of `key` that answers a request with `req` headers.
+    /// The stored variant of `key` that answers a request with `req`
+    /// headers, from memory only (see `get` for both tiers). A hit counts
+    /// toward promotion to the disk tier.
     pub fn lookup(&self, key: &[u8], req: &Headers) -> Option<Arc<Object>> {
-        let mut g = self.inner.lock();
-        let list = g.lru.get(key)?;
-        list.iter().find(|o| o.matches(req)).cloned()
+        let mut m = self.mem.lock();
+        let e = m.get(key)?;
+        let slot = e.slots.iter_mut().find(|s| s.obj.matches(req))?;
+        let obj = slot.obj.clone();
+        let Some(d) = &self.disk else {
+            return Some(obj);
+        };
+        slot.hits = slot.hits.saturating_add(1);
+        if slot.on_disk || slot.hits < d.config().promote_hits {
+            return Some(obj);
+        }
+        // Promoted: written once, if enough freshness is left to be worth it.
+        let now = now();
+        let left = obj.lifetime.saturating_sub(obj.age(now));
+        if left < d.config().min_ttl {
+            return Some(obj);
+        }
+        slot.on_disk = true;
+        drop(m);
+        if !d.write(key, obj.clone(), now) {
+            // Not queued (queue or disk full): a later hit tries again.
+            let mut m = self.mem.lock();
+            if let Some(e) = m.get(key) {
+                for s in e.slots.iter_mut().filter(|s| Arc::ptr_eq(&s.obj, &obj)) {
+                    s.on_disk = false;
+                }
+            }
+        }
+        Some(obj)
+    }
+
+    /// `lookup`, then the disk tier: a disk hit is read by the I/O threads
+    /// (the worker waits without blocking) and put back in memory.
+    pub async fn get(&self, key: &[u8], req: &Headers) -> Option<Arc<Object>> {
+        if let Some(o) = self.lookup(key, req) {
+            return Some(o);
+        }
+        let d = self.disk.as_ref()?;
+        let obj = Arc::new(d.lookup(key, req).await?);
+        let evicted = self.mem.lock().insert(
+            key,
+            Slot {
+                obj: obj.clone(),
+                hits: 0,
+                on_disk: true,
+            },
+        );
+        self.stats.evicted.fetch_add(evicted.keys, Relaxed);
+        Some(obj)
     }
 
     /// Store a response (replacing the variant with the same Vary values);
-    /// least recently used keys go until the zone fits.
-    pub fn insert(&self, key: Vec<u8>, obj: Object) {
+    /// the memory tier evicts until the zone fits. With `promote_hits = 0`
+    /// it is queued for the disk at once (write every store).
+    pub fn insert(&self, key: Vec<u8>, mut obj: Object) {
         let size = obj.size();
         if size > self.max_object {
             return;
         }
+        // A body grown by doubling may hold twice its length: keep an
+        // exact copy so that the zone's bytes are what memory holds.
+        obj.body = match std::mem::take(&mut obj.body).try_into_mut() {
+            Ok(b) if b.capacity() > b.len() + b.len() / 8 + 64 => Bytes::copy_from_slice(&b),
+            Ok(b) => b.freeze(),
+            Err(shared) => shared,
+        };
         let obj = Arc::new(obj);
-        let mut g = self.inner.lock();
-        let mut freed = 0;
-        let list = g.lru.get_or_insert_mut(key, Vec::new);
-        list.retain(|o| {
-            let same = o.vary == obj.vary;
-            if same {
-                freed += o.size();
-            }
-            !same
-        });
-        list.push(obj);
-        g.bytes = g.bytes + size - freed;
-        while g.bytes > self.max_bytes {
-            match g.lru.pop_lru() {
-                Some((_, list)) => {
-                    g.bytes -= list.iter().map(|o| o.size()).sum::<usize>();
-                    self.stats.evicted.fetch_add(1, Relaxed);
-                }
-                None => break,
-            }
+        let mut write_now = false;
+        if let Some(d) = &self.disk {
+            // What the disk holds for this variant is older: it goes.
+            d.remove_variant(&key, &obj.vary);
+            write_now = d.config().promote_hits == 0
+                && obj.lifetime.saturating_sub(obj.age(now())) >= d.config().min_ttl;
         }
+        let evicted = self.mem.lock().insert(
+            &key,
+            Slot {
+                obj: obj.clone(),
+                hits: 0,
+                on_disk: write_now,
+            },
+        );
+        self.stats.evicted.fetch_add(evicted.keys, Relaxed);
         self.stats.stored.fetch_add(1, Relaxed);
+        self.record_tags(&key, &obj.headers);
+        if write_now {
+            if let Some(d) = &self.disk {
+                d.write(&key, obj, now());
+            }
+        }
     }
 
-    /// Drop every variant of `key` (unsafe methods, purge).
+    /// Drop every variant of `key` (unsafe methods, purge), in both tiers.
     pub fn invalidate(&self, key: &[u8]) -> bool {
-        let mut g = self.inner.lock();
-        match g.lru.pop(key) {
-            Some(list) => {
-                g.bytes -= list.iter().map(|o| o.size()).sum::<usize>();
-                true
-            }
-            None => false,
+        self.tags.forget(key);
+        let mem = self.mem.lock().remove(key).is_some();
+        let disk = self.disk.as_ref().is_some_and(|d| d.remove_key(key));
+        mem || disk
+    }
+
+    /// Drop every key starting with `prefix`, in both tiers; how many keys
+    /// went (a key in both tiers counts once per tier).
+    pub fn purge_prefix(&self, prefix: &[u8]) -> usize {
+        self.purge_where(|k| k.starts_with(prefix))
+    }
+
+    /// Drop every key for which `pred` holds, in both tiers; how many went
+    /// (a key in both tiers counts once per tier).
+    pub fn purge_where(&self, mut pred: impl FnMut(&[u8]) -> bool) -> usize {
+        let n = self.mem.lock().remove_where(&mut pred).len();
+        n + self.disk.as_ref().map_or(0, |d| d.remove_where(pred))
+    }
+
+    /// Record the tags of a stored response (outside the memory lock).
+    fn record_tags(&self, key: &[u8], headers: &Headers) {
+        let tags = tags::tags_of(headers);
+        if !tags.is_empty() {
+            self.tags
+                .record(key, &tags, |k| self.mem.lock().contains(k));
         }
     }
 
-    /// Drop every key starting with `prefix`; how many went.
-    pub fn purge_prefix(&self, prefix: &[u8]) -> usize {
-        let mut g = self.inner.lock();
-        let keys: Vec<Vec<u8>> = g
-            .lru
-            .iter()
-            .filter(|(k, _)| k.starts_with(prefix))
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in &keys {
-            if let Some(list) = g.lru.pop(k) {
-                g.bytes -= list.iter().map(|o| o.size()).sum::<usize>();
-            }
-        }
-        keys.len()
+    /// Drop every key recorded with `tag` (both tiers); how many were stored.
+    pub fn purge_tag(&self, tag: &[u8]) -> usize {
+        let keys = self.tags.take(tag);
+        keys.iter().filter(|k| self.invalidate(k)).count()
     }
 
     /// Who fills `key` now.
@@ -261,22 +362,46 @@ impl Zone {
             }
         }
         let mut fills = self.fills.lock();
-        if let Some(rx) = fills.get(key) {
-            return Fill::Follower(rx.clone());
+        if let Some(buf) = fills.get(key) {
+            return Fill::Follower(buf.clone());
         }
-        let (tx, rx) = tokio::sync::watch::channel(());
-        fills.insert(key.to_vec(), rx);
+        let buf = fill::FillBuf::new(self.max_object);
+        fills.insert(key.to_vec(), buf.clone());
         Fill::Leader(FillGuard {
             zone: self.clone(),
             key: key.to_vec(),
-            _tx: tx,
+            buf,
         })
     }
 
-    /// Objects and bytes stored now.
+    /// Keys and bytes in the memory tier now.
     pub fn usage(&self) -> (usize, usize) {
-        let g = self.inner.lock();
-        (g.lru.len(), g.bytes)
+        let (_, keys, bytes) = self.mem.lock().usage();
+        (keys, bytes)
+    }
+
+    /// Objects (variants) and bytes per tier: (memory, disk); the disk's
+    /// is None without a disk tier.
+    pub fn tiers(&self) -> ((u64, u64), Option<(u64, u64)>) {
+        let (objects, _, bytes) = self.mem.lock().usage();
+        let disk = self.disk.as_ref().map(|_| {
+            (
+                self.stats.disk.objects.load(Relaxed),
+                self.stats.disk.bytes.load(Relaxed),
+            )
+        });
+        ((objects as u64, bytes as u64), disk)
+    }
+
+    /// The disk tier's capacity, if it has one.
+    pub fn disk_capacity(&self) -> Option<u64> {
+        self.disk.as_ref().map(|d| d.config().max_bytes)
+    }
+
+    /// The disk tier has finished reading what an earlier run left (always
+    /// true without one).
+    pub fn disk_ready(&self) -> bool {
+        self.disk.as_ref().is_none_or(|d| d.ready())
     }
 
     pub fn capacity(&self) -> usize {
@@ -286,13 +411,8 @@ impl Zone {
 
 /// Wait for a fill to end (its leader's guard dropped), at most `limit`.
 /// `false`: timed out (the caller goes to the origin itself).
-pub async fn wait_fill(mut rx: tokio::sync::watch::Receiver<()>, limit: Duration) -> bool {
-    tokio::time::timeout(limit, async {
-        // Ends when the sender (the leader's guard) is dropped.
-        while rx.changed().await.is_ok() {}
-    })
-    .await
-    .is_ok()
+pub async fn wait_fill(buf: Arc<fill::FillBuf>, limit: Duration) -> bool {
+    buf.wait_end(limit).await
 }
 
 /// The default cache key: scheme, host (lower-cased, without a default

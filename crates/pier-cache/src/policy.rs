@@ -74,6 +74,70 @@ impl CacheControl {
     }
 }
 
+/// The name Pier announces in `Surrogate-Capability` (sent to origins on
+/// cached routes): `Surrogate-Control` directives targeted `;pier` are
+/// Pier's too.
+pub const SURROGATE_TARGET: &str = "pier";
+
+/// `Surrogate-Control` directives for this cache: those without a
+/// `;target`, or targeted at [`SURROGATE_TARGET`].
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Surrogate {
+    pub no_store: bool,
+    pub max_age: Option<u64>,
+}
+
+impl Surrogate {
+    pub fn parse(h: &Headers) -> Surrogate {
+        let mut s = Surrogate::default();
+        for v in h.get_all(b"surrogate-control") {
+            let Ok(v) = std::str::from_utf8(v) else {
+                continue;
+            };
+            for d in v.split(',') {
+                let d = match d.trim().split_once(';') {
+                    None => d.trim(),
+                    Some((d, target)) if target.trim().eq_ignore_ascii_case(SURROGATE_TARGET) => d,
+                    Some(_) => continue,
+                };
+                match d.split_once('=') {
+                    // No spaces around '=' (a malformed directive is ignored).
+                    Some((k, val)) if k.eq_ignore_ascii_case("max-age") => {
+                        if let Some(n) = (!val.starts_with(' ')).then(|| seconds(val)).flatten() {
+                            s.max_age = Some(n);
+                        }
+                    }
+                    None if d.eq_ignore_ascii_case("no-store") => s.no_store = true,
+                    _ => {}
+                }
+            }
+        }
+        s
+    }
+}
+
+/// The `Age` header's value (RFC 9111 §5.1): one field line of digits
+/// only. Anything else (a list, a sign, a fraction, a parameter) makes the
+/// response count as very old, i.e. stale: safer than guessing.
+pub fn age_field(h: &Headers) -> u64 {
+    let mut it = h.get_all(b"age");
+    let Some(v) = it.next() else {
+        return 0;
+    };
+    if it.next().is_some() {
+        return u64::MAX >> 2;
+    }
+    let v = v.trim_ascii();
+    if v.is_empty() || !v.iter().all(u8::is_ascii_digit) {
+        return u64::MAX >> 2;
+    }
+    std::str::from_utf8(v)
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or(u64::MAX >> 2)
+        .min(1 << 40)
+}
+
 /// An HTTP date as Unix seconds.
 pub fn http_date(v: &[u8]) -> Option<u64> {
     let s = std::str::from_utf8(v).ok()?;
@@ -149,17 +213,28 @@ pub fn storable(
     if !req_method_get_or_head {
         return Err(NotStored::Method);
     }
-    if status == 206 || resp.get(b"content-range").is_some() {
+    // A 200 may carry Content-Range (it is then just a field); only a
+    // 206 is partial content.
+    if status == 206 {
         return Err(NotStored::Partial);
     }
     if !understood(status) {
         return Err(NotStored::Status);
     }
     let cc = CacheControl::parse(resp);
-    if cc.no_store || req_cc.no_store {
+    if req_cc.no_store {
         return Err(NotStored::NoStore);
     }
-    if cc.private {
+    // Surrogate-Control (Edge Architecture 1.0, RFC 9213's forerunner) is
+    // addressed to this cache and takes precedence over Cache-Control.
+    let sc = Surrogate::parse(resp);
+    if sc.no_store {
+        return Err(NotStored::NoStore);
+    }
+    if cc.no_store && sc.max_age.is_none() {
+        return Err(NotStored::NoStore);
+    }
+    if cc.private && sc.max_age.is_none() {
         return Err(NotStored::Private);
     }
     if resp
@@ -181,6 +256,9 @@ pub fn storable(
         if let Some(t) = policy.ttl_for(status) {
             return Ok(t);
         }
+    }
+    if let Some(s) = sc.max_age {
+        return Ok(s);
     }
     if let Some(s) = cc.s_maxage.or(cc.max_age) {
         return Ok(s);
@@ -259,6 +337,32 @@ pub fn usable(lifetime: u64, age: u64, stored: &CacheControl, req: &CacheControl
         }
     }
     Use::Revalidate
+}
+
+/// May a stored response answer when the origin failed (a connect error,
+/// a timeout, a 5xx)? Within `stale-if-error` (the response's or the
+/// request's, RFC 5861 §4) or the route's `grace`, unless the response
+/// forbids serving it stale (`must-revalidate`, `proxy-revalidate`,
+/// `s-maxage`, `no-cache`).
+pub fn usable_on_error(
+    lifetime: u64,
+    age: u64,
+    stored: &CacheControl,
+    req: &CacheControl,
+    grace: u64,
+) -> bool {
+    if stored.must_revalidate
+        || stored.proxy_revalidate
+        || stored.s_maxage.is_some()
+        || stored.no_cache
+    {
+        return false;
+    }
+    let stale_by = age.saturating_sub(lifetime);
+    let allowed = grace
+        .max(stored.stale_if_error.unwrap_or(0))
+        .max(req.stale_if_error.unwrap_or(0));
+    stale_by <= allowed
 }
 
 /// Does `If-None-Match` (a list of entity tags, weak comparison) match?
@@ -359,6 +463,65 @@ mod tests {
             store(&[("cache-control", "max-age=60")], 206),
             Err(NotStored::Partial)
         );
+    }
+
+    #[test]
+    fn surrogate_age_field_and_stale_on_error() {
+        let sc = |v: &str| Surrogate::parse(&h(&[("surrogate-control", v)]));
+        assert_eq!(sc("max-age=60").max_age, Some(60));
+        assert_eq!(sc("MaX-aGe=60, foo").max_age, Some(60));
+        assert_eq!(sc("max-age=60;pier").max_age, Some(60));
+        assert_eq!(sc("max-age=60;other").max_age, None);
+        assert_eq!(sc("max-age =60").max_age, None);
+        assert_eq!(sc("max-age= 60").max_age, None);
+        assert!(sc("no-store").no_store);
+        // Surrogate-Control wins over Cache-Control both ways.
+        assert_eq!(
+            store(
+                &[
+                    ("cache-control", "no-store"),
+                    ("surrogate-control", "max-age=30")
+                ],
+                200
+            ),
+            Ok(30)
+        );
+        assert_eq!(
+            store(
+                &[
+                    ("cache-control", "max-age=30"),
+                    ("surrogate-control", "no-store")
+                ],
+                200
+            ),
+            Err(NotStored::NoStore)
+        );
+        // A 200 with Content-Range is not partial.
+        assert_eq!(
+            store(
+                &[("cache-control", "max-age=5"), ("content-range", "x")],
+                200
+            ),
+            Ok(5)
+        );
+        let age = |vs: &[&str]| {
+            let pairs: Vec<(&str, &str)> = vs.iter().map(|v| ("age", *v)).collect();
+            age_field(&h(&pairs))
+        };
+        assert_eq!(age(&[]), 0);
+        assert_eq!(age(&["30"]), 30);
+        for bad in ["abc", "-1", "1.0", "1,2", "1;a=b", ""] {
+            assert!(age(&[bad]) > 1 << 30, "{bad}");
+        }
+        assert!(age(&["0", "0"]) > 1 << 30);
+        let none = CacheControl::default();
+        let sie = CacheControl::parse(&h(&[("cache-control", "max-age=10, stale-if-error=60")]));
+        assert!(usable_on_error(10, 60, &sie, &none, 0));
+        assert!(!usable_on_error(10, 80, &sie, &none, 0));
+        assert!(usable_on_error(10, 80, &none, &none, 70));
+        assert!(!usable_on_error(10, 11, &none, &none, 0));
+        let mr = CacheControl::parse(&h(&[("cache-control", "max-age=10, must-revalidate")]));
+        assert!(!usable_on_error(10, 11, &mr, &none, 1000));
     }
 
     #[test]

@@ -154,11 +154,20 @@ impl Config {
 
     /// `pier proxy --cache SIZE`: one memory zone `quick` of `bytes`, used by
     /// the catch-all route; freshness only from the origin's headers.
-    pub fn enable_quick_cache(&mut self, bytes: usize) {
+    /// With `disk`, a disk tier (`--cache-dir`, `--cache-disk`) behind it,
+    /// with the defaults of `[cache.NAME]`.
+    pub fn enable_quick_cache(&mut self, bytes: usize, disk: Option<(std::path::PathBuf, u64)>) {
         self.caches.push(CacheZone {
             name: "quick".into(),
             memory: bytes,
             max_object: (bytes / 8).min(64 << 20),
+            disk: disk.map(|(dir, max_bytes)| CacheDisk {
+                dir,
+                max_bytes,
+                promote_hits: 2,
+                min_ttl: Duration::from_secs(60),
+                queue: 256,
+            }),
         });
         let zone = self.caches.len() - 1;
         for r in &mut self.routes {
@@ -168,6 +177,9 @@ impl Config {
                 override_origin: false,
                 lock_timeout: Duration::from_secs(5),
                 hit_for_miss: Duration::from_secs(120),
+                grace: Duration::ZERO,
+                key: None,
+                strip_tags: true,
             });
         }
     }
@@ -177,6 +189,10 @@ impl Config {
         servers: Vec<UpstreamServer>,
         admin: Option<SocketAddr>,
     ) -> Config {
+        // Passive ejection only with somewhere else to go: one origin marked
+        // down would turn its every error into 503s for everyone (nginx
+        // ignores max_fails for a single server likewise).
+        let max_fails = if servers.len() > 1 { 3 } else { 0 };
         let mut upstream = Upstream::with_defaults("default", servers);
         upstream.health_check = Some(HealthCheck {
             kind: HealthKind::Tcp,
@@ -185,7 +201,7 @@ impl Config {
             rise: 2,
             fall: 2,
         });
-        upstream.max_fails = 3;
+        upstream.max_fails = max_fails;
         upstream.retries = 1;
         Config {
             workers: validate::cores(),
@@ -205,6 +221,7 @@ impl Config {
                 grpc_web: false,
                 cors: None,
                 cache: None,
+                compress: None,
             }],
             upstreams: [("default".to_string(), upstream)].into_iter().collect(),
             limits: Limits::default(),

@@ -134,6 +134,19 @@ pub struct CacheZone {
     pub name: String,
     pub memory: usize,
     pub max_object: usize,
+    /// `disk_dir` and its settings: a disk tier behind the memory tier.
+    pub disk: Option<CacheDisk>,
+}
+
+/// A zone's disk tier (`disk_dir`, `disk`, `promote_hits`, `disk_min_ttl`,
+/// `disk_queue`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheDisk {
+    pub dir: std::path::PathBuf,
+    pub max_bytes: u64,
+    pub promote_hits: u32,
+    pub min_ttl: Duration,
+    pub queue: usize,
 }
 
 /// `[route.cache]`.
@@ -146,6 +159,83 @@ pub struct RouteCache {
     pub override_origin: bool,
     pub lock_timeout: Duration,
     pub hit_for_miss: Duration,
+    /// `grace`: how long past its freshness a stored response may still be
+    /// served when the origin fails (connect error, timeout, 5xx).
+    pub grace: Duration,
+    /// `key`: what the cache key holds beyond scheme, host, path (and query).
+    pub key: Option<CacheKey>,
+    /// `strip_tags`: drop `Surrogate-Key` / `Cache-Tag` from client responses.
+    pub strip_tags: bool,
+}
+
+/// `[route.cache.key]`: the cache key's parts beyond scheme + host + path.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CacheKey {
+    /// Request headers whose values join the key (lower-cased names).
+    pub headers: Vec<String>,
+    /// Cookies whose values join the key.
+    pub cookies: Vec<String>,
+    pub query: QueryKey,
+    /// Only these query parameters count (empty: all).
+    pub query_include: Vec<String>,
+    /// These query parameters never count.
+    pub query_exclude: Vec<String>,
+}
+
+/// `[route.cache.key] query`: the query string as received, its
+/// parameters sorted, or none of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QueryKey {
+    #[default]
+    Keep,
+    Sort,
+    Drop,
+}
+
+/// A content coding Pier makes and undoes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Coding {
+    Gzip,
+    Br,
+    Zstd,
+}
+
+impl Coding {
+    /// The token in `Content-Encoding` / `Accept-Encoding`.
+    pub fn token(self) -> &'static str {
+        match self {
+            Coding::Gzip => "gzip",
+            Coding::Br => "br",
+            Coding::Zstd => "zstd",
+        }
+    }
+    pub fn from_token(t: &[u8]) -> Option<Coding> {
+        if t.eq_ignore_ascii_case(b"gzip") || t.eq_ignore_ascii_case(b"x-gzip") {
+            Some(Coding::Gzip)
+        } else if t.eq_ignore_ascii_case(b"br") {
+            Some(Coding::Br)
+        } else if t.eq_ignore_ascii_case(b"zstd") {
+            Some(Coding::Zstd)
+        } else {
+            None
+        }
+    }
+}
+
+/// `[route.compress]`: response compression.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Compress {
+    /// Media types compressed (`text/*` style wildcards allowed).
+    pub types: Vec<String>,
+    /// Bodies of a known length below this are sent as they are.
+    pub min_size: u64,
+    /// One level for every coding, clamped to each one's range; None: each
+    /// coding's default (gzip 6, br 5, zstd 3).
+    pub level: Option<i32>,
+    /// Codings offered, in the server's order of preference.
+    pub algorithms: Vec<Coding>,
+    /// The coding of the one copy a cache keeps (with `[route.cache]`).
+    pub store: Coding,
 }
 
 /// `[http2]`: HTTP/2 SETTINGS Pier sends and the bounds of its defences.
@@ -194,6 +284,9 @@ pub struct Listener {
     pub redirect_https: Option<HttpsRedirect>,
     /// `h2c`: cleartext HTTP/2 with prior knowledge is accepted too.
     pub h2c: bool,
+    /// `h2c = "only"`: and HTTP/1 is not (a connection that does not open
+    /// with the HTTP/2 preface is closed).
+    pub h2c_only: bool,
 }
 
 impl Listener {
@@ -204,6 +297,7 @@ impl Listener {
             tls: None,
             redirect_https: None,
             h2c: false,
+            h2c_only: false,
         }
     }
 }
@@ -335,6 +429,8 @@ pub struct Route {
     pub cors: Option<Cors>,
     /// `[route.cache]`.
     pub cache: Option<RouteCache>,
+    /// `[route.compress]`.
+    pub compress: Option<Compress>,
 }
 
 /// `[route.cors]`.
@@ -470,6 +566,9 @@ pub enum UpstreamProtocol {
     H2,
     /// HTTP/2 over cleartext TCP, prior knowledge.
     H2c,
+    /// Over TLS, ALPN offers `h2` then `http/1.1`; the server's pick is
+    /// remembered per peer.
+    Auto,
 }
 
 #[derive(Debug, Clone)]

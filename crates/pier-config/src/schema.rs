@@ -144,9 +144,18 @@ pub struct ListenerEntry {
     pub redirect_https: Option<Spanned<i64>>,
     /// The port in the redirect's Location (default: none, i.e. 443).
     pub https_port: Option<Spanned<i64>>,
-    /// Cleartext HTTP/2 with prior knowledge beside HTTP/1.1.
-    pub h2c: Option<bool>,
+    /// Cleartext HTTP/2 with prior knowledge beside HTTP/1.1 (`true`), or
+    /// instead of it (`"only"`).
+    pub h2c: Option<H2cValue>,
     pub tls: Option<ListenerTlsSection>,
+}
+
+/// A listener's `h2c`: `true`, `false` or `"only"`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged, expecting = "true, false or \"only\"")]
+pub enum H2cValue {
+    Flag(bool),
+    Mode(String),
 }
 
 /// `[listener.tls]`: serve HTTPS on this listener.
@@ -209,6 +218,29 @@ pub struct RouteEntry {
     pub grpc_web: Option<bool>,
     pub cors: Option<CorsSection>,
     pub cache: Option<RouteCacheSection>,
+    pub compress: Option<CompressSection>,
+}
+
+/// `[route.compress]`: gzip, brotli and zstd by Accept-Encoding.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [route.compress] table")]
+pub struct CompressSection {
+    pub types: Option<Vec<Spanned<String>>>,
+    pub min_size: Option<Spanned<SizeValue>>,
+    pub level: Option<Spanned<i64>>,
+    pub algorithms: Option<Vec<Spanned<String>>>,
+    pub store: Option<Spanned<String>>,
+}
+
+/// `[route.cache.key]`: what the cache key holds.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [route.cache.key] table")]
+pub struct CacheKeySection {
+    pub headers: Option<Vec<Spanned<String>>>,
+    pub cookies: Option<Vec<Spanned<String>>>,
+    pub query: Option<Spanned<String>>,
+    pub query_include: Option<Vec<Spanned<String>>>,
+    pub query_exclude: Option<Vec<Spanned<String>>>,
 }
 
 /// `[route.cache]`: this route's responses go through a cache zone.
@@ -222,6 +254,9 @@ pub struct RouteCacheSection {
     pub override_origin: Option<bool>,
     pub lock_timeout: Option<Spanned<String>>,
     pub hit_for_miss: Option<Spanned<String>>,
+    pub grace: Option<Spanned<String>>,
+    pub key: Option<CacheKeySection>,
+    pub strip_tags: Option<bool>,
 }
 
 /// `[cache.NAME]`: a cache zone.
@@ -230,6 +265,16 @@ pub struct RouteCacheSection {
 pub struct CacheZoneSection {
     pub memory: Spanned<SizeValue>,
     pub max_object: Option<Spanned<SizeValue>>,
+    /// A disk tier in this directory (created if missing).
+    pub disk_dir: Option<Spanned<String>>,
+    /// The disk tier's bytes.
+    pub disk: Option<Spanned<SizeValue>>,
+    /// Memory hits before an object is written to disk (0: at once).
+    pub promote_hits: Option<Spanned<i64>>,
+    /// Objects with less freshness left than this stay in memory.
+    pub disk_min_ttl: Option<Spanned<String>>,
+    /// Disk writes (and reads) waiting for the I/O threads, each.
+    pub disk_queue: Option<Spanned<i64>>,
 }
 
 /// `[route.cors]`: CORS preflights answered by Pier, and the CORS fields of

@@ -1029,6 +1029,8 @@ fn documented_tables() -> Vec<(&'static str, Vec<&'static str>)> {
         ("### `[route.lua]`", fields_of::<RouteLuaSection>()),
         ("### `[route.cors]`", fields_of::<CorsSection>()),
         ("### `[route.cache]`", fields_of::<RouteCacheSection>()),
+        ("### `[route.cache.key]`", fields_of::<CacheKeySection>()),
+        ("### `[route.compress]`", fields_of::<CompressSection>()),
         ("## `[cache.NAME]`", fields_of::<CacheZoneSection>()),
         (
             "### `[route.headers]` and `[upstream.NAME.headers]`",
@@ -2453,4 +2455,77 @@ fn analytics_and_admin_credentials() {
         "10:15",
         "`compression` must be",
     );
+}
+
+// === HTTP/2 keys (issue 10) ===
+
+#[test]
+fn h2c_only_and_protocol_auto() {
+    let only = ok(&BASE.replace(
+        "listen = \"127.0.0.1:0\"\n",
+        "listen = \"127.0.0.1:0\"\nh2c = \"only\"\n",
+    ));
+    assert!(only.listeners[0].h2c && only.listeners[0].h2c_only);
+    let both = ok(&BASE.replace(
+        "listen = \"127.0.0.1:0\"\n",
+        "listen = \"127.0.0.1:0\"\nh2c = true\n",
+    ));
+    assert!(both.listeners[0].h2c && !both.listeners[0].h2c_only);
+    one_error(
+        &BASE.replace(
+            "listen = \"127.0.0.1:0\"\n",
+            "listen = \"127.0.0.1:0\"\nh2c = \"sometimes\"\n",
+        ),
+        "2:10",
+        "h2c = \"sometimes\": expected true, false or \"only\"",
+    );
+    let auto = ok(
+        &format!("{BASE}protocol = \"auto\"\n[upstream.b.tls]\nverify = false\n")
+            .replace("\n\nprotocol", "\nprotocol"),
+    );
+    assert_eq!(auto.upstreams["b"].protocol, UpstreamProtocol::Auto);
+    one_error(
+        &format!("{BASE}protocol = \"auto\"\n").replace("\n\nprotocol", "\nprotocol"),
+        "7:12",
+        "protocol = \"auto\" picks HTTP/2 or HTTP/1.1 by ALPN over TLS",
+    );
+}
+
+#[test]
+fn cache_zone_disk_tier_keys() {
+    let base = "[[listener]]\nlisten = \"127.0.0.1:8080\"\n[[route]]\nupstream = \"u\"\n[upstream.u]\nservers = [\"127.0.0.1:1\"]\n";
+    let c = ok(&format!(
+        "{base}[cache.a]\nmemory = \"64m\"\n[cache.b]\nmemory = \"64m\"\ndisk_dir = \"d\"\n[cache.c]\nmemory = \"1m\"\ndisk_dir = \"/x\"\ndisk = \"2g\"\npromote_hits = 0\ndisk_min_ttl = \"0s\"\ndisk_queue = 8\n"
+    ));
+    assert_eq!(c.caches[0].disk, None);
+    let b = c.caches[1].disk.as_ref().unwrap();
+    // Relative to the config file's directory.
+    assert!(b.dir.ends_with("d"), "{:?}", b.dir);
+    assert_eq!(
+        (b.max_bytes, b.promote_hits, b.min_ttl, b.queue),
+        (1 << 30, 2, Duration::from_secs(60), 256)
+    );
+    let d = c.caches[2].disk.as_ref().unwrap();
+    assert_eq!(
+        (
+            d.dir.as_path(),
+            d.max_bytes,
+            d.promote_hits,
+            d.min_ttl,
+            d.queue
+        ),
+        (std::path::Path::new("/x"), 2 << 30, 0, Duration::ZERO, 8)
+    );
+    let errs = errors(&format!(
+        "{base}[cache.a]\nmemory = \"1m\"\ndisk = \"2g\"\n"
+    ));
+    assert!(
+        errs.iter().any(|e| e.contains("`disk` needs `disk_dir`")),
+        "{errs:?}"
+    );
+    let errs = errors(&format!(
+        "{base}[cache.a]\nmemory = \"1m\"\ndisk_dir = \"/x\"\ndisk_queue = 0\ndisk_min_ttl = \"soon\"\n"
+    ));
+    assert!(errs.iter().any(|e| e.contains("disk_queue")), "{errs:?}");
+    assert!(errs.iter().any(|e| e.contains("disk_min_ttl")), "{errs:?}");
 }

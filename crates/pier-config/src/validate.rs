@@ -316,7 +316,18 @@ pub(crate) fn validate(
                     "`redirect_https` on a TLS listener would redirect https to itself",
                 );
             }
-            let h2c = l.h2c.unwrap_or(false);
+            let (h2c, h2c_only) = match &l.h2c {
+                None | Some(H2cValue::Flag(false)) => (false, false),
+                Some(H2cValue::Flag(true)) => (true, false),
+                Some(H2cValue::Mode(m)) if m == "only" => (true, true),
+                Some(H2cValue::Mode(m)) => {
+                    c.err(
+                        sp(&l.listen),
+                        format!("h2c = {m:?}: expected true, false or \"only\""),
+                    );
+                    (false, false)
+                }
+            };
             if h2c && tls.is_some() {
                 c.err(
                     sp(&l.listen),
@@ -329,6 +340,7 @@ pub(crate) fn validate(
                 tls,
                 redirect_https,
                 h2c,
+                h2c_only,
             });
         }
     }
@@ -351,10 +363,31 @@ pub(crate) fn validate(
             (memory as u64 / 8).min(64 << 20),
             1,
         ) as usize;
+        let disk = match (&z.disk_dir, &z.disk) {
+            (Some(dir), size) => Some(CacheDisk {
+                dir: path_of(base, dir),
+                max_bytes: c.size(size, "disk", 1 << 30, 1 << 20),
+                promote_hits: c.int(&z.promote_hits, "promote_hits", 2, 0, 1_000_000) as u32,
+                min_ttl: match &z.disk_min_ttl {
+                    None => Duration::from_secs(60),
+                    Some(v) => parse_duration(v.get_ref()).unwrap_or_else(|e| {
+                        c.err(sp(v), format!("`disk_min_ttl`: {e}"));
+                        Duration::ZERO
+                    }),
+                },
+                queue: c.int(&z.disk_queue, "disk_queue", 256, 1, 65_536) as usize,
+            }),
+            (None, Some(v)) => {
+                c.err(sp(v), "`disk` needs `disk_dir`".to_string());
+                None
+            }
+            (None, None) => None,
+        };
         caches.push(CacheZone {
             name: name.clone(),
             memory,
             max_object,
+            disk,
         });
     }
 
@@ -552,6 +585,9 @@ fn route_cache(
         override_origin: x.override_origin.unwrap_or(false),
         lock_timeout: c.duration(&x.lock_timeout, "lock_timeout", Duration::from_secs(5)),
         hit_for_miss: c.duration(&x.hit_for_miss, "hit_for_miss", Duration::from_secs(120)),
+        grace: c.duration(&x.grace, "grace", Duration::ZERO),
+        key: x.key.as_ref().map(|k| cache_key(c, route, k)),
+        strip_tags: x.strip_tags.unwrap_or(true),
     })
 }
 
@@ -1038,6 +1074,7 @@ fn route(
     }
     let grpc_web = r.grpc_web.unwrap_or(false);
     let cors = r.cors.as_ref().map(|x| cors(c, &name, x, grpc_web));
+    let compress = r.compress.as_ref().map(|x| compress(c, &name, x));
     Route {
         name,
         host,
@@ -1049,6 +1086,106 @@ fn route(
         grpc_web,
         cors,
         cache: None,
+        compress,
+    }
+}
+
+/// `[route.compress]`.
+fn compress(c: &mut Check, route: &str, x: &CompressSection) -> Compress {
+    let coding = |c: &mut Check, v: &Spanned<String>| {
+        let k = Coding::from_token(v.get_ref().as_bytes());
+        if k.is_none() {
+            c.err(
+                sp(v),
+                format!(
+                    "route `{route}`: compress: unknown coding {:?} (gzip, br or zstd)",
+                    v.get_ref()
+                ),
+            );
+        }
+        k
+    };
+    let mut algorithms = Vec::new();
+    match &x.algorithms {
+        None => algorithms.extend([Coding::Br, Coding::Zstd, Coding::Gzip]),
+        Some(v) => {
+            for a in v {
+                if let Some(k) = coding(c, a) {
+                    if !algorithms.contains(&k) {
+                        algorithms.push(k);
+                    }
+                }
+            }
+        }
+    }
+    let store = match &x.store {
+        None if algorithms.contains(&Coding::Gzip) || algorithms.is_empty() => Coding::Gzip,
+        None => algorithms[0],
+        Some(v) => coding(c, v).unwrap_or(Coding::Gzip),
+    };
+    let types = match &x.types {
+        None => [
+            "text/*",
+            "application/json",
+            "application/javascript",
+            "application/xml",
+            "application/wasm",
+            "image/svg+xml",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+        Some(v) => v
+            .iter()
+            .map(|t| t.get_ref().trim().to_ascii_lowercase())
+            .collect(),
+    };
+    Compress {
+        types,
+        min_size: c.size(&x.min_size, "min_size", 256, 0),
+        level: x
+            .level
+            .as_ref()
+            .map(|_| c.int(&x.level, "level", 6, 0, 22) as i32),
+        algorithms,
+        store,
+    }
+}
+
+/// `[route.cache.key]`.
+fn cache_key(c: &mut Check, route: &str, x: &CacheKeySection) -> CacheKey {
+    let list = |v: &Option<Vec<Spanned<String>>>, lower: bool| -> Vec<String> {
+        v.iter()
+            .flatten()
+            .map(|s| {
+                let s = s.get_ref().trim();
+                if lower {
+                    s.to_ascii_lowercase()
+                } else {
+                    s.to_string()
+                }
+            })
+            .filter(|s| !s.is_empty())
+            .collect()
+    };
+    let query = match x.query.as_ref().map(|q| (q, q.get_ref().as_str())) {
+        None | Some((_, "keep")) => QueryKey::Keep,
+        Some((_, "sort")) => QueryKey::Sort,
+        Some((_, "drop")) => QueryKey::Drop,
+        Some((q, other)) => {
+            c.err(
+                sp(q),
+                format!("route `{route}`: cache key query {other:?}: keep, sort or drop"),
+            );
+            QueryKey::Keep
+        }
+    };
+    CacheKey {
+        headers: list(&x.headers, true),
+        cookies: list(&x.cookies, false),
+        query,
+        query_include: list(&x.query_include, false),
+        query_exclude: list(&x.query_exclude, false),
     }
 }
 
@@ -1553,10 +1690,16 @@ fn upstream(
                 }
                 UpstreamProtocol::H2c
             }
+            Some((v, "auto")) => {
+                if e.tls.is_none() {
+                    c.err(sp(v), format!("upstream `{name}`: protocol = \"auto\" picks HTTP/2 or HTTP/1.1 by ALPN over TLS: add an [upstream.{name}.tls] table, or use \"h2c\" or \"http1\" for cleartext"));
+                }
+                UpstreamProtocol::Auto
+            }
             Some((v, other)) => {
                 c.err(
                     sp(v),
-                    format!("unknown protocol {other:?}: expected \"http1\", \"h2\" or \"h2c\""),
+                    format!("unknown protocol {other:?}: expected \"http1\", \"h2\", \"h2c\" or \"auto\""),
                 );
                 UpstreamProtocol::Http1
             }

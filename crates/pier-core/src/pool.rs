@@ -18,6 +18,11 @@
 use crate::stream::{Conn, PeerKey};
 use parking_lot::Mutex;
 use std::collections::HashMap;
+
+/// The pool's maps are looked up twice a request (take and put): foldhash,
+/// not SipHash (which cost ~1,200 instructions a request here). Keys are the
+/// configured origins, not chosen by clients, so flooding is not a concern.
+type Map<V> = HashMap<PeerKey, V, foldhash::fast::RandomState>;
 use std::pin::pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
@@ -44,7 +49,7 @@ struct Idle {
 #[repr(align(128))]
 #[derive(Default)]
 struct WorkerStacks {
-    map: Mutex<HashMap<PeerKey, Stack>>,
+    map: Mutex<Map<Stack>>,
 }
 
 /// A worker's idle connections to one origin, and the count of idle
@@ -63,7 +68,7 @@ pub struct Pool {
     idle_total: AtomicUsize,
     /// The per-origin counters; locked only when a worker's map first meets
     /// an origin (or meets it again after a sweep emptied its stack).
-    counts: Mutex<HashMap<PeerKey, Arc<AtomicUsize>>>,
+    counts: Mutex<Map<Arc<AtomicUsize>>>,
 }
 
 impl Pool {
@@ -74,7 +79,7 @@ impl Pool {
             max_idle: AtomicUsize::new(0),
             idle_timeout_ms: AtomicU64::new(0),
             idle_total: AtomicUsize::new(0),
-            counts: Mutex::new(HashMap::new()),
+            counts: Mutex::new(Map::default()),
         };
         p.reconfigure(cfg.max_idle_per_server, cfg.idle_timeout);
         p
@@ -125,7 +130,9 @@ impl Pool {
                     }
                 };
                 self.idle_total.fetch_sub(1, Relaxed);
-                if idle.since.elapsed() > idle_timeout {
+                // The worker's last clock read: a connection may look up to
+                // one request's processing older than it is, never younger.
+                if pier_clock::recent().saturating_duration_since(idle.since) > idle_timeout {
                     continue; // dropped: expired
                 }
                 if w != me {
@@ -148,24 +155,21 @@ impl Pool {
         }
         let evicted = {
             let mut map = self.workers[worker % self.workers.len()].map.lock();
-            if !map.contains_key(key) {
-                let count = self.counts.lock().entry(key.clone()).or_default().clone();
-                map.insert(
-                    key.clone(),
-                    Stack {
+            let stack = match map.get_mut(key) {
+                Some(s) => s,
+                None => {
+                    let count = self.counts.lock().entry(key.clone()).or_default().clone();
+                    map.entry(key.clone()).or_insert(Stack {
                         idle: Vec::new(),
                         count,
-                    },
-                );
-            }
-            let Some(stack) = map.get_mut(key) else {
-                return;
+                    })
+                }
             };
             if stack.count.fetch_add(1, Relaxed) < max {
                 self.idle_total.fetch_add(1, Relaxed);
                 stack.idle.push(Idle {
                     stream,
-                    since: Instant::now(),
+                    since: pier_clock::recent(),
                 });
                 None
             } else {
@@ -178,7 +182,7 @@ impl Pool {
                     let oldest = stack.idle.remove(0);
                     stack.idle.push(Idle {
                         stream,
-                        since: Instant::now(),
+                        since: pier_clock::recent(),
                     });
                     Some(oldest.stream)
                 }

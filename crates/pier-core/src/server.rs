@@ -75,6 +75,11 @@ where
             .spawn(move || {
                 let rt = match tokio::runtime::Builder::new_current_thread()
                     .enable_all()
+                    // One clock read per wake-up from the poller: the
+                    // request path's deadlines and stamps use it.
+                    .on_thread_unpark(|| {
+                        pier_clock::now();
+                    })
                     .build()
                 {
                     Ok(rt) => rt,

@@ -171,7 +171,7 @@ impl Connector {
                 _ => Ok(Conn::Tcp(s)),
             }
         };
-        match tokio::time::timeout(limit, open).await {
+        match pier_clock::timeout(limit, open).await {
             Ok(r) => r,
             Err(_) => Err(io::ErrorKind::TimedOut.into()),
         }

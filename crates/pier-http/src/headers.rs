@@ -227,6 +227,22 @@ impl Headers {
         found
     }
 
+    /// Remove every unknown header named like the arena bytes at
+    /// `off..off + len` (a token of this map's own Connection header), with
+    /// no copy of the name.
+    pub(crate) fn remove_arena_name(&mut self, off: usize, len: usize) {
+        let Some(name) = self.arena.get(off..off + len) else {
+            return;
+        };
+        for e in self.entries.iter_mut() {
+            let (no, nl) = (e.name_off as usize, e.name_len as usize);
+            if e.known == UNKNOWN && self.arena[no..no + nl].eq_ignore_ascii_case(name) {
+                e.known = REMOVED;
+                self.live -= 1;
+            }
+        }
+    }
+
     /// Append a header (keeps existing ones of the same name).
     pub fn append(&mut self, name: &[u8], value: &[u8]) {
         let name_off = self.arena.len();

@@ -87,13 +87,25 @@ pub use peer::{ActiveGuard, Peer};
 use std::sync::OnceLock;
 use std::time::Instant;
 
+static EPOCH: OnceLock<Instant> = OnceLock::new();
+
 /// Milliseconds since the first call in this process, on a monotonic clock.
 ///
 /// This is the timeline of every `now_ms` argument in this crate: pass a
 /// snapshot of it (one read per request phase) or let the crate read it.
 pub fn clock_ms() -> u64 {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    let epoch = *EPOCH.get_or_init(Instant::now);
+    ms_at(Instant::now())
+}
+
+/// [`clock_ms`] at the worker's last clock read ([`pier_clock::recent`]):
+/// no read of its own, for a worker thread's request path (on other threads,
+/// whose last read may be old, use [`clock_ms`]).
+pub fn recent_ms() -> u64 {
+    ms_at(pier_clock::recent())
+}
+
+fn ms_at(t: Instant) -> u64 {
+    let epoch = *EPOCH.get_or_init(|| t);
     // Starts at 1 so that 0 can mean "never" in atomics.
-    epoch.elapsed().as_millis() as u64 + 1
+    t.saturating_duration_since(epoch).as_millis() as u64 + 1
 }

@@ -45,7 +45,7 @@ pub use error::LuaError;
 pub use limits::{LuaLimits, MAX_DURATION_SECS};
 pub use phase::Phase;
 pub use setup::{LuaSetup, RouteHooks, Source};
-pub use view::HttpView;
+pub use view::{CacheOp, HttpView};
 
 /// Tells the Lua layer which worker this thread is (`ngx.worker.id()`,
 /// `ngx.worker.count()`); call it on each worker thread before its engine

@@ -127,6 +127,12 @@ pub(crate) mod mask {
     pub const BODY: u32 = set(&[BodyFilter]);
     /// `pier.balancer.*`.
     pub const BALANCER: u32 = set(&[Balancer]);
+    /// `pier.cache.bypass`, `pier.cache.set_key`: before the cache lookup.
+    pub const CACHE_REQ: u32 = set(&[Access]);
+    /// `pier.cache.set_ttl`.
+    pub const CACHE_TTL: u32 = set(&[Access, HeaderFilter]);
+    /// `pier.cache.set_cacheable`: once the response head is known.
+    pub const CACHE_RESP: u32 = set(&[HeaderFilter]);
     /// `pier.analytics.field`: the log phase only (docs/analytics.md).
     pub const LOG: u32 = set(&[Log]);
     /// Calls that yield: `pier.sleep`, cosockets, `pier.http`.

@@ -67,4 +67,26 @@ pub trait HttpView {
     // === time ===
     /// The request's clock snapshot: nanoseconds since the Unix epoch.
     fn now_ns(&self) -> u64;
+
+    // === cache ===
+    /// `pier.cache`: apply a cache control to this request (checked by the
+    /// caller: phase, key bytes, TTL range); false when the proxy has no
+    /// cache controls for this view.
+    fn cache(&mut self, _op: CacheOp<'_>) -> bool {
+        false
+    }
+}
+
+/// A `pier.cache` call, validated.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CacheOp<'a> {
+    /// `pier.cache.bypass()` (access): no lookup, no store.
+    Bypass,
+    /// `pier.cache.set_key(key)` (access): the key instead of the route's.
+    Key(&'a [u8]),
+    /// `pier.cache.set_ttl(secs)` (access, header_filter): the stored
+    /// response's lifetime; 0 means do not store.
+    Ttl(u64),
+    /// `pier.cache.set_cacheable(bool)` (header_filter).
+    Cacheable(bool),
 }

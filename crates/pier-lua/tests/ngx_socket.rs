@@ -508,6 +508,58 @@ fn sockets_end_with_their_request_and_free_pool_places() {
     assert_eq!(counts.accepts.load(Ordering::SeqCst), 2);
 }
 
+/// The classic C functions (`receive`, `send`, `settimeout`, the anchor's
+/// finalizer): results larger than the reused result buffer (which is then
+/// let go), small ones after them, bad timeouts raising their message, and
+/// a request's sockets freed at its end when one in the middle of its list
+/// was collected first.
+#[test]
+fn large_results_timeouts_and_owner_lists() {
+    let (port, counts) = tcp_server();
+    let e = engine_for(&format!(
+        r#"
+        if STEP == "big" then
+          local s = socket.tcp()
+          s:settimeout(5000)
+          assert(s:connect("127.0.0.1", {port}) == 1)
+          local big = string.rep("0123456789", 20000)
+          assert(s:send({{ "ECHO ", big, "\n" }}) == #big + 6)
+          local line = assert(s:receive())
+          assert(line == big, #line)
+          assert(s:send("ECHO small\n") == 11)
+          assert(s:receive() == "small")
+          assert(s:send("ECHO " .. big .. "\n"))
+          assert(s:receive(150000) == big:sub(1, 150000))
+          assert(s:receive() == big:sub(150001))
+          local ok, err = pcall(s.settimeout, s, -5)
+          assert(not ok and tostring(err):find("invalid duration"), tostring(err))
+          ok, err = pcall(s.settimeouts, s, 1, 1, 0 / 0)
+          assert(not ok and tostring(err):find("invalid duration"), tostring(err))
+          s:settimeouts(5000, 5000, 5000)
+          assert(s:send("ECHO still\n") and s:receive() == "still")
+        else
+          local a = assert(socket.connect("127.0.0.1", {port}))
+          local b = assert(socket.connect("127.0.0.1", {port}))
+          local c = assert(socket.connect("127.0.0.1", {port}))
+          -- b, the middle of the request's list, is collected now.
+          b = nil
+          collectgarbage()
+          collectgarbage()
+          assert(a:send("ECHO a\n") and a:receive() == "a")
+          assert(c:send("ECHO c\n") and c:receive() == "c")
+        end
+        "#
+    ));
+    run(async {
+        step(&e, "big").await.unwrap();
+        until(|| counts.closed.load(Ordering::SeqCst) == 1).await;
+        step(&e, "three").await.unwrap();
+        // The collected one and the two the request's end closed.
+        until(|| counts.closed.load(Ordering::SeqCst) == 4).await;
+    });
+    assert_eq!(counts.accepts.load(Ordering::SeqCst), 4);
+}
+
 /// A real redis-server on a free port, killed on drop.
 struct Redis(std::process::Child);
 

@@ -36,6 +36,8 @@ pub struct ConfigCtx {
     /// Response headers set before there is a response (Lua `access`).
     pending: Headers,
     engine: Option<Rc<LuaEngine>>,
+    /// `pier.cache` controls (boxed: most requests set none).
+    cache: Option<Box<pier_proxy::CacheCtl>>,
 }
 
 impl ConfigPhases {
@@ -263,6 +265,7 @@ impl Phases for ConfigPhases {
                 sess: s,
                 resp: None,
                 pending: &mut ctx.pending,
+                cache: &mut ctx.cache,
             };
             let flow = match phase {
                 Phase::Access => e.access(route, &mut v, lctx).await,
@@ -301,6 +304,7 @@ impl Phases for ConfigPhases {
             sess: s,
             resp: None,
             pending: &mut ctx.pending,
+            cache: &mut ctx.cache,
         };
         let c = e.balancer(route, &mut v, lctx).await.map_err(hook_error)?;
         Ok(PeerChoice {
@@ -342,6 +346,7 @@ impl Phases for ConfigPhases {
             sess: s,
             resp: None,
             pending: &mut ctx.pending,
+            cache: &mut ctx.cache,
         };
         match e
             .upstream_request(route, &mut v, lctx)
@@ -383,8 +388,13 @@ impl Phases for ConfigPhases {
             sess: s,
             resp: Some(resp),
             pending: &mut ctx.pending,
+            cache: &mut ctx.cache,
         };
         e.header_filter(route, &mut v, lctx).map_err(hook_error)
+    }
+
+    fn cache_ctl<'a>(&self, ctx: &'a mut ConfigCtx) -> Option<&'a mut pier_proxy::CacheCtl> {
+        ctx.cache.as_deref_mut()
     }
 
     fn filters_local(&self, st: &State, s: &Session) -> bool {
@@ -419,6 +429,7 @@ impl Phases for ConfigPhases {
             sess: s,
             resp: None,
             pending: &mut ctx.pending,
+            cache: &mut ctx.cache,
         };
         e.body_filter(route, &mut v, lctx, chunk, eof)
             .map_err(hook_error)
@@ -433,6 +444,7 @@ impl Phases for ConfigPhases {
                 sess: s,
                 resp: None,
                 pending: &mut ctx.pending,
+                cache: &mut ctx.cache,
             };
             e.log(route, &mut v, lctx);
         }
@@ -446,6 +458,8 @@ struct View<'a> {
     /// The origin's response once there is one (header_filter).
     resp: Option<&'a mut ResponseHead>,
     pending: &'a mut Headers,
+    /// `pier.cache`'s controls, made on first use.
+    cache: &'a mut Option<Box<pier_proxy::CacheCtl>>,
 }
 
 impl HttpView for View<'_> {
@@ -554,6 +568,16 @@ impl HttpView for View<'_> {
     }
     fn now_ns(&self) -> u64 {
         self.sess.now_ns
+    }
+    fn cache(&mut self, op: pier_lua::CacheOp<'_>) -> bool {
+        let c = self.cache.get_or_insert_with(Default::default);
+        match op {
+            pier_lua::CacheOp::Bypass => c.bypass = true,
+            pier_lua::CacheOp::Key(k) => c.key = Some(k.to_vec()),
+            pier_lua::CacheOp::Ttl(t) => c.ttl = Some(t),
+            pier_lua::CacheOp::Cacheable(on) => c.cacheable = Some(on),
+        }
+        true
     }
 }
 

@@ -40,7 +40,11 @@ pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
                         Ok(Some(n)) => {
                             buf.drain(..n);
                             let close = !req.keep_alive();
-                            let r = handle(&req, &shared).await;
+                            let Some(body) = read_body(&mut s, &mut buf, &req).await else {
+                                let _ = s.write_all(b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").await;
+                                return;
+                            };
+                            let r = handle(&req, &body, &shared).await;
                             if let Answer::Stream = r.body {
                                 stream_live(s, shared).await;
                                 return;
@@ -219,7 +223,145 @@ fn authorized(
     false
 }
 
-async fn handle(req: &pier_http::RequestHead, shared: &Arc<Shared>) -> Reply {
+/// Largest admin request body (a purge's JSON).
+const MAX_BODY: usize = 16384;
+
+/// The request's body (by Content-Length, at most [`MAX_BODY`]), taken
+/// from `buf` and the socket; None: too big, chunked, or the client went.
+async fn read_body(
+    s: &mut tokio::net::TcpStream,
+    buf: &mut Vec<u8>,
+    req: &pier_http::RequestHead,
+) -> Option<Vec<u8>> {
+    if req.headers.get(b"transfer-encoding").is_some() {
+        return None;
+    }
+    let n = match req.headers.get(b"content-length") {
+        None => 0,
+        Some(v) => std::str::from_utf8(v).ok()?.trim().parse::<usize>().ok()?,
+    };
+    if n > MAX_BODY {
+        return None;
+    }
+    while buf.len() < n {
+        let mut chunk = [0u8; 4096];
+        let got = tokio::time::timeout(std::time::Duration::from_secs(10), s.read(&mut chunk))
+            .await
+            .ok()?
+            .ok()?;
+        if got == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..got]);
+    }
+    Some(buf.drain(..n).collect())
+}
+
+/// `POST /api/cache/purge`: by `url` (its key and the keys a route's
+/// header or cookie parts extend it with), `prefix` (of keys), `tag`
+/// (`Surrogate-Key`/`Cache-Tag`) or exact `key`, in the query or a JSON
+/// body (`tags` may be a list); `zone` limits it to one zone. Answers how
+/// many keys went.
+fn purge(method: &[u8], qs: &[(String, String)], body: &[u8], state: &crate::State) -> Reply {
+    let json_err = |status, e: &str| {
+        reply(
+            status,
+            "application/json",
+            serde_json::json!({ "error": e }).to_string() + "\n",
+        )
+    };
+    if method != b"POST" && method != b"PURGE" {
+        let mut r = json_err("405 Method Not Allowed", "use POST");
+        r.extra.push_str("Allow: POST\r\n");
+        return r;
+    }
+    // (what, value): what is url, prefix, tag or key.
+    let mut asks: Vec<(String, String)> = qs
+        .iter()
+        .filter(|(k, _)| matches!(k.as_str(), "url" | "prefix" | "tag" | "key"))
+        .cloned()
+        .collect();
+    let mut zone = qs.iter().find(|(k, _)| k == "zone").map(|(_, v)| v.clone());
+    if !body.iter().all(u8::is_ascii_whitespace) {
+        let v: serde_json::Value = match serde_json::from_slice(body) {
+            Ok(v) => v,
+            Err(e) => return json_err("400 Bad Request", &format!("body: {e}")),
+        };
+        let Some(o) = v.as_object() else {
+            return json_err("400 Bad Request", "body: expected a JSON object");
+        };
+        for (k, v) in o {
+            let what = match k.as_str() {
+                "url" | "urls" => "url",
+                "prefix" | "prefixes" => "prefix",
+                "tag" | "tags" => "tag",
+                "key" | "keys" => "key",
+                "zone" => {
+                    zone = v.as_str().map(str::to_string);
+                    continue;
+                }
+                _ => return json_err("400 Bad Request", &format!("body: unknown field {k:?}")),
+            };
+            let vals: Vec<&serde_json::Value> = match v {
+                serde_json::Value::Array(a) => a.iter().collect(),
+                v => vec![v],
+            };
+            for x in vals {
+                let Some(x) = x.as_str() else {
+                    return json_err("400 Bad Request", &format!("body: {k} must be strings"));
+                };
+                asks.push((what.to_string(), x.to_string()));
+            }
+        }
+    }
+    if asks.is_empty() {
+        return json_err("400 Bad Request", "give url, prefix, tag or key");
+    }
+    if asks.len() > 1000 {
+        return json_err("400 Bad Request", "at most 1000 purges a request");
+    }
+    let zones: Vec<&std::sync::Arc<pier_cache::Zone>> = state
+        .cache_zones
+        .iter()
+        .filter(|z| zone.as_deref().is_none_or(|n| z.name == n))
+        .collect();
+    if zones.is_empty() {
+        return json_err("404 Not Found", "no such cache zone");
+    }
+    let mut purged = 0usize;
+    for (what, v) in &asks {
+        if v.is_empty() {
+            return json_err("400 Bad Request", &format!("empty {what}"));
+        }
+        let url_key = match what.as_str() {
+            "url" => match crate::cache_key::url_keys(state, v) {
+                Ok(k) => Some(k),
+                Err(e) => return json_err("400 Bad Request", e),
+            },
+            _ => None,
+        };
+        for z in &zones {
+            purged += match what.as_str() {
+                "url" => {
+                    let k = url_key.as_deref().unwrap_or_default();
+                    let mut ext = k.to_vec();
+                    ext.push(b'\n');
+                    usize::from(z.invalidate(k)) + z.purge_prefix(&ext)
+                }
+                "prefix" => z.purge_prefix(v.as_bytes()),
+                "tag" => z.purge_tag(v.as_bytes()),
+                _ => usize::from(z.invalidate(v.as_bytes())),
+            };
+        }
+    }
+    reply(
+        "200 OK",
+        "application/json",
+        serde_json::json!({ "purged": purged }).to_string() + "\n",
+    )
+}
+
+async fn handle(req: &pier_http::RequestHead, body: &[u8], shared: &Arc<Shared>) -> Reply {
     let path = String::from_utf8_lossy(req.path()).into_owned();
     let qs = params(req.query().unwrap_or(b""));
     if path == "/healthz" {
@@ -257,6 +399,7 @@ async fn handle(req: &pier_http::RequestHead, shared: &Arc<Shared>) -> Reply {
             r
         }
         "/api/status" => reply("200 OK", "application/json", status_json(shared)),
+        "/api/cache/purge" => purge(req.method(), &qs, body, &state),
         "/api/analytics" => {
             let Some(hub) = shared.analytics.clone() else {
                 return reply(
@@ -485,6 +628,9 @@ pub fn render_metrics(shared: &Shared) -> String {
                 ("hit", &s.hit),
                 ("miss", &s.miss),
                 ("revalidated", &s.revalidated),
+                ("expired", &s.expired),
+                ("stale", &s.stale),
+                ("updating", &s.updating),
                 ("coalesced", &s.coalesced),
                 ("pass", &s.pass),
             ] {
@@ -496,18 +642,37 @@ pub fn render_metrics(shared: &Shared) -> String {
                 );
             }
         }
-        out.push_str("# TYPE pier_cache_objects gauge\n# TYPE pier_cache_bytes gauge\n# TYPE pier_cache_capacity_bytes gauge\n# TYPE pier_cache_stored_total counter\n# TYPE pier_cache_evictions_total counter\n# TYPE pier_cache_lock_timeouts_total counter\n");
+        out.push_str("# TYPE pier_cache_objects gauge\n# TYPE pier_cache_bytes gauge\n# TYPE pier_cache_capacity_bytes gauge\n# TYPE pier_cache_stored_total counter\n# TYPE pier_cache_evictions_total counter\n# TYPE pier_cache_lock_timeouts_total counter\n# TYPE pier_cache_promotions_total counter\n# TYPE pier_cache_disk_writes_total counter\n# TYPE pier_cache_disk_written_bytes_total counter\n# TYPE pier_cache_disk_skipped_total counter\n# TYPE pier_cache_disk_errors_total counter\n# TYPE pier_cache_disk_corrupt_total counter\n# TYPE pier_cache_disk_hits_total counter\n");
         for z in &state.cache_zones {
-            let (objects, bytes) = z.usage();
+            let ((objects, bytes), disk) = z.tiers();
             let _ = writeln!(
                 out,
-                "pier_cache_objects{{zone=\"{n}\"}} {objects}\npier_cache_bytes{{zone=\"{n}\"}} {bytes}\npier_cache_capacity_bytes{{zone=\"{n}\"}} {}\npier_cache_stored_total{{zone=\"{n}\"}} {}\npier_cache_evictions_total{{zone=\"{n}\"}} {}\npier_cache_lock_timeouts_total{{zone=\"{n}\"}} {}",
+                "pier_cache_objects{{zone=\"{n}\",tier=\"memory\"}} {objects}\npier_cache_bytes{{zone=\"{n}\",tier=\"memory\"}} {bytes}\npier_cache_capacity_bytes{{zone=\"{n}\",tier=\"memory\"}} {}\npier_cache_stored_total{{zone=\"{n}\"}} {}\npier_cache_evictions_total{{zone=\"{n}\",tier=\"memory\"}} {}\npier_cache_lock_timeouts_total{{zone=\"{n}\"}} {}",
                 z.capacity(),
                 z.stats.stored.load(Relaxed),
                 z.stats.evicted.load(Relaxed),
                 z.stats.lock_timeouts.load(Relaxed),
                 n = z.name,
             );
+            if let Some((objects, bytes)) = disk {
+                let d = &z.stats.disk;
+                let _ = writeln!(
+                    out,
+                    "pier_cache_objects{{zone=\"{n}\",tier=\"disk\"}} {objects}\npier_cache_bytes{{zone=\"{n}\",tier=\"disk\"}} {bytes}\npier_cache_capacity_bytes{{zone=\"{n}\",tier=\"disk\"}} {}\npier_cache_evictions_total{{zone=\"{n}\",tier=\"disk\"}} {}\npier_cache_promotions_total{{zone=\"{n}\"}} {}\npier_cache_disk_writes_total{{zone=\"{n}\"}} {}\npier_cache_disk_written_bytes_total{{zone=\"{n}\"}} {}\npier_cache_disk_skipped_total{{zone=\"{n}\",reason=\"queue_full\"}} {}\npier_cache_disk_skipped_total{{zone=\"{n}\",reason=\"disk_full\"}} {}\npier_cache_disk_skipped_total{{zone=\"{n}\",reason=\"read_queue_full\"}} {}\npier_cache_disk_errors_total{{zone=\"{n}\"}} {}\npier_cache_disk_corrupt_total{{zone=\"{n}\"}} {}\npier_cache_disk_hits_total{{zone=\"{n}\"}} {}",
+                    z.disk_capacity().unwrap_or(0),
+                    d.evicted.load(Relaxed),
+                    d.promotions.load(Relaxed),
+                    d.writes.load(Relaxed),
+                    d.bytes_written.load(Relaxed),
+                    d.write_skipped_queue.load(Relaxed),
+                    d.write_skipped_full.load(Relaxed),
+                    d.read_skipped.load(Relaxed),
+                    d.errors.load(Relaxed),
+                    d.corrupt.load(Relaxed),
+                    d.hits.load(Relaxed),
+                    n = z.name,
+                );
+            }
         }
     }
     if state.listener_tls.iter().any(|t| t.is_some()) {

@@ -1,12 +1,15 @@
 //! The engine's cache steps (`Step::CacheLookup`, `Step::CacheStore`) over
 //! `pier-cache`: a hit is one more `ResponseSource` (the relay does not
 //! know it is not an origin), and a fill wraps the origin's source so that
-//! what streams to the client is kept as it goes.
+//! what streams to the client is kept as it goes — and published to the
+//! requests that follow the fill (`pier_cache::fill`), which stream it as
+//! it arrives.
 
 use crate::protocol::{BodySize, ResponseSource};
 use crate::session::Session;
 use crate::state::State;
 use bytes::BytesMut;
+use pier_cache::fill::{FillBuf, FillHead, HeadWait, Piece};
 use pier_cache::policy::{self, CacheControl, StorePolicy, Use};
 use pier_cache::{Fill, FillGuard, Object, Zone};
 use pier_error::Error;
@@ -19,13 +22,16 @@ pub struct CacheFill {
     zone: Arc<Zone>,
     key: Vec<u8>,
     guard: Option<FillGuard>,
-    /// A stale object being revalidated with its validators.
+    /// What is stored for the key, stale: revalidated with its validators,
+    /// served instead of an origin's 5xx when `stale-if-error`/`grace` allow.
     stale: Option<Arc<Object>>,
     request_time: u64,
     req_cc: CacheControl,
     authorization: bool,
     policy: StorePolicy,
     hit_for_miss: u64,
+    /// The route's `grace`, seconds.
+    grace: u64,
     req_headers: Headers,
 }
 
@@ -54,51 +60,82 @@ fn req_cc(sess: &Session) -> CacheControl {
     cc
 }
 
+/// The request header that marks Pier's own background refresh (set only
+/// on the request the refresh task builds; a client's is removed by
+/// `lookup`, so a client cannot force a revalidation through it).
+const REFRESH_MARK: &[u8] = b"x-pier-cache-refresh";
+
 /// The cache step of a request on a route with `[route.cache]`.
-pub async fn lookup(state: &State, sess: &mut Session, route: usize) -> Lookup {
+pub async fn lookup(
+    state: &State,
+    sess: &mut Session,
+    route: usize,
+    ctl: Option<&crate::cache_key::CacheCtl>,
+) -> Lookup {
     let Some(rc) = state.cfg.routes[route].cache.as_ref() else {
         return Lookup::Miss(None);
     };
     let zone = state.cache_zones[rc.zone].clone();
-    let host = sess.req.host().unwrap_or(b"");
-    let target = sess
-        .req
-        .absolute_form()
-        .map(|(_, t)| t)
-        .unwrap_or(sess.req.uri());
-    let key = pier_cache::key(sess.scheme(), host, target);
+    let key = crate::cache_key::key(state, sess, route, ctl);
     let method = sess.req.method_kind();
     if !matches!(method, Method::Get | Method::Head) {
-        // Unsafe methods invalidate what is stored for the URL (RFC 9111 §4.4).
-        if !matches!(method, Method::Options) {
-            zone.invalidate(&key);
-        }
+        // Unsafe methods invalidate once answered (`after_response`).
         zone.stats.pass.fetch_add(1, Relaxed);
         return Lookup::Miss(None);
     }
+    // Pier's own refresh (stale-while-revalidate) goes to the origin even
+    // though a stale object may serve: `refresh` tells it apart.
+    let refresh = sess.req.headers.get(REFRESH_MARK).is_some() && sess.conn.listener.is_none();
+    if sess.req.headers.get(REFRESH_MARK).is_some() {
+        sess.req.headers.remove(REFRESH_MARK);
+        sess.up_req.headers.remove(REFRESH_MARK);
+    }
     let cc = req_cc(sess);
     let now = pier_cache::now();
+    let plain = method == Method::Get
+        && !sess.req.headers.has_known(known::IF_NONE_MATCH)
+        && !sess.req.headers.has_known(known::IF_MODIFIED_SINCE)
+        && sess.req.headers.get(b"range").is_none();
     let mut waited = false;
     let guard = loop {
         let mut stale = None;
-        if let Some(obj) = zone.lookup(&key, &sess.req.headers) {
+        if let Some(obj) = zone.get(&key, &sess.req.headers).await {
             let age = obj.age(now);
             match policy::usable(obj.lifetime, age, &obj.cc, &cc) {
-                // Stale-while-revalidate is served as stale would be after
-                // a refresh: this first part revalidates in the request.
-                Use::Fresh => {
+                Use::Fresh if !refresh => {
                     zone.stats.hit.fetch_add(1, Relaxed);
                     return Lookup::Hit(CacheSource::new(obj, sess, age, "hit"));
                 }
-                Use::StaleWhileRevalidate | Use::Revalidate => {
-                    if obj.etag.is_some() || !obj.last_modified.is_empty() {
-                        stale = Some(obj);
+                Use::StaleWhileRevalidate if !refresh => {
+                    // Served stale now; one background refresh per key.
+                    if start_refresh(&zone, &key) {
+                        zone.stats.updating.fetch_add(1, Relaxed);
+                        let mut src =
+                            CacheSource::new(obj, sess, age, "hit; detail=stale-while-revalidate");
+                        if let CacheSource::Stored(s) = &mut src {
+                            s.refresh = Some(key);
+                        }
+                        return Lookup::Hit(src);
                     }
+                    zone.stats.stale.fetch_add(1, Relaxed);
+                    return Lookup::Hit(CacheSource::new(
+                        obj,
+                        sess,
+                        age,
+                        "hit; detail=stale-while-revalidate",
+                    ));
                 }
+                _ => stale = Some(obj),
             }
         }
         if cc.only_if_cached && stale.is_none() {
             return Lookup::NotCached;
+        }
+        if sess.req.headers.get(b"range").is_some() {
+            // A partial answer is not stored: the range goes to the origin
+            // without a fill (the next full GET fills the key).
+            zone.stats.pass.fetch_add(1, Relaxed);
+            return Lookup::Miss(None);
         }
         if method == Method::Head {
             // A HEAD is answered from a stored GET, but its own answer has
@@ -108,13 +145,38 @@ pub async fn lookup(state: &State, sess: &mut Session, route: usize) -> Lookup {
         }
         match zone.fill(&key, now) {
             Fill::Leader(g) => break (Some(g), stale),
-            Fill::Follower(rx) if !waited => {
+            Fill::Follower(buf) if !waited => {
                 waited = true;
-                if pier_cache::wait_fill(rx, rc.lock_timeout).await {
-                    zone.stats.coalesced.fetch_add(1, Relaxed);
-                } else {
-                    zone.stats.lock_timeouts.fetch_add(1, Relaxed);
-                    break (None, stale);
+                match buf.wait_head(rc.lock_timeout).await {
+                    // Readers follow the writer: the body as it arrives.
+                    HeadWait::Head(head) if plain && !refresh => {
+                        zone.stats.coalesced.fetch_add(1, Relaxed);
+                        return Lookup::Hit(CacheSource::Follow(Box::new(Follow {
+                            rx: buf.subscribe(),
+                            buf,
+                            head,
+                            index: 0,
+                            cur: bytes::Bytes::new(),
+                            idle: state.cfg.timeouts.upstream_response,
+                        })));
+                    }
+                    // A conditional or partial request is answered from
+                    // the stored object once the fill ends.
+                    HeadWait::Head(_) => {
+                        if buf.wait_end(rc.lock_timeout).await {
+                            zone.stats.coalesced.fetch_add(1, Relaxed);
+                        } else {
+                            zone.stats.lock_timeouts.fetch_add(1, Relaxed);
+                            break (None, stale);
+                        }
+                    }
+                    HeadWait::Again => {
+                        zone.stats.coalesced.fetch_add(1, Relaxed);
+                    }
+                    HeadWait::Timeout => {
+                        zone.stats.lock_timeouts.fetch_add(1, Relaxed);
+                        break (None, stale);
+                    }
                 }
             }
             Fill::Follower(_) => break (None, stale),
@@ -125,16 +187,22 @@ pub async fn lookup(state: &State, sess: &mut Session, route: usize) -> Lookup {
         }
     };
     let (guard, stale) = guard;
-    zone.stats.miss.fetch_add(1, Relaxed);
+    if stale.is_some() {
+        zone.stats.expired.fetch_add(1, Relaxed);
+    } else {
+        zone.stats.miss.fetch_add(1, Relaxed);
+    }
     // The origin gets an unconditional request (what comes back is stored
     // whole), or a conditional one with the stored validators.
     let up = &mut sess.up_req.headers;
     up.remove_known(known::IF_NONE_MATCH);
     up.remove_known(known::IF_MODIFIED_SINCE);
+    // Origins may address Surrogate-Control directives to Pier.
+    up.append(b"Surrogate-Capability", b"pier=\"Surrogate/1.0\"");
     if let Some(o) = &stale {
         if let Some(e) = &o.etag {
             up.append(b"If-None-Match", e);
-        } else {
+        } else if !o.last_modified.is_empty() {
             up.append(b"If-Modified-Since", &o.last_modified);
         }
     }
@@ -154,55 +222,267 @@ pub async fn lookup(state: &State, sess: &mut Session, route: usize) -> Lookup {
         authorization: sess.req.headers.has_known(known::AUTHORIZATION),
         policy,
         hit_for_miss: rc.hit_for_miss.as_secs(),
+        grace: rc.grace.as_secs(),
         req_headers: sess.req.headers.clone(),
     })))
 }
 
-/// Does the client's conditional request match the stored object?
-fn not_modified(sess: &Session, obj: &Object) -> bool {
-    let h = &sess.req.headers;
-    if let Some(inm) = h.get_known(known::IF_NONE_MATCH) {
-        return obj
-            .etag
-            .as_deref()
-            .is_some_and(|e| policy::etag_matches(inm, e));
+/// Keys with a background refresh running, per zone (by the zone's
+/// address); bounded: past `MAX_REFRESHING` no new refresh starts (the
+/// stale object is served, and a later request tries again).
+static REFRESHING: std::sync::Mutex<Vec<(usize, Vec<u8>)>> = std::sync::Mutex::new(Vec::new());
+
+fn refreshing() -> std::sync::MutexGuard<'static, Vec<(usize, Vec<u8>)>> {
+    REFRESHING.lock().unwrap_or_else(|e| e.into_inner())
+}
+const MAX_REFRESHING: usize = 1024;
+
+fn start_refresh(zone: &Arc<Zone>, key: &[u8]) -> bool {
+    let id = Arc::as_ptr(zone) as usize;
+    let mut r = refreshing();
+    if r.len() >= MAX_REFRESHING || r.iter().any(|(z, k)| *z == id && k == key) {
+        return false;
     }
-    match (
-        h.get_known(known::IF_MODIFIED_SINCE)
-            .and_then(policy::http_date),
-        policy::http_date(&obj.last_modified),
-    ) {
-        (Some(since), Some(lm)) => lm <= since,
-        _ => false,
+    r.push((id, key.to_vec()));
+    true
+}
+
+/// Marks a key's background refresh as ended when dropped.
+pub struct RefreshGuard {
+    zone: usize,
+    key: Vec<u8>,
+}
+
+impl Drop for RefreshGuard {
+    fn drop(&mut self) {
+        refreshing().retain(|(z, k)| !(*z == self.zone && *k == self.key));
+    }
+}
+
+/// For the driver: after a stale-while-revalidate hit, the request that
+/// refreshes the key in the background (`None`: no refresh due). The
+/// request is the client's, minus what would make it conditional or
+/// partial, marked as Pier's own (see `lookup`).
+pub fn refresh_request(
+    state: &State,
+    src: &mut CacheSource,
+    sess: &Session,
+) -> Option<(pier_http::RequestHead, RefreshGuard)> {
+    let CacheSource::Stored(s) = src else {
+        return None;
+    };
+    let key = s.refresh.take()?;
+    let zone = sess
+        .route
+        .and_then(|r| state.cfg.routes[r].cache.as_ref())
+        .map(|rc| Arc::as_ptr(&state.cache_zones[rc.zone]) as usize)?;
+    let guard = RefreshGuard { zone, key };
+    let mut req = pier_http::RequestHead::default();
+    req.copy_from(&sess.req);
+    req.headers.remove_known(known::IF_NONE_MATCH);
+    req.headers.remove_known(known::IF_MODIFIED_SINCE);
+    req.headers.remove(b"range");
+    req.headers.remove(b"if-range");
+    req.headers.append(REFRESH_MARK, b"1");
+    Some((req, guard))
+}
+
+/// A stored response's answer to a request's conditional fields.
+struct SessionView<'a>(&'a Headers);
+
+impl SessionView<'_> {
+    fn not_modified(&self, obj: &Object) -> bool {
+        if let Some(inm) = self.0.get_known(known::IF_NONE_MATCH) {
+            return obj
+                .etag
+                .as_deref()
+                .is_some_and(|e| policy::etag_matches(inm, e));
+        }
+        match (
+            self.0
+                .get_known(known::IF_MODIFIED_SINCE)
+                .and_then(policy::http_date),
+            policy::http_date(&obj.last_modified),
+        ) {
+            (Some(since), Some(lm)) => lm <= since,
+            _ => false,
+        }
+    }
+}
+
+/// What a `Range` request gets from a stored full object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Whole,
+    Range(usize, usize),
+    Unsatisfiable,
+}
+
+/// RFC 9110 §14: one `bytes` range (`a-b`, `a-`, `-n`) is served as 206;
+/// several ranges, another unit, a syntax error or an `If-Range` that does
+/// not match get the whole object (200), which the RFC allows; a range
+/// starting past the end is 416.
+fn part_of(req: &Headers, obj: &Object) -> Part {
+    let Some(r) = req.get(b"range") else {
+        return Part::Whole;
+    };
+    if let Some(ir) = req.get(b"if-range") {
+        let ir = ir.trim_ascii();
+        let ok = if ir.starts_with(b"\"") {
+            // A strong comparison: a weak stored tag never matches.
+            obj.etag.as_deref().is_some_and(|e| e.trim_ascii() == ir)
+        } else {
+            !ir.starts_with(b"W/") && ir == obj.last_modified.trim_ascii()
+        };
+        if !ok {
+            return Part::Whole;
+        }
+    }
+    let r = r.trim_ascii();
+    if r.len() < 6 || !r[..6].eq_ignore_ascii_case(b"bytes=") || r.contains(&b',') {
+        return Part::Whole;
+    }
+    let spec = r[6..].trim_ascii();
+    let Some(dash) = spec.iter().position(|&c| c == b'-') else {
+        return Part::Whole;
+    };
+    let num = |b: &[u8]| -> Option<u64> {
+        let b = b.trim_ascii();
+        if b.is_empty() || b.len() > 19 || !b.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        std::str::from_utf8(b).ok()?.parse().ok()
+    };
+    let len = obj.body.len() as u64;
+    let (first, last) = (&spec[..dash], &spec[dash + 1..]);
+    if first.trim_ascii().is_empty() {
+        // A suffix: the last n bytes.
+        return match num(last) {
+            None => Part::Whole,
+            Some(0) => Part::Unsatisfiable,
+            Some(_) if len == 0 => Part::Unsatisfiable,
+            Some(n) => Part::Range((len - n.min(len)) as usize, (len - 1) as usize),
+        };
+    }
+    let Some(a) = num(first) else {
+        return Part::Whole;
+    };
+    let b = if last.trim_ascii().is_empty() {
+        u64::MAX
+    } else {
+        match num(last) {
+            Some(b) if b >= a => b,
+            _ => return Part::Whole,
+        }
+    };
+    if a >= len {
+        return Part::Unsatisfiable;
+    }
+    Part::Range(a as usize, b.min(len - 1) as usize)
+}
+
+/// What the cache answers with: a stored response, or a fill in flight
+/// followed as it arrives.
+pub enum CacheSource {
+    Stored(Stored),
+    Follow(Box<Follow>),
+}
+
+impl CacheSource {
+    fn new(obj: Arc<Object>, sess: &Session, age: u64, detail: &'static str) -> Self {
+        let head = sess.req.method_kind() == Method::Head;
+        CacheSource::Stored(Stored::answer(obj, &sess.req.headers, head, age, detail))
     }
 }
 
 /// A stored response as a response source (or a 304 to a client whose
-/// conditional request matches it).
-pub struct CacheSource {
+/// conditional request matches it, a 206 or 416 to a range request).
+pub struct Stored {
     obj: Arc<Object>,
     status: u16,
     age: u64,
     head_only: bool,
     sent: bool,
     status_detail: &'static str,
+    /// The byte range served (206), inclusive; None: the whole body.
+    range: Option<(usize, usize)>,
+    /// Stale-while-revalidate: the key the driver refreshes in the
+    /// background (`refresh_request`).
+    refresh: Option<Vec<u8>>,
 }
 
-impl CacheSource {
-    fn new(obj: Arc<Object>, sess: &Session, age: u64, detail: &'static str) -> Self {
-        let status = if obj.status == 200 && not_modified(sess, &obj) {
+impl Stored {
+    /// The stored object as the answer to a request with `req` headers
+    /// (`head`: a HEAD request).
+    fn answer(obj: Arc<Object>, req: &Headers, head: bool, age: u64, detail: &'static str) -> Self {
+        let mut status = if obj.status == 200 && SessionView(req).not_modified(&obj) {
             304
         } else {
             obj.status
         };
-        CacheSource {
-            head_only: sess.req.method_kind() == Method::Head || status == 304,
+        let mut range = None;
+        if status == 200 && !head {
+            match part_of(req, &obj) {
+                Part::Whole => {}
+                Part::Range(a, b) => {
+                    status = 206;
+                    range = Some((a, b));
+                }
+                Part::Unsatisfiable => status = 416,
+            }
+        }
+        Stored {
+            head_only: head || status == 304 || status == 416,
             obj,
             status,
             age,
             sent: false,
             status_detail: detail,
+            range,
+            refresh: None,
         }
+    }
+
+    async fn read_head(&mut self, head: &mut ResponseHead) -> Result<(), Error> {
+        stored_head(&self.obj, self.status, self.age, self.status_detail, head);
+        let len = self.obj.body.len();
+        match (self.status, self.range) {
+            (206, Some((a, b))) => {
+                head.headers.remove(b"content-length");
+                head.headers
+                    .append(b"Content-Range", format!("bytes {a}-{b}/{len}").as_bytes());
+                head.headers.append(
+                    b"Content-Length",
+                    itoa::Buffer::new().format(b - a + 1).as_bytes(),
+                );
+            }
+            (416, _) => {
+                head.headers.remove(b"content-length");
+                head.headers
+                    .append(b"Content-Range", format!("bytes */{len}").as_bytes());
+                head.headers.append(b"Content-Length", b"0");
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn body_size(&self) -> BodySize {
+        match self.range {
+            _ if self.status == 416 => BodySize::Length(0),
+            _ if self.head_only => BodySize::None,
+            Some((a, b)) => BodySize::Length((b - a + 1) as u64),
+            None => BodySize::Length(self.obj.body.len() as u64),
+        }
+    }
+
+    fn read_body(&mut self) -> Option<(&[u8], bool)> {
+        if self.sent || self.head_only || self.obj.body.is_empty() {
+            return None;
+        }
+        self.sent = true;
+        let (a, b) = self.range.unwrap_or((0, self.obj.body.len() - 1));
+        Some((&self.obj.body[a..=b], true))
     }
 }
 
@@ -233,22 +513,25 @@ fn stored_head(obj: &Object, status: u16, age: u64, detail: &str, head: &mut Res
 
 impl ResponseSource for CacheSource {
     async fn read_head(&mut self, head: &mut ResponseHead) -> Result<(), Error> {
-        stored_head(&self.obj, self.status, self.age, self.status_detail, head);
-        Ok(())
+        match self {
+            CacheSource::Stored(s) => s.read_head(head).await,
+            CacheSource::Follow(f) => {
+                f.read_head(head);
+                Ok(())
+            }
+        }
     }
     fn body_size(&self) -> BodySize {
-        if self.head_only {
-            BodySize::None
-        } else {
-            BodySize::Length(self.obj.body.len() as u64)
+        match self {
+            CacheSource::Stored(s) => s.body_size(),
+            CacheSource::Follow(f) => f.body_size(),
         }
     }
     async fn read_body(&mut self) -> Result<Option<(&[u8], bool)>, Error> {
-        if self.sent || self.head_only || self.obj.body.is_empty() {
-            return Ok(None);
+        match self {
+            CacheSource::Stored(s) => Ok(s.read_body()),
+            CacheSource::Follow(f) => f.read_body().await,
         }
-        self.sent = true;
-        Ok(Some((&self.obj.body[..], true)))
     }
     fn trailers(&self) -> Option<&Headers> {
         None
@@ -258,22 +541,96 @@ impl ResponseSource for CacheSource {
     }
 }
 
-/// The origin's answer on a cacheable miss: relayed as it comes, kept on
-/// the side, stored when complete (within `max_object`). A 304 to a
-/// revalidation becomes the stored object, refreshed.
+/// A fill in flight, streamed to a follower as the leader gets it.
+pub struct Follow {
+    buf: Arc<FillBuf>,
+    head: Arc<FillHead>,
+    rx: tokio::sync::watch::Receiver<u64>,
+    index: usize,
+    cur: bytes::Bytes,
+    /// Longest wait for the next piece.
+    idle: std::time::Duration,
+}
+
+impl Follow {
+    fn read_head(&mut self, head: &mut ResponseHead) {
+        head.headers.clear();
+        head.set_status(self.head.status);
+        head.version = 1;
+        for (k, v) in self.head.headers.iter() {
+            head.headers.append(k, v);
+        }
+        head.headers.remove(b"age");
+        head.headers.append(b"Age", b"0");
+        head.headers
+            .append(b"Cache-Status", b"pier; hit; detail=coalesced");
+    }
+
+    fn body_size(&self) -> BodySize {
+        match self.head.length {
+            Some(n) => BodySize::Length(n),
+            None => BodySize::Stream,
+        }
+    }
+
+    async fn read_body(&mut self) -> Result<Option<(&[u8], bool)>, Error> {
+        loop {
+            match self.buf.piece(self.index) {
+                Piece::Data(b) => {
+                    self.index += 1;
+                    self.cur = b;
+                    return Ok(Some((&self.cur[..], false)));
+                }
+                Piece::End => return Ok(None),
+                // The fill stopped: the rest cannot be had from here.
+                Piece::Cut => return Err(Error::answered(pier_error::Kind::UpstreamClosed)),
+                Piece::Wait => match tokio::time::timeout(self.idle, self.rx.changed()).await {
+                    Ok(Ok(())) => {}
+                    // No writer left and nothing more: cut.
+                    Ok(Err(_)) => {
+                        if matches!(self.buf.piece(self.index), Piece::Wait) {
+                            return Err(Error::answered(pier_error::Kind::UpstreamClosed));
+                        }
+                    }
+                    Err(_) => return Err(Error::answered(pier_error::Kind::UpstreamTimeout)),
+                },
+            }
+        }
+    }
+}
+
+/// The origin's answer on a cacheable miss: relayed as it comes, published
+/// to the fill's followers and stored when complete (within `max_object`).
+/// A 304 to a revalidation becomes the stored object, refreshed; a 5xx may
+/// be replaced by the stale object (`stale-if-error`, `grace`).
 pub struct TeeSource<S> {
     inner: S,
     fill: Box<CacheFill>,
-    /// Body kept so far; None once it can't be stored.
+    /// Some while the response is to be stored (the bytes themselves are
+    /// kept in `buf`).
     body: Option<BytesMut>,
     head: Option<(u16, Headers)>,
-    /// Serving the stored object after a 304.
+    /// Serving the stored object after a 304, or instead of a 5xx.
     from_stale: Option<CacheSource>,
     lifetime: u64,
+    /// The fill's pieces: shared with its followers when this request
+    /// leads it, private otherwise.
+    buf: Arc<FillBuf>,
+    /// The head went to the followers (at the first body read: by then
+    /// every phase has had its say on storing).
+    published: bool,
+    /// The origin's body ended.
+    done: bool,
+    /// The origin's Content-Length, for followers.
+    length: Option<u64>,
 }
 
 impl<S> TeeSource<S> {
     pub fn new(inner: S, fill: Box<CacheFill>) -> Self {
+        let buf = match &fill.guard {
+            Some(g) => g.buf.clone(),
+            None => FillBuf::new(fill.zone.max_object),
+        };
         TeeSource {
             inner,
             fill,
@@ -281,67 +638,133 @@ impl<S> TeeSource<S> {
             head: None,
             from_stale: None,
             lifetime: 0,
+            buf,
+            published: false,
+            done: false,
+            length: None,
         }
     }
 }
 
-/// Store a complete fill (fields of a `TeeSource`, apart from its source).
-fn store(
-    head: &mut Option<(u16, Headers)>,
-    body: &mut Option<BytesMut>,
-    fill: &CacheFill,
-    lifetime: u64,
-) {
-    {
-        let (Some((status, headers)), Some(body)) = (head.take(), body.take()) else {
-            return;
-        };
-        let now = pier_cache::now();
-        let etag = headers.get(b"etag").map(|e| e.to_vec());
-        let last_modified = headers
-            .get(b"last-modified")
-            .map(|l| l.to_vec())
-            // Synthetic Last-Modified (Smart Edge Revalidation): clients'
-            // revalidations can become 304s without an origin validator.
-            .unwrap_or_else(|| {
-                pier_http::date::with_date(now.saturating_mul(1_000_000_000), |d| d.to_vec())
-            });
-        let date = headers
-            .get(b"date")
-            .and_then(policy::http_date)
-            .unwrap_or(now);
-        let age_header = headers
-            .get(b"age")
-            .and_then(|a| std::str::from_utf8(a).ok()?.trim().parse().ok())
-            .unwrap_or(0);
-        let vary = pier_cache::vary_of(&headers, &fill.req_headers);
-        let obj = Object {
-            status,
-            cc: CacheControl::parse(&headers),
-            headers,
-            body: body.freeze(),
-            lifetime,
-            request_time: fill.request_time,
-            response_time: now,
-            date,
-            age_header,
-            vary,
-            etag,
-            last_modified,
-        };
-        fill.zone.insert(fill.key.clone(), obj);
-    }
+/// Store a complete fill.
+fn store(status: u16, headers: Headers, body: bytes::Bytes, fill: &CacheFill, lifetime: u64) {
+    let now = pier_cache::now();
+    let etag = headers.get(b"etag").map(|e| e.to_vec());
+    let last_modified = headers
+        .get(b"last-modified")
+        .map(|l| l.to_vec())
+        // Synthetic Last-Modified (Smart Edge Revalidation): clients'
+        // revalidations can become 304s without an origin validator.
+        .unwrap_or_else(|| {
+            pier_http::date::with_date(now.saturating_mul(1_000_000_000), |d| d.to_vec())
+        });
+    let date = headers
+        .get(b"date")
+        .and_then(policy::http_date)
+        .unwrap_or(now);
+    let age_header = policy::age_field(&headers);
+    let vary = pier_cache::vary_of(&headers, &fill.req_headers);
+    let obj = Object {
+        status,
+        cc: CacheControl::parse(&headers),
+        headers,
+        body,
+        lifetime,
+        request_time: fill.request_time,
+        response_time: now,
+        date,
+        age_header,
+        vary,
+        etag,
+        last_modified,
+    };
+    fill.zone.insert(fill.key.clone(), obj);
 }
 
-/// Fields a stored response does not keep.
-fn keep_stored(name: &[u8]) -> bool {
+/// Fields a stored response does not keep: hop-by-hop ones, those the
+/// origin's `Connection` names, and `Surrogate-Control` (meant for Pier).
+fn keep_stored(name: &[u8], resp: &Headers) -> bool {
+    if resp.get_all(b"connection").any(|v| {
+        v.split(|&c| c == b',')
+            .any(|t| t.trim_ascii().eq_ignore_ascii_case(name))
+    }) {
+        return false;
+    }
     !(name.eq_ignore_ascii_case(b"connection")
+        || name.eq_ignore_ascii_case(b"surrogate-control")
         || name.eq_ignore_ascii_case(b"keep-alive")
         || name.eq_ignore_ascii_case(b"transfer-encoding")
         || name.eq_ignore_ascii_case(b"proxy-connection")
         || name.eq_ignore_ascii_case(b"upgrade")
         || name.eq_ignore_ascii_case(b"te")
         || name.eq_ignore_ascii_case(b"cache-status"))
+}
+
+/// Fields a 304 does not update in the stored response (RFC 9111 §3.2:
+/// they describe the stored representation itself).
+fn updatable(name: &[u8]) -> bool {
+    ![
+        &b"content-length"[..],
+        b"content-encoding",
+        b"content-md5",
+        b"content-range",
+        b"etag",
+    ]
+    .iter()
+    .any(|n| name.eq_ignore_ascii_case(n))
+}
+
+impl<S: ResponseSource> TeeSource<S> {
+    /// After the exchange: if the client went away mid-body while the
+    /// response is being stored, read the rest from the origin anyway, so
+    /// that the fill completes for the requests following it (bounded by
+    /// the origin's timeouts and `max_object`).
+    pub async fn finish_detached(&mut self) {
+        if self.done || self.from_stale.is_some() || self.head.is_none() || self.body.is_none() {
+            return;
+        }
+        while let Ok(Some(_)) = self.read_body().await {}
+    }
+
+    /// The stored object, refreshed by a 304's fields.
+    fn revalidated(&self, stale: &Object, head: &ResponseHead, now: u64) -> Object {
+        let f = &self.fill;
+        let mut headers = Headers::default();
+        for (k, v) in stale.headers.iter() {
+            if head.headers.get(k).is_none() || !updatable(k) {
+                headers.append(k, v);
+            }
+        }
+        for (k, v) in head.headers.iter() {
+            if keep_stored(k, &head.headers) && updatable(k) {
+                headers.append(k, v);
+            }
+        }
+        let lifetime = policy::storable(
+            true,
+            &f.req_cc,
+            f.authorization,
+            stale.status,
+            &headers,
+            now,
+            &f.policy,
+        )
+        .unwrap_or(0);
+        Object {
+            status: stale.status,
+            cc: CacheControl::parse(&headers),
+            headers,
+            body: stale.body.clone(),
+            lifetime,
+            request_time: f.request_time,
+            response_time: now,
+            date: now,
+            age_header: 0,
+            vary: stale.vary.clone(),
+            etag: stale.etag.clone(),
+            last_modified: stale.last_modified.clone(),
+        }
+    }
 }
 
 impl<S: ResponseSource> ResponseSource for TeeSource<S> {
@@ -352,65 +775,52 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
         }
         let now = pier_cache::now();
         let f = &self.fill;
+        if matches!(head.status, 500 | 502 | 503 | 504) {
+            if let Some(stale) = f.stale.clone() {
+                let age = stale.age(now);
+                if policy::usable_on_error(stale.lifetime, age, &stale.cc, &f.req_cc, f.grace) {
+                    // The origin failed: the stored response instead.
+                    f.zone.stats.stale.fetch_add(1, Relaxed);
+                    self.buf.pass();
+                    let mut src = Stored::answer(
+                        stale,
+                        &f.req_headers,
+                        false,
+                        age,
+                        "hit; detail=stale-on-error",
+                    );
+                    src.read_head(head).await?;
+                    self.from_stale = Some(CacheSource::Stored(src));
+                    return Ok(());
+                }
+            }
+        }
         if head.status == 304 {
             if let Some(stale) = f.stale.clone() {
                 // Revalidated: the stored object, its fields updated.
                 f.zone.stats.revalidated.fetch_add(1, Relaxed);
-                let mut headers = Headers::default();
-                for (k, v) in stale.headers.iter() {
-                    if head.headers.get(k).is_none() || k.eq_ignore_ascii_case(b"content-length") {
-                        headers.append(k, v);
-                    }
-                }
-                for (k, v) in head.headers.iter() {
-                    if keep_stored(k) && !k.eq_ignore_ascii_case(b"content-length") {
-                        headers.append(k, v);
-                    }
-                }
-                let lifetime = policy::storable(
-                    true,
-                    &f.req_cc,
-                    f.authorization,
-                    stale.status,
-                    &headers,
-                    now,
-                    &f.policy,
-                )
-                .unwrap_or(0);
-                let obj = Object {
-                    status: stale.status,
-                    cc: CacheControl::parse(&headers),
-                    headers,
-                    body: stale.body.clone(),
-                    lifetime,
-                    request_time: f.request_time,
-                    response_time: now,
-                    date: now,
-                    age_header: 0,
-                    vary: stale.vary.clone(),
-                    etag: stale.etag.clone(),
-                    last_modified: stale.last_modified.clone(),
-                };
-                f.zone.insert(f.key.clone(), obj.clone());
-                let obj = Arc::new(obj);
-                let req_like = SessionView(&f.req_headers);
-                let mut src = CacheSource {
-                    head_only: false,
-                    status: obj.status,
-                    obj,
-                    age: 0,
-                    sent: false,
-                    status_detail: "fwd=stale; fwd-status=304",
-                };
-                if req_like.not_modified(&src.obj) {
-                    src.status = 304;
-                    src.head_only = true;
+                let obj = self.revalidated(&stale, head, now);
+                self.fill.zone.insert(self.fill.key.clone(), obj.clone());
+                // Followers find the refreshed object when they look again.
+                self.buf.pass();
+                let mut src = Stored::answer(
+                    Arc::new(obj),
+                    &self.fill.req_headers,
+                    false,
+                    0,
+                    "fwd=stale; fwd-status=304",
+                );
+                src.range = None;
+                if src.status == 206 || src.status == 416 {
+                    src.status = src.obj.status;
+                    src.head_only = false;
                 }
                 src.read_head(head).await?;
-                self.from_stale = Some(src);
+                self.from_stale = Some(CacheSource::Stored(src));
                 return Ok(());
             }
         }
+        let f = &self.fill;
         match policy::storable(
             true,
             &f.req_cc,
@@ -424,17 +834,27 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
                 self.lifetime = lifetime;
                 let mut h = Headers::default();
                 for (k, v) in head.headers.iter() {
-                    if keep_stored(k) {
+                    if keep_stored(k, &head.headers) {
                         h.append(k, v);
                     }
+                }
+                self.length = head
+                    .headers
+                    .get(b"content-length")
+                    .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse().ok());
+                if self.length.is_some_and(|n| n > f.zone.max_object as u64) {
+                    // Too big to store, known now: followers need not wait.
+                    head.headers.append(b"Cache-Status", b"pier; fwd=miss");
+                    return Ok(());
                 }
                 self.head = Some((head.status, h));
                 self.body = Some(BytesMut::new());
                 head.headers
                     .append(b"Cache-Status", b"pier; fwd=miss; stored");
             }
-            Err(_) => {
-                if let Some(g) = &f.guard {
+            Err(why) => {
+                // A partial answer says nothing about the full object.
+                if let (Some(g), false) = (&f.guard, why == policy::NotStored::Partial) {
                     g.uncacheable(now, f.hit_for_miss);
                 }
                 head.headers.append(b"Cache-Status", b"pier; fwd=miss");
@@ -457,22 +877,40 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
                 None => Ok(None),
             };
         }
-        let max = self.fill.zone.max_object;
+        if !self.published {
+            self.published = true;
+            match (&self.head, &self.body) {
+                (Some((status, h)), Some(_)) => self.buf.publish_head(FillHead {
+                    status: *status,
+                    headers: h.clone(),
+                    length: self.length,
+                }),
+                _ => self.buf.pass(),
+            }
+        }
         match self.inner.read_body().await? {
             Some((data, last)) => {
-                if let Some(b) = self.body.as_mut() {
-                    if b.len() + data.len() > max {
-                        // Too big: streams through, not stored.
-                        self.body = None;
-                        self.head = None;
-                    } else {
-                        b.extend_from_slice(data);
-                    }
+                if self.body.is_some() && !self.buf.push(data) {
+                    // Too big (or fills hold too much): streams through,
+                    // not stored.
+                    self.body = None;
+                    self.head = None;
                 }
                 Ok(Some((data, last)))
             }
             None => {
-                store(&mut self.head, &mut self.body, &self.fill, self.lifetime);
+                self.done = true;
+                if let (Some((status, headers)), Some(_)) = (self.head.take(), self.body.take()) {
+                    let pieces = self.buf.finish();
+                    let body = match pieces.len() {
+                        0 => bytes::Bytes::new(),
+                        1 => pieces[0].clone(),
+                        _ => bytes::Bytes::from(pieces.concat()),
+                    };
+                    store(status, headers, body, &self.fill, self.lifetime);
+                } else {
+                    self.buf.close();
+                }
                 // The fill is done: waiters look again.
                 self.fill.guard = None;
                 Ok(None)
@@ -487,27 +925,291 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
     fn reusable(&self) -> bool {
         self.inner.reusable()
     }
+
+    /// A phase's verdict (Lua `pier.cache` in header_filter): don't store,
+    /// store after all (with its TTL, else the route's for the status), or
+    /// another TTL.
+    fn cache_override(&mut self, head: &mut ResponseHead, ctl: &crate::cache_key::CacheCtl) {
+        if self.from_stale.is_some() || (ctl.cacheable.is_none() && ctl.ttl.is_none()) {
+            return;
+        }
+        let now = pier_cache::now();
+        let status = head.status;
+        let ttl = ctl.ttl.or_else(|| {
+            let t = &self.fill.policy.default_ttl;
+            t.iter().find(|(s, _)| *s == status).map(|(_, d)| *d)
+        });
+        let store = match ctl.cacheable {
+            Some(false) => false,
+            Some(true) => ttl.is_some_and(|t| t > 0) && status >= 200 && status != 206,
+            None => self.head.is_some() && ttl != Some(0),
+        };
+        if !store {
+            if self.head.take().is_some() {
+                self.body = None;
+                if let Some(g) = &self.fill.guard {
+                    g.uncacheable(now, self.fill.hit_for_miss);
+                }
+            }
+        } else if self.head.is_none() {
+            let mut h = Headers::default();
+            for (k, v) in head.headers.iter() {
+                if keep_stored(k, &head.headers) {
+                    h.append(k, v);
+                }
+            }
+            self.head = Some((status, h));
+            self.body = Some(BytesMut::new());
+        }
+        if let (true, Some(t)) = (store, ttl) {
+            self.lifetime = t;
+        }
+        let cs: &[u8] = if store {
+            b"pier; fwd=miss; stored"
+        } else {
+            b"pier; fwd=miss"
+        };
+        let others: Vec<Vec<u8>> = head
+            .headers
+            .get_all(b"cache-status")
+            .filter(|v| !v.starts_with(b"pier;"))
+            .map(|v| v.to_vec())
+            .collect();
+        head.headers.remove(b"cache-status");
+        for v in &others {
+            head.headers.append(b"Cache-Status", v);
+        }
+        head.headers.append(b"Cache-Status", cs);
+    }
 }
 
-/// The client's conditional fields, for a revalidated object.
-struct SessionView<'a>(&'a Headers);
+/// A stored response for a request whose origin failed (`kind`: a connect
+/// error, a timeout, a closed connection, no healthy server), when
+/// `stale-if-error` or the route's `grace` allows it.
+pub async fn stale_on_error(
+    state: &State,
+    sess: &Session,
+    kind: pier_error::Kind,
+) -> Option<CacheSource> {
+    use pier_error::Kind as K;
+    if !matches!(
+        kind,
+        K::UpstreamConnect
+            | K::UpstreamTls
+            | K::UpstreamProtocol
+            | K::UpstreamClosed
+            | K::UpstreamTimeout
+            | K::NoHealthyUpstream
+            | K::UpstreamLimited
+    ) {
+        return None;
+    }
+    let route = sess.route?;
+    let rc = state.cfg.routes[route].cache.as_ref()?;
+    let method = sess.req.method_kind();
+    if !matches!(method, Method::Get | Method::Head) {
+        return None;
+    }
+    let zone = &state.cache_zones[rc.zone];
+    let key = crate::cache_key::key(state, sess, route, None);
+    let obj = zone.get(&key, &sess.req.headers).await?;
+    let age = obj.age(pier_cache::now());
+    let cc = req_cc(sess);
+    if !policy::usable_on_error(obj.lifetime, age, &obj.cc, &cc, rc.grace.as_secs()) {
+        return None;
+    }
+    zone.stats.stale.fetch_add(1, Relaxed);
+    Some(CacheSource::new(
+        obj,
+        sess,
+        age,
+        "hit; detail=stale-on-error",
+    ))
+}
 
-impl SessionView<'_> {
-    fn not_modified(&self, obj: &Object) -> bool {
-        if let Some(inm) = self.0.get_known(known::IF_NONE_MATCH) {
-            return obj
-                .etag
-                .as_deref()
-                .is_some_and(|e| policy::etag_matches(inm, e));
+/// After the response head of a request on a cached route (the driver's
+/// cache-store step): an unsafe method answered with success (2xx/3xx)
+/// drops what is stored for its URL and for the same-origin URLs in
+/// `Location` and `Content-Location` (RFC 9111 §4.4); `Surrogate-Control`,
+/// addressed to Pier, is not passed on.
+pub fn after_response(state: &State, sess: &Session, resp: &mut ResponseHead) {
+    if resp.headers.get(b"surrogate-control").is_some() {
+        resp.headers.remove(b"surrogate-control");
+    }
+    let method = sess.req.method_kind();
+    if matches!(method, Method::Get | Method::Head | Method::Options)
+        || !(200..400).contains(&resp.status)
+    {
+        return;
+    }
+    let Some(rc) = sess.route.and_then(|r| state.cfg.routes[r].cache.as_ref()) else {
+        return;
+    };
+    let zone = &state.cache_zones[rc.zone];
+    let scheme = sess.scheme();
+    let host = sess.req.host().unwrap_or(b"");
+    let target = sess
+        .req
+        .absolute_form()
+        .map(|(_, t)| t)
+        .unwrap_or(sess.req.uri());
+    let spec = rc.key.as_ref();
+    let drop_url = |t: &[u8]| {
+        let url = crate::cache_key::url_key(scheme, host, t, spec);
+        if spec.is_some_and(|s| !s.headers.is_empty() || !s.cookies.is_empty()) {
+            // Keys with header or cookie parts start with the URL's key
+            // and a `\n` (cache_key.rs): every one of them goes.
+            zone.purge_where(|k| {
+                k.starts_with(&url) && (k.len() == url.len() || k[url.len()] == b'\n')
+            });
+        } else {
+            zone.invalidate(&url);
         }
-        match (
-            self.0
-                .get_known(known::IF_MODIFIED_SINCE)
-                .and_then(policy::http_date),
-            policy::http_date(&obj.last_modified),
-        ) {
-            (Some(since), Some(lm)) => lm <= since,
-            _ => false,
+    };
+    drop_url(target);
+    for name in [&b"location"[..], b"content-location"] {
+        if let Some(t) = resp
+            .headers
+            .get(name)
+            .and_then(|v| same_origin(scheme, host, target, v))
+        {
+            drop_url(&t);
         }
+    }
+}
+
+/// A `Location`-like reference resolved against the request's URL: its
+/// target when it is on the same origin (scheme and host), else None.
+fn same_origin(scheme: &str, host: &[u8], base: &[u8], v: &[u8]) -> Option<Vec<u8>> {
+    let v = v.trim_ascii();
+    if v.is_empty() {
+        return None;
+    }
+    if let Some(rest) = v
+        .strip_prefix(scheme.as_bytes())
+        .and_then(|r| r.strip_prefix(b"://"))
+    {
+        let end = rest.iter().position(|&c| c == b'/').unwrap_or(rest.len());
+        let (auth, path) = rest.split_at(end);
+        let default = if scheme == "https" {
+            &b":443"[..]
+        } else {
+            b":80"
+        };
+        let norm = |h: &[u8]| h.strip_suffix(default).unwrap_or(h).to_ascii_lowercase();
+        if norm(auth) != norm(host) {
+            return None;
+        }
+        return Some(if path.is_empty() {
+            b"/".to_vec()
+        } else {
+            path.to_vec()
+        });
+    }
+    if v.starts_with(b"//") || v.iter().take_while(|&&c| c != b'/').any(|&c| c == b':') {
+        // Another authority, or another scheme.
+        return None;
+    }
+    if v[0] == b'/' {
+        return Some(v.to_vec());
+    }
+    // Relative to the request path's directory.
+    let path = base.split(|&c| c == b'?').next().unwrap_or(b"/");
+    let dir = &path[..path.iter().rposition(|&c| c == b'/').map_or(0, |i| i + 1)];
+    let mut t = if dir.is_empty() {
+        b"/".to_vec()
+    } else {
+        dir.to_vec()
+    };
+    t.extend_from_slice(v);
+    Some(t)
+}
+
+/// The downstream of a background refresh: no request body, and a
+/// response that goes nowhere (the cache step has kept it).
+#[derive(Default)]
+pub struct NullDownstream {
+    sink: NullSink,
+}
+
+/// Takes a response and drops it.
+#[derive(Default)]
+pub struct NullSink;
+
+/// An empty request body.
+pub struct NoBody;
+
+impl crate::protocol::RequestSource for NoBody {
+    async fn read_body(&mut self) -> Result<Option<&[u8]>, Error> {
+        Ok(None)
+    }
+    fn trailers(&self) -> Option<&Headers> {
+        None
+    }
+}
+
+impl crate::protocol::ResponseSink for &mut NullSink {
+    async fn write_interim(&mut self, _: &ResponseHead) -> Result<(), Error> {
+        Ok(())
+    }
+    async fn write_head(&mut self, _: &ResponseHead, _: BodySize) -> Result<(), Error> {
+        Ok(())
+    }
+    async fn write_body(&mut self, _: &[u8]) -> Result<(), Error> {
+        Ok(())
+    }
+    async fn finish(&mut self, _: Option<&Headers>) -> Result<(), Error> {
+        Ok(())
+    }
+    fn keep_alive(&self) -> bool {
+        false
+    }
+    fn bytes_sent(&self) -> u64 {
+        0
+    }
+}
+
+impl crate::protocol::Downstream for NullDownstream {
+    type Source<'a> = NoBody;
+    type Sink<'a> = &'a mut NullSink;
+
+    async fn vet_body(
+        &mut self,
+        _: pier_http::BodyLen,
+        _: bool,
+        _: std::time::Duration,
+    ) -> Result<(), pier_error::Kind> {
+        Ok(())
+    }
+
+    fn open(&mut self, _: &crate::protocol::DownstreamOpts) -> (NoBody, &mut NullSink) {
+        (NoBody, &mut self.sink)
+    }
+
+    async fn tunnel<R: tokio::io::AsyncRead + Unpin, W: tokio::io::AsyncWrite + Unpin>(
+        &mut self,
+        _: &ResponseHead,
+        _: &[u8],
+        _: &mut R,
+        _: &mut W,
+        _: std::time::Duration,
+    ) -> Result<u64, Error> {
+        Err(Error::new(pier_error::Kind::UpstreamProtocol))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_origin_references() {
+        let s = |v: &str| same_origin("http", b"a.example", b"/x/y?q", v.as_bytes());
+        assert_eq!(s("/p"), Some(b"/p".to_vec()));
+        assert_eq!(s("z"), Some(b"/x/z".to_vec()));
+        assert_eq!(s("http://A.example:80/q"), Some(b"/q".to_vec()));
+        assert_eq!(s("http://b.example/q"), None);
+        assert_eq!(s("https://a.example/q"), None);
+        assert_eq!(s("//b.example/q"), None);
     }
 }

@@ -21,11 +21,12 @@ use crate::session::{ConnInfo, Session};
 use crate::state::State;
 use crate::Worker;
 use bytes::{Buf, BytesMut};
+use pier_clock::timeout;
 use pier_config::HostHeader;
 use pier_core::{PeerKey, Stream};
 use pier_error::{Error, Kind};
 use pier_http::known::{self, Known};
-use pier_http::{date, write, BodyLen, ResponseHead};
+use pier_http::{write, BodyLen, ResponseHead};
 use pier_log::metrics::GaugeGuard;
 use std::cell::RefCell;
 use std::future::Future;
@@ -35,7 +36,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::time::timeout;
 
 use crate::h1::READ_CHUNK;
 
@@ -206,7 +206,7 @@ pub async fn serve_connection<P: Phases, S: Stream>(
     loop {
         w.shared.refresh(&mut state);
         // Waiting for a head: evictable when the worker is full (evict.rs).
-        let waiting = pier_core::evict::Waiting::enter(&w.waiting, pier_lb::clock_ms());
+        let waiting = pier_core::evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
         if b.rbuf.is_empty() && !first {
             // Between requests: the buffers go back to the worker's pool.
             b.release(&mut sess, &w.bufs);
@@ -224,7 +224,7 @@ pub async fn serve_connection<P: Phases, S: Stream>(
             Ok(true) => {}
             Ok(false) => break,
             Err(kind) => {
-                sess.begin(date::now_ns());
+                sess.begin_now();
                 sess.step = Step::Fail;
                 // Boxed, as the request is: the connection's future stays small.
                 Box::pin(answer_plain(&state, &mut stream, &mut b, &mut sess, kind)).await;
@@ -242,7 +242,7 @@ pub async fn serve_connection<P: Phases, S: Stream>(
                 b.work.resp = pool.take_resp();
             }
         }
-        sess.begin(date::now_ns());
+        sess.begin_now();
         // Released on every path out, a panic's unwinding included.
         let active = GaugeGuard::enter(&w.shared.metrics.active_requests);
         // Boxed: the connection's task stays small while it idles; the
@@ -365,6 +365,40 @@ async fn run_request<P: Phases, D: Downstream>(
     keep
 }
 
+/// Stale-while-revalidate: the request that refreshes a key, run through
+/// the steps on its own task (the client already has the stale answer), its
+/// response stored by the cache step and otherwise dropped. One per key
+/// (`guard`, released when the task ends).
+fn spawn_refresh<P: Phases>(
+    w: &Worker<P>,
+    state: &Arc<State>,
+    sess: &Session,
+    req: pier_http::RequestHead,
+    guard: crate::cache::RefreshGuard,
+) {
+    let Some(w) = w.me.upgrade() else {
+        return;
+    };
+    let state = state.clone();
+    let mut s = Box::new(Session::new(sess.client, sess.local));
+    // Not from a listener: listener-level rules (an https redirect) do not
+    // apply, and the cache step knows it for Pier's own.
+    s.conn = crate::session::ConnInfo {
+        listener: None,
+        ..sess.conn.clone()
+    };
+    s.req = req;
+    tokio::task::spawn_local(async move {
+        let _guard = guard;
+        let mut work = Work::take(&w.bufs);
+        let mut down = crate::cache::NullDownstream::default();
+        s.begin(pier_http::date::now_ns());
+        run_guarded(&w, &state, &mut down, &mut work, &mut s).await;
+        finish(&w, &state, &s, s.route);
+        work.release(&mut s, &w.bufs);
+    });
+}
+
 /// Answer an error that no route's filters see (a bad head, a panic) and
 /// close.
 async fn answer_plain<S: Stream>(
@@ -416,7 +450,10 @@ pub(crate) fn finish<P: Phases>(
     sess: &Session,
     route: Option<usize>,
 ) {
-    let dur_us = sess.started.elapsed().as_micros() as u64;
+    // The request's second (and last) precise clock read.
+    let dur_us = pier_clock::now()
+        .saturating_duration_since(sess.started)
+        .as_micros() as u64;
     let metric = route
         .map(|r| state.routes[r].metric)
         .unwrap_or(pier_log::metrics::MAX_ROUTES - 1);
@@ -582,14 +619,14 @@ async fn read_head<S: Stream>(
             tokio::select! {
                 r = timeout(idle, first_bytes) => match r {
                     Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Ok(false),
-                    Ok(Ok(_)) => header_deadline = Some(tokio::time::Instant::now() + t.client_header),
+                    Ok(Ok(_)) => header_deadline = Some(pier_clock::tokio_deadline(t.client_header)),
                 },
                 _ = drain.changed() => return Ok(false),
             }
         } else {
             rbuf.reserve(4096);
-            let deadline = *header_deadline
-                .get_or_insert_with(|| tokio::time::Instant::now() + t.client_header);
+            let deadline =
+                *header_deadline.get_or_insert_with(|| pier_clock::tokio_deadline(t.client_header));
             match tokio::time::timeout_at(deadline, stream.read_buf(rbuf)).await {
                 Ok(Ok(0)) | Ok(Err(_)) => return Ok(false),
                 Ok(Ok(_)) => {}
@@ -696,9 +733,15 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
         }
     }
     b.cache = None;
-    if state.cfg.routes[route].cache.is_some() {
-        match crate::cache::lookup(state, sess, route).await {
+    // A phase may bypass the cache or set the key (Lua `pier.cache`).
+    let bypass = w.phases.cache_ctl(ctx).is_some_and(|c| c.bypass);
+    if state.cfg.routes[route].cache.is_some() && !bypass {
+        let ctl = w.phases.cache_ctl(ctx).map(|c| &*c);
+        match crate::cache::lookup(state, sess, route, ctl).await {
             crate::cache::Lookup::Hit(mut src) => {
+                if let Some((req, guard)) = crate::cache::refresh_request(state, &mut src, sess) {
+                    spawn_refresh(w, state, sess, req, guard);
+                }
                 sess.step = Step::Write;
                 let none: Option<&mut H1RequestSink<tokio::io::Sink>> = None;
                 let r = exchange(
@@ -737,7 +780,7 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
     }
 
     let group = state.groups[state.routes[route].group].clone();
-    let now_ms = pier_lb::clock_ms();
+    let now_ms = pier_lb::recent_ms();
     group.on_request_at(now_ms);
 
     sess.step = Step::UpstreamPeer;
@@ -854,7 +897,7 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
         match res {
             Ok(keep) => {
                 if let Some(i) = idx {
-                    group.report(i, true, pier_lb::clock_ms());
+                    group.report(i, true, pier_lb::recent_ms());
                 }
                 return keep && client_keep;
             }
@@ -867,7 +910,7 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
                     continue;
                 }
                 if let (Some(i), true) = (idx, f.blames_upstream()) {
-                    group.report(i, false, pier_lb::clock_ms());
+                    group.report(i, false, pier_lb::recent_ms());
                 }
                 if f.answered {
                     return false;
@@ -883,7 +926,7 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
                 if attempt < retries
                     && safe
                     && choice.addr.is_none()
-                    && group.try_retry_at(pier_lb::clock_ms())
+                    && group.try_retry_at(pier_lb::recent_ms())
                 {
                     attempt += 1;
                     w.shared.metrics.retry();
@@ -931,6 +974,26 @@ async fn local_fail<P: Phases, D: Downstream>(
     kind: Kind,
     close: bool,
 ) -> bool {
+    // The origin failed: a stored response may answer instead
+    // (stale-if-error, the route's grace).
+    if let Some(mut src) = crate::cache::stale_on_error(state, sess, kind).await {
+        sess.reason = kind.reason();
+        sess.step = Step::Write;
+        let none: Option<&mut H1RequestSink<tokio::io::Sink>> = None;
+        let r = exchange(
+            w,
+            state,
+            down,
+            &mut src,
+            none,
+            &mut b.resp,
+            sess,
+            ctx,
+            &mut None,
+        )
+        .await;
+        return matches!(r, Ok(Relayed::Done(_, true))) && !close && sess.client_keep;
+    }
     w.shared.metrics.local_response(kind);
     sess.reason = kind.reason();
     sess.step = Step::Fail;
@@ -987,6 +1050,11 @@ async fn send_answer<P: Phases, D: Downstream>(
         }
     }
     let body = filtered_body.as_deref().unwrap_or(&r.body);
+    let compressed = match sess.route {
+        Some(_) => crate::compress::local(state, sess, &mut b.resp, body),
+        None => None,
+    };
+    let body = compressed.as_deref().unwrap_or(body);
     write_local(state, down, &mut b.resp, sess, r.reason, body, close)
         .await
         .is_ok()
@@ -1164,34 +1232,12 @@ async fn attempt_h2<P: Phases, D: Downstream>(
     ctx: &mut P::Ctx,
     key: &PeerKey,
     tls: Option<&pier_tls::ClientTls>,
-    max_streams: usize,
+    lease: crate::upstream_h2::Lease,
+    reused: bool,
     inflight: &mut Option<pier_lb::ActiveGuard>,
 ) -> Result<bool, Error> {
     use crate::upstream_h2::{send_request, H2RequestSink, H2ResponseSource};
     let t = &state.cfg.timeouts;
-    let lease = w
-        .shared
-        .h2pool
-        .lease(
-            key,
-            &w.shared.connector,
-            t.upstream_connect,
-            tls.map(|t| &t.config),
-            max_streams,
-        )
-        .await;
-    let (lease, reused) = match lease {
-        Ok(l) => l,
-        Err(e) if tls.is_some() && is_tls_failure(&e) => {
-            pier_tls::stats::stats().upstream(false, false);
-            tracing::warn!("upstream TLS (h2) to {}: {e}", key.addr);
-            return Err(Error::upstream(Kind::UpstreamTls));
-        }
-        Err(e) => {
-            tracing::debug!("connect (h2) {}: {e}", key.addr);
-            return Err(Error::upstream(Kind::UpstreamConnect));
-        }
-    };
     w.shared.metrics.pool(reused);
     sess.step = Step::Send;
     let req = crate::upstream_h2::request(state, sess, key.addr, tls.is_some())?;
@@ -1219,8 +1265,10 @@ async fn attempt_h2<P: Phases, D: Downstream>(
             }
             // A cacheable miss: kept as it streams, stored when complete.
             Some(fill) => {
-                let mut tee = crate::cache::TeeSource::new(&mut src, fill);
-                exchange(
+                // Compressed before it is stored (`[route.compress]`).
+                let enc = crate::compress::EncodeSource::new(&mut src, state, sess);
+                let mut tee = crate::cache::TeeSource::new(enc, fill);
+                let r = exchange(
                     w,
                     state,
                     down,
@@ -1231,7 +1279,10 @@ async fn attempt_h2<P: Phases, D: Downstream>(
                     ctx,
                     inflight,
                 )
-                .await
+                .await;
+                // A client gone mid-body does not end the fill for others.
+                tee.finish_detached().await;
+                r
             }
         }
     } else {
@@ -1287,14 +1338,14 @@ async fn attempt_once<P: Phases, D: Downstream>(
         .route
         .and_then(|r| state.upstream_tls[state.routes[r].group].as_ref());
     let group = sess.route.map(|r| &state.groups[state.routes[r].group]);
-    let h2 = group.map(|g| g.config().protocol).unwrap_or_default()
-        != pier_config::UpstreamProtocol::Http1;
+    let protocol = group.map(|g| g.config().protocol).unwrap_or_default();
+    let h2 = protocol != pier_config::UpstreamProtocol::Http1;
     let alpn = if h2 {
         pier_core::Alpn::H2
     } else {
         pier_core::Alpn::Http1
     };
-    let key = match tls {
+    let mut key = match tls {
         None => PeerKey {
             alpn,
             ..PeerKey::plain(addr)
@@ -1313,17 +1364,72 @@ async fn attempt_once<P: Phases, D: Downstream>(
             alpn,
         },
     };
+    // `auto`: a new connection the server took for HTTP/1.1, or an idle
+    // one to a server known to have done so.
+    let mut probed = None;
+    let mut idle_h1 = None;
     if h2 {
-        let max = group.map(|g| g.config().h2_max_streams).unwrap_or(100);
-        return attempt_h2(w, state, down, b, sess, ctx, &key, tls, max, inflight).await;
+        let auto = protocol == pier_config::UpstreamProtocol::Auto;
+        let h1_key = PeerKey {
+            alpn: pier_core::Alpn::Http1,
+            ..key.clone()
+        };
+        // A peer known to have chosen HTTP/1.1 is served from the HTTP/1
+        // pool while it has an idle connection; a new one asks again.
+        if auto && !fresh_only && w.shared.h2pool.chose_h2(&key) == Some(false) {
+            idle_h1 = w.shared.pool.take(&h1_key, w.id);
+        }
+        if idle_h1.is_none() {
+            let max = group.map(|g| g.config().h2_max_streams).unwrap_or(100);
+            let leased = w
+                .shared
+                .h2pool
+                .lease(
+                    &key,
+                    &w.shared.connector,
+                    t.upstream_connect,
+                    tls.map(|t| &t.config),
+                    max,
+                    auto,
+                )
+                .await;
+            match leased {
+                Ok(crate::upstream_h2::Leased::H2(lease, reused)) => {
+                    return attempt_h2(
+                        w, state, down, b, sess, ctx, &key, tls, lease, reused, inflight,
+                    )
+                    .await
+                }
+                Ok(crate::upstream_h2::Leased::Http1(c)) => {
+                    if let pier_core::Conn::Tls(t) = &c {
+                        let resumed =
+                            t.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
+                        pier_tls::stats::stats().upstream(true, resumed);
+                    }
+                    probed = Some(c);
+                }
+                Err(e) if tls.is_some() && is_tls_failure(&e) => {
+                    pier_tls::stats::stats().upstream(false, false);
+                    tracing::warn!("upstream TLS (h2) to {addr}: {e}");
+                    return Err(Error::upstream(Kind::UpstreamTls));
+                }
+                Err(e) => {
+                    tracing::debug!("connect (h2) {addr}: {e}");
+                    return Err(Error::upstream(Kind::UpstreamConnect));
+                }
+            }
+        }
+        key = h1_key;
     }
-    let pooled = if fresh_only {
+    let pooled = if idle_h1.is_some() {
+        idle_h1
+    } else if fresh_only || probed.is_some() {
         None
     } else {
         w.shared.pool.take(&key, w.id)
     };
     let reused = pooled.is_some();
-    let mut up = match pooled {
+    let mut up = match pooled.or(probed) {
         Some(s) => s,
         None => match w
             .shared
@@ -1403,8 +1509,10 @@ async fn attempt_once<P: Phases, D: Downstream>(
             }
             // A cacheable miss: kept as it streams, stored when complete.
             Some(fill) => {
-                let mut tee = crate::cache::TeeSource::new(&mut src, fill);
-                exchange(
+                // Compressed before it is stored (`[route.compress]`).
+                let enc = crate::compress::EncodeSource::new(&mut src, state, sess);
+                let mut tee = crate::cache::TeeSource::new(enc, fill);
+                let r = exchange(
                     w,
                     state,
                     down,
@@ -1415,7 +1523,10 @@ async fn attempt_once<P: Phases, D: Downstream>(
                     ctx,
                     inflight,
                 )
-                .await
+                .await;
+                // A client gone mid-body does not end the fill for others.
+                tee.finish_detached().await;
+                r
             }
         }
     } else {
@@ -1589,7 +1700,10 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
     }
     if w.shared.analytics.is_some() {
         // One more clock read, only for the analytics that report it.
-        sess.upstream_us = sess.started.elapsed().as_micros().min(u32::MAX as u128) as u32;
+        sess.upstream_us = pier_clock::now()
+            .saturating_duration_since(sess.started)
+            .as_micros()
+            .min(u32::MAX as u128) as u32;
     }
     let upgrade = resp.status == 101;
     if upgrade && !sess.upgrade {
@@ -1602,6 +1716,12 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
     if !upgrade {
         sess.step = Step::CacheStore;
         w.phases.cache_store(state, sess, resp, ctx);
+        if sess
+            .route
+            .is_some_and(|r| state.cfg.routes[r].cache.is_some())
+        {
+            crate::cache::after_response(state, sess, resp);
+        }
         apply_response_rules(state, sess.route, resp);
         crate::cors::apply(state, sess, resp);
     }
@@ -1613,11 +1733,20 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         sess.status = resp.status;
         return Ok(Relayed::Upgrade);
     }
+    if let Some(ctl) = w.phases.cache_ctl(ctx) {
+        // The header_filter's cache verdict reaches a fill (if any).
+        src.cache_override(resp, ctl);
+    }
+    crate::cache_key::strip_tags(state, sess, resp);
     if resp.headers.has_known(known::CONNECTION) {
         pier_http::remove_hop_by_hop(&mut resp.headers);
     }
     let mut size = src.body_size();
-    let filtering = size != BodySize::None && w.phases.has_body_filter(state, sess);
+    let lua_filter = size != BodySize::None && w.phases.has_body_filter(state, sess);
+    // Compression (`[route.compress]`): after the Lua body filter, which
+    // sees the body decoded.
+    let mut codec = crate::compress::plan(state, sess, resp, size);
+    let filtering = lua_filter || codec.is_some();
     if filtering {
         // A body filter may change the length.
         size = BodySize::Stream;
@@ -1642,21 +1771,47 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         match &mut piece {
             None => snk.write_body(data).await?,
             Some(p) => {
-                p.clear();
-                p.extend_from_slice(data);
-                w.phases
-                    .body_filter(state, sess, ctx, p, false)
-                    .map_err(|e| Error::answered(e.kind))?;
-                snk.write_body(p).await?;
+                let mut input = data;
+                loop {
+                    // A decoder hands on bounded pieces of what it expands.
+                    p.clear();
+                    let more = match &mut codec {
+                        Some(c) => c.decode_into(&mut input, p)?,
+                        None => {
+                            p.extend_from_slice(input);
+                            false
+                        }
+                    };
+                    if lua_filter {
+                        w.phases
+                            .body_filter(state, sess, ctx, p, false)
+                            .map_err(|e| Error::answered(e.kind))?;
+                    }
+                    if let Some(c) = &mut codec {
+                        c.encode(p)?;
+                    }
+                    snk.write_body(p).await?;
+                    if !more {
+                        break;
+                    }
+                }
             }
         }
     }
     inflight.take();
     if let Some(p) = &mut piece {
         p.clear();
-        w.phases
-            .body_filter(state, sess, ctx, p, true)
-            .map_err(|e| Error::answered(e.kind))?;
+        if let Some(c) = &mut codec {
+            c.decode_finish(p)?;
+        }
+        if lua_filter {
+            w.phases
+                .body_filter(state, sess, ctx, p, true)
+                .map_err(|e| Error::answered(e.kind))?;
+        }
+        if let Some(c) = &mut codec {
+            c.encode_finish(p)?;
+        }
         snk.write_body(p).await?;
     }
     snk.finish(src.trailers()).await?;

@@ -11,6 +11,7 @@ use crate::protocol::{
     BodySize, Downstream, DownstreamOpts, RequestSink, RequestSource, ResponseSink, ResponseSource,
 };
 use bytes::{Buf, BytesMut};
+use pier_clock::timeout;
 use pier_core::Stream;
 use pier_error::{Error, Kind};
 use pier_http::known::{self, Known};
@@ -19,7 +20,6 @@ use pier_http::{
 };
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::time::timeout;
 
 pub(crate) const READ_CHUNK: usize = 16 * 1024;
 
@@ -33,6 +33,40 @@ async fn write_timed<W: AsyncWrite + Unpin>(
         Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
     }
 }
+
+/// `a` then `b` with vectored writes (a head and a large body piece go out
+/// together without copying the body behind the head), within `t`.
+async fn write2_timed<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    mut a: &[u8],
+    mut b: &[u8],
+    t: Duration,
+) -> std::io::Result<()> {
+    let all = async {
+        while !a.is_empty() {
+            let bufs = [std::io::IoSlice::new(a), std::io::IoSlice::new(b)];
+            let n = w.write_vectored(&bufs).await?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            if n < a.len() {
+                a = &a[n..];
+            } else {
+                b = &b[n - a.len()..];
+                a = &[];
+            }
+        }
+        w.write_all(b).await
+    };
+    match timeout(t, all).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
+    }
+}
+
+/// A first body piece up to this size is copied behind the head (one
+/// write); a larger one (a cached object, served whole) goes by `writev`.
+const COALESCE_MAX: usize = 16 * 1024;
 
 /// Lower-case hex of `n` without allocating (chunk sizes).
 pub(crate) fn hex_len(buf: &mut [u8; 16], mut n: usize) -> &[u8] {
@@ -149,7 +183,7 @@ impl<'a, R: AsyncRead + Unpin> H1RequestSource<'a, R> {
             max_body,
             read_timeout,
             min_rate,
-            started: Instant::now(),
+            started: pier_clock::recent(),
             got: 0,
         }
     }
@@ -161,7 +195,7 @@ impl<'a, R: AsyncRead + Unpin> H1RequestSource<'a, R> {
             Ok(Ok(n)) => {
                 self.got += n as u64;
                 if self.min_rate > 0 {
-                    let el = self.started.elapsed();
+                    let el = pier_clock::now().saturating_duration_since(self.started);
                     if el > MIN_RATE_GRACE
                         && self.got * 1000 / (el.as_millis() as u64).max(1) < self.min_rate
                     {
@@ -356,8 +390,15 @@ impl<W: AsyncWrite + Unpin> ResponseSink for H1ResponseSink<'_, W> {
         }
         if self.pending {
             // Head and the first body bytes in one write.
-            self.out.extend_from_slice(data);
-            return self.flush_out().await;
+            if data.len() <= COALESCE_MAX {
+                self.out.extend_from_slice(data);
+                return self.flush_out().await;
+            }
+            self.pending = false;
+            self.sent += (self.out.len() + data.len()) as u64;
+            let r = write2_timed(&mut self.w, self.out, data, self.timeout).await;
+            self.out.clear();
+            return r.map_err(|_| Error::answered(Kind::ClientClosed));
         }
         self.sent += data.len() as u64;
         write_timed(&mut self.w, data, self.timeout)
@@ -473,7 +514,7 @@ impl<'a, R: AsyncRead + Unpin> H1ResponseSource<'a, R> {
             limits,
             method,
             reused,
-            head_deadline: tokio::time::Instant::now() + read_timeout,
+            head_deadline: pier_clock::tokio_deadline(read_timeout),
             read_timeout,
             framing: BodyLen::None,
             keep: false,
@@ -575,7 +616,7 @@ impl<R: AsyncRead + Unpin> ResponseSource for H1ResponseSource<'_, R> {
                         }
                     }
                     // A fresh deadline for whatever head comes next.
-                    self.head_deadline = tokio::time::Instant::now() + self.read_timeout;
+                    self.head_deadline = pier_clock::tokio_deadline(self.read_timeout);
                     return Ok(());
                 }
             }
@@ -649,7 +690,7 @@ impl<S: Stream> Downstream for H1Downstream<'_, S> {
         }
         let mut sc = ChunkedScanner::new();
         let mut scanned = 0;
-        let deadline = tokio::time::Instant::now() + limit;
+        let deadline = pier_clock::tokio_deadline(limit);
         loop {
             if self.rbuf.len() > scanned {
                 scanned += sc.feed(&self.rbuf[scanned..])?;

@@ -69,7 +69,9 @@ pub async fn serve_h2<P: Phases, S: Stream>(
                 h2c.graceful_shutdown();
                 continue;
             }
-            _ = tokio::time::sleep(idle), if quiet => {
+            // Lazy: select! builds disabled branches' futures too, and a
+            // Sleep reads the clock when built (once per stream otherwise).
+            _ = async { tokio::time::sleep(idle).await }, if quiet => {
                 draining = true;
                 h2c.graceful_shutdown();
                 continue;
@@ -143,6 +145,26 @@ pub async fn prior_knowledge(tcp: &tokio::net::TcpStream, shared: &crate::Shared
         }
     };
     tokio::time::timeout(limit, look).await.unwrap_or(false)
+}
+
+/// On an `h2c = "only"` listener, a connection that does not open with the
+/// preface: closed with a FIN (write side first, then what the client sent
+/// is read and dropped, up to 64 KiB or a second), not a reset, so the
+/// client sees the close (RFC 9113 §3.4).
+pub async fn close_gently(mut tcp: tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = tcp.shutdown().await;
+    let drain = async {
+        let mut buf = [0u8; 4096];
+        let mut left = 64 * 1024usize;
+        while left > 0 {
+            match tcp.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
 }
 
 /// One stream: its request through the driver's steps.
@@ -268,6 +290,11 @@ pub struct H2Tx {
     respond: h2::server::SendResponse<Bytes>,
     send: Option<h2::SendStream<Bytes>>,
     sent: u64,
+    /// A body of known length: the DATA frame that completes it ends the
+    /// stream (no empty frame after it).
+    end_at: Option<u64>,
+    /// The final head went: no more interim ones.
+    head_sent: bool,
     head_only: bool,
     now_ns: u64,
     idle: Duration,
@@ -289,6 +316,8 @@ impl H2Downstream {
                 respond,
                 send: None,
                 sent: 0,
+                end_at: None,
+                head_sent: false,
                 head_only: false,
                 now_ns: 0,
                 idle,
@@ -367,28 +396,74 @@ impl RequestSource for &mut H2Rx {
     }
 }
 
+/// `headers` (less those `skip` names) appended to an `http` map, every
+/// value a slice of one shared buffer: one allocation for the values, not
+/// one per field. Fields the `http` crate refuses are left out: `false`
+/// when there were any.
+pub(crate) fn http_fields(
+    headers: &Headers,
+    skip: impl Fn(Known) -> bool,
+    out: &mut http::HeaderMap,
+) -> bool {
+    let total: usize = headers
+        .iter_known()
+        .filter(|(k, _, _)| !skip(*k))
+        .map(|(_, _, v)| v.len())
+        .sum();
+    let mut all = Vec::with_capacity(total);
+    for (k, _, v) in headers.iter_known() {
+        if !skip(k) {
+            all.extend_from_slice(v);
+        }
+    }
+    let all = Bytes::from(all);
+    let mut at = 0;
+    let mut all_taken = true;
+    for (k, name, value) in headers.iter_known() {
+        if skip(k) {
+            continue;
+        }
+        let v = all.slice(at..at + value.len());
+        at += value.len();
+        match (
+            http::HeaderName::from_bytes(name),
+            http::HeaderValue::from_maybe_shared(v),
+        ) {
+            (Ok(n), Ok(v)) => {
+                out.append(n, v);
+            }
+            _ => all_taken = false,
+        }
+    }
+    all_taken
+}
+
+/// A gRPC or gRPC-web response (its content-type starts `application/grpc`).
+fn is_grpc(head: &ResponseHead) -> bool {
+    head.headers
+        .get_known(known::CONTENT_TYPE)
+        .is_some_and(|v| v.len() >= 16 && v[..16].eq_ignore_ascii_case(b"application/grpc"))
+}
+
 /// Response header fields that HTTP/2 does not carry (RFC 9113 §8.2.2).
 fn skip_h2_response_header(k: Known) -> bool {
     crate::h1::skip_response_header(k) || k == known::TRANSFER_ENCODING
 }
 
 impl H2Tx {
-    fn response(&self, head: &ResponseHead, size: BodySize) -> http::Response<()> {
+    /// The head's status and fields that HTTP/2 carries.
+    fn fields(head: &ResponseHead) -> http::Response<()> {
         let mut r = http::Response::new(());
         *r.status_mut() =
             http::StatusCode::from_u16(head.status).unwrap_or(http::StatusCode::BAD_GATEWAY);
+        // A field HTTP/2 cannot carry is left out (as before).
+        let _ = http_fields(&head.headers, skip_h2_response_header, r.headers_mut());
+        r
+    }
+
+    fn response(&self, head: &ResponseHead, size: BodySize) -> http::Response<()> {
+        let mut r = Self::fields(head);
         let h = r.headers_mut();
-        for (k, name, value) in head.headers.iter_known() {
-            if skip_h2_response_header(k) {
-                continue;
-            }
-            if let (Ok(n), Ok(v)) = (
-                http::HeaderName::from_bytes(name),
-                http::HeaderValue::from_bytes(value),
-            ) {
-                h.append(n, v);
-            }
-        }
         if !head.headers.has_known(known::DATE) {
             pier_http::date::with_date(self.now_ns, |d| {
                 if let Ok(v) = http::HeaderValue::from_bytes(d) {
@@ -406,7 +481,7 @@ impl H2Tx {
 
     /// Send `data` as the window allows (h2 would otherwise queue it all:
     /// memory per stream stays bounded by the flow-control window).
-    async fn send_all(&mut self, mut data: Bytes) -> Result<(), Error> {
+    async fn send_all(&mut self, mut data: Bytes, last: bool) -> Result<(), Error> {
         let Some(s) = self.send.as_mut() else {
             return Ok(());
         };
@@ -422,7 +497,7 @@ impl H2Tx {
             }
             let piece = data.split_to(n);
             self.sent += piece.len() as u64;
-            s.send_data(piece, false)
+            s.send_data(piece, last && data.is_empty())
                 .map_err(|_| Error::answered(Kind::ClientClosed))?;
         }
         Ok(())
@@ -430,14 +505,26 @@ impl H2Tx {
 }
 
 impl ResponseSink for &mut H2Tx {
-    async fn write_interim(&mut self, _head: &ResponseHead) -> Result<(), Error> {
-        // 1xx over HTTP/2 is optional for a proxy; dropped.
-        Ok(())
+    async fn write_interim(&mut self, head: &ResponseHead) -> Result<(), Error> {
+        // 100 Continue and 103 Early Hints, as HEADERS without END_STREAM
+        // (RFC 9113 §8.1). The driver passes no 101: HTTP/2 has no Upgrade.
+        if !(100..200).contains(&head.status) || head.status == 101 || self.head_sent {
+            return Ok(());
+        }
+        self.respond
+            .send_informational(H2Tx::fields(head))
+            .map_err(|_| Error::new(Kind::ClientClosed))
     }
 
     async fn write_head(&mut self, head: &ResponseHead, size: BodySize) -> Result<(), Error> {
         let resp = self.response(head, size);
         let end = self.head_only || size == BodySize::None;
+        // gRPC (and gRPC-web) bodies end with trailers, never early.
+        self.end_at = match size {
+            BodySize::Length(n) if n > 0 && !is_grpc(head) => Some(n),
+            _ => None,
+        };
+        self.head_sent = true;
         match self.respond.send_response(resp, end) {
             Ok(s) => {
                 if !end {
@@ -453,7 +540,14 @@ impl ResponseSink for &mut H2Tx {
         if self.head_only || data.is_empty() || self.send.is_none() {
             return Ok(());
         }
-        self.send_all(Bytes::copy_from_slice(data)).await
+        let last = self
+            .end_at
+            .is_some_and(|n| self.sent + data.len() as u64 >= n);
+        self.send_all(Bytes::copy_from_slice(data), last).await?;
+        if last {
+            self.send = None;
+        }
+        Ok(())
     }
 
     async fn finish(&mut self, trailers: Option<&Headers>) -> Result<(), Error> {

@@ -9,6 +9,8 @@
 pub mod admin;
 pub mod analytics;
 pub mod cache;
+pub mod cache_key;
+pub mod compress;
 mod cors;
 pub mod dns;
 pub mod driver;
@@ -22,6 +24,7 @@ pub mod session;
 pub mod state;
 pub mod upstream_h2;
 
+pub use cache_key::CacheCtl;
 pub use phases::{Flow, LocalResponse, NoPhases, PeerChoice, Phases};
 pub use session::Session;
 pub use state::State;
@@ -129,6 +132,8 @@ pub struct Worker<P: Phases> {
     pub waiting: std::cell::RefCell<evict::Registry>,
     /// This worker's spare I/O buffers (idle connections hold none).
     pub bufs: std::cell::RefCell<driver::BufPool>,
+    /// Itself, for tasks a request spawns (a cache's background refresh).
+    pub me: std::sync::Weak<Worker<P>>,
 }
 
 /// Run a worker: accept on its listeners until draining, serving each
@@ -137,12 +142,13 @@ pub struct Worker<P: Phases> {
 pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phases: P) {
     pier_log::WORKER_ID.with(|w| w.set(ctx.id));
     phases.init_worker(&shared.state.load());
-    let w = Arc::new(Worker {
+    let w = Arc::new_cyclic(|me| Worker {
         id: ctx.id,
         shared: shared.clone(),
         phases,
         waiting: Default::default(),
         bufs: Default::default(),
+        me: me.clone(),
     });
     let mut accepts = Vec::new();
     for (name, l) in ctx.listeners {
@@ -241,7 +247,7 @@ impl<P: Phases> Admission for Admit<P> {
             // slot (evict.rs; it closes at its next poll, briefly leaving one
             // more open than the limit); with none old enough, refuse at
             // accept. Either way memory stays a function of the config.
-            let now = pier_lb::clock_ms();
+            let now = pier_lb::recent_ms();
             let mut reg = w.waiting.borrow_mut();
             if reg.evict_oldest(now, evict::MIN_AGE_MS) {
                 w.shared.metrics.evicted_connection();
@@ -289,10 +295,17 @@ impl<P: Phases> Admission for Admit<P> {
         // connections only.
         let tls =
             listener.and_then(|i| w.shared.state.load().listener_tls.get(i).cloned().flatten());
-        let h2c = tls.is_none()
-            && listener
-                .and_then(|i| w.shared.state.load().cfg.listeners.get(i).map(|l| l.h2c))
-                .unwrap_or(false);
+        let (h2c, h2c_only) = match listener {
+            Some(i) if tls.is_none() => w
+                .shared
+                .state
+                .load()
+                .cfg
+                .listeners
+                .get(i)
+                .map_or((false, false), |l| (l.h2c, l.h2c_only)),
+            _ => (false, false),
+        };
         let conn = session::ConnInfo {
             listener,
             tls: None,
@@ -314,6 +327,10 @@ impl<P: Phases> Admission for Admit<P> {
                     let _slot = slot;
                     if http2::prior_knowledge(&stream, &w.shared).await {
                         http2::serve_h2(w, stream, peer, local, conn).await
+                    } else if h2c_only {
+                        // No HTTP/1 here: a connection without the preface
+                        // is closed.
+                        http2::close_gently(stream).await
                     } else {
                         driver::serve_connection(w, stream, peer, local, conn).await
                     }

@@ -127,6 +127,13 @@ pub trait Phases: 'static {
     ) {
     }
 
+    /// This request's cache controls (Lua `pier.cache`), kept in the
+    /// phase context: read before the cache lookup (bypass, key) and after
+    /// `response_filter` (cacheable, TTL).
+    fn cache_ctl<'a>(&self, _ctx: &'a mut Self::Ctx) -> Option<&'a mut crate::cache_key::CacheCtl> {
+        None
+    }
+
     /// Choose or override the peer (Lua `balancer`).
     async fn upstream_peer(
         &self,

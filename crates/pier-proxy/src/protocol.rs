@@ -60,6 +60,10 @@ pub trait ResponseSource {
     /// Whether the connection can carry another request (the body was read
     /// to its end and nothing followed it).
     fn reusable(&self) -> bool;
+    /// A phase's cache verdict on this response (after `response_filter`,
+    /// before the head is written): a cache fill applies it to what it
+    /// stores and to `head`'s Cache-Status. Other sources ignore it.
+    fn cache_override(&mut self, _head: &mut ResponseHead, _ctl: &crate::cache_key::CacheCtl) {}
 }
 
 /// A borrowed source is a source (wrappers such as the cache's tee take one).
@@ -78,6 +82,9 @@ impl<S: ResponseSource> ResponseSource for &mut S {
     }
     fn reusable(&self) -> bool {
         (**self).reusable()
+    }
+    fn cache_override(&mut self, head: &mut ResponseHead, ctl: &crate::cache_key::CacheCtl) {
+        (**self).cache_override(head, ctl)
     }
 }
 

@@ -95,13 +95,21 @@ impl Session {
         }
     }
 
+    /// [`Session::begin`] at a fresh clock read: the request's start, the
+    /// one precise read it takes before the access log's (see pier_clock).
+    pub(crate) fn begin_now(&mut self) {
+        let t = pier_clock::now();
+        self.begin(pier_clock::wall_ns(t));
+        self.started = t;
+    }
+
     /// Reset per-request fields, keeping buffers (keep-alive).
     pub(crate) fn begin(&mut self, now_ns: u64) {
         self.up_req.copy_from(&self.req);
         self.step = crate::phases::Step::ReadHead;
         self.route = None;
         self.now_ns = now_ns;
-        self.started = Instant::now();
+        self.started = pier_clock::recent();
         self.status = 0;
         self.upstream_us = 0;
         self.bytes_sent = 0;

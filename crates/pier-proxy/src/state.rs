@@ -214,8 +214,14 @@ impl State {
             .iter()
             .map(|(name, u)| match &u.tls {
                 Some(t) => {
-                    let c =
+                    let mut c =
                         ClientTls::build(name, t, u.protocol == pier_config::UpstreamProtocol::H2)?;
+                    if u.protocol == pier_config::UpstreamProtocol::Auto {
+                        // `auto`: the server picks h2 or http/1.1 (upstream_h2.rs).
+                        let mut cfg = (*c.config).clone();
+                        cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+                        c.config = Arc::new(cfg);
+                    }
                     if !t.verify && prev.is_none() {
                         tracing::warn!(
                             upstream = %name,
@@ -238,9 +244,31 @@ impl State {
                         .position(|o| o == z)
                         .map(|i| p.cache_zones[i].clone())
                 });
-                old.unwrap_or_else(|| pier_cache::Zone::new(&z.name, z.memory, z.max_object))
+                match old {
+                    Some(zone) => Ok(zone),
+                    None => pier_cache::Zone::open(
+                        &z.name,
+                        z.memory,
+                        z.max_object,
+                        z.disk.as_ref().map(|d| pier_cache::DiskConfig {
+                            dir: d.dir.clone(),
+                            max_bytes: d.max_bytes,
+                            promote_hits: d.promote_hits,
+                            min_ttl: d.min_ttl.as_secs(),
+                            queue: d.queue,
+                        }),
+                    )
+                    .map_err(|e| {
+                        let dir = z.disk.as_ref().map(|d| d.dir.display().to_string());
+                        format!(
+                            "cache `{}`: disk_dir {}: {e}",
+                            z.name,
+                            dir.unwrap_or_default()
+                        )
+                    }),
+                }
             })
-            .collect();
+            .collect::<Result<Vec<_>, String>>()?;
         Ok(State {
             cfg,
             routes,

@@ -34,7 +34,18 @@ struct Conn {
 #[derive(Default)]
 pub struct H2Pool {
     conns: Mutex<HashMap<PeerKey, Vec<Arc<Conn>>>>,
+    /// `protocol = "auto"`: what each peer (keyed with `Alpn::H2`) chose by
+    /// ALPN the last time a connection was opened to it (`true` = h2).
+    chosen: Mutex<HashMap<PeerKey, bool>>,
+    /// One connect at a time per peer: requests that find every connection
+    /// full while one is being opened wait for it instead of each opening
+    /// their own (a burst of streams at start-up would open one apiece).
+    dialing: Mutex<HashMap<PeerKey, Arc<tokio::sync::Mutex<()>>>>,
 }
+
+/// Peers whose ALPN choice is remembered; past it the memory starts over
+/// (peers come from config and DNS, so this is only a bound).
+const MAX_REMEMBERED: usize = 4096;
 
 /// A stream slot on a connection, given back when dropped.
 pub struct Lease {
@@ -47,9 +58,19 @@ impl Drop for Lease {
     }
 }
 
+/// What [`H2Pool::lease`] got: a stream slot, or (`auto` only) a new
+/// connection on which the server chose HTTP/1.1.
+pub enum Leased {
+    /// The slot and whether its connection was already open.
+    H2(Lease, bool),
+    Http1(pier_core::Conn),
+}
+
 impl H2Pool {
     /// A stream slot to `key`: on an open connection with room, else on a
-    /// new one. `Ok((lease, reused))`.
+    /// new one. With `auto`, a new TLS connection on which the server did
+    /// not choose h2 is handed back for HTTP/1.1, and the choice is
+    /// remembered (see [`H2Pool::chose_h2`]).
     pub async fn lease(
         &self,
         key: &PeerKey,
@@ -57,22 +78,44 @@ impl H2Pool {
         limit: Duration,
         tls: Option<&pier_core::stream::ClientConfig>,
         max_streams: usize,
-    ) -> Result<(Lease, bool), std::io::Error> {
-        {
-            let mut map = self.conns.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(list) = map.get_mut(key) {
-                list.retain(|c| !c.closed.load(Relaxed));
-                for c in list.iter() {
-                    if c.open.load(Relaxed) < max_streams {
-                        c.open.fetch_add(1, Relaxed);
-                        return Ok((Lease { conn: c.clone() }, true));
-                    }
-                }
+        auto: bool,
+    ) -> Result<Leased, std::io::Error> {
+        if let Some(l) = self.room(key, max_streams) {
+            return Ok(Leased::H2(l, true));
+        }
+        // A peer known (or about to be found) to speak HTTP/1.1 gets its
+        // connections side by side, as the HTTP/1 pool would.
+        let serial = !auto || self.chose_h2(key) == Some(true);
+        let gate = serial.then(|| {
+            let mut map = self.dialing.lock().unwrap_or_else(|e| e.into_inner());
+            if map.len() >= MAX_REMEMBERED && !map.contains_key(key) {
+                map.retain(|_, g| Arc::strong_count(g) > 1);
+            }
+            map.entry(key.clone()).or_default().clone()
+        });
+        let _turn = match &gate {
+            Some(g) => Some(
+                tokio::time::timeout(limit, g.lock())
+                    .await
+                    .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?,
+            ),
+            None => None,
+        };
+        if gate.is_some() {
+            // Opened while this one waited?
+            if let Some(l) = self.room(key, max_streams) {
+                return Ok(Leased::H2(l, true));
             }
         }
         let io = connector.connect(key, limit, tls).await?;
         if let pier_core::Conn::Tls(t) = &io {
-            if t.get_ref().1.alpn_protocol() != Some(b"h2") {
+            let h2 = t.get_ref().1.alpn_protocol() == Some(b"h2");
+            if auto {
+                self.remember(key, h2);
+                if !h2 {
+                    return Ok(Leased::Http1(io));
+                }
+            } else if !h2 {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::InvalidData,
                     "the origin did not agree to h2 by ALPN",
@@ -96,7 +139,32 @@ impl H2Pool {
         });
         let mut map = self.conns.lock().unwrap_or_else(|e| e.into_inner());
         map.entry(key.clone()).or_default().push(c.clone());
-        Ok((Lease { conn: c }, false))
+        Ok(Leased::H2(Lease { conn: c }, false))
+    }
+
+    /// A stream slot on an open connection with room.
+    fn room(&self, key: &PeerKey, max_streams: usize) -> Option<Lease> {
+        let mut map = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        let list = map.get_mut(key)?;
+        list.retain(|c| !c.closed.load(Relaxed));
+        let c = list.iter().find(|c| c.open.load(Relaxed) < max_streams)?;
+        c.open.fetch_add(1, Relaxed);
+        Some(Lease { conn: c.clone() })
+    }
+
+    /// `protocol = "auto"`: whether `key`'s server chose h2 the last time
+    /// (None: not asked yet, or forgotten).
+    pub fn chose_h2(&self, key: &PeerKey) -> Option<bool> {
+        let map = self.chosen.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(key).copied()
+    }
+
+    fn remember(&self, key: &PeerKey, h2: bool) {
+        let mut map = self.chosen.lock().unwrap_or_else(|e| e.into_inner());
+        if map.len() >= MAX_REMEMBERED && !map.contains_key(key) {
+            map.clear();
+        }
+        map.insert(key.clone(), h2);
     }
 
     /// Open HTTP/2 connections (metrics).
@@ -254,16 +322,41 @@ impl ResponseSource for H2ResponseSource {
 pub struct H2RequestSink {
     send: h2::SendStream<Bytes>,
     timeout: Duration,
+    /// The origin answered and reset the stream with NO_ERROR: the rest of
+    /// the body is dropped, the response stands.
+    stopped: bool,
 }
 
 impl H2RequestSink {
     pub fn new(send: h2::SendStream<Bytes>, timeout: Duration) -> Self {
-        H2RequestSink { send, timeout }
+        H2RequestSink {
+            send,
+            timeout,
+            stopped: false,
+        }
+    }
+
+    /// A failed send: an origin that answered before the whole request came
+    /// may reset the stream with NO_ERROR to stop the body (RFC 9113 §8.1;
+    /// grpc-go does for an unknown method); clients must keep the response.
+    /// Any other reset or error fails the exchange.
+    fn failed(&mut self) -> Result<(), Error> {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match self.send.poll_reset(&mut cx) {
+            std::task::Poll::Ready(Ok(h2::Reason::NO_ERROR)) => {
+                self.stopped = true;
+                Ok(())
+            }
+            _ => Err(Error::new(Kind::UpstreamClosed)),
+        }
     }
 }
 
 impl RequestSink for H2RequestSink {
     async fn write_body(&mut self, data: &[u8]) -> Result<(), Error> {
+        if self.stopped {
+            return Ok(());
+        }
         let mut data = Bytes::copy_from_slice(data);
         while !data.is_empty() {
             self.send.reserve_capacity(data.len());
@@ -272,19 +365,22 @@ impl RequestSink for H2RequestSink {
             let n = match cap {
                 Ok(Some(Ok(n))) => n.min(data.len()),
                 Err(_) => return Err(Error::new(Kind::UpstreamTimeout)),
-                _ => return Err(Error::new(Kind::UpstreamClosed)),
+                _ => return self.failed(),
             };
             if n == 0 {
                 continue;
             }
-            self.send
-                .send_data(data.split_to(n), false)
-                .map_err(|_| Error::new(Kind::UpstreamClosed))?;
+            if self.send.send_data(data.split_to(n), false).is_err() {
+                return self.failed();
+            }
         }
         Ok(())
     }
 
     async fn finish(&mut self, trailers: Option<&Headers>) -> Result<(), Error> {
+        if self.stopped {
+            return Ok(());
+        }
         let mut map = http::HeaderMap::new();
         for (k, v) in trailers.into_iter().flat_map(|t| t.iter()) {
             if let (Ok(n), Ok(v)) = (
@@ -299,7 +395,10 @@ impl RequestSink for H2RequestSink {
         } else {
             self.send.send_trailers(map)
         };
-        r.map_err(|_| Error::new(Kind::UpstreamClosed))
+        match r {
+            Ok(()) => Ok(()),
+            Err(_) => self.failed(),
+        }
     }
 }
 
@@ -317,21 +416,43 @@ pub(crate) fn request(
         sess.route.map(|r| &state.routes[r].host_header),
         Some(HostHeader::Upstream)
     );
-    let authority = match req.host() {
-        Some(h) if !host_is_peer => String::from_utf8_lossy(h).into_owned(),
-        _ => match &sess.upstream_host {
-            Some(h) => format!("{h}:{}", addr.port()),
-            None => addr.to_string(),
-        },
-    };
-    let target = String::from_utf8_lossy(req.uri());
-    let uri = format!(
-        "{}://{authority}{target}",
-        if tls { "https" } else { "http" }
-    );
     fn bad<E>(_: E) -> Error {
         Error::new(Kind::InvalidHeader)
     }
+    // Built from parts (no text URI to format and parse again).
+    let authority = match req.host() {
+        Some(h) if !host_is_peer => {
+            http::uri::Authority::from_maybe_shared(Bytes::copy_from_slice(h))
+        }
+        _ => {
+            let mut a = Vec::with_capacity(48);
+            match &sess.upstream_host {
+                Some(h) => {
+                    a.extend_from_slice(h.as_bytes());
+                    a.push(b':');
+                    push_u16(&mut a, addr.port());
+                }
+                None => {
+                    use std::io::Write;
+                    let _ = write!(a, "{addr}");
+                }
+            }
+            http::uri::Authority::from_maybe_shared(Bytes::from(a))
+        }
+    }
+    .map_err(|_| Error::new(Kind::InvalidHost))?;
+    let mut parts = http::uri::Parts::default();
+    parts.scheme = Some(if tls {
+        http::uri::Scheme::HTTPS
+    } else {
+        http::uri::Scheme::HTTP
+    });
+    parts.authority = Some(authority);
+    parts.path_and_query = Some(
+        http::uri::PathAndQuery::from_maybe_shared(Bytes::copy_from_slice(req.uri()))
+            .map_err(|_| Error::new(Kind::InvalidRequestLine))?,
+    );
+    let uri = http::Uri::from_parts(parts).map_err(|_| Error::new(Kind::InvalidRequestLine))?;
     let mut r = http::Request::builder()
         .method(
             http::Method::from_bytes(req.method())
@@ -342,17 +463,10 @@ pub(crate) fn request(
         .body(())
         .map_err(|_| Error::new(Kind::InvalidHost))?;
     let h = r.headers_mut();
-    for (k, name, value) in req.headers.iter_known() {
-        if crate::driver::skip_request_header(k)
-            || k == known::HOST
-            || k == known::TRANSFER_ENCODING
-        {
-            continue;
-        }
-        h.append(
-            http::HeaderName::from_bytes(name).map_err(bad)?,
-            http::HeaderValue::from_bytes(value).map_err(bad)?,
-        );
+    // A field the `http` crate refuses fails the request, as it did when
+    // fields were converted one by one (pier-http's parser lets few by).
+    if !crate::http2::http_fields(&req.headers, skip_up, h) {
+        return Err(bad(()));
     }
     if req.headers.has_token(known::TE, b"trailers") {
         h.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
@@ -378,4 +492,25 @@ pub(crate) fn request(
         );
     }
     Ok(r)
+}
+
+/// Request fields that do not go upstream over HTTP/2.
+fn skip_up(k: known::Known) -> bool {
+    crate::driver::skip_request_header(k) || k == known::HOST || k == known::TRANSFER_ENCODING
+}
+
+/// `n` in decimal, without a formatter.
+fn push_u16(out: &mut Vec<u8>, n: u16) {
+    let mut buf = [0u8; 5];
+    let mut i = buf.len();
+    let mut n = n;
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&buf[i..]);
 }

@@ -154,12 +154,13 @@ servers = ["{A}", "{B}"]
     }));
     // A worker is one thread's (RefCell inside), as in pier-core's runtime.
     #[allow(clippy::arc_with_non_send_sync)]
-    let worker = Arc::new(Worker {
+    let worker = Arc::new_cyclic(|me| Worker {
         id: 0,
         shared: Arc::new(shared),
         phases: TestPhases,
         waiting: Default::default(),
         bufs: Default::default(),
+        me: me.clone(),
     });
     Engine { worker, seen }
 }

@@ -47,6 +47,46 @@ do
   }
 end
 
+-- pier.cache: this request's cache controls (docs/cache.md). In access:
+-- bypass(), set_key(key), set_ttl(secs); in header_filter: set_cacheable(bool),
+-- set_ttl(secs). A TTL is a number of seconds from 0 to a year (0: don't store).
+do
+  local C_set = api.cache_set
+  local function done(name, rc, phases)
+    if rc == 0 then return true end
+    if rc == -2 then
+      error("API pier.cache." .. name .. " is disabled in phase " .. base.phase_name() .. " (" .. phases .. ")", 3)
+    elseif rc == -9 then
+      error("bad argument #1 to pier.cache." .. name .. " (seconds from 0 to one year expected)", 3)
+    end
+    error("bad argument #1 to pier.cache." .. name .. " (1 to 4096 bytes without CR, LF or NUL expected)", 3)
+  end
+  pier.cache = {
+    bypass = function()
+      return done("bypass", C_set(0, nil, 0, 0), "access")
+    end,
+    set_key = function(key)
+      if type(key) ~= "string" then
+        error("bad argument #1 to pier.cache.set_key (string expected)", 2)
+      end
+      return done("set_key", C_set(1, key, #key, 0), "access")
+    end,
+    set_ttl = function(secs)
+      local n = tonumber(secs)
+      if type(secs) ~= "number" or n == nil then
+        error("bad argument #1 to pier.cache.set_ttl (number expected)", 2)
+      end
+      return done("set_ttl", C_set(2, nil, 0, n), "access, header_filter")
+    end,
+    set_cacheable = function(on)
+      if type(on) ~= "boolean" then
+        error("bad argument #1 to pier.cache.set_cacheable (boolean expected)", 2)
+      end
+      return done("set_cacheable", C_set(3, nil, 0, on and 1 or 0), "header_filter")
+    end,
+  }
+end
+
 -- pier.limit: sliding per-second counters on a count-min sketch shared by
 -- every worker (the same estimator as [[limit]] rules; fixed memory).
 do

@@ -5,11 +5,14 @@
 -- when the object is collected; the request's end frees it too (a stale
 -- handle then fails).
 --
--- The hot methods (send, receive*, setkeepalive, getreusedtimes, connect
--- from a pool) call `extern "C"` functions through the FFI (src/io/tcp/
--- fast.rs): a call that would block returns AGAIN, and the wrapper yields
--- mlua's pending marker (through ngx.thread's scheduler, so light threads
--- run meanwhile) until the connection or its deadline wakes the hook, then
+-- The hot methods call Rust without mlua's machinery (src/io/tcp/fast.rs):
+-- setkeepalive, getreusedtimes and connect from a pool through the FFI
+-- (their call sites get compiled); send, receive*, settimeout(s) and the
+-- anchor's finalizer as classic C functions (their call sites run
+-- interpreted, next to the yield, where an FFI call costs far more). A
+-- call that would block returns AGAIN, and the wrapper yields mlua's
+-- pending marker (through ngx.thread's scheduler, so light threads run
+-- meanwhile) until the connection or its deadline wakes the hook, then
 -- calls again. Connecting, TLS and options go through the async natives.
 local ffi = require "ffi"
 local base = require "pier.base"
@@ -17,7 +20,8 @@ local base = require "pier.base"
 local type, tonumber, tostring, error, setmetatable = type, tonumber, tostring, error, setmetatable
 local ffi_string, concat = ffi.string, table.concat
 local native = base.native
-local n_free = native.tcp_free
+local n_free = native.tcp_free_c
+local L_recv, L_send, L_settimeouts = native.tcp_recv_c, native.tcp_send_c, native.tcp_settimeouts_c
 local n_connect = native.tcp_connect
 local n_settimeouts, n_close = native.tcp_settimeouts, native.tcp_close
 local n_ssl, n_setoption, n_getoption = native.tcp_sslhandshake, native.tcp_setoption, native.tcp_getoption
@@ -34,8 +38,8 @@ typedef struct {
 } pier_sock_api_t;
 ]]
 local S = ffi.cast("const pier_sock_api_t*", native.sock_api_addr)
-local C_new, C_recv, C_send, C_errmsg, C_keepalive, C_reused, C_pooled =
-  S.new, S.recv, S.send, S.errmsg, S.setkeepalive, S.reused, S.connect_pooled
+local C_new, C_errmsg, C_keepalive, C_reused, C_pooled =
+  S.new, S.errmsg, S.setkeepalive, S.reused, S.connect_pooled
 
 -- Waits for the hook's task to be woken (the pending marker, through the
 -- light-thread scheduler's yield).
@@ -49,16 +53,7 @@ local LINE, ALL, SIZE, ANY, UNTIL, UNTIL_INCL = 0, 1, 2, 3, 4, 5
 local APPEND, RETRY, BOUNDED = 1, 2, 4
 local NAN = 0 / 0
 
--- The receive buffer (grown, never shrunk) and its length out-parameter.
-local rcap = 16384
-local rbuf = ffi.new("char[?]", rcap)
-local outlen = ffi.new("int[1]")
 local ebuf = ffi.new("char[256]")
-
-local function grow(n)
-  while rcap < n do rcap = rcap * 2 end
-  rbuf = ffi.new("char[?]", rcap)
-end
 
 local contexts = { [0] = "init_by_lua*", "init_worker_by_lua*", "access_by_lua*",
   "content_by_lua*", "balancer_by_lua*", "access_by_lua*", "header_filter_by_lua*",
@@ -162,7 +157,7 @@ local null = native.null
 -- send buffer, piece by piece (no concatenation in Lua); 0 or an error code.
 local function append(id, v, depth)
   local t = type(v)
-  if t == "string" then return C_send(id, v, #v, APPEND) end
+  if t == "string" then return L_send(id, v, APPEND) end
   if t == "table" then
     if depth >= 100 then error("bad argument #1 to 'send' (tables nested too deeply)", 3) end
     for i = 1, #v do
@@ -181,13 +176,13 @@ local function append(id, v, depth)
   else
     error("bad argument #1 to 'send' (bad data type " .. t .. " found)", 3)
   end
-  return C_send(id, s, #s, APPEND)
+  return L_send(id, s, APPEND)
 end
 
 local function send_result(id, rc)
   while rc == AGAIN do
     wait(PENDING)
-    rc = C_send(id, nil, 0, RETRY)
+    rc = L_send(id, nil, RETRY)
   end
   if rc >= 0 then return rc end
   if rc == E_BUSY then return nil, "socket busy writing" end
@@ -200,7 +195,7 @@ end
 function Sock.send(self, data)
   local id = self.id
   if type(data) == "string" then
-    return send_result(id, C_send(id, data, #data, 0))
+    return send_result(id, L_send(id, data, 0))
   end
   local t = type(data)
   if t == "table" then
@@ -214,61 +209,53 @@ function Sock.send(self, data)
     end
     if flat then
       local s = concat(data)
-      return send_result(id, C_send(id, s, #s, BOUNDED))
+      return send_result(id, L_send(id, s, BOUNDED))
     end
   elseif t ~= "number" and t ~= "boolean" and data ~= nil and data ~= null then
     error("bad argument #1 to 'send' (string, number, boolean, nil, or array table expected, got "
       .. t .. ")", 2)
   end
   local rc = append(id, data, 0)
-  if rc >= 0 then rc = C_send(id, nil, 0, 0) end
+  if rc >= 0 then rc = L_send(id, nil, 0) end
   return send_result(id, rc)
 end
 
 -- One receive: data, or nil, err, partial. `fin` (receiveuntil) says the
 -- data ended at the pattern.
-local function recv(id, mode, n, pat, patlen)
-  local rc = C_recv(id, mode, n, pat, patlen, 0, rbuf, rcap, outlen)
+local function recv(id, mode, n, pat)
+  local rc, data = L_recv(id, mode, n, pat, false)
   while true do
     if rc >= 0 then
       if rc == 2 then return nil end
-      local data = ffi_string(rbuf, outlen[0])
       if rc == 1 then return data, nil, nil, true end
       return data
     end
-    if rc == AGAIN then
-      wait(PENDING)
-    elseif rc == E_NEED then
-      grow(outlen[0])
-    else
-      break
-    end
-    rc = C_recv(id, mode, n, pat, patlen, 1, rbuf, rcap, outlen)
+    if rc ~= AGAIN then break end
+    wait(PENDING)
+    rc, data = L_recv(id, mode, n, pat, true)
   end
   if rc == E_BUSY then return nil, "socket busy reading" end
   local err = errtext(id, rc)
-  if err then
-    -- The partial data is in the buffer when the error came with some.
-    return nil, err, ffi_string(rbuf, outlen[0])
-  end
+  -- The partial data comes with a timeout, closed or I/O error.
+  if err then return nil, err, data end
   raise(rc, "receive")
 end
 
 -- pattern: "*l" (default: a line, CR/LF dropped), "*a" (until closed), or a byte count
 function Sock.receive(self, pattern)
-  if pattern == nil or pattern == "*l" then return recv(self.id, LINE, 0, nil, 0) end
-  if pattern == "*a" then return recv(self.id, ALL, 0, nil, 0) end
+  if pattern == nil or pattern == "*l" then return recv(self.id, LINE, 0, nil) end
+  if pattern == "*a" then return recv(self.id, ALL, 0, nil) end
   local n = tonumber(pattern)
   if not n then argerr(1, "receive", "bad pattern argument: " .. tostring(pattern)) end
   if not (n >= 0) then argerr(1, "receive", "bad pattern argument") end
-  return recv(self.id, SIZE, n, nil, 0)
+  return recv(self.id, SIZE, n, nil)
 end
 
 -- At most max bytes, whatever arrives first.
 function Sock.receiveany(self, max)
   local n = tonumber(max)
   if not n or not (n >= 1) then argerr(1, "receiveany", "bad max argument") end
-  return recv(self.id, ANY, n, nil, 0)
+  return recv(self.id, ANY, n, nil)
 end
 
 -- An iterator reading up to (and consuming) `pattern`; opts.inclusive
@@ -289,7 +276,6 @@ function Sock.receiveuntil(self, pattern, opts)
   end
   if #pattern == 0 then return nil, "pattern is empty" end
   local done = false
-  local plen = #pattern
   -- The iterator holds the object (not just its id), so the socket lives
   -- as long as the iterator does.
   return function(size)
@@ -302,20 +288,25 @@ function Sock.receiveuntil(self, pattern, opts)
       n = tonumber(size)
       if not n or not (n >= 0) then error('bad "size" argument', 2) end
     end
-    local data, err, partial, fin = recv(self.id, mode, n, pattern, plen)
+    local data, err, partial, fin = recv(self.id, mode, n, pattern)
     if fin and n > 0 then done = true end
     return data, err, partial
   end
 end
 
 -- ms; 0 or nil: the default (60 s)
+-- The checked native raises the errors (bad duration, bad socket) with
+-- their messages.
 function Sock.settimeout(self, ms)
   local t = tonumber(ms) or 0
-  n_settimeouts(self.id, t, t, t)
+  local id = self.id
+  if L_settimeouts(id, t, t, t) ~= 0 then n_settimeouts(id, t, t, t) end
 end
 
 function Sock.settimeouts(self, connect, send, read)
-  n_settimeouts(self.id, tonumber(connect) or 0, tonumber(send) or 0, tonumber(read) or 0)
+  local c, s, r = tonumber(connect) or 0, tonumber(send) or 0, tonumber(read) or 0
+  local id = self.id
+  if L_settimeouts(id, c, s, r) ~= 0 then n_settimeouts(id, c, s, r) end
 end
 
 -- idle_ms: nil = 60 s, 0 = no timeout; pool_size: nil = 30 (used when the

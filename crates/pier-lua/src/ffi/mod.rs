@@ -24,6 +24,7 @@
 //!   [`E_INTERNAL`] if Rust panicked (caught: nothing unwinds into Lua);
 //! * structs only by pointer.
 
+mod cache;
 mod ctx;
 mod limit;
 mod ngx;
@@ -166,6 +167,8 @@ pub(crate) struct PierApi {
     shdict_llen: unsafe extern "C" fn(c_int, *const c_char, usize) -> c_int,
     // pier.analytics.field (log phase)
     analytics_field: unsafe extern "C" fn(*const c_char, usize, *const c_char, usize) -> c_int,
+    // pier.cache (access, header_filter)
+    cache_set: unsafe extern "C" fn(c_int, *const c_char, usize, f64) -> c_int,
 }
 
 /// The one API table; its address is what Lua casts.
@@ -216,6 +219,7 @@ static API: PierApi = PierApi {
     shdict_pop: shdict::pop,
     shdict_llen: shdict::llen,
     analytics_field: ctx::analytics_field,
+    cache_set: cache::set,
 };
 
 /// The address Lua casts to `const pier_api_t*` (fits a double: user-space

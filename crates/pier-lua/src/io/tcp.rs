@@ -796,6 +796,40 @@ struct Slot {
     gen: u32,
     owner: u64,
     sock: Option<Sock>,
+    /// The owner's other live sockets: a doubly linked list through the
+    /// slots ([`NIL`] ends it), so a request's end frees its sockets
+    /// without scanning the slab.
+    prev: u32,
+    next: u32,
+}
+
+/// No slot (list ends).
+const NIL: u32 = u32::MAX;
+
+/// An owner's live sockets: how many, and the first of its list.
+#[derive(Clone, Copy)]
+struct Owned {
+    count: usize,
+    head: u32,
+}
+
+/// Owner ids are a per-thread counter: one multiplication spreads them
+/// (SipHash was a visible part of each request's socket bookkeeping).
+#[derive(Default)]
+struct OwnerHasher(u64);
+
+impl std::hash::Hasher for OwnerHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
 }
 
 #[derive(Default)]
@@ -804,7 +838,7 @@ struct Slab {
     free: Vec<usize>,
     /// Live sockets, and live sockets per owner.
     live: usize,
-    per_owner: HashMap<u64, usize>,
+    per_owner: HashMap<u64, Owned, std::hash::BuildHasherDefault<OwnerHasher>>,
 }
 
 fn split(handle: u64) -> (usize, u32) {
@@ -831,7 +865,7 @@ impl Slab {
         if self.live >= limits.max_sockets_per_worker.min(MAX_SLOTS) {
             return Err(Full::Worker);
         }
-        let mine = self.per_owner.get(&owner).copied().unwrap_or(0);
+        let mine = self.per_owner.get(&owner).map_or(0, |o| o.count);
         if mine >= limits.max_sockets_per_request {
             return Err(Full::Request);
         }
@@ -843,15 +877,30 @@ impl Slab {
                     gen: 0,
                     owner: 0,
                     sock: None,
+                    prev: NIL,
+                    next: NIL,
                 });
                 self.slots.len() - 1
             }
         };
+        // Below MAX_SLOTS < 2^24: fits the list links.
+        let link = i as u32;
+        let owned = self.per_owner.entry(owner).or_insert(Owned {
+            count: 0,
+            head: NIL,
+        });
+        let old_head = owned.head;
+        owned.count += 1;
+        owned.head = link;
+        if old_head != NIL {
+            self.slots[old_head as usize].prev = link;
+        }
         let slot = &mut self.slots[i];
         slot.owner = owner;
         slot.sock = sock;
+        slot.prev = NIL;
+        slot.next = old_head;
         self.live += 1;
-        *self.per_owner.entry(owner).or_default() += 1;
         Ok(u64::from(slot.gen) << INDEX_BITS | i as u64)
     }
 
@@ -862,15 +911,36 @@ impl Slab {
         let sock = slot.sock.take()?;
         slot.gen = (slot.gen + 1) & GEN_MASK;
         let owner = std::mem::take(&mut slot.owner);
+        let (prev, next) = (slot.prev, slot.next);
+        slot.prev = NIL;
+        slot.next = NIL;
+        if next != NIL {
+            self.slots[next as usize].prev = prev;
+        }
+        if prev != NIL {
+            self.slots[prev as usize].next = next;
+        }
         self.live -= 1;
-        if let Some(n) = self.per_owner.get_mut(&owner) {
-            *n -= 1;
-            if *n == 0 {
+        if let Some(o) = self.per_owner.get_mut(&owner) {
+            o.count -= 1;
+            if o.count == 0 {
                 self.per_owner.remove(&owner);
+            } else if prev == NIL {
+                o.head = next;
             }
         }
         self.free.push(i);
         Some(sock)
+    }
+
+    /// Frees the first socket of `owner`'s list, if it has one.
+    fn release_first(&mut self, owner: u64) -> Option<Sock> {
+        if self.live == 0 {
+            // Every request end comes here: no hashing when no socket is alive.
+            return None;
+        }
+        let head = self.per_owner.get(&owner)?.head;
+        self.release(head as usize)
     }
 }
 
@@ -898,25 +968,20 @@ fn free_sock(handle: u64) {
 
 /// Frees every socket of `owner` (a request ended, a timer run returned).
 pub(crate) fn free_owner(owner: u64) {
-    let freed = SOCKS.try_with(|s| {
+    // One at a time, each dropped after the slab's borrow ends (closing a
+    // connection may wake a queued connect); nothing is collected in a Vec.
+    loop {
         // Never panic in a `Drop` (see `free_sock`).
-        let Ok(mut s) = s.try_borrow_mut() else {
-            return Vec::new();
-        };
-        // Every request end comes here: no hashing when no socket is alive.
-        if s.live == 0 || !s.per_owner.contains_key(&owner) {
-            return Vec::new();
+        let freed = SOCKS.try_with(|s| {
+            let Ok(mut s) = s.try_borrow_mut() else {
+                return None;
+            };
+            s.release_first(owner)
+        });
+        match freed {
+            Ok(Some(sock)) => fast::recycle(sock),
+            _ => break,
         }
-        let mut freed = Vec::new();
-        for i in 0..s.slots.len() {
-            if s.slots[i].sock.is_some() && s.slots[i].owner == owner {
-                freed.extend(s.release(i));
-            }
-        }
-        freed
-    });
-    for sock in freed.unwrap_or_default() {
-        fast::recycle(sock);
     }
 }
 
@@ -947,6 +1012,7 @@ pub(super) fn lookup_raw(handle: u64) -> Result<Sock, Bad> {
             gen: g,
             owner: o,
             sock: Some(sock),
+            ..
         }) if *g == gen => {
             if *o != owner || owner == 0 {
                 Err(Bad::Request)
@@ -1055,6 +1121,18 @@ fn ms_or(ms: f64, default: Duration, what: &str) -> mlua::Result<Duration> {
 #[allow(clippy::await_holding_refcell_ref)]
 pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
     natives.set("tcp_free", free_native(lua)?)?;
+    // SAFETY: each is a `lua_CFunction` that reads its arguments with the
+    // C API's checked accessors, pushes only its results and raises no
+    // Lua error (see `fast`'s classic C functions).
+    unsafe {
+        natives.set("tcp_recv_c", lua.create_c_function(fast::l_recv)?)?;
+        natives.set("tcp_send_c", lua.create_c_function(fast::l_send)?)?;
+        natives.set(
+            "tcp_settimeouts_c",
+            lua.create_c_function(fast::l_settimeouts)?,
+        )?;
+        natives.set("tcp_free_c", lua.create_c_function(fast::l_free)?)?;
+    }
     natives.set(
         "tcp_connect",
         lua.create_async_function(

@@ -851,3 +851,170 @@ unsafe extern "C" fn connect_pooled(
         1
     })
 }
+
+// === classic C functions ===
+//
+// The calls that run interpreted on every request (`receive` and `send`
+// around the yield that waits for the peer, `settimeout`, the anchor's
+// finalizer) as `lua_CFunction`s, the way ngx_lua registers its cosocket
+// methods: an interpreted FFI call converts and checks every argument
+// against its C type (`lj_ccall_func`, `lj_cconv_*`: about 1,400
+// instructions per call with these signatures, callgrind), a C function
+// reads its few arguments off the stack. A yield ends the trace, so these
+// call sites are not compiled whatever the calling convention. No Lua
+// error is raised from here: results are codes, and the wrappers raise.
+
+use mlua::ffi as lua;
+
+thread_local! {
+    /// `l_recv`'s result bytes (reused; taken out while in use).
+    static RECV_OUT: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// A handle or number argument (`nil` and non-numbers read as 0).
+///
+/// # Safety
+/// `l` is the state LuaJIT called the C function with.
+unsafe fn num(l: *mut lua::lua_State, i: c_int) -> f64 {
+    // SAFETY: any index within the call's frame is acceptable to lua_tonumber.
+    unsafe { lua::lua_tonumber(l, i) }
+}
+
+/// A string argument (NULL, 0 when it is not a string): valid while it is
+/// on the stack, i.e. for the call.
+///
+/// # Safety
+/// As [`num`].
+unsafe fn lstr(l: *mut lua::lua_State, i: c_int) -> (*const c_char, usize) {
+    let mut n = 0usize;
+    // SAFETY: the type is checked first, so lua_tolstring converts nothing
+    // in place.
+    unsafe {
+        if lua::lua_type(l, i) != lua::LUA_TSTRING {
+            return (std::ptr::null(), 0);
+        }
+        (lua::lua_tolstring(l, i, &mut n), n)
+    }
+}
+
+/// An `int` argument: out of range or fractional reads as -1.
+fn int_arg(v: f64) -> c_int {
+    if v.fract() == 0.0 && (f64::from(c_int::MIN)..=f64::from(c_int::MAX)).contains(&v) {
+        v as c_int
+    } else {
+        -1
+    }
+}
+
+/// `recv(handle, mode, n, pattern|nil, retry)` -> `code[, data]`: the data
+/// with [`OK`] and [`FIN`], the partial data with a timeout, `closed` or
+/// I/O error ([`recv`]'s codes otherwise; no [`E_NEED`]).
+pub(super) unsafe extern "C-unwind" fn l_recv(l: *mut lua::lua_State) -> c_int {
+    // SAFETY: called by LuaJIT with its state (the lua_CFunction contract).
+    let (h, mode, n, (pat, plen), retry) = unsafe {
+        (
+            num(l, 1),
+            num(l, 2),
+            num(l, 3),
+            lstr(l, 4),
+            lua::lua_toboolean(l, 5),
+        )
+    };
+    let mut buf = RECV_OUT.take();
+    let mut outlen: c_int = 0;
+    let mut again = retry;
+    let mut rc = E_NEED;
+    // A result larger than the buffer: grow it and take the result again
+    // (kept by the socket meanwhile, see `deliver`); twice is enough.
+    for _ in 0..3 {
+        // SAFETY: `pat` is the Lua string on the stack (valid for the
+        // call), `buf` has `capacity()` writable bytes, `outlen` is local.
+        rc = unsafe {
+            recv(
+                h,
+                int_arg(mode),
+                n,
+                pat,
+                plen,
+                again,
+                buf.as_mut_ptr().cast(),
+                buf.capacity(),
+                &mut outlen,
+            )
+        };
+        if rc != E_NEED {
+            break;
+        }
+        buf.reserve(usize::try_from(outlen).unwrap_or(0));
+        again = 1;
+    }
+    if rc == E_NEED {
+        rc = crate::ffi::E_INTERNAL;
+    }
+    let data = matches!(rc, OK | FIN | E_TIMEOUT | E_CLOSED | E_IO);
+    let len = usize::try_from(outlen).unwrap_or(0).min(buf.capacity());
+    // SAFETY: two pushes fit LUA_MINSTACK; `buf` holds `len` bytes written
+    // by `recv`. The string is copied before `buf` goes back (if the push
+    // fails for memory, LuaJIT unwinds through this frame: `buf` is only
+    // lost, and the cell is empty until the next call fills it again).
+    unsafe {
+        lua::lua_pushnumber(l, f64::from(rc));
+        if data {
+            lua::lua_pushlstring_(l, buf.as_ptr().cast(), len);
+        }
+    }
+    if buf.capacity() <= KEEP_RBUF {
+        RECV_OUT.set(buf);
+    }
+    1 + c_int::from(data)
+}
+
+/// `send(handle, data|nil, flags)` -> code, as [`send`].
+pub(super) unsafe extern "C-unwind" fn l_send(l: *mut lua::lua_State) -> c_int {
+    // SAFETY: called by LuaJIT with its state (the lua_CFunction contract);
+    // `p` is the Lua string on the stack, valid for the call.
+    unsafe {
+        let (h, (p, n), flags) = (num(l, 1), lstr(l, 2), num(l, 3));
+        let rc = send(h, p, n, int_arg(flags));
+        lua::lua_pushnumber(l, f64::from(rc));
+    }
+    1
+}
+
+/// `settimeouts(handle, connect_ms, send_ms, read_ms)` -> 0, or an error
+/// code: the wrapper then calls the checked native, which raises the
+/// error with its message (a bad duration, a socket not this request's).
+pub(super) unsafe extern "C-unwind" fn l_settimeouts(l: *mut lua::lua_State) -> c_int {
+    // SAFETY: called by LuaJIT with its state (the lua_CFunction contract).
+    let (h, c, s, r) = unsafe { (num(l, 1), num(l, 2), num(l, 3), num(l, 4)) };
+    let rc = with_tcp(h, |t| {
+        let ms = |v: f64| match crate::limits::duration_from_ms(v) {
+            Ok(d) if d.is_zero() => Ok(super::DEFAULT_TIMEOUT),
+            Ok(d) => Ok(d),
+            Err(_) => Err(()),
+        };
+        match (ms(c), ms(s), ms(r)) {
+            (Ok(c), Ok(s), Ok(r)) => {
+                t.connect_timeout = c;
+                t.send_timeout = s;
+                t.read_timeout = r;
+                OK
+            }
+            _ => crate::ffi::E_DURATION,
+        }
+    });
+    // SAFETY: one push fits LUA_MINSTACK.
+    unsafe { lua::lua_pushnumber(l, f64::from(rc)) };
+    1
+}
+
+/// `free(handle)`: the anchor's finalizer (frees the socket's slot).
+pub(super) unsafe extern "C-unwind" fn l_free(l: *mut lua::lua_State) -> c_int {
+    // SAFETY: called by LuaJIT with its state (the lua_CFunction contract).
+    let h = unsafe { num(l, 1) };
+    if (0.0..9.007_199_254_740_992e15).contains(&h) {
+        // A panic must not cross into LuaJIT (free_sock is not expected to).
+        let _ = std::panic::catch_unwind(|| super::free_sock(h as u64));
+    }
+    0
+}

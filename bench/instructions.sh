@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# User-space instructions per proxied request, Pier vs nginx, counted by
+# callgrind: a figure that does not move with what else the 2-core machine is
+# doing, unlike the user µs/request of bench/run.sh (±20% per repetition here).
+# Issue 8 targets Pier's user CPU per request ≤ nginx's at 50 connections; this
+# shows where Pier stands and, with KEEP=1, where its instructions go
+# (callgrind_annotate RUN/pier-N2/cg.out*).
+#
+# Each proxy runs with one worker under callgrind in front of the bench's nginx
+# origin; h2load sends exactly N1, then in a second run N2 requests over C
+# keep-alive connections; instructions per request =
+# (Ir(N2) - Ir(N1)) / (N2 - N1), so start-up and shutdown cancel out. Every
+# thread (Pier) or process (nginx: master_process off, the worker is the
+# process) is counted.
+#
+#   bash bench/instructions.sh                 # pier, pier-noanalytics, nginx; N1=2000 N2=12000 C=10
+#   PROXIES=pier PATHS=/4k.bin bash bench/instructions.sh
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+BENCH="$ROOT/bench"
+PIER_BIN="${PIER_BIN:-$ROOT/target/release/pier}"
+N1="${N1:-2000}"
+N2="${N2:-12000}"
+C="${C:-10}"
+PROXIES="${PROXIES:-pier pier-noanalytics nginx}"
+PATHS="${PATHS:-/hello}"
+for t in valgrind callgrind_annotate h2load nginx; do
+  command -v "$t" >/dev/null || { echo "needs $t (apt-get install valgrind nghttp2-client nginx)" >&2; exit 1; }
+done
+[ -x "$PIER_BIN" ] || { echo "no $PIER_BIN: cargo build --release -p pier" >&2; exit 1; }
+RUN="$(mktemp -d /tmp/pier-instr.XXXXXX)"
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; [ "${KEEP:-0}" = 1 ] && echo "kept $RUN" >&2 || rm -rf "$RUN"; }
+trap cleanup EXIT
+port() { python3 "$BENCH/tool.py" port; }
+
+ORIGIN_PORT="$(port)"
+mkdir -p "$RUN/origin/logs/tmp" "$RUN/origin/html"
+sed -e "s/@PORT@/$ORIGIN_PORT/g" "$BENCH/peers/origin/nginx.conf" >"$RUN/origin/nginx.conf"
+nginx -p "$RUN/origin/" -c nginx.conf -e "$RUN/origin/logs/error.log" >/dev/null 2>&1 &
+PIDS+=($!)
+python3 "$BENCH/tool.py" wait-port "$ORIGIN_PORT" 10
+
+# instructions PROXY PATH N: total Ir of one run of PROXY serving N requests for PATH
+instructions() {
+  local proxy="$1" path="$2" n="$3" p; p="$(port)"
+  local dir="$RUN/$proxy-$n${path//\//_}"; mkdir -p "$dir/logs/tmp"
+  local cmd
+  case "$proxy" in
+    pier | pier-noanalytics)
+      sed -e "s/@PORT@/$p/g" -e "s/@ORIGIN@/$ORIGIN_PORT/g" -e 's/^workers = 2/workers = 1/' \
+        "$BENCH/peers/pier/pier.toml" >"$dir/pier.toml"
+      [ "$proxy" = pier-noanalytics ] && printf '\n[analytics]\nenabled = false\n' >>"$dir/pier.toml"
+      cmd=("$PIER_BIN" serve -c "$dir/pier.toml") ;;
+    nginx)
+      sed -e "s/@PORT@/$p/g" -e "s/@ORIGIN@/$ORIGIN_PORT/g" -e 's/^worker_processes 2;/worker_processes 1;/' \
+        -e 's/^master_process on;/master_process off;/' -e 's/ reuseport;/;/' \
+        "$BENCH/peers/nginx-proxy/nginx.conf" >"$dir/nginx.conf"
+      cmd=(nginx -p "$dir/" -c nginx.conf -e "$dir/logs/error.log") ;;
+    *) echo "unknown proxy $proxy" >&2; exit 1 ;;
+  esac
+  valgrind --tool=callgrind --callgrind-out-file="$dir/cg.out" "${cmd[@]}" >"$dir/proxy.log" 2>&1 &
+  local vp=$!
+  python3 "$BENCH/tool.py" wait-port "$p" 120 --pid "$vp"
+  h2load --h1 -n "$n" -c "$C" -t 1 "http://127.0.0.1:$p$path" >"$dir/h2load.log" 2>&1
+  grep -q "succeeded, 0 failed" "$dir/h2load.log" || grep "requests:" "$dir/h2load.log" >&2
+  kill -TERM "$vp"; wait "$vp" || true
+  { callgrind_annotate "$dir"/cg.out* 2>/dev/null || true; } | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }'
+}
+
+printf "%-18s %-8s %14s %14s %12s\n" proxy path "Ir(N1=$N1)" "Ir(N2=$N2)" "Ir/request"
+for path in $PATHS; do
+  for proxy in $PROXIES; do
+    a="$(instructions "$proxy" "$path" "$N1")"; b="$(instructions "$proxy" "$path" "$N2")"
+    printf "%-18s %-8s %14s %14s %12s\n" "$proxy" "$path" "$a" "$b" "$(( (b - a) / (N2 - N1) ))"
+  done
+done

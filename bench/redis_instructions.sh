@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The Redis INCR hook's user-space cost per request in instructions (callgrind), Pier vs
+# OpenResty-style nginx: a count a busy 2-core machine cannot move, unlike the req/CPU-s
+# of bench/redis_incr.sh. Same hook, configs and libraries as redis_incr.sh, one worker
+# each (nginx with master_process off), one local redis-server.
+#
+# Each proxy runs under callgrind twice; h2load sends exactly N1, then N2 requests over C
+# keep-alive connections; instructions per request = (Ir(N2) - Ir(N1)) / (N2 - N1), so
+# start-up and shutdown cancel out. Every thread is counted. Kernel time is not: system
+# CPU is about 60% of either proxy's time in this workload (see BENCHMARKS.md).
+#
+#   bash bench/redis_instructions.sh                 # N1=1000 N2=5000 C=10
+#   C=500 N1=2000 N2=8000 bash bench/redis_instructions.sh
+#   KEEP=1 ...                                       # keep the callgrind files
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+BENCH="$ROOT/bench"
+PIER_BIN="${PIER_BIN:-$ROOT/target/release/pier}"
+PIER_LUA_LIBS="${PIER_LUA_LIBS:-$ROOT/target/lualibs/root/usr/share/lua/5.1}"
+N1="${N1:-1000}"
+N2="${N2:-5000}"
+C="${C:-10}"
+for t in valgrind callgrind_annotate h2load nginx redis-server redis-cli; do
+  command -v "$t" >/dev/null || { echo "needs $t (apt-get install valgrind nghttp2-client nginx redis-server)" >&2; exit 1; }
+done
+[ -x "$PIER_BIN" ] || { echo "no $PIER_BIN: cargo build --release -p pier" >&2; exit 1; }
+[ -f "$PIER_LUA_LIBS/nginx/redis.lua" ] || { echo "no lua-resty-redis in $PIER_LUA_LIBS (run bench/redis_incr.sh once, or .ci/run)" >&2; exit 1; }
+[ -e /usr/lib/nginx/modules/ngx_http_lua_module.so ] || { echo "needs libnginx-mod-http-lua" >&2; exit 1; }
+RUN="$(mktemp -d /tmp/pier-rinstr.XXXXXX)"
+chmod 755 "$RUN"
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; [ "${KEEP:-0}" = 1 ] && echo "kept $RUN" >&2 || rm -rf "$RUN"; }
+trap cleanup EXIT
+port() { python3 "$BENCH/tool.py" port; }
+
+REDIS_PORT="$(port)"
+redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --daemonize no >"$RUN/redis.log" 2>&1 &
+PIDS+=($!)
+python3 "$BENCH/tool.py" wait-port "$REDIS_PORT" 10
+sed -e "s/@REDIS@/$REDIS_PORT/g" "$BENCH/peers/redis/incr.lua" >"$RUN/incr.lua"
+chmod 644 "$RUN/incr.lua"
+
+# instructions PROXY N: total Ir of one run serving N requests
+instructions() {
+  local proxy="$1" n="$2" p; p="$(port)"
+  local dir="$RUN/$proxy-$n"; mkdir -p "$dir/logs/tmp"; chmod -R 755 "$dir"
+  local t=(-e "s/@PORT@/$p/g" -e "s|@LUALIBS@|$PIER_LUA_LIBS|g" -e "s|@HOOK@|$RUN/incr.lua|g")
+  local cmd
+  if [ "$proxy" = pier ]; then
+    sed "${t[@]}" -e 's/^workers = 2/workers = 1/' "$BENCH/peers/redis/pier.toml" >"$dir/pier.toml"
+    cmd=("$PIER_BIN" serve -c "$dir/pier.toml")
+  else
+    sed "${t[@]}" -e 's/^worker_processes 2/worker_processes 1/' -e 's/^master_process on/master_process off/' \
+      "$BENCH/peers/redis/nginx.conf" >"$dir/nginx.conf"
+    cmd=(nginx -p "$dir/" -c nginx.conf -e "$dir/logs/error.log")
+  fi
+  valgrind --tool=callgrind --callgrind-out-file="$dir/cg.out" "${cmd[@]}" >"$dir/proxy.log" 2>&1 &
+  local vp=$!
+  python3 "$BENCH/tool.py" wait-port "$p" 120 --pid "$vp"
+  redis-cli -p "$REDIS_PORT" SET hits 0 >/dev/null
+  h2load --h1 -n "$n" -c "$C" -t 1 "http://127.0.0.1:$p/" >"$dir/h2load.log" 2>&1
+  grep -q "succeeded, 0 failed" "$dir/h2load.log" || grep "requests:" "$dir/h2load.log" >&2
+  local hits; hits="$(redis-cli -p "$REDIS_PORT" GET hits)"
+  [ "$hits" = "$n" ] || echo "$proxy: redis counted $hits INCRs for $n requests" >&2
+  kill -TERM "$vp"; wait "$vp" || true
+  { callgrind_annotate "$dir"/cg.out* 2>/dev/null || true; } | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }'
+}
+
+printf "%-8s %14s %14s %12s   (C=%s connections)\n" "proxy" "Ir(N1=$N1)" "Ir(N2=$N2)" "Ir/request" "$C"
+declare -A PER
+for proxy in ${PROXIES:-pier nginx}; do
+  a="$(instructions "$proxy" "$N1")"; b="$(instructions "$proxy" "$N2")"
+  PER[$proxy]=$(( (b - a) / (N2 - N1) ))
+  printf "%-8s %14s %14s %12s\n" "$proxy" "$a" "$b" "${PER[$proxy]}"
+done
+[ -n "${PER[pier]:-}" ] && [ -n "${PER[nginx]:-}" ] && python3 -c "p, n = ${PER[pier]}, ${PER[nginx]}; print(f'Pier / nginx: {p / n:.2f}x the instructions per request')"
