@@ -126,13 +126,23 @@ fn a_corrupted_disk_file_is_dropped_and_refetched() {
     let o = Origin::start();
     let cfg = disk_config(o.addr(), "16m", &cache_dir);
     let p = pier(&cfg);
-    for _ in 0..3 {
+    // Hits until it is promoted: a request that arrives while the first
+    // fill is still being stored waits behind it (coalesced, not a hit), so
+    // the count of requests this takes is not fixed on a loaded machine.
+    let mut promoted = false;
+    for _ in 0..20 {
         get_ok(&p, "/bytes/30000", 30_000);
+        if metric(&p, "pier_cache_promotions_total{zone=\"main\"}") >= 1.0 {
+            promoted = true;
+            break;
+        }
     }
+    assert!(promoted, "promoted after repeated hits");
     assert_eq!(
         wait_metric(&p, "pier_cache_disk_writes_total{zone=\"main\"}", 1.0),
         Some(1.0)
     );
+    let fetched = o.requests();
     drop(p);
     let files = disk_files(&cache_dir);
     assert_eq!(files.len(), 1, "{files:?}");
@@ -148,7 +158,7 @@ fn a_corrupted_disk_file_is_dropped_and_refetched() {
     );
     let r = get_ok(&p, "/bytes/30000", 30_000);
     assert_eq!(r.header("cache-status"), Some("pier; fwd=miss; stored"));
-    assert_eq!(o.requests(), 2, "refetched from the origin");
+    assert_eq!(o.requests(), fetched + 1, "refetched from the origin");
     assert_eq!(
         metric(&p, "pier_cache_disk_corrupt_total{zone=\"main\"}"),
         1.0
@@ -164,7 +174,7 @@ fn a_corrupted_disk_file_is_dropped_and_refetched() {
     // And served from memory after that.
     let r = get_ok(&p, "/bytes/30000", 30_000);
     assert!(r.header("cache-status").unwrap().starts_with("pier; hit"));
-    assert_eq!(o.requests(), 2);
+    assert_eq!(o.requests(), fetched + 1);
 }
 
 /// Quick mode with a disk tier.

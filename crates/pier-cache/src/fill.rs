@@ -56,9 +56,14 @@ struct State {
 /// One fill's shared state.
 pub struct FillBuf {
     state: Mutex<State>,
-    /// Bumped at every change; followers wait on it.
-    tx: watch::Sender<u64>,
+    /// Bumped at every change; followers wait on it. Made by the first
+    /// follower: most fills have none, and the channel is the costliest
+    /// part of a fill to make and to drop.
+    tx: std::sync::OnceLock<watch::Sender<u64>>,
     max: usize,
+    /// The key filled (empty for a private fill): the zone's table of
+    /// fills finds entries by it, so it is held once.
+    key: Box<[u8]>,
 }
 
 /// What a follower found when the head was due.
@@ -84,15 +89,32 @@ pub enum Piece {
 impl FillBuf {
     /// A fill keeping at most `max` bytes.
     pub fn new(max: usize) -> Arc<FillBuf> {
+        Self::keyed(&[], max)
+    }
+
+    /// A fill of `key` keeping at most `max` bytes.
+    pub fn keyed(key: &[u8], max: usize) -> Arc<FillBuf> {
         Arc::new(FillBuf {
             state: Mutex::new(State::default()),
-            tx: watch::channel(0).0,
+            tx: std::sync::OnceLock::new(),
             max,
+            key: key.into(),
         })
     }
 
+    /// The key filled.
+    pub fn key(&self) -> &[u8] {
+        &self.key
+    }
+
+    /// Wake the followers. Skipped when none is subscribed (the usual
+    /// miss): a reader subscribes before it looks at the state, and the
+    /// state is changed (under its lock) before this runs, so a reader
+    /// that subscribes later sees the change itself.
     fn changed(&self) {
-        self.tx.send_modify(|v| *v = v.wrapping_add(1));
+        if let Some(tx) = self.tx.get().filter(|tx| tx.receiver_count() > 0) {
+            tx.send_modify(|v| *v = v.wrapping_add(1));
+        }
     }
 
     /// The leader: the response will be stored; followers may stream it.
@@ -140,18 +162,25 @@ impl FillBuf {
         s.chunks = Vec::new();
     }
 
-    /// The leader: the body is complete; its pieces (the caller stores
-    /// them). Followers still reading keep their own references.
-    pub fn finish(&self) -> Vec<Bytes> {
+    /// The leader: the body is complete; its pieces and the published
+    /// head (the caller stores them). Followers still reading keep their
+    /// own references; when none holds the head (followers get it only
+    /// under the lock, and none can once it is taken here), the pieces are
+    /// handed over rather than copied.
+    pub fn finish(&self) -> (Vec<Bytes>, Option<Arc<FillHead>>) {
         let mut s = self.state.lock();
         if s.end.is_some() {
-            return Vec::new();
+            return (Vec::new(), None);
         }
         s.end = Some(true);
-        let chunks = s.chunks.clone();
+        let head = s.head.take();
+        let chunks = match &head {
+            Some(h) if Arc::strong_count(h) == 1 => std::mem::take(&mut s.chunks),
+            _ => s.chunks.clone(),
+        };
         drop(s);
         self.changed();
-        chunks
+        (chunks, head)
     }
 
     /// The fill ended without completing (the leader went away).
@@ -171,7 +200,7 @@ impl FillBuf {
 
     /// A follower: wait up to `limit` for the head.
     pub async fn wait_head(&self, limit: Duration) -> HeadWait {
-        let mut rx = self.tx.subscribe();
+        let mut rx = self.subscribe();
         let r = tokio::time::timeout(limit, async {
             loop {
                 {
@@ -197,7 +226,7 @@ impl FillBuf {
 
     /// A follower: wait up to `limit` for the fill to end. False: timed out.
     pub async fn wait_end(&self, limit: Duration) -> bool {
-        let mut rx = self.tx.subscribe();
+        let mut rx = self.subscribe();
         tokio::time::timeout(limit, async {
             loop {
                 {
@@ -230,7 +259,7 @@ impl FillBuf {
 
     /// Wakes when anything changes (for a reader that got `Piece::Wait`).
     pub fn subscribe(&self) -> watch::Receiver<u64> {
-        self.tx.subscribe()
+        self.tx.get_or_init(|| watch::channel(0).0).subscribe()
     }
 }
 
@@ -279,7 +308,7 @@ mod tests {
             assert!(f.push(p));
             tokio::task::yield_now().await;
         }
-        assert_eq!(f.finish().concat(), b"abcde");
+        assert_eq!(f.finish().0.concat(), b"abcde");
         assert_eq!(reader.await.unwrap(), b"abcde");
         // Past `max`: cut, nothing held.
         let g = FillBuf::new(4);

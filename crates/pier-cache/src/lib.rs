@@ -23,7 +23,7 @@ use memory::{Memory, Slot};
 use parking_lot::Mutex;
 use pier_http::Headers;
 use policy::CacheControl;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
@@ -94,7 +94,7 @@ fn normalize(name: &[u8], v: Option<&[u8]>) -> Option<Vec<u8>> {
 /// The request values for a response's Vary fields.
 pub fn vary_of(resp: &Headers, req: &Headers) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
     let mut out = Vec::new();
-    for v in resp.get_all(b"vary") {
+    for v in resp.get_all_known(pier_http::known::VARY) {
         for name in v.split(|&c| c == b',') {
             let name = name.trim_ascii().to_ascii_lowercase();
             if !name.is_empty() && !out.iter().any(|(n, _)| *n == name) {
@@ -140,14 +140,38 @@ pub enum Fill {
 /// Held by the request filling a key; dropping it wakes the waiters.
 pub struct FillGuard {
     zone: Arc<Zone>,
-    key: Vec<u8>,
-    /// What the fill publishes for its followers (`fill.rs`).
+    /// What the fill publishes for its followers (`fill.rs`); holds the key.
     pub buf: Arc<fill::FillBuf>,
 }
 
+/// A zone's fill in flight, found in the zone's table by its key (which
+/// the `FillBuf` holds: no second copy per miss).
+struct FillEntry(Arc<fill::FillBuf>);
+
+impl std::borrow::Borrow<[u8]> for FillEntry {
+    fn borrow(&self) -> &[u8] {
+        self.0.key()
+    }
+}
+
+impl std::hash::Hash for FillEntry {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        // As `[u8]` hashes: `Borrow` requires it.
+        self.0.key().hash(h)
+    }
+}
+
+impl PartialEq for FillEntry {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.key() == other.0.key()
+    }
+}
+
+impl Eq for FillEntry {}
+
 impl Drop for FillGuard {
     fn drop(&mut self) {
-        self.zone.fills.lock().remove(&self.key);
+        self.zone.fills.lock().remove(self.buf.key());
         // Followers still waiting look again.
         self.buf.close();
     }
@@ -164,7 +188,7 @@ impl FillGuard {
                 h.clear();
             }
         }
-        h.insert(self.key.clone(), now + for_secs);
+        h.insert(self.buf.key().to_vec(), now + for_secs);
     }
 }
 
@@ -177,8 +201,9 @@ pub struct Zone {
     pub max_object: usize,
     mem: Mutex<Memory>,
     disk: Option<Disk>,
-    fills: Mutex<HashMap<Vec<u8>, Arc<fill::FillBuf>>>,
-    hit_for_miss: Mutex<HashMap<Vec<u8>, u64>>,
+    /// Both looked up on every miss: foldhash (randomly seeded), not SipHash.
+    fills: Mutex<HashSet<FillEntry, foldhash::fast::RandomState>>,
+    hit_for_miss: Mutex<HashMap<Vec<u8>, u64, foldhash::fast::RandomState>>,
     pub stats: Arc<Stats>,
     /// Tag → keys (`Surrogate-Key`, `Cache-Tag`), for purges by tag.
     pub tags: tags::TagIndex,
@@ -209,8 +234,8 @@ impl Zone {
             max_object: max_object.min(max_bytes),
             mem: Mutex::new(Memory::new(max_bytes)),
             disk,
-            fills: Mutex::new(HashMap::new()),
-            hit_for_miss: Mutex::new(HashMap::new()),
+            fills: Mutex::new(HashSet::default()),
+            hit_for_miss: Mutex::new(HashMap::default()),
             stats,
             // About 100 bytes a pair: bounded to ~1/8 of the zone's bytes.
             tags: tags::TagIndex::new((max_bytes / 800).clamp(1024, 4_000_000)),
@@ -353,23 +378,24 @@ impl Zone {
     pub fn fill(self: &Arc<Self>, key: &[u8], now: u64) -> Fill {
         {
             let mut h = self.hit_for_miss.lock();
-            match h.get(key) {
-                Some(&until) if until > now => return Fill::Pass,
-                Some(_) => {
-                    h.remove(key);
+            if !h.is_empty() {
+                match h.get(key) {
+                    Some(&until) if until > now => return Fill::Pass,
+                    Some(_) => {
+                        h.remove(key);
+                    }
+                    None => {}
                 }
-                None => {}
             }
         }
         let mut fills = self.fills.lock();
-        if let Some(buf) = fills.get(key) {
+        if let Some(FillEntry(buf)) = fills.get(key) {
             return Fill::Follower(buf.clone());
         }
-        let buf = fill::FillBuf::new(self.max_object);
-        fills.insert(key.to_vec(), buf.clone());
+        let buf = fill::FillBuf::keyed(key, self.max_object);
+        fills.insert(FillEntry(buf.clone()));
         Fill::Leader(FillGuard {
             zone: self.clone(),
-            key: key.to_vec(),
             buf,
         })
     }
@@ -426,7 +452,9 @@ pub fn key(scheme: &str, host: &[u8], target: &[u8]) -> Vec<u8> {
         "https" => host.strip_suffix(b":443").unwrap_or(host),
         _ => host,
     };
-    k.extend(host.iter().map(|c| c.to_ascii_lowercase()));
+    let at = k.len();
+    k.extend_from_slice(host);
+    k[at..].make_ascii_lowercase();
     k.extend_from_slice(target);
     k
 }

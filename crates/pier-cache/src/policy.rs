@@ -2,7 +2,7 @@
 //! stored response is, and whether a request may be served from it.
 //! Times are integer Unix seconds.
 
-use pier_http::Headers;
+use pier_http::{known, Headers};
 
 /// Cache-Control directives Pier acts on (request or response).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -25,48 +25,70 @@ pub struct CacheControl {
 }
 
 fn seconds(v: &str) -> Option<u64> {
-    let v = v.trim().trim_matches('"');
-    if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+    seconds_of(v.as_bytes())
+}
+
+/// A delta-seconds value (quotes tolerated), without a str round trip.
+fn seconds_of(v: &[u8]) -> Option<u64> {
+    let mut v = v.trim_ascii();
+    while let [b'"', rest @ ..] = v {
+        v = rest;
+    }
+    while let [rest @ .., b'"'] = v {
+        v = rest;
+    }
+    if v.is_empty() || !v.iter().all(u8::is_ascii_digit) {
         return None;
     }
     // Overflow means "a very long time" (RFC 9111 §1.2.2).
-    Some(v.parse::<u64>().unwrap_or(u64::MAX >> 2).min(1 << 40))
+    let n = v.iter().try_fold(0u64, |n, &d| {
+        n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+    });
+    Some(n.unwrap_or(u64::MAX >> 2).min(1 << 40))
 }
 
 impl CacheControl {
     pub fn parse(h: &Headers) -> CacheControl {
         let mut c = CacheControl::default();
-        for v in h.get_all(b"cache-control") {
-            let Ok(v) = std::str::from_utf8(v) else {
-                continue;
-            };
-            for d in v.split(',') {
-                let (k, val) = match d.split_once('=') {
-                    Some((k, v)) => (k.trim(), Some(v)),
-                    None => (d.trim(), None),
+        for v in h.get_all_known(known::CACHE_CONTROL) {
+            for d in v.split(|&b| b == b',') {
+                let (k, val) = match d.iter().position(|&b| b == b'=') {
+                    Some(i) => (d[..i].trim_ascii(), Some(&d[i + 1..])),
+                    None => (d.trim_ascii(), None),
                 };
-                match k.to_ascii_lowercase().as_str() {
-                    "no-store" => c.no_store = true,
+                // Bytes compared in place, no lower-cased copy: this runs
+                // on every lookup and every miss.
+                let is = |name: &str| k.eq_ignore_ascii_case(name.as_bytes());
+                if is("max-age") {
+                    // A malformed max-age makes the response stale.
+                    c.max_age = Some(val.and_then(seconds_of).unwrap_or(0));
+                } else if is("no-store") {
+                    c.no_store = true;
+                } else if is("no-cache") {
                     // `no-cache="field"` only restricts fields: treat as no-cache.
-                    "no-cache" => c.no_cache = true,
-                    "private" => c.private = true,
-                    "public" => c.public = true,
-                    "must-revalidate" => c.must_revalidate = true,
-                    "proxy-revalidate" => c.proxy_revalidate = true,
-                    "immutable" => c.immutable = true,
-                    "only-if-cached" => c.only_if_cached = true,
-                    "max-age" => {
-                        // A malformed max-age makes the response stale.
-                        c.max_age = Some(val.and_then(seconds).unwrap_or(0))
-                    }
-                    "s-maxage" => c.s_maxage = Some(val.and_then(seconds).unwrap_or(0)),
-                    "min-fresh" => c.min_fresh = val.and_then(seconds),
-                    "max-stale" => {
-                        c.max_stale = Some(val.and_then(seconds).unwrap_or(u64::MAX >> 2))
-                    }
-                    "stale-while-revalidate" => c.stale_while_revalidate = val.and_then(seconds),
-                    "stale-if-error" => c.stale_if_error = val.and_then(seconds),
-                    _ => {}
+                    c.no_cache = true;
+                } else if is("private") {
+                    c.private = true;
+                } else if is("public") {
+                    c.public = true;
+                } else if is("must-revalidate") {
+                    c.must_revalidate = true;
+                } else if is("proxy-revalidate") {
+                    c.proxy_revalidate = true;
+                } else if is("immutable") {
+                    c.immutable = true;
+                } else if is("only-if-cached") {
+                    c.only_if_cached = true;
+                } else if is("s-maxage") {
+                    c.s_maxage = Some(val.and_then(seconds_of).unwrap_or(0));
+                } else if is("min-fresh") {
+                    c.min_fresh = val.and_then(seconds_of);
+                } else if is("max-stale") {
+                    c.max_stale = Some(val.and_then(seconds_of).unwrap_or(u64::MAX >> 2));
+                } else if is("stale-while-revalidate") {
+                    c.stale_while_revalidate = val.and_then(seconds_of);
+                } else if is("stale-if-error") {
+                    c.stale_if_error = val.and_then(seconds_of);
                 }
             }
         }
@@ -90,7 +112,7 @@ pub struct Surrogate {
 impl Surrogate {
     pub fn parse(h: &Headers) -> Surrogate {
         let mut s = Surrogate::default();
-        for v in h.get_all(b"surrogate-control") {
+        for v in fields(h, b"surrogate-control") {
             let Ok(v) = std::str::from_utf8(v) else {
                 continue;
             };
@@ -120,7 +142,7 @@ impl Surrogate {
 /// only. Anything else (a list, a sign, a fraction, a parameter) makes the
 /// response count as very old, i.e. stale: safer than guessing.
 pub fn age_field(h: &Headers) -> u64 {
-    let mut it = h.get_all(b"age");
+    let mut it = h.get_all_known(known::AGE);
     let Some(v) = it.next() else {
         return 0;
     };
@@ -140,11 +162,45 @@ pub fn age_field(h: &Headers) -> u64 {
 
 /// An HTTP date as Unix seconds.
 pub fn http_date(v: &[u8]) -> Option<u64> {
+    // Every stored miss parses its Date, which changes once a second: the
+    // last value parsed on this thread answers again without a parse.
+    thread_local! {
+        static LAST: std::cell::Cell<([u8; 32], u8, Option<u64>)> =
+            const { std::cell::Cell::new(([0; 32], u8::MAX, None)) };
+    }
+    let (buf, len, t) = LAST.get();
+    if usize::from(len) == v.len() && buf[..v.len()] == *v {
+        return t;
+    }
+    let t = parse_http_date(v);
+    if v.len() <= 32 {
+        let mut b = [0; 32];
+        b[..v.len()].copy_from_slice(v);
+        LAST.set((b, v.len() as u8, t));
+    }
+    t
+}
+
+fn parse_http_date(v: &[u8]) -> Option<u64> {
     let s = std::str::from_utf8(v).ok()?;
     let t = httpdate::parse_http_date(s.trim()).ok()?;
     t.duration_since(std::time::UNIX_EPOCH)
         .ok()
         .map(|d| d.as_secs())
+}
+
+/// Every value of a field that is not one of `pier_http::known`'s (those
+/// are read by slot: `get_known`).
+pub fn fields<'a>(h: &'a Headers, name: &'a [u8]) -> impl Iterator<Item = &'a [u8]> + 'a {
+    debug_assert_eq!(known::lookup(name), known::UNKNOWN);
+    // `get_all` compares names of unknown entries only; the known-name
+    // lookup it makes first is a few word compares.
+    h.get_all(name)
+}
+
+/// The first value of such a field.
+pub fn field<'a>(h: &'a Headers, name: &'a [u8]) -> Option<&'a [u8]> {
+    fields(h, name).next()
 }
 
 /// Statuses cacheable by default, heuristically (RFC 9110 §15.1).
@@ -210,6 +266,32 @@ pub fn storable(
     now: u64,
     policy: &StorePolicy,
 ) -> Result<u64, NotStored> {
+    let cc = CacheControl::parse(resp);
+    storable_with(
+        req_method_get_or_head,
+        req_cc,
+        req_has_authorization,
+        status,
+        resp,
+        &cc,
+        now,
+        policy,
+    )
+}
+
+/// `storable` with the response's Cache-Control already parsed (`cc`, of
+/// `resp`): the fill keeps it for the stored object instead of parsing twice.
+#[allow(clippy::too_many_arguments)]
+pub fn storable_with(
+    req_method_get_or_head: bool,
+    req_cc: &CacheControl,
+    req_has_authorization: bool,
+    status: u16,
+    resp: &Headers,
+    cc: &CacheControl,
+    now: u64,
+    policy: &StorePolicy,
+) -> Result<u64, NotStored> {
     if !req_method_get_or_head {
         return Err(NotStored::Method);
     }
@@ -221,7 +303,6 @@ pub fn storable(
     if !understood(status) {
         return Err(NotStored::Status);
     }
-    let cc = CacheControl::parse(resp);
     if req_cc.no_store {
         return Err(NotStored::NoStore);
     }
@@ -238,7 +319,7 @@ pub fn storable(
         return Err(NotStored::Private);
     }
     if resp
-        .get_all(b"vary")
+        .get_all_known(known::VARY)
         .any(|v| v.split(|&c| c == b',').any(|t| t.trim_ascii() == b"*"))
     {
         return Err(NotStored::VaryStar);
@@ -249,7 +330,7 @@ pub fn storable(
         return Err(NotStored::Authorization);
     }
     // A Set-Cookie would hand one client's cookie to every client.
-    if resp.get(b"set-cookie").is_some() && !cc.public {
+    if resp.has_known(known::SET_COOKIE) && !cc.public {
         return Err(NotStored::SetCookie);
     }
     if policy.override_origin {
@@ -263,17 +344,23 @@ pub fn storable(
     if let Some(s) = cc.s_maxage.or(cc.max_age) {
         return Ok(s);
     }
-    if let Some(exp) = resp.get(b"expires") {
+    if let Some(exp) = field(resp, b"expires") {
         // An invalid Expires (e.g. "0") means already expired.
-        let date = resp.get(b"date").and_then(http_date).unwrap_or(now);
+        let date = resp
+            .get_known(known::DATE)
+            .and_then(http_date)
+            .unwrap_or(now);
         return Ok(http_date(exp).map(|e| e.saturating_sub(date)).unwrap_or(0));
     }
     if let Some(t) = policy.ttl_for(status) {
         return Ok(t);
     }
     if cc.no_cache || cc.public || heuristically_cacheable(status) {
-        if let Some(lm) = resp.get(b"last-modified").and_then(http_date) {
-            let date = resp.get(b"date").and_then(http_date).unwrap_or(now);
+        if let Some(lm) = resp.get_known(known::LAST_MODIFIED).and_then(http_date) {
+            let date = resp
+                .get_known(known::DATE)
+                .and_then(http_date)
+                .unwrap_or(now);
             let age = date.saturating_sub(lm) as f64;
             return Ok(((age * policy.heuristic_fraction) as u64).min(policy.heuristic_max));
         }

@@ -644,6 +644,9 @@ pub struct Limits {
     pub max_uri_bytes: usize,
     /// 0 = unlimited.
     pub max_body_bytes: u64,
+    /// Largest request body a hook may read into memory
+    /// (`ngx.req.read_body`); larger gets 413.
+    pub max_buffered_body_bytes: u64,
     pub max_connections: usize,
     /// Bytes per second a client must sustain while sending a request body,
     /// checked after its first 10 s (0 = off).

@@ -77,6 +77,7 @@ pub struct LimitsSection {
     pub max_headers: Option<Spanned<i64>>,
     pub max_uri_bytes: Option<Spanned<SizeValue>>,
     pub max_body_bytes: Option<Spanned<SizeValue>>,
+    pub max_buffered_body_bytes: Option<Spanned<SizeValue>>,
     pub max_connections: Option<Spanned<i64>>,
     pub body_min_rate: Option<Spanned<SizeValue>>,
     pub max_connections_per_ip: Option<Spanned<i64>>,

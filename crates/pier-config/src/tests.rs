@@ -2529,3 +2529,17 @@ fn cache_zone_disk_tier_keys() {
     assert!(errs.iter().any(|e| e.contains("disk_queue")), "{errs:?}");
     assert!(errs.iter().any(|e| e.contains("disk_min_ttl")), "{errs:?}");
 }
+
+#[test]
+fn max_buffered_body_bytes() {
+    assert_eq!(ok(BASE).limits.max_buffered_body_bytes, 1024 * 1024);
+    let c = ok(&format!(
+        "{BASE}[limits]\nmax_buffered_body_bytes = \"8m\"\n"
+    ));
+    assert_eq!(c.limits.max_buffered_body_bytes, 8 * 1024 * 1024);
+    one_error(
+        &format!("{BASE}[limits]\nmax_buffered_body_bytes = 100\n"),
+        "9:27",
+        "at least 1024 bytes",
+    );
+}

@@ -25,6 +25,7 @@ impl Default for Limits {
             max_headers: 100,
             max_uri_bytes: 8 * 1024,
             max_body_bytes: 0,
+            max_buffered_body_bytes: 1024 * 1024,
             max_connections: 10_000,
             body_min_rate: 0,
             max_connections_per_ip: 0,
@@ -694,6 +695,12 @@ fn limits(c: &mut Check, l: LimitsSection) -> Limits {
             16,
         ) as usize,
         max_body_bytes: c.size(&l.max_body_bytes, "max_body_bytes", d.max_body_bytes, 0),
+        max_buffered_body_bytes: c.size(
+            &l.max_buffered_body_bytes,
+            "max_buffered_body_bytes",
+            d.max_buffered_body_bytes,
+            1024,
+        ),
         max_connections: c.int(
             &l.max_connections,
             "max_connections",

@@ -1,6 +1,7 @@
 //! The proxy's side of the contract: one request/response as the hooks see it.
 
 use std::net::SocketAddr;
+use std::task::{Context, Poll};
 
 /// A request (and, from `header_filter` on, its response) as seen by Lua.
 ///
@@ -49,6 +50,38 @@ pub trait HttpView {
     fn host(&self) -> &[u8];
     /// The local port the request arrived on.
     fn server_port(&self) -> u16;
+
+    /// `ngx.req.read_body`: `Ready` once the request body is in memory, or
+    /// at once when there is none or this view can't read one. Pending
+    /// while the proxy reads it (`cx`'s waker is woken when it is in); a
+    /// body that can't be read ends the hook (the proxy answers 413, 408…).
+    fn poll_read_body(&mut self, _cx: &mut Context<'_>) -> Poll<()> {
+        Poll::Ready(())
+    }
+    /// The body [`poll_read_body`](Self::poll_read_body) read; None before,
+    /// or when there is none.
+    fn req_body(&self) -> Option<&[u8]> {
+        None
+    }
+    /// `ngx.req.raw_header`: the request head as received, in HTTP/1 form
+    /// (an HTTP/2 request's is rebuilt), appended to `out`; without the
+    /// request line when `no_request_line`. The default rebuilds it from
+    /// this view.
+    fn raw_header(&self, no_request_line: bool, out: &mut Vec<u8>) {
+        if !no_request_line {
+            out.extend_from_slice(self.method());
+            out.push(b' ');
+            out.extend_from_slice(self.uri());
+            out.extend_from_slice(b" HTTP/1.1\r\n");
+        }
+        self.req_headers(&mut |n, v| {
+            out.extend_from_slice(n);
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(v);
+            out.extend_from_slice(b"\r\n");
+        });
+        out.extend_from_slice(b"\r\n");
+    }
 
     // === response ===
     /// The response status; 0 before a response exists.

@@ -38,6 +38,8 @@ pub struct ConfigCtx {
     engine: Option<Rc<LuaEngine>>,
     /// `pier.cache` controls (boxed: most requests set none).
     cache: Option<Box<pier_proxy::CacheCtl>>,
+    /// The request body when a hook reads it (`ngx.req.read_body`).
+    body: pier_proxy::ReqBody,
 }
 
 impl ConfigPhases {
@@ -266,6 +268,7 @@ impl Phases for ConfigPhases {
                 resp: None,
                 pending: &mut ctx.pending,
                 cache: &mut ctx.cache,
+                body: &ctx.body,
             };
             let flow = match phase {
                 Phase::Access => e.access(route, &mut v, lctx).await,
@@ -305,6 +308,7 @@ impl Phases for ConfigPhases {
             resp: None,
             pending: &mut ctx.pending,
             cache: &mut ctx.cache,
+            body: &ctx.body,
         };
         let c = e.balancer(route, &mut v, lctx).await.map_err(hook_error)?;
         Ok(PeerChoice {
@@ -347,6 +351,7 @@ impl Phases for ConfigPhases {
             resp: None,
             pending: &mut ctx.pending,
             cache: &mut ctx.cache,
+            body: &ctx.body,
         };
         match e
             .upstream_request(route, &mut v, lctx)
@@ -389,12 +394,27 @@ impl Phases for ConfigPhases {
             resp: Some(resp),
             pending: &mut ctx.pending,
             cache: &mut ctx.cache,
+            body: &ctx.body,
         };
         e.header_filter(route, &mut v, lctx).map_err(hook_error)
     }
 
     fn cache_ctl<'a>(&self, ctx: &'a mut ConfigCtx) -> Option<&'a mut pier_proxy::CacheCtl> {
         ctx.cache.as_deref_mut()
+    }
+
+    /// Routes with an `access` or `content` hook may read the body.
+    fn req_body<'a>(
+        &self,
+        st: &State,
+        s: &Session,
+        ctx: &'a mut ConfigCtx,
+    ) -> Option<&'a mut pier_proxy::ReqBody> {
+        let hooked = ctx.body.is_armed()
+            || [Phase::Access, Phase::Content]
+                .into_iter()
+                .any(|p| matches!(self.hook(st, s, ctx, p), Ok(Some(_))));
+        hooked.then_some(&mut ctx.body)
     }
 
     fn filters_local(&self, st: &State, s: &Session) -> bool {
@@ -430,6 +450,7 @@ impl Phases for ConfigPhases {
             resp: None,
             pending: &mut ctx.pending,
             cache: &mut ctx.cache,
+            body: &ctx.body,
         };
         e.body_filter(route, &mut v, lctx, chunk, eof)
             .map_err(hook_error)
@@ -445,6 +466,7 @@ impl Phases for ConfigPhases {
                 resp: None,
                 pending: &mut ctx.pending,
                 cache: &mut ctx.cache,
+                body: &ctx.body,
             };
             e.log(route, &mut v, lctx);
         }
@@ -460,6 +482,7 @@ struct View<'a> {
     pending: &'a mut Headers,
     /// `pier.cache`'s controls, made on first use.
     cache: &'a mut Option<Box<pier_proxy::CacheCtl>>,
+    body: &'a pier_proxy::ReqBody,
 }
 
 impl HttpView for View<'_> {
@@ -483,6 +506,34 @@ impl HttpView for View<'_> {
         for (n, v) in self.sess.up_req.headers.iter() {
             f(n, v);
         }
+    }
+    fn poll_read_body(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        self.body.poll_read(cx)
+    }
+    fn req_body(&self) -> Option<&[u8]> {
+        self.body.data()
+    }
+    /// The head as the client sent it (before hooks and header rules), in
+    /// HTTP/1 form; an HTTP/2 request's says `HTTP/2.0`.
+    fn raw_header(&self, no_request_line: bool, out: &mut Vec<u8>) {
+        let req = &self.sess.req;
+        if !no_request_line {
+            out.extend_from_slice(req.method());
+            out.push(b' ');
+            out.extend_from_slice(req.uri());
+            out.extend_from_slice(match (self.sess.conn.h2, req.version) {
+                (true, _) => b" HTTP/2.0\r\n",
+                (false, 0) => b" HTTP/1.0\r\n",
+                _ => b" HTTP/1.1\r\n",
+            });
+        }
+        for (n, v) in req.headers.iter() {
+            out.extend_from_slice(n);
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(v);
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
     }
     fn set_req_header(&mut self, name: &[u8], value: Option<&[u8]>) {
         match value {

@@ -14,6 +14,7 @@ use pier_cache::policy::{self, CacheControl, StorePolicy, Use};
 use pier_cache::{Fill, FillGuard, Object, Zone};
 use pier_error::Error;
 use pier_http::{known, Headers, Method, ResponseHead};
+use std::io::Write as _;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
@@ -32,7 +33,43 @@ pub struct CacheFill {
     hit_for_miss: u64,
     /// The route's `grace`, seconds.
     grace: u64,
+    /// The request's fields (Vary values, answers from the stale object):
+    /// a copy into storage taken from `HEADER_POOL`, returned on drop.
     req_headers: Headers,
+}
+
+thread_local! {
+    /// Header maps reused by fills for their copy of the request's fields,
+    /// so that a miss allocates none once warm. Bounded: `POOL_MAX` maps
+    /// of at most `POOL_BYTES` each per worker thread.
+    static HEADER_POOL: std::cell::RefCell<Vec<Headers>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+const POOL_MAX: usize = 64;
+const POOL_BYTES: usize = 8 << 10;
+
+fn pooled_copy(h: &Headers) -> Headers {
+    let mut c = HEADER_POOL
+        .try_with(|p| p.borrow_mut().pop())
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    c.copy_from(h);
+    c
+}
+
+impl Drop for CacheFill {
+    fn drop(&mut self) {
+        let h = std::mem::take(&mut self.req_headers);
+        if h.capacity_bytes() <= POOL_BYTES {
+            // `try_with`: a fill dropped while its thread ends just frees.
+            let _ = HEADER_POOL.try_with(|p| {
+                let mut p = p.borrow_mut();
+                if p.len() < POOL_MAX {
+                    p.push(h);
+                }
+            });
+        }
+    }
 }
 
 /// What the lookup decided.
@@ -48,11 +85,8 @@ pub enum Lookup {
 fn req_cc(sess: &Session) -> CacheControl {
     let mut cc = CacheControl::parse(&sess.req.headers);
     // Pragma: no-cache counts when there is no Cache-Control (RFC 9111 §5.4).
-    if sess.req.headers.get(b"cache-control").is_none()
-        && sess
-            .req
-            .headers
-            .get(b"pragma")
+    if !sess.req.headers.has_known(known::CACHE_CONTROL)
+        && policy::field(&sess.req.headers, b"pragma")
             .is_some_and(|p| p.eq_ignore_ascii_case(b"no-cache"))
     {
         cc.no_cache = true;
@@ -85,8 +119,9 @@ pub async fn lookup(
     }
     // Pier's own refresh (stale-while-revalidate) goes to the origin even
     // though a stale object may serve: `refresh` tells it apart.
-    let refresh = sess.req.headers.get(REFRESH_MARK).is_some() && sess.conn.listener.is_none();
-    if sess.req.headers.get(REFRESH_MARK).is_some() {
+    let marked = policy::field(&sess.req.headers, REFRESH_MARK).is_some();
+    let refresh = marked && sess.conn.listener.is_none();
+    if marked {
         sess.req.headers.remove(REFRESH_MARK);
         sess.up_req.headers.remove(REFRESH_MARK);
     }
@@ -95,7 +130,7 @@ pub async fn lookup(
     let plain = method == Method::Get
         && !sess.req.headers.has_known(known::IF_NONE_MATCH)
         && !sess.req.headers.has_known(known::IF_MODIFIED_SINCE)
-        && sess.req.headers.get(b"range").is_none();
+        && !sess.req.headers.has_known(known::RANGE);
     let mut waited = false;
     let guard = loop {
         let mut stale = None;
@@ -131,7 +166,7 @@ pub async fn lookup(
         if cc.only_if_cached && stale.is_none() {
             return Lookup::NotCached;
         }
-        if sess.req.headers.get(b"range").is_some() {
+        if sess.req.headers.has_known(known::RANGE) {
             // A partial answer is not stored: the range goes to the origin
             // without a fill (the next full GET fills the key).
             zone.stats.pass.fetch_add(1, Relaxed);
@@ -223,7 +258,7 @@ pub async fn lookup(
         policy,
         hit_for_miss: rc.hit_for_miss.as_secs(),
         grace: rc.grace.as_secs(),
-        req_headers: sess.req.headers.clone(),
+        req_headers: pooled_copy(&sess.req.headers),
     })))
 }
 
@@ -488,27 +523,30 @@ impl Stored {
 
 /// A stored head as sent: the stored fields, Age, Cache-Status.
 fn stored_head(obj: &Object, status: u16, age: u64, detail: &str, head: &mut ResponseHead) {
-    head.headers.clear();
+    // One copy of the stored fields into the head's own storage (reused
+    // from request to request), not an append per field.
+    head.headers.copy_from(&obj.headers);
     head.set_status(status);
     head.version = 1;
-    for (k, v) in obj.headers.iter() {
-        if status == 304 && k.eq_ignore_ascii_case(b"content-length") {
-            continue;
-        }
-        head.headers.append(k, v);
+    if status == 304 {
+        head.headers.remove_known(known::CONTENT_LENGTH);
     }
-    if obj.headers.get(b"last-modified").is_none() {
+    if !obj.headers.has_known(known::LAST_MODIFIED) {
         head.headers.append(b"Last-Modified", &obj.last_modified);
     }
-    head.headers.remove(b"age");
+    head.headers.remove_known(known::AGE);
     head.headers
         .append(b"Age", itoa::Buffer::new().format(age).as_bytes());
-    let ttl = obj.lifetime as i64 - age as i64;
-    let mut cs = format!("pier; {detail}").into_bytes();
+    // Built on the stack: `detail` is one of this file's short constants.
+    let mut buf = [0u8; 128];
+    let mut w = &mut buf[..];
+    let _ = write!(w, "pier; {detail}");
     if detail == "hit" {
-        cs.extend_from_slice(format!("; ttl={ttl}").as_bytes());
+        let ttl = obj.lifetime as i64 - age as i64;
+        let _ = write!(w, "; ttl={ttl}");
     }
-    head.headers.append(b"Cache-Status", &cs);
+    let n = 128 - w.len();
+    head.headers.append(b"Cache-Status", &buf[..n]);
 }
 
 impl ResponseSource for CacheSource {
@@ -554,13 +592,10 @@ pub struct Follow {
 
 impl Follow {
     fn read_head(&mut self, head: &mut ResponseHead) {
-        head.headers.clear();
+        head.headers.copy_from(&self.head.headers);
         head.set_status(self.head.status);
         head.version = 1;
-        for (k, v) in self.head.headers.iter() {
-            head.headers.append(k, v);
-        }
-        head.headers.remove(b"age");
+        head.headers.remove_known(known::AGE);
         head.headers.append(b"Age", b"0");
         head.headers
             .append(b"Cache-Status", b"pier; hit; detail=coalesced");
@@ -609,7 +644,12 @@ pub struct TeeSource<S> {
     /// Some while the response is to be stored (the bytes themselves are
     /// kept in `buf`).
     body: Option<BytesMut>,
+    /// The head to store; its fields move into `buf` when published (and
+    /// come back at the end unless a follower still holds them).
     head: Option<(u16, Headers)>,
+    /// The response's Cache-Control, parsed once for `storable` and the
+    /// stored object.
+    cc: CacheControl,
     /// Serving the stored object after a 304, or instead of a 5xx.
     from_stale: Option<CacheSource>,
     lifetime: u64,
@@ -636,6 +676,7 @@ impl<S> TeeSource<S> {
             fill,
             body: None,
             head: None,
+            cc: CacheControl::default(),
             from_stale: None,
             lifetime: 0,
             buf,
@@ -646,12 +687,19 @@ impl<S> TeeSource<S> {
     }
 }
 
-/// Store a complete fill.
-fn store(status: u16, headers: Headers, body: bytes::Bytes, fill: &CacheFill, lifetime: u64) {
+/// Store a complete fill (its key moves into the zone: the fill is over).
+fn store(
+    status: u16,
+    headers: Headers,
+    cc: CacheControl,
+    body: bytes::Bytes,
+    fill: &mut CacheFill,
+    lifetime: u64,
+) {
     let now = pier_cache::now();
-    let etag = headers.get(b"etag").map(|e| e.to_vec());
+    let etag = headers.get_known(known::ETAG).map(|e| e.to_vec());
     let last_modified = headers
-        .get(b"last-modified")
+        .get_known(known::LAST_MODIFIED)
         .map(|l| l.to_vec())
         // Synthetic Last-Modified (Smart Edge Revalidation): clients'
         // revalidations can become 304s without an origin validator.
@@ -659,14 +707,14 @@ fn store(status: u16, headers: Headers, body: bytes::Bytes, fill: &CacheFill, li
             pier_http::date::with_date(now.saturating_mul(1_000_000_000), |d| d.to_vec())
         });
     let date = headers
-        .get(b"date")
+        .get_known(known::DATE)
         .and_then(policy::http_date)
         .unwrap_or(now);
     let age_header = policy::age_field(&headers);
     let vary = pier_cache::vary_of(&headers, &fill.req_headers);
     let obj = Object {
         status,
-        cc: CacheControl::parse(&headers),
+        cc,
         headers,
         body,
         lifetime,
@@ -678,7 +726,24 @@ fn store(status: u16, headers: Headers, body: bytes::Bytes, fill: &CacheFill, li
         etag,
         last_modified,
     };
-    fill.zone.insert(fill.key.clone(), obj);
+    fill.zone.insert(std::mem::take(&mut fill.key), obj);
+}
+
+/// The fields a stored response keeps: the origin's, minus hop-by-hop ones
+/// (and those its `Connection` names), `Surrogate-Control` (meant for
+/// Pier) and `Cache-Status`. One copy of the parsed head, no per-field
+/// appends: this runs on every stored miss.
+fn stored_fields(resp: &Headers) -> Headers {
+    let mut h = Headers::default();
+    h.copy_from(resp);
+    pier_http::remove_hop_by_hop(&mut h);
+    h.remove_known(known::TRANSFER_ENCODING);
+    for name in [&b"surrogate-control"[..], b"cache-status"] {
+        if policy::field(&h, name).is_some() {
+            h.remove(name);
+        }
+    }
+    h
 }
 
 /// Fields a stored response does not keep: hop-by-hop ones, those the
@@ -821,33 +886,29 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
             }
         }
         let f = &self.fill;
-        match policy::storable(
+        self.cc = CacheControl::parse(&head.headers);
+        match policy::storable_with(
             true,
             &f.req_cc,
             f.authorization,
             head.status,
             &head.headers,
+            &self.cc,
             now,
             &f.policy,
         ) {
             Ok(lifetime) => {
                 self.lifetime = lifetime;
-                let mut h = Headers::default();
-                for (k, v) in head.headers.iter() {
-                    if keep_stored(k, &head.headers) {
-                        h.append(k, v);
-                    }
-                }
                 self.length = head
                     .headers
-                    .get(b"content-length")
+                    .get_known(known::CONTENT_LENGTH)
                     .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse().ok());
                 if self.length.is_some_and(|n| n > f.zone.max_object as u64) {
                     // Too big to store, known now: followers need not wait.
                     head.headers.append(b"Cache-Status", b"pier; fwd=miss");
                     return Ok(());
                 }
-                self.head = Some((head.status, h));
+                self.head = Some((head.status, stored_fields(&head.headers)));
                 self.body = Some(BytesMut::new());
                 head.headers
                     .append(b"Cache-Status", b"pier; fwd=miss; stored");
@@ -879,10 +940,11 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
         }
         if !self.published {
             self.published = true;
-            match (&self.head, &self.body) {
+            match (&mut self.head, &self.body) {
+                // The fields move to the followers; `finish` gives them back.
                 (Some((status, h)), Some(_)) => self.buf.publish_head(FillHead {
                     status: *status,
-                    headers: h.clone(),
+                    headers: std::mem::take(h),
                     length: self.length,
                 }),
                 _ => self.buf.pass(),
@@ -900,14 +962,22 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
             }
             None => {
                 self.done = true;
-                if let (Some((status, headers)), Some(_)) = (self.head.take(), self.body.take()) {
-                    let pieces = self.buf.finish();
+                if let (Some((status, _)), Some(_)) = (self.head.take(), self.body.take()) {
+                    let (mut pieces, head) = self.buf.finish();
                     let body = match pieces.len() {
                         0 => bytes::Bytes::new(),
-                        1 => pieces[0].clone(),
+                        1 => pieces.pop().unwrap_or_default(),
                         _ => bytes::Bytes::from(pieces.concat()),
                     };
-                    store(status, headers, body, &self.fill, self.lifetime);
+                    // Published at the first body read, so here unless the
+                    // fill was cut (then nothing is stored).
+                    if let Some(head) = head {
+                        let headers = Arc::try_unwrap(head)
+                            .map(|h| h.headers)
+                            .unwrap_or_else(|h| h.headers.clone());
+                        let cc = std::mem::take(&mut self.cc);
+                        store(status, headers, cc, body, &mut self.fill, self.lifetime);
+                    }
                 } else {
                     self.buf.close();
                 }
@@ -952,13 +1022,7 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
                 }
             }
         } else if self.head.is_none() {
-            let mut h = Headers::default();
-            for (k, v) in head.headers.iter() {
-                if keep_stored(k, &head.headers) {
-                    h.append(k, v);
-                }
-            }
-            self.head = Some((status, h));
+            self.head = Some((status, stored_fields(&head.headers)));
             self.body = Some(BytesMut::new());
         }
         if let (true, Some(t)) = (store, ttl) {
@@ -1033,7 +1097,7 @@ pub async fn stale_on_error(
 /// `Location` and `Content-Location` (RFC 9111 §4.4); `Surrogate-Control`,
 /// addressed to Pier, is not passed on.
 pub fn after_response(state: &State, sess: &Session, resp: &mut ResponseHead) {
-    if resp.headers.get(b"surrogate-control").is_some() {
+    if policy::field(&resp.headers, b"surrogate-control").is_some() {
         resp.headers.remove(b"surrogate-control");
     }
     let method = sess.req.method_kind();

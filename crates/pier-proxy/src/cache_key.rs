@@ -181,8 +181,13 @@ pub fn strip_tags(state: &State, sess: &Session, resp: &mut pier_http::ResponseH
         .as_ref()
         .is_some_and(|c| c.strip_tags)
     {
-        resp.headers.remove(b"surrogate-key");
-        resp.headers.remove(b"cache-tag");
+        // Looked for first: removal makes a known-name lookup, and most
+        // responses have neither.
+        for name in [&b"surrogate-key"[..], b"cache-tag"] {
+            if pier_cache::policy::field(&resp.headers, name).is_some() {
+                resp.headers.remove(name);
+            }
+        }
     }
 }
 

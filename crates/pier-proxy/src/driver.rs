@@ -648,7 +648,7 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
     ctx: &mut P::Ctx,
 ) -> bool {
     let body = sess.req.body_len();
-    let body_pending = body != BodyLen::None;
+    let mut body_pending = body != BodyLen::None;
     let client_keep = sess.req.keep_alive();
     sess.client_keep = client_keep;
     build_upstream_request(state, sess);
@@ -709,7 +709,26 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
 
     // request_filter (Lua access/content, limits).
     sess.step = Step::RequestFilter;
-    match w.phases.request_filter(state, sess, ctx).await {
+    // A phase may read the body in full first (Lua `ngx.req.read_body`):
+    // that path is boxed, keeping this future small.
+    let filtered = if body_pending && w.phases.req_body(state, sess, ctx).is_some() {
+        let o = down_opts(state, sess, client_keep);
+        let r = crate::req_body::request_filter(&w.phases, state, sess, ctx, down, &o);
+        let r = Box::pin(r).await;
+        body_pending = !w
+            .phases
+            .req_body(state, sess, ctx)
+            .is_some_and(|b| b.is_read());
+        r
+    } else {
+        Ok(w.phases.request_filter(state, sess, ctx).await)
+    };
+    let filtered = match filtered {
+        Ok(r) => r,
+        Err(Kind::ClientClosed) => return false,
+        Err(k) => return local_fail(w, state, down, b, sess, ctx, k, true).await,
+    };
+    match filtered {
         Ok(Flow::Continue) => {}
         Ok(Flow::Respond(r)) => {
             return respond(w, state, down, b, sess, ctx, &r, body_pending).await
@@ -940,9 +959,26 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
     }
 }
 
-/// Answer with a response a phase made; counted by its kind (or as a hook answer).
+/// Answer with a Pier-made response (see `respond_inner`). Boxed, so its
+/// state is not part of every request's future (which is copied into its
+/// box on every request); a hook's answer pays one allocation instead.
 #[allow(clippy::too_many_arguments)]
 async fn respond<P: Phases, D: Downstream>(
+    w: &Worker<P>,
+    state: &State,
+    down: &mut D,
+    b: &mut Work,
+    sess: &mut Session,
+    ctx: &mut P::Ctx,
+    r: &LocalResponse,
+    body_pending: bool,
+) -> bool {
+    Box::pin(respond_inner(w, state, down, b, sess, ctx, r, body_pending)).await
+}
+
+/// Answer with a response a phase made; counted by its kind (or as a hook answer).
+#[allow(clippy::too_many_arguments)]
+async fn respond_inner<P: Phases, D: Downstream>(
     w: &Worker<P>,
     state: &State,
     down: &mut D,
@@ -961,10 +997,27 @@ async fn respond<P: Phases, D: Downstream>(
     ok && !close
 }
 
+/// Answer a failure (see `local_fail_inner`).
+/// Boxed: a rare path whose state would otherwise be part of every
+/// request's future (copied into its box on every request).
+#[allow(clippy::too_many_arguments)]
+async fn local_fail<P: Phases, D: Downstream>(
+    w: &Worker<P>,
+    state: &State,
+    down: &mut D,
+    b: &mut Work,
+    sess: &mut Session,
+    ctx: &mut P::Ctx,
+    kind: Kind,
+    close: bool,
+) -> bool {
+    Box::pin(local_fail_inner(w, state, down, b, sess, ctx, kind, close)).await
+}
+
 /// Answer with an error; `close` when the connection can't continue (e.g.
 /// an unread body). Returns whether the connection may continue.
 #[allow(clippy::too_many_arguments)]
-async fn local_fail<P: Phases, D: Downstream>(
+async fn local_fail_inner<P: Phases, D: Downstream>(
     w: &Worker<P>,
     state: &State,
     down: &mut D,
@@ -1264,25 +1317,30 @@ async fn attempt_h2<P: Phases, D: Downstream>(
                 .await
             }
             // A cacheable miss: kept as it streams, stored when complete.
+            // Boxed: a miss's fill state (the tee, the encoder) stays out
+            // of every request's future.
             Some(fill) => {
-                // Compressed before it is stored (`[route.compress]`).
-                let enc = crate::compress::EncodeSource::new(&mut src, state, sess);
-                let mut tee = crate::cache::TeeSource::new(enc, fill);
-                let r = exchange(
-                    w,
-                    state,
-                    down,
-                    &mut tee,
-                    none,
-                    &mut b.resp,
-                    sess,
-                    ctx,
-                    inflight,
-                )
-                .await;
-                // A client gone mid-body does not end the fill for others.
-                tee.finish_detached().await;
-                r
+                Box::pin(async {
+                    // Compressed before it is stored (`[route.compress]`).
+                    let enc = crate::compress::EncodeSource::new(&mut src, state, sess);
+                    let mut tee = crate::cache::TeeSource::new(enc, fill);
+                    let r = exchange(
+                        w,
+                        state,
+                        down,
+                        &mut tee,
+                        none,
+                        &mut b.resp,
+                        sess,
+                        ctx,
+                        inflight,
+                    )
+                    .await;
+                    // A client gone mid-body does not end the fill for others.
+                    tee.finish_detached().await;
+                    r
+                })
+                .await
             }
         }
     } else {
@@ -1381,23 +1439,22 @@ async fn attempt_once<P: Phases, D: Downstream>(
         }
         if idle_h1.is_none() {
             let max = group.map(|g| g.config().h2_max_streams).unwrap_or(100);
-            let leased = w
-                .shared
-                .h2pool
-                .lease(
-                    &key,
-                    &w.shared.connector,
-                    t.upstream_connect,
-                    tls.map(|t| &t.config),
-                    max,
-                    auto,
-                )
-                .await;
+            // Boxed, as the HTTP/2 exchange below: the HTTP/1 path's future
+            // (every request's) does not carry their state.
+            let leased = Box::pin(w.shared.h2pool.lease(
+                &key,
+                &w.shared.connector,
+                t.upstream_connect,
+                tls.map(|t| &t.config),
+                max,
+                auto,
+            ))
+            .await;
             match leased {
                 Ok(crate::upstream_h2::Leased::H2(lease, reused)) => {
-                    return attempt_h2(
+                    return Box::pin(attempt_h2(
                         w, state, down, b, sess, ctx, &key, tls, lease, reused, inflight,
-                    )
+                    ))
                     .await
                 }
                 Ok(crate::upstream_h2::Leased::Http1(c)) => {
@@ -1431,11 +1488,15 @@ async fn attempt_once<P: Phases, D: Downstream>(
     let reused = pooled.is_some();
     let mut up = match pooled.or(probed) {
         Some(s) => s,
-        None => match w
-            .shared
-            .connector
-            .connect(&key, t.upstream_connect, tls.map(|t| &t.config))
-            .await
+        // Boxed: a new connection (a TLS handshake's state included) is
+        // rare next to pooled ones, and its future is larger than the rest
+        // of the exchange.
+        None => match Box::pin(w.shared.connector.connect(
+            &key,
+            t.upstream_connect,
+            tls.map(|t| &t.config),
+        ))
+        .await
         {
             Ok(s) => {
                 if let pier_core::Conn::Tls(c) = &s {
@@ -1508,25 +1569,30 @@ async fn attempt_once<P: Phases, D: Downstream>(
                 .await
             }
             // A cacheable miss: kept as it streams, stored when complete.
+            // Boxed: a miss's fill state (the tee, the encoder) stays out
+            // of every request's future.
             Some(fill) => {
-                // Compressed before it is stored (`[route.compress]`).
-                let enc = crate::compress::EncodeSource::new(&mut src, state, sess);
-                let mut tee = crate::cache::TeeSource::new(enc, fill);
-                let r = exchange(
-                    w,
-                    state,
-                    down,
-                    &mut tee,
-                    none,
-                    &mut b.resp,
-                    sess,
-                    ctx,
-                    inflight,
-                )
-                .await;
-                // A client gone mid-body does not end the fill for others.
-                tee.finish_detached().await;
-                r
+                Box::pin(async {
+                    // Compressed before it is stored (`[route.compress]`).
+                    let enc = crate::compress::EncodeSource::new(&mut src, state, sess);
+                    let mut tee = crate::cache::TeeSource::new(enc, fill);
+                    let r = exchange(
+                        w,
+                        state,
+                        down,
+                        &mut tee,
+                        none,
+                        &mut b.resp,
+                        sess,
+                        ctx,
+                        inflight,
+                    )
+                    .await;
+                    // A client gone mid-body does not end the fill for others.
+                    tee.finish_detached().await;
+                    r
+                })
+                .await
             }
         }
     } else {
@@ -1587,6 +1653,11 @@ async fn exchange<P: Phases, D: Downstream, Src: ResponseSource, Bsnk: RequestSi
 ) -> Result<Relayed, Error> {
     let o = down_opts(state, sess, sess.client_keep);
     let (body_src, snk) = down.open(&o);
+    let read = match o.body {
+        BodyLen::None => None,
+        _ => w.phases.req_body(state, sess, ctx).map(|b| &*b),
+    };
+    let body_src = crate::req_body::BodyIn::new(body_src, read, &mut sess.bytes_received);
     match sess.grpc_web {
         None => {
             exchange_with(

@@ -20,12 +20,14 @@ pub mod h1;
 pub mod http2;
 pub mod phases;
 pub mod protocol;
+pub mod req_body;
 pub mod session;
 pub mod state;
 pub mod upstream_h2;
 
 pub use cache_key::CacheCtl;
 pub use phases::{Flow, LocalResponse, NoPhases, PeerChoice, Phases};
+pub use req_body::ReqBody;
 pub use session::Session;
 pub use state::State;
 

@@ -134,6 +134,18 @@ pub trait Phases: 'static {
         None
     }
 
+    /// Where this request's body goes when a phase reads it in full
+    /// (Lua `ngx.req.read_body`), kept in the phase context; None: phases
+    /// never read bodies, which then stream to the origin.
+    fn req_body<'a>(
+        &self,
+        _st: &State,
+        _s: &Session,
+        _ctx: &'a mut Self::Ctx,
+    ) -> Option<&'a mut crate::ReqBody> {
+        None
+    }
+
     /// Choose or override the peer (Lua `balancer`).
     async fn upstream_peer(
         &self,

@@ -392,10 +392,11 @@ function req.clear_header(name)
   preq.clear_header(name)
 end
 
--- Request bodies are streamed to the origin, never held by the proxy.
--- Without a body (no Content-Length or 0, no Transfer-Encoding) the calls
--- behave as ngx_lua's do on an empty body; with one, read_body raises
--- instead of pretending the body is empty (docs/lua.md).
+-- Request bodies, as ngx_lua: read_body yields while the proxy reads the
+-- whole body into memory (bounded by [limits] max_buffered_body_bytes and
+-- max_body_bytes: past them the hook ends and the client gets 413), then
+-- forwards it to the origin as received. Without read_body the body streams
+-- to the origin and no hook sees it.
 local function has_body()
   local te = preq.get_header("transfer-encoding")
   if te then return true end
@@ -404,37 +405,164 @@ local function has_body()
 end
 
 function req.read_body()
-  if C_phase_allowed(M_REQ_WRITE) == 0 then disabled() end
-  if has_body() then
-    error("ngx.req.read_body is not supported by Pier for requests with a body "
-      .. "(bodies are streamed to the origin)", 2)
-  end
+  if C_phase_allowed(M_SAY) == 0 then disabled() end
+  native.read_body()
 end
 
+-- The body stays with the client connection and streams to the origin (a
+-- no-op, as discarding it would send the origin a request without it).
 function req.discard_body()
-  if C_phase_allowed(M_REQ_WRITE) == 0 then disabled() end
+  if C_phase_allowed(M_SAY) == 0 then disabled() end
 end
 
 function req.get_body_data()
   if C_phase_allowed(M_REQ_READ) == 0 then disabled() end
-  return nil
+  return native.body_data()
 end
 
+-- Bodies are never spilled to a file: always nil, as ngx_lua's when the
+-- body fits its buffer.
 function req.get_body_file()
   if C_phase_allowed(M_REQ_READ) == 0 then disabled() end
   return nil
 end
 
-function req.get_post_args()
+function req.get_post_args(max)
   if C_phase_allowed(M_REQ_READ) == 0 then disabled() end
-  if has_body() then
-    error("ngx.req.get_post_args is not supported by Pier for requests with a body "
-      .. "(bodies are streamed to the origin)", 2)
+  if max ~= nil and type(max) ~= "number" then
+    error("bad argument #1 to 'get_post_args' (number expected, got " .. type(max) .. ")", 2)
   end
-  return {}
+  max = max or 100
+  local body = native.body_data()
+  if body == nil then
+    if has_body() then
+      error("no request body found; maybe you should turn on lua_need_request_body?", 2)
+    end
+    return {}
+  end
+  local t = ngx.decode_args(body, max)
+  if max > 0 then
+    local n = 0
+    for _ in string.gmatch(body, "[^&]+") do
+      n = n + 1
+      if n > max then return t, "truncated" end
+    end
+  end
+  return t
 end
 
-req.socket = unsupported("ngx.req.socket")
+function req.raw_header(no_request_line)
+  if C_phase_allowed(M_REQ_READ) == 0 then disabled() end
+  return native.raw_header(no_request_line and true or false)
+end
+
+-- From the request line raw_header rebuilds (HTTP/1.0, HTTP/1.1, HTTP/2.0).
+function req.http_version()
+  if C_phase_allowed(M_REQ_READ) == 0 then disabled() end
+  local h = native.raw_header(false)
+  local v = h and h:match("^[^\r]* HTTP/(%d%.%d)\r\n")
+  return v and tonumber(v) or nil
+end
+
+-- ngx.req.socket(): the body as ngx_lua's downstream cosocket reads it
+-- (receive, receiveany, receiveuntil: what lua-resty-upload uses), served
+-- from the body read_body keeps in memory, so bounded as it is (413 past
+-- max_buffered_body_bytes). Not raw: the connection is not lent to Lua.
+local ReqSock = {}
+ReqSock.__index = ReqSock
+
+local function closed(self)
+  local rest = str_sub(self.buf, self.pos)
+  self.pos = #self.buf + 1
+  return nil, "closed", rest
+end
+
+function ReqSock:receive(pat)
+  if type(self) ~= "table" or getmetatable(self) ~= ReqSock then
+    error("bad argument #1 to 'receive' (request socket expected)", 2)
+  end
+  local buf, pos = self.buf, self.pos
+  if pat == nil or pat == "*l" then
+    local nl = str_find(buf, "\n", pos, true)
+    if not nl then return closed(self) end
+    self.pos = nl + 1
+    local last = nl - 1
+    if last >= pos and str_byte(buf, last) == 13 then last = last - 1 end
+    return str_sub(buf, pos, last)
+  elseif pat == "*a" then
+    self.pos = #buf + 1
+    return str_sub(buf, pos)
+  end
+  local n = tonumber(pat)
+  if not n or n < 0 or n ~= n then
+    error("bad argument #1 to 'receive' (bad pattern argument)", 2)
+  end
+  n = floor(n)
+  if pos + n - 1 > #buf then return closed(self) end
+  self.pos = pos + n
+  return str_sub(buf, pos, pos + n - 1)
+end
+
+function ReqSock:receiveany(max)
+  local n = tonumber(max)
+  if not n or n <= 0 or n ~= n then
+    error("bad argument #1 to 'receiveany' (bad max argument)", 2)
+  end
+  local pos = self.pos
+  if pos > #self.buf then return nil, "closed" end
+  local last = math.min(pos + floor(n) - 1, #self.buf)
+  self.pos = last + 1
+  return str_sub(self.buf, pos, last)
+end
+
+function ReqSock:receiveuntil(pat, opts)
+  if type(pat) ~= "string" or pat == "" then
+    error("bad argument #1 to 'receiveuntil' (non-empty string expected)", 2)
+  end
+  local inclusive = type(opts) == "table" and opts.inclusive == true
+  local hit = false  -- size mode, inclusive: the pattern went out, nil next
+  return function(size)
+    if hit then
+      hit = false
+      return nil
+    end
+    local buf, pos = self.buf, self.pos
+    local s, e = str_find(buf, pat, pos, true)
+    if not s then return closed(self) end
+    local stop = inclusive and e or s - 1
+    if size ~= nil then
+      local n = tonumber(size)
+      if not n or n <= 0 or n ~= n then
+        error("bad argument #1 to iterator (bad size)", 2)
+      end
+      -- Pieces of at most `size` bytes, then nil (the pattern consumed).
+      if pos > stop then
+        self.pos = e + 1
+        return nil
+      end
+      local last = math.min(pos + floor(n) - 1, stop)
+      self.pos = last + 1
+      hit = last == e
+      return str_sub(buf, pos, last)
+    end
+    self.pos = e + 1
+    return str_sub(buf, pos, stop)
+  end
+end
+
+-- Timeouts do not apply: the body is in memory before the first receive.
+function ReqSock.settimeout() end
+function ReqSock.settimeouts() end
+
+function req.socket(raw)
+  if C_phase_allowed(M_SAY) == 0 then disabled() end
+  if raw then
+    return nil, "raw request socket not supported by Pier"
+  end
+  if not has_body() then return nil, "no body" end
+  native.read_body()
+  return setmetatable({ buf = native.body_data() or "", pos = 1 }, ReqSock)
+end
 
 -- === ngx.var ===
 

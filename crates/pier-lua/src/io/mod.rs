@@ -13,6 +13,7 @@ use crate::current::{self, Current};
 use crate::engine::{Hooked, Inner};
 use crate::phase::Phase;
 
+mod body;
 mod http;
 mod pool;
 mod sema;
@@ -186,6 +187,7 @@ pub(crate) fn register(
         })?,
     )?;
     tcp::register(lua, natives)?;
+    body::register(lua, natives)?;
     sema::register(lua, natives)?;
     udp::register(lua, natives)?;
     natives.set(

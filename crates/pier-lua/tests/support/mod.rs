@@ -21,6 +21,11 @@ pub struct TestView {
     pub status: u16,
     pub resp_headers: Vec<(Vec<u8>, Vec<u8>)>,
     pub now_ns: u64,
+    /// A request body `ngx.req.read_body` reads after `body_pending` polls
+    /// that return Pending (as the proxy's reader would); `body_read` once in.
+    pub body: Option<Vec<u8>>,
+    pub body_pending: usize,
+    pub body_read: bool,
 }
 
 impl Default for TestView {
@@ -41,6 +46,9 @@ impl Default for TestView {
             status: 0,
             resp_headers: Vec::new(),
             now_ns: 1_700_000_000_123_456_789,
+            body: None,
+            body_pending: 0,
+            body_read: false,
         }
     }
 }
@@ -122,6 +130,18 @@ impl HttpView for TestView {
     }
     fn now_ns(&self) -> u64 {
         self.now_ns
+    }
+    fn poll_read_body(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        if self.body.is_some() && self.body_pending > 0 {
+            self.body_pending -= 1;
+            cx.waker().wake_by_ref();
+            return std::task::Poll::Pending;
+        }
+        self.body_read = self.body.is_some();
+        std::task::Poll::Ready(())
+    }
+    fn req_body(&self) -> Option<&[u8]> {
+        self.body.as_deref().filter(|_| self.body_read)
     }
 }
 
