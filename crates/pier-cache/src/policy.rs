@@ -190,12 +190,13 @@ fn parse_http_date(v: &[u8]) -> Option<u64> {
 }
 
 /// Every value of a field that is not one of `pier_http::known`'s (those
-/// are read by slot: `get_known`).
+/// are read by slot: `get_known`), found without the known-name lookup
+/// `Headers::get_all` makes first.
 pub fn fields<'a>(h: &'a Headers, name: &'a [u8]) -> impl Iterator<Item = &'a [u8]> + 'a {
     debug_assert_eq!(known::lookup(name), known::UNKNOWN);
-    // `get_all` compares names of unknown entries only; the known-name
-    // lookup it makes first is a few word compares.
-    h.get_all(name)
+    h.iter_known()
+        .filter(move |(k, n, _)| *k == known::UNKNOWN && n.eq_ignore_ascii_case(name))
+        .map(|(_, _, v)| v)
 }
 
 /// The first value of such a field.
