@@ -84,6 +84,13 @@ def main():
         if r.get("kind") == "handshake":
             r["kind"] = "load"
             r["path"] = r["path"] + " (TLS handshake per request)"
+    # Resumed (or, as a control, never resumed) TLS handshakes from tool.py resume: one
+    # connection per request as well, from a Python client that can offer a session.
+    resume = [r for r in rows if r.get("kind") == "resume"]
+    for r in resume:
+        r["kind"] = "load"
+        r["path"] = (f"{r['path']} ({r['mode']} TLS {r['tls']} handshake per request, "
+                     "Python client)")
     load = [r for r in rows if r.get("kind") == "load"]
     idle = [r for r in rows if r.get("kind") == "idle"]
     failed = [r for r in rows if r.get("kind") == "failed"]
@@ -225,11 +232,45 @@ def main():
                 w(f"| {path}, {conns} conns | " + " | ".join(cells) + " |")
             w("")
 
+    if resume:
+        w("## TLS handshakes per request from the Python client: resumed or not")
+        w("")
+        w("`bench/tool.py resume`: each of the clients opens one connection after another "
+          "(one GET, `Connection: close`, response read until the proxy closes); "
+          "*resumed* runs offer the session (ticket) the client's previous connection got, "
+          "after a warm-up of one full handshake per client outside the measurement; the "
+          "counts come from `SSLObject.session_reused`. req/s and latency are bounded by the "
+          "client (Python), not the proxy; *client CPU s* is its own CPU time.")
+        w("")
+        w("| scenario | proxy | handshakes (sum) | resumed | full | failed | bad responses "
+          "| client CPU s | load avg before |")
+        w("|---|---|---|---|---|---|---|---|---|")
+        seen = []
+        for r in resume:
+            if (r["path"], r["conns"]) not in seen:
+                seen.append((r["path"], r["conns"]))
+        for path, conns in seen:
+            for p in proxies_in(resume):
+                rs = [r for r in resume if r["proxy"] == p and r["path"] == path
+                      and r["conns"] == conns]
+                if not rs:
+                    continue
+                w(f"| {path}, {conns} conns | {LABEL.get(p, p)} "
+                  f"| {sum(r['requests'] or 0 for r in rs)} | {sum(r['resumed'] for r in rs)} "
+                  f"| {sum(r['full'] for r in rs)} "
+                  f"| {sum(r['socket_errors'] + r.get('warm_errors', 0) for r in rs)} "
+                  f"| {sum(r['non_2xx'] for r in rs)} "
+                  f"| {cell([r.get('client_cpu_s') for r in rs], '{:.1f}')} "
+                  f"| {cell([r.get('loadavg_before') for r in rs], '{:.1f}')} |")
+        w("")
+
     if idle:
-        w("## Memory with idle keep-alive client connections")
+        tls = any(r.get("scheme") == "https" for r in idle)
+        w("## Memory with idle keep-alive client connections" + (" (TLS)" if tls else ""))
         w("")
         w("Each connection sent one GET /hello, read the response and stayed open; RSS and PSS "
-          "are summed over all the proxy's processes (PSS splits shared pages between them).")
+          "are summed over all the proxy's processes (PSS splits shared pages between them)."
+          + (" Every connection made a full TLS 1.3 handshake (no resumption)." if tls else ""))
         w("")
         w("| proxy | RSS before MB | RSS with idle conns MB | KiB per conn | PSS with idle conns MB "
           "| opened (failed) | still reusable (sample) |")
@@ -289,7 +330,8 @@ def target_rows(load, idle, scenarios, runs):
                 if x and y:
                     rows.append(f"| {LABEL[a]} req/CPU-s ≥ {t}× {LABEL[b]} | {sc} | "
                                 f"{x / y:.2f}× | {yes(x / y >= t)} |")
-        if "pier" in have and "nginx" in have:
+        # The Python handshake client's latencies are its own queueing, not the proxy's.
+        if "pier" in have and "nginx" in have and "Python client" not in path:
             x, y = m("pier", path, conns, "p99_ms"), m("nginx", path, conns, "p99_ms")
             if x is not None and y is not None:
                 rows.append(f"| Pier p99 ≤ nginx p99 | {sc} | {x:.2f} ms vs {y:.2f} ms | {yes(x <= y)} |")

@@ -25,6 +25,10 @@ OUT_DIR="${OUT_DIR:-$BENCH_DIR/out}"
 TLS="${TLS:-0}"                     # 1 = the proxies serve HTTPS (pier, nginx, haproxy)
 CERT_KIND="${CERT_KIND:-ecdsa}"     # TLS certificate: ecdsa (P-256) or rsa (2048)
 HANDSHAKE_CONNS="${HANDSHAKE_CONNS-50}"  # TLS=1: connections of the new-connection-per-request runs (empty: none)
+RESUME_CONNS="${RESUME_CONNS-50}"   # TLS=1: concurrent clients of the resumed-handshake runs (empty: none)
+RESUME_TLS="${RESUME_TLS:-1.3}"     # TLS=1: versions for the resumed-handshake runs (1.3, 1.2 or 1.3,1.2)
+RESUME_FULL="${RESUME_FULL:-1}"     # TLS=1: 1 = also the same client never resuming (control)
+RESUME_N="${RESUME_N:-200000}"      # TLS=1: at most this many handshakes per resumed-handshake run
 if [ "$TLS" = 1 ]; then
     PROXIES="${PROXIES_TLS:-pier,nginx,haproxy}"
     export BENCH_SCHEME=https
@@ -287,7 +291,8 @@ log "origin: nginx pid $ORIGIN_PID on 127.0.0.1:$ORIGIN_PORT"
 cat >"$RUN/settings.json" <<EOF
 {"proxies": "$PROXIES", "duration": $DURATION, "conns": "$CONNS", "paths": "$PATHS",
  "reps": $REPS, "threads": $THREADS, "idle_conns": $IDLE_CONNS,
- "tls": $TLS, "cert": "$CERT_KIND",
+ "tls": $TLS, "cert": "$CERT_KIND", "handshake_conns": "$HANDSHAKE_CONNS",
+ "resume_conns": "$RESUME_CONNS", "resume_tls": "$RESUME_TLS", "resume_full": "$RESUME_FULL",
  "date": "$(date -u +%Y-%m-%dT%H:%M:%SZ)", "nproc": $(nproc),
  "kernel": "$(uname -r)",
  "nginx": "$(nginx -v 2>&1 | sed 's/.*nginx\///')",
@@ -327,6 +332,24 @@ for rep in $(seq 1 "$REPS"); do
                 --duration "$DURATION" --threads "$THREADS" --rep "$rep" \
                 || log "$proxy: handshake run reported an error (kept in $RESULTS)"
             stop_proxy
+        done
+    fi
+    if [ "$TLS" = 1 ] && [ -n "$RESUME_CONNS" ]; then
+        IFS=, read -ra RESUME_TLS_LIST <<<"$RESUME_TLS"
+        for v in "${RESUME_TLS_LIST[@]}"; do
+            modes=(""); [ "$RESUME_FULL" = 1 ] && modes+=(--full)
+            for mode in "${modes[@]}"; do
+                log "rep $rep/$REPS: TLS $v handshake per request, ${mode:+never }resuming, $RESUME_CONNS clients"
+                for proxy in "${PROXY_LIST[@]}"; do
+                    start_proxy "$proxy" || { FAILED_STARTS=$((FAILED_STARTS + 1)); continue; }
+                    python3 "$BENCH_DIR/tool.py" resume --proxy "$proxy" --out "$RESULTS" \
+                        --pid "$PROXY_PID" --port "$PROXY_PORT" --origin-pid "$ORIGIN_PID" \
+                        --origin-port "$ORIGIN_PORT" --conns "$RESUME_CONNS" --duration "$DURATION" \
+                        --n "$RESUME_N" --tls "$v" $mode --rep "$rep" \
+                        || log "$proxy: resumed-handshake run reported an error (kept in $RESULTS)"
+                    stop_proxy
+                done
+            done
         done
     fi
     if [ "$IDLE_CONNS" -gt 0 ]; then

@@ -11,6 +11,8 @@ Subcommands:
                             descendants
   measure ...               run wrk against a proxy and append one JSON result line
   idle ...                  RSS of a proxy with N idle keep-alive client connections open
+  resume ...                TLS handshakes per proxy CPU-second, each resuming the session
+                            its client's previous connection got (--full: never resuming)
   pier-config SRC DST       rewrite a Pier TOML config for the benchmark (2 workers,
                             access log off, room for 20k connections)
 """
@@ -340,10 +342,13 @@ async def _idle(port, n, path, parallel, hold_cb):
         await reader.readexactly(int(m.group(1)))
         return status
 
+    # One context for all connections: building one per connection (create_default_context
+    # loads the system CA store each time) made 10,000 TLS connections take minutes.
+    ssl_ctx = _ssl_ctx() if SCHEME == "https" else None
+
     async def opener():
         async with sem:
             try:
-                ssl_ctx = _ssl_ctx() if SCHEME == "https" else None
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_connection("127.0.0.1", port, ssl=ssl_ctx), 10)
                 st = await asyncio.wait_for(one_request(reader, writer), 10)
@@ -384,7 +389,8 @@ def idle(a):
     opened, failed, sampled, alive, held = asyncio.run(
         asyncio.wait_for(_idle(a.port, a.n, a.path, a.parallel, hold), a.timeout))
     _, rss1, pss1, nproc = held
-    r = {"kind": "idle", "proxy": a.proxy, "rep": a.rep, "target": a.n, "opened": opened,
+    r = {"kind": "idle", "proxy": a.proxy, "rep": a.rep, "scheme": SCHEME, "target": a.n,
+         "opened": opened,
          "failed": failed, "reuse_sampled": sampled, "reuse_ok": alive,
          "rss0_kib": rss0, "rss_kib": rss1, "pss0_kib": pss0, "pss_kib": pss1,
          "nprocs": nproc, "secs": round(time.monotonic() - t0, 2)}
@@ -395,6 +401,192 @@ def idle(a):
           f"{alive}/{sampled} reusable; RSS {rss0 / 1024:.1f} -> {rss1 / 1024:.1f} MB "
           f"(~{per:.1f} KiB per connection)", flush=True)
     return 0
+
+
+# ---------------------------------------------------------------- resumed TLS handshakes
+
+
+def _resume_ctx(version):
+    """A client context of its own (Python only resumes a session in the context that made it)."""
+    import ssl
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    if version == "1.2":
+        ctx.minimum_version = ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    else:
+        ctx.minimum_version = ctx.maximum_version = ssl.TLSVersion.TLSv1_3
+    return ctx
+
+
+async def _tls_get(loop, port, ctx, session, req):
+    """One connection: TCP connect, TLS handshake (offering `session` when given), one request
+    with Connection: close, the response read until the proxy closes. Memory BIOs over a
+    non-blocking socket, so the session can be passed in (asyncio's streams cannot).
+    Returns (status, body length ok, session_reused, the connection's latest session)."""
+    import ssl
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        obj = ctx.wrap_bio(inc, out, server_hostname="localhost", session=session)
+
+        async def flush():
+            data = out.read()
+            if data:
+                await loop.sock_sendall(sock, data)
+
+        async def fill():
+            data = await loop.sock_recv(sock, 65536)
+            if data:
+                inc.write(data)
+                return True
+            inc.write_eof()
+            return False
+
+        while True:
+            try:
+                obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await flush()
+                if not await fill():
+                    raise ConnectionError("EOF during the TLS handshake")
+        obj.write(req)
+        await flush()
+        buf = bytearray()
+        while True:
+            try:
+                chunk = obj.read(65536)
+            except ssl.SSLWantReadError:
+                await flush()
+                if not await fill():
+                    break
+                continue
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                break  # close_notify, or the TCP FIN after it
+            if not chunk:
+                break
+            buf += chunk
+        head, _, body = bytes(buf).partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
+        m = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", head)
+        ok = bool(m) and len(body) == int(m.group(1))
+        return status, ok, obj.session_reused, obj.session
+    finally:
+        sock.close()
+
+
+async def _resume_run(port, conns, n, duration, version, full, path, before, after):
+    loop = asyncio.get_running_loop()
+    req = (f"GET {path} HTTP/1.1\r\nHost: localhost\r\nUser-Agent: pier-bench-resume\r\n"
+           "Connection: close\r\n\r\n").encode()
+    ctxs = [_resume_ctx(version) for _ in range(conns)]
+    sessions = [None] * conns
+    c = {"started": 0, "done": 0, "resumed": 0, "full": 0, "errors": 0, "bad": 0,
+         "warm_errors": 0}
+    lat = []
+
+    async def warm(i):
+        # One full handshake per client, which leaves it with a session (ticket) to offer.
+        try:
+            st, ok, _, sess = await asyncio.wait_for(_tls_get(loop, port, ctxs[i], None, req), 10)
+            if st == 200 and ok:
+                sessions[i] = sess
+                return
+        except Exception:  # noqa: BLE001 - counted
+            pass
+        c["warm_errors"] += 1
+
+    if not full:
+        await asyncio.gather(*(warm(i) for i in range(conns)))
+    deadline = time.monotonic() + duration
+
+    async def worker(i):
+        while c["started"] < n and time.monotonic() < deadline:
+            c["started"] += 1
+            t0 = time.monotonic()
+            try:
+                st, ok, reused, sess = await asyncio.wait_for(
+                    _tls_get(loop, port, ctxs[i], None if full else sessions[i], req), 10)
+            except Exception:  # noqa: BLE001 - counted as an error
+                c["errors"] += 1
+                continue
+            lat.append(time.monotonic() - t0)
+            c["done"] += 1
+            c["resumed" if reused else "full"] += 1
+            if st != 200 or not ok:
+                c["bad"] += 1
+            if not full and sess is not None:
+                sessions[i] = sess  # the freshest ticket, as a browser would
+
+    snap0 = before()
+    t0 = time.monotonic()
+    await asyncio.gather(*(worker(i) for i in range(conns)))
+    wall = time.monotonic() - t0
+    snap1 = after()
+    return c, lat, wall, snap0, snap1
+
+
+def resume(a):
+    """Handshakes per proxy CPU-second with TLS session resumption (or, --full, without):
+    CONNS concurrent clients, each opening one connection after another with one
+    GET and Connection: close, offering the session (ticket) its previous connection got."""
+    def snap():
+        return {"proxy": stat_split(a.pid), "origin": stat(a.origin_pid)[0],
+                "busy": busy_seconds(), "self": resource.getrusage(resource.RUSAGE_SELF),
+                "accepts": origin_accepts(a.origin_port),
+                "load": float(open("/proc/loadavg").read().split()[0])}
+
+    c, lat, wall, s0, s1 = asyncio.run(_resume_run(
+        a.port, a.conns, a.n, a.duration, a.tls, a.full, a.path, snap, snap))
+    user = s1["proxy"][0] - s0["proxy"][0]
+    sys_ = s1["proxy"][1] - s0["proxy"][1]
+    cpu = user + sys_
+    client = ((s1["self"].ru_utime + s1["self"].ru_stime)
+              - (s0["self"].ru_utime + s0["self"].ru_stime))
+    origin = s1["origin"] - s0["origin"]
+    done = c["done"]
+    lat.sort()
+
+    def pct(q):
+        return round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1000, 3) if lat else None
+
+    kind = "full" if a.full else "resumed"
+    r = {"kind": "resume", "mode": kind, "tls": a.tls, "proxy": a.proxy, "path": a.path,
+         "conns": a.conns, "rep": a.rep, "scheme": "https", "duration": a.duration,
+         "wall_s": round(wall, 3), "requests": done,
+         "rps": done / wall if wall > 0 else None, "p50_ms": pct(0.50), "p99_ms": pct(0.99),
+         "resumed": c["resumed"], "full": c["full"], "warm_errors": c["warm_errors"],
+         "socket_errors": c["errors"], "non_2xx": c["bad"],
+         "cpu_s": round(cpu, 3), "user_s": round(user, 3), "sys_s": round(sys_, 3),
+         "req_per_cpu_s": (done / cpu) if (done and cpu > 0) else None,
+         "user_us_per_req": (user * 1e6 / done) if done else None,
+         "sys_us_per_req": (sys_ * 1e6 / done) if done else None,
+         # -1: the second stub_status query's own connection.
+         "upstream_conns": s1["accepts"] - s0["accepts"] - 1,
+         "origin_cpu_s": round(origin, 3), "client_cpu_s": round(client, 3),
+         "other_cpu_s": round((s1["busy"] - s0["busy"]) - cpu - origin - client, 3),
+         "loadavg_before": s0["load"], "loadavg_after": s1["load"],
+         "rss_kib": s1["proxy"][2], "pss_kib": s1["proxy"][3], "nprocs": s1["proxy"][4]}
+    if a.full:
+        ok = done > 0 and c["resumed"] == 0
+    else:
+        ok = done > 0 and c["full"] == 0 and c["warm_errors"] == 0
+    if not ok or c["errors"] or c["bad"]:
+        r["error"] = (f"{c['resumed']} resumed, {c['full']} full, {c['errors']} failed, "
+                      f"{c['bad']} bad responses, {c['warm_errors']} warm-up failures")
+    with open(a.out, "a") as f:
+        f.write(json.dumps(r) + "\n")
+    print(f"  {a.proxy:9} {kind:7} TLS {a.tls} c={a.conns:<3} {done} handshakes "
+          f"({c['resumed']} resumed, {c['full']} full, {c['errors']} failed, {c['bad']} bad) "
+          f"in {wall:.1f}s; proxy cpu={cpu:.2f}s hs/cpu-s={r['req_per_cpu_s'] or 0:.0f} "
+          f"user={r['user_us_per_req'] or 0:.1f}us sys={r['sys_us_per_req'] or 0:.1f}us "
+          f"client-cpu={client:.1f}s other-cpu={r['other_cpu_s']:.1f}s load={s0['load']}",
+          flush=True)
+    return 0 if "error" not in r else 1
 
 
 # ---------------------------------------------------------------- pier config rewrite
@@ -488,6 +680,15 @@ def main():
     i.add_argument("--path", default="/hello")
     i.add_argument("--parallel", type=int, default=200)
     i.add_argument("--timeout", type=float, default=180)
+    rs = sp.add_parser("resume", help="TLS handshakes (resumed, or --full) per proxy CPU-second")
+    for k in ("proxy", "out"):
+        rs.add_argument(f"--{k}", required=True)
+    for k in ("pid", "port", "origin-pid", "origin-port", "conns", "duration", "rep"):
+        rs.add_argument(f"--{k}", type=int, required=True)
+    rs.add_argument("--n", type=int, default=200000, help="at most this many handshakes")
+    rs.add_argument("--tls", choices=("1.3", "1.2"), default="1.3")
+    rs.add_argument("--full", action="store_true", help="never offer a session (control)")
+    rs.add_argument("--path", default="/hello")
     p = sp.add_parser("pier-config")
     p.add_argument("src")
     p.add_argument("dst")
@@ -512,6 +713,8 @@ def main():
         return measure(a)
     elif a.cmd == "idle":
         return idle(a)
+    elif a.cmd == "resume":
+        return resume(a)
     elif a.cmd == "pier-config":
         return pier_config(a)
     return 0
