@@ -42,7 +42,8 @@ enum Cmd {
         #[arg(long)]
         listen: String,
         /// Origins, comma separated: HOST:PORT (cleartext) or a URL with
-        /// scheme http or https: 127.0.0.1:3000,https://origin.example:443.
+        /// scheme http, https (HTTP/2 or HTTP/1.1 by ALPN) or h2c (cleartext
+        /// HTTP/2): 127.0.0.1:3000,https://origin.example:443.
         #[arg(long, value_delimiter = ',', required = true)]
         to: Vec<String>,
         /// Admin listener (metrics, health), e.g. 127.0.0.1:9901.
@@ -54,6 +55,14 @@ enum Cmd {
         /// The private key of --tls-cert (PEM).
         #[arg(long, requires = "tls_cert")]
         tls_key: Option<PathBuf>,
+        /// Accept cleartext HTTP/2 with prior knowledge on --listen, beside
+        /// HTTP/1.1 (with --tls-cert, HTTP/2 is chosen by ALPN instead).
+        #[arg(long)]
+        h2c: bool,
+        /// Convert gRPC-web requests to gRPC for the origins and the answers
+        /// back (needs h2c:// or https:// origins).
+        #[arg(long)]
+        grpc_web: bool,
         /// A CA to trust for https origins (else the system trust store).
         #[arg(long)]
         upstream_ca: Option<PathBuf>,
@@ -211,6 +220,8 @@ fn main() -> ExitCode {
             admin,
             tls_cert,
             tls_key,
+            h2c,
+            grpc_web,
             upstream_ca,
             cache,
             cache_dir,
@@ -222,16 +233,16 @@ fn main() -> ExitCode {
                 Err(e) => return usage_error(&format!("--listen {listen}: {e}")),
             };
             let mut origins = Vec::new();
-            let mut https = None;
+            let mut scheme = None;
             for t in &to {
                 match pier_config::parse_origin(t) {
                     Ok(o) => {
-                        if https.is_some_and(|h| h != o.tls) {
+                        if scheme.is_some_and(|s| s != (o.tls, o.h2c)) {
                             return usage_error(
-                                "--to: origins are either all https or all cleartext",
+                                "--to: origins are either all https, all h2c or all cleartext HTTP/1",
                             );
                         }
-                        https = Some(o.tls);
+                        scheme = Some((o.tls, o.h2c));
                         origins.push(o);
                     }
                     Err(e) => return usage_error(&format!("--to {t}: {e}")),
@@ -265,6 +276,9 @@ fn main() -> ExitCode {
             };
             match Config::quick_with(listen, origins, admin, tls, upstream_ca) {
                 Ok(mut cfg) => {
+                    if let Err(e) = cfg.enable_quick_http2(h2c, grpc_web) {
+                        return usage_error(&e);
+                    }
                     if let Some(bytes) = cache {
                         cfg.enable_quick_cache(bytes, cache_dir.map(|d| (d, disk)));
                     }
@@ -592,8 +606,19 @@ async fn control(
 
 fn start_health(shared: &Arc<Shared>) -> watch::Sender<bool> {
     let (tx, rx) = watch::channel(false);
-    let groups = shared.state.load().groups.clone();
-    pier_lb::spawn_health_checks(&groups, rx);
+    let state = shared.state.load();
+    // TLS upstreams are checked over TLS with their own client config.
+    let tls: Vec<Option<pier_lb::CheckTls>> = state
+        .upstream_tls
+        .iter()
+        .map(|t| {
+            t.as_ref().map(|t| pier_lb::CheckTls {
+                config: t.config.clone(),
+                server_name: t.server_name.clone(),
+            })
+        })
+        .collect();
+    pier_lb::spawn_health_checks(&state.groups, &tls, rx);
     tx
 }
 

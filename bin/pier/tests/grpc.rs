@@ -350,6 +350,10 @@ fn grpc_web_from_connect_client() {
 }
 
 fn web_call(pier: &PierProcess, method: &str, ct: &str, body: &[u8]) -> (String, Vec<u8>) {
+    web_call_to(pier.listener("clear"), method, ct, body)
+}
+
+fn web_call_to(to: SocketAddr, method: &str, ct: &str, body: &[u8]) -> (String, Vec<u8>) {
     let dir = TempDir::new();
     let f = dir.path().join("req.bin");
     std::fs::write(&f, body).unwrap();
@@ -368,10 +372,7 @@ fn web_call(pier: &PierProcess, method: &str, ct: &str, body: &[u8]) -> (String,
             "origin: https://app.test",
             "--data-binary",
             &format!("@{}", f.display()),
-            &format!(
-                "http://{}/grpc.testing.TestService/{method}",
-                pier.listener("clear")
-            ),
+            &format!("http://{to}/grpc.testing.TestService/{method}"),
         ]),
         Duration::from_secs(30),
     );
@@ -453,6 +454,62 @@ fn grpc_web_binary_and_text() {
     let f = frames(&body);
     let last = String::from_utf8_lossy(&f.last().unwrap().1).to_string();
     assert!(last.contains("grpc-status:12"), "{last}");
+}
+
+/// Quick mode: `pier proxy --h2c --grpc-web --to h2c://…` carries gRPC
+/// (cleartext HTTP/2 both sides) and converts gRPC-web, with no config file.
+#[test]
+fn quick_mode_grpc_and_grpc_web() {
+    let s = interop_server();
+    let pier = PierProcess::start_args(
+        bin(),
+        &[
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--h2c",
+            "--grpc-web",
+            "--to",
+            &format!("h2c://{}", s.1),
+            "--admin",
+            "127.0.0.1:0",
+        ],
+    );
+    let to = pier.listener("main");
+    for case in [
+        "empty_unary",
+        "large_unary",
+        "server_streaming",
+        "ping_pong",
+    ] {
+        let (ok, out) = client(to, case);
+        assert!(ok, "{case}: {out}\n--- pier:\n{}", pier.logs());
+    }
+    let (head, body) = web_call_to(to, "EmptyCall", "application/grpc-web+proto", &[0; 5]);
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    let f = frames(&body);
+    assert_eq!(f.len(), 2, "{f:?}");
+    assert!(String::from_utf8_lossy(&f[1].1).contains("grpc-status:0"));
+    // One multiplexed connection upstream (plus none per call).
+    let n = pier
+        .metric_value("pier_upstream_connections_created_total")
+        .unwrap();
+    assert!(n <= 2.0, "{n} upstream connections");
+    // gRPC-web needs an HTTP/2 origin: a cleartext HTTP/1 one is refused
+    // before anything starts.
+    let out = run_with_timeout(
+        Command::new(bin()).args([
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--grpc-web",
+            "--to",
+            &s.1.to_string(),
+        ]),
+        Duration::from_secs(20),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("h2c://"));
 }
 
 #[test]

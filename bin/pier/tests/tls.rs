@@ -537,6 +537,81 @@ fn redirect_to_https() {
     assert_eq!(o.requests(), 0);
 }
 
+/// A connection Pier closes ends with a TLS close_notify, not a bare FIN:
+/// without it OpenSSL clients treat the close as a truncation and drop the
+/// session instead of resuming it (`openssl s_time -reuse` never resumed).
+#[test]
+fn closing_sends_close_notify() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    let o = Origin::start();
+    let pier = pier(&tls_config(
+        o.addr(),
+        &format!("cert = \"{}\"\nkey = \"{}\"", p(&cert.cert), p(&cert.key)),
+        "",
+    ));
+    let cfg = client(&ca.cert);
+    let mut c = TlsClient::connect(pier.listener("main"), "site.test", &cfg).unwrap();
+    let all = c
+        .get_until_close("site.test", "/hello")
+        .expect("a clean TLS close (close_notify), not a truncation");
+    let text = String::from_utf8_lossy(&all);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.ends_with("hello world\n"), "{text}");
+}
+
+/// Active health checks of a TLS upstream go over TLS, verified as its
+/// traffic is: a cleartext check to the TLS port would mark every server
+/// down (and did: the origin's 400 to plain HTTP failed the check).
+#[test]
+fn health_checks_of_a_tls_upstream_use_tls() {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let (o, b) = tls_origin(&ca, dir.path(), None);
+    let healthy = |a: &PierProcess| {
+        a.metrics()
+            .lines()
+            .find(|l| l.starts_with("pier_upstream_healthy{upstream=\"app\""))
+            .and_then(|l| l.rsplit(' ').next())
+            .map(|v| v.trim().to_string())
+    };
+    let check = "[upstream.app.health_check]\ntype = \"http\"\npath = \"/hello\"\ninterval = \"50ms\"\nrise = 1\nfall = 1\n";
+    let a = pier(&simple_config(
+        &[b.listener("main")],
+        "",
+        &format!(
+            "retries = 0\n[upstream.app.tls]\nserver_name = \"origin.test\"\nca = \"{}\"\n{check}",
+            p(&ca.cert)
+        ),
+    ));
+    // The checks reach the origin behind `b`'s TLS, and the server stays up.
+    assert!(
+        wait_until(Duration::from_secs(20), || o.requests() >= 3),
+        "no check got through: {}",
+        a.logs()
+    );
+    assert_eq!(healthy(&a).as_deref(), Some("1"), "{}", a.metrics());
+    let r = RawConn::connect(a.listener("main")).get("/hello").unwrap();
+    assert_eq!(r.status, 200);
+    // Verified like requests: a name the certificate lacks fails the checks.
+    let bad = pier(&simple_config(
+        &[b.listener("main")],
+        "",
+        &format!(
+            "retries = 0\n[upstream.app.tls]\nserver_name = \"wrong.test\"\nca = \"{}\"\n{check}",
+            p(&ca.cert)
+        ),
+    ));
+    assert!(
+        wait_until(Duration::from_secs(20), || healthy(&bad).as_deref()
+            == Some("0")),
+        "{}",
+        bad.metrics()
+    );
+    assert!(bad.logs().contains("tls:"), "{}", bad.logs());
+}
+
 #[test]
 fn quick_mode_https_both_sides() {
     let dir = TempDir::new();

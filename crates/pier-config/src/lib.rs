@@ -106,8 +106,11 @@ impl Config {
     }
 
     /// The one-line mode with TLS: `--tls-cert/--tls-key` serve HTTPS on the
-    /// listener; `https://` origins get verified TLS (the system's trust
-    /// store, or `upstream_ca`), their host name as SNI.
+    /// listener (ALPN `h2` and `http/1.1`); `https://` origins get verified
+    /// TLS (the system's trust store, or `upstream_ca`), their host name as
+    /// SNI, and HTTP/2 or HTTP/1.1 as their ALPN answer picks
+    /// (`protocol = "auto"`); `h2c://` origins get cleartext HTTP/2 with
+    /// prior knowledge.
     pub fn quick_with(
         listen: SocketAddr,
         to: Vec<Origin>,
@@ -116,6 +119,10 @@ impl Config {
         upstream_ca: Option<std::path::PathBuf>,
     ) -> Result<Config, String> {
         let https = to.iter().any(|o| o.tls);
+        let h2c = to.iter().any(|o| o.h2c);
+        if to.iter().any(|o| (o.tls, o.h2c) != (https, h2c)) {
+            return Err("origins are either all https, all h2c or all cleartext HTTP/1".into());
+        }
         if upstream_ca.is_some() && !https {
             return Err("--upstream-ca is for https:// origins".into());
         }
@@ -137,19 +144,53 @@ impl Config {
             })
             .collect();
         let mut c = Config::quick_servers(listen, servers, admin);
-        if https {
-            if let Some(u) = c.upstreams.get_mut("default") {
+        if let Some(u) = c.upstreams.get_mut("default") {
+            if https {
                 u.tls = Some(UpstreamTls {
                     server_name,
                     ca: upstream_ca,
                     ..UpstreamTls::system()
                 });
+                u.protocol = UpstreamProtocol::Auto;
+            } else if h2c {
+                u.protocol = UpstreamProtocol::H2c;
             }
         }
         if let Some(files) = tls {
-            c.listeners[0].tls = Some(ListenerTls::single(files));
+            let mut t = ListenerTls::single(files);
+            t.alpn = vec!["h2".to_string(), "http/1.1".to_string()];
+            c.listeners[0].tls = Some(t);
         }
         Ok(c)
+    }
+
+    /// `pier proxy --h2c` (cleartext HTTP/2 with prior knowledge on the
+    /// listener, beside HTTP/1.1) and `--grpc-web` (gRPC-web clients
+    /// converted to gRPC, which needs an HTTP/2 origin: `h2c://` or
+    /// `https://`).
+    pub fn enable_quick_http2(&mut self, h2c: bool, grpc_web: bool) -> Result<(), String> {
+        if h2c {
+            if self.listeners[0].tls.is_some() {
+                return Err(
+                    "--h2c is for a cleartext listener (with --tls-cert, HTTP/2 goes by ALPN)"
+                        .into(),
+                );
+            }
+            self.listeners[0].h2c = true;
+        }
+        if grpc_web {
+            if self
+                .upstreams
+                .values()
+                .any(|u| u.protocol == UpstreamProtocol::Http1)
+            {
+                return Err("--grpc-web sends gRPC upstream, which needs HTTP/2: give --to as h2c://HOST:PORT or https://HOST:PORT".into());
+            }
+            for r in &mut self.routes {
+                r.grpc_web = true;
+            }
+        }
+        Ok(())
     }
 
     /// `pier proxy --cache SIZE`: one memory zone `quick` of `bytes`, used by
@@ -239,27 +280,32 @@ impl Config {
     }
 }
 
-/// A `pier proxy --to` origin: `HOST:PORT`, or a URL `http://HOST[:PORT]` /
-/// `https://HOST[:PORT]` (ports 80 / 443 by default). A host name is
-/// resolved now; with https it is the SNI and the name verified.
+/// A `pier proxy --to` origin: `HOST:PORT`, or a URL `http://HOST[:PORT]`,
+/// `https://HOST[:PORT]` or `h2c://HOST[:PORT]` (ports 80 / 443 / 80 by
+/// default). A host name is resolved now; with https it is the SNI and the
+/// name verified.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Origin {
     pub addrs: Vec<SocketAddr>,
     /// The host name, when the origin was given by name (not an IP).
     pub name: Option<String>,
     pub tls: bool,
+    /// `h2c://`: cleartext HTTP/2 with prior knowledge.
+    pub h2c: bool,
 }
 
 pub fn parse_origin(s: &str) -> Result<Origin, String> {
     let s = s.trim();
-    let (tls, rest, default_port) = if let Some(r) = strip_prefix_ci(s, "https://") {
-        (true, r, 443)
+    let (tls, h2c, rest, default_port) = if let Some(r) = strip_prefix_ci(s, "https://") {
+        (true, false, r, 443)
     } else if let Some(r) = strip_prefix_ci(s, "http://") {
-        (false, r, 80)
+        (false, false, r, 80)
+    } else if let Some(r) = strip_prefix_ci(s, "h2c://") {
+        (false, true, r, 80)
     } else if s.contains("://") {
-        return Err(format!("{s:?}: the scheme must be http or https"));
+        return Err(format!("{s:?}: the scheme must be http, https or h2c"));
     } else {
-        (false, s, 0)
+        (false, false, s, 0)
     };
     let authority = rest.strip_suffix('/').unwrap_or(rest);
     if authority.contains('/') {
@@ -284,7 +330,12 @@ pub fn parse_origin(s: &str) -> Result<Origin, String> {
         .trim_end_matches(']');
     let name = (host.parse::<std::net::IpAddr>().is_err() && !host.is_empty())
         .then(|| host.to_ascii_lowercase());
-    Ok(Origin { addrs, name, tls })
+    Ok(Origin {
+        addrs,
+        name,
+        tls,
+        h2c,
+    })
 }
 
 fn strip_prefix_ci<'a>(s: &'a str, p: &str) -> Option<&'a str> {

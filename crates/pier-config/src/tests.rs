@@ -2395,6 +2395,63 @@ fn redirect_https_and_upstream_tls() {
     .unwrap();
     let t = c.upstreams["default"].tls.as_ref().unwrap();
     assert_eq!(t.server_name.as_deref(), Some("localhost"));
+    // https origins: HTTP/2 or HTTP/1.1 by their ALPN answer.
+    assert_eq!(c.upstreams["default"].protocol, UpstreamProtocol::Auto);
+}
+
+#[test]
+fn quick_mode_http2_schemes_and_flags() {
+    let o = parse_origin("h2c://127.0.0.1:50051").unwrap();
+    assert_eq!(
+        (o.addrs[0], o.tls, o.h2c),
+        (addr("127.0.0.1:50051"), false, true)
+    );
+    assert_eq!(
+        parse_origin("H2C://127.0.0.1").unwrap().addrs[0],
+        addr("127.0.0.1:80")
+    );
+    assert!(!parse_origin("127.0.0.1:80").unwrap().h2c);
+    let quick = |to: &[&str]| {
+        Config::quick_with(
+            addr("127.0.0.1:0"),
+            to.iter().map(|t| parse_origin(t).unwrap()).collect(),
+            None,
+            None,
+            None,
+        )
+    };
+    let mut c = quick(&["h2c://127.0.0.1:50051", "h2c://127.0.0.1:50052"]).unwrap();
+    assert_eq!(c.upstreams["default"].protocol, UpstreamProtocol::H2c);
+    assert!(c.upstreams["default"].tls.is_none());
+    c.enable_quick_http2(true, true).unwrap();
+    assert!(c.listeners[0].h2c && !c.listeners[0].h2c_only);
+    assert!(c.routes[0].grpc_web);
+    // Mixed schemes are refused: one upstream speaks one protocol.
+    assert!(quick(&["h2c://127.0.0.1:1", "127.0.0.1:2"]).is_err());
+    assert!(quick(&["https://127.0.0.1:1", "h2c://127.0.0.1:2"]).is_err());
+    // gRPC-web needs an HTTP/2 origin.
+    let mut c = quick(&["127.0.0.1:3000"]).unwrap();
+    assert_eq!(c.upstreams["default"].protocol, UpstreamProtocol::Http1);
+    let e = c.enable_quick_http2(false, true).unwrap_err();
+    assert!(e.contains("h2c://"), "{e}");
+    assert!(!c.routes[0].grpc_web);
+    // A TLS listener offers h2 by ALPN; --h2c is for cleartext ones.
+    let mut c = Config::quick_with(
+        addr("127.0.0.1:0"),
+        vec![parse_origin("127.0.0.1:3000").unwrap()],
+        None,
+        Some(CertFiles {
+            cert: "c.pem".into(),
+            key: "k.pem".into(),
+        }),
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        c.listeners[0].tls.as_ref().unwrap().alpn,
+        vec!["h2".to_string(), "http/1.1".to_string()]
+    );
+    assert!(c.enable_quick_http2(true, false).is_err());
 }
 
 #[test]

@@ -34,6 +34,19 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + 'static {
     fn readable(&self) -> impl std::future::Future<Output = io::Result<()>> {
         async { Ok(()) }
     }
+    /// [`Stream::readable`] as a poll: the waker is kept by the socket's
+    /// own registration, so a task waiting this way holds no waiter node
+    /// (an idle connection's future is ~150 bytes smaller than with
+    /// `readable()`). One task per stream may wait so.
+    fn poll_readable(&self, _cx: &mut std::task::Context<'_>) -> std::task::Poll<io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+    /// Before the stream is dropped: say goodbye where the protocol has a
+    /// word for it (TLS's close_notify, without which OpenSSL clients drop
+    /// the session instead of resuming it). TCP's FIN comes with the close.
+    fn close(&mut self) -> impl std::future::Future<Output = ()> {
+        async {}
+    }
 }
 
 impl Stream for TcpStream {
@@ -44,6 +57,9 @@ impl Stream for TcpStream {
     }
     async fn readable(&self) -> io::Result<()> {
         TcpStream::readable(self).await
+    }
+    fn poll_readable(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<io::Result<()>> {
+        self.poll_read_ready(cx)
     }
 }
 
@@ -77,6 +93,20 @@ impl Stream for tokio_rustls::server::TlsStream<TcpStream> {
             tcp.peek(&mut [0u8; 1]).await.map(|_| ())
         } else {
             Ok(())
+        }
+    }
+    async fn close(&mut self) {
+        // close_notify, flushed, then the TCP write side shut.
+        let _ = tokio::io::AsyncWriteExt::shutdown(self).await;
+    }
+    fn poll_readable(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<io::Result<()>> {
+        let (tcp, conn) = self.get_ref();
+        if conn.wants_read() {
+            let mut one = [0u8; 1];
+            tcp.poll_peek(cx, &mut tokio::io::ReadBuf::new(&mut one))
+                .map_ok(|_| ())
+        } else {
+            std::task::Poll::Ready(Ok(()))
         }
     }
 }

@@ -1,5 +1,7 @@
 //! Active health checks: one tokio task per peer of every group that has a
-//! `health_check`.
+//! `health_check`. A group whose upstream speaks TLS is checked over TLS
+//! (the same trust, client certificate and server name as its traffic):
+//! a cleartext check to a TLS port would mark every server down.
 
 use std::fmt;
 use std::io;
@@ -10,7 +12,7 @@ use std::time::Duration;
 
 use pier_config::{HealthCheck, HealthKind};
 use pier_http::{write, HeadLimits, ResponseHead};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -18,26 +20,41 @@ use tokio::time::MissedTickBehavior;
 
 use crate::group::Group;
 
+/// TLS for one group's checks: its upstream's rustls config (trust, client
+/// certificate, resumption) and configured server name.
+#[derive(Clone, Debug)]
+pub struct CheckTls {
+    pub config: Arc<rustls::ClientConfig>,
+    /// SNI and verified name; None = the server's host name, else its IP
+    /// address (verified against the certificate's IP SANs), as requests do.
+    pub server_name: Option<Arc<str>>,
+}
+
 /// Spawn the active health checkers on the current tokio runtime (panics
 /// outside one, as `tokio::spawn`). Each peer is checked at once and then
 /// every `interval`; `rise` consecutive good checks mark a down peer up,
 /// `fall` consecutive bad ones mark an up peer down, and each transition is
-/// logged. The tasks end when `shutdown` becomes true or its sender is
-/// dropped; the handles let a caller wait for that.
+/// logged. `tls[i]` (when present) is the TLS of `groups[i]`'s servers:
+/// `http` and `grpc` checks then run over TLS (`tcp` ones stay a connect).
+/// The tasks end when `shutdown` becomes true or its sender is dropped; the
+/// handles let a caller wait for that.
 pub fn spawn_health_checks(
     groups: &[Arc<Group>],
+    tls: &[Option<CheckTls>],
     shutdown: watch::Receiver<bool>,
 ) -> Vec<JoinHandle<()>> {
     let mut tasks = Vec::new();
-    for group in groups {
+    for (gi, group) in groups.iter().enumerate() {
         let Some(hc) = &group.config().health_check else {
             continue;
         };
+        let tls = tls.get(gi).cloned().flatten();
         for idx in 0..group.peers().len() {
             tasks.push(tokio::spawn(check_loop(
                 group.clone(),
                 idx,
                 hc.clone(),
+                tls.clone(),
                 shutdown.clone(),
             )));
         }
@@ -45,13 +62,50 @@ pub fn spawn_health_checks(
     tasks
 }
 
+/// The connector and name a peer's checks use: the group's config with the
+/// ALPN the check speaks (`http/1.1`, or `h2` for gRPC), whatever the
+/// upstream's own `protocol` offers.
+fn check_connector(
+    tls: Option<CheckTls>,
+    kind: &HealthKind,
+    peer: &crate::Peer,
+) -> Option<(
+    tokio_rustls::TlsConnector,
+    rustls::pki_types::ServerName<'static>,
+)> {
+    let t = tls?;
+    let alpn: &[u8] = match kind {
+        HealthKind::Tcp => return None,
+        HealthKind::Http { .. } => b"http/1.1",
+        HealthKind::Grpc { .. } => b"h2",
+    };
+    let mut config = (*t.config).clone();
+    config.alpn_protocols = vec![alpn.to_vec()];
+    let name: Arc<str> = t
+        .server_name
+        .or_else(|| peer.host.clone())
+        .unwrap_or_else(|| Arc::from(peer.addr.ip().to_string()));
+    let name = match rustls::pki_types::ServerName::try_from(name.to_string()) {
+        Ok(n) => n,
+        Err(e) => {
+            // Validated at load for `server_name`; a resolved host name is a
+            // DNS name. Checks then fail (and say why) rather than go clear.
+            tracing::warn!(peer = %peer.addr, name = %name, error = %e, "health check: bad TLS server name");
+            rustls::pki_types::ServerName::IpAddress(peer.addr.ip().into())
+        }
+    };
+    Some((tokio_rustls::TlsConnector::from(Arc::new(config)), name))
+}
+
 async fn check_loop(
     group: Arc<Group>,
     idx: usize,
     hc: HealthCheck,
+    tls: Option<CheckTls>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let peer = group.peers()[idx].clone();
+    let tls = check_connector(tls, &hc.kind, &peer);
     let request = match &hc.kind {
         HealthKind::Tcp => Vec::new(),
         HealthKind::Http { path, host, .. } => {
@@ -84,7 +138,7 @@ async fn check_loop(
             }
         }
         let result = tokio::select! {
-            r = check(peer.addr, &hc.kind, &request, hc.timeout) => r,
+            r = check(peer.addr, tls.as_ref(), &hc.kind, &request, hc.timeout) => r,
             _ = shutdown.changed() => continue,
         };
         let up = peer.is_healthy();
@@ -134,6 +188,8 @@ fn http_request(path: &str, host: Option<&str>, addr: SocketAddr) -> Vec<u8> {
 pub(crate) enum CheckError {
     Timeout,
     Connect(io::ErrorKind),
+    /// The TLS handshake failed (the rustls error, e.g. a bad certificate).
+    Tls(String),
     Io(io::ErrorKind),
     /// Closed or garbled before the end of a response head.
     BadResponse,
@@ -145,6 +201,7 @@ impl fmt::Display for CheckError {
         match self {
             CheckError::Timeout => f.write_str("timed out"),
             CheckError::Connect(k) => write!(f, "connect: {k}"),
+            CheckError::Tls(e) => write!(f, "tls: {e}"),
             CheckError::Io(k) => write!(f, "i/o: {k}"),
             CheckError::BadResponse => f.write_str("no valid HTTP response head"),
             CheckError::Status(s) => write!(f, "status {s}"),
@@ -152,37 +209,32 @@ impl fmt::Display for CheckError {
     }
 }
 
-/// One check, all of it (connect, send, read the response head) within `timeout`.
+/// One check, all of it (connect, TLS handshake, send, read the response
+/// head) within `timeout`.
 pub(crate) async fn check(
     addr: SocketAddr,
+    tls: Option<&(
+        tokio_rustls::TlsConnector,
+        rustls::pki_types::ServerName<'static>,
+    )>,
     kind: &HealthKind,
     request: &[u8],
     timeout: Duration,
 ) -> Result<(), CheckError> {
     let run = async {
-        let mut stream = TcpStream::connect(addr)
+        let stream = TcpStream::connect(addr)
             .await
             .map_err(|e| CheckError::Connect(e.kind()))?;
-        if let HealthKind::Grpc { service } = kind {
-            return grpc_check(stream, addr, service).await;
-        }
-        let HealthKind::Http {
-            expect_min,
-            expect_max,
-            ..
-        } = kind
-        else {
-            return Ok(());
-        };
-        stream
-            .write_all(request)
-            .await
-            .map_err(|e| CheckError::Io(e.kind()))?;
-        let status = read_status(&mut stream).await?;
-        if (*expect_min..=*expect_max).contains(&status) {
-            Ok(())
-        } else {
-            Err(CheckError::Status(status))
+        let _ = stream.set_nodelay(true);
+        match tls {
+            None => probe(stream, "http", addr, kind, request).await,
+            Some((connector, name)) => {
+                let stream = connector
+                    .connect(name.clone(), stream)
+                    .await
+                    .map_err(|e| CheckError::Tls(e.to_string()))?;
+                probe(stream, "https", addr, kind, request).await
+            }
         }
     };
     tokio::time::timeout(timeout, run)
@@ -190,9 +242,52 @@ pub(crate) async fn check(
         .unwrap_or(Err(CheckError::Timeout))
 }
 
-/// `grpc.health.v1.Health/Check` on an h2c connection: SERVING (1) with
-/// grpc-status 0 is healthy; anything else is a failed check.
-async fn grpc_check(stream: TcpStream, addr: SocketAddr, service: &str) -> Result<(), CheckError> {
+/// The check's exchange on a connected stream (TCP or TLS).
+async fn probe<S>(
+    mut stream: S,
+    scheme: &str,
+    addr: SocketAddr,
+    kind: &HealthKind,
+    request: &[u8],
+) -> Result<(), CheckError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    if let HealthKind::Grpc { service } = kind {
+        return grpc_check(stream, scheme, addr, service).await;
+    }
+    let HealthKind::Http {
+        expect_min,
+        expect_max,
+        ..
+    } = kind
+    else {
+        return Ok(());
+    };
+    stream
+        .write_all(request)
+        .await
+        .map_err(|e| CheckError::Io(e.kind()))?;
+    let status = read_status(&mut stream).await?;
+    if (*expect_min..=*expect_max).contains(&status) {
+        Ok(())
+    } else {
+        Err(CheckError::Status(status))
+    }
+}
+
+/// `grpc.health.v1.Health/Check` over HTTP/2 (h2c, or TLS with ALPN h2):
+/// SERVING (1) with grpc-status 0 is healthy; anything else is a failed
+/// check.
+async fn grpc_check<S>(
+    stream: S,
+    scheme: &str,
+    addr: SocketAddr,
+    service: &str,
+) -> Result<(), CheckError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     fn bad<E>(_: E) -> CheckError {
         CheckError::BadResponse
     }
@@ -207,7 +302,7 @@ async fn grpc_check(stream: TcpStream, addr: SocketAddr, service: &str) -> Resul
         let mut send = send.ready().await.map_err(bad)?;
         let req = http::Request::builder()
             .method("POST")
-            .uri(format!("http://{addr}/grpc.health.v1.Health/Check"))
+            .uri(format!("{scheme}://{addr}/grpc.health.v1.Health/Check"))
             .header("content-type", "application/grpc")
             .header("te", "trailers")
             .header("user-agent", "pier-health")
@@ -268,7 +363,7 @@ async fn grpc_check(stream: TcpStream, addr: SocketAddr, service: &str) -> Resul
 const MAX_HEAD: usize = 16 * 1024;
 
 /// Read the response head (bounded) with Pier's HTTP/1 codec; its status.
-async fn read_status(stream: &mut TcpStream) -> Result<u16, CheckError> {
+async fn read_status<S: AsyncRead + Unpin>(stream: &mut S) -> Result<u16, CheckError> {
     let mut buf = Vec::with_capacity(512);
     let mut chunk = [0u8; 1024];
     loop {

@@ -80,7 +80,7 @@ mod select;
 
 pub use budget::RetryBudget;
 pub use group::Group;
-pub use health::spawn_health_checks;
+pub use health::{spawn_health_checks, CheckTls};
 pub use key::{extract_hash_key, find_cookie};
 pub use peer::{ActiveGuard, Peer};
 

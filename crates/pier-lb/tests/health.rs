@@ -190,7 +190,7 @@ async fn http_check_follows_fall_and_rise() {
     let origin = Origin::start(200).await;
     let g = group(&[origin.addr], Some(http_check(2, 3)));
     let (tx, rx) = watch::channel(false);
-    let tasks = spawn_health_checks(std::slice::from_ref(&g), rx);
+    let tasks = spawn_health_checks(std::slice::from_ref(&g), &[], rx);
     assert_eq!(tasks.len(), 1);
     let peer = g.peers()[0].clone();
 
@@ -231,7 +231,7 @@ async fn http_check_closed_and_hung_connections_fail() {
     hc.timeout = Duration::from_millis(1000);
     let g = group(&[closing.addr, hanging.addr], Some(hc));
     let (tx, rx) = watch::channel(false);
-    let tasks = spawn_health_checks(std::slice::from_ref(&g), rx);
+    let tasks = spawn_health_checks(std::slice::from_ref(&g), &[], rx);
     wait_for("closing peer down", || !g.peers()[0].is_healthy()).await;
     wait_for("hanging peer down", || !g.peers()[1].is_healthy()).await;
     assert!(closing.bad.load(Ordering::SeqCst) >= 2);
@@ -256,7 +256,7 @@ async fn http_check_host_override_and_expect_range() {
     let g = group(&[origin.addr], Some(hc));
     g.peers()[0].set_healthy(false);
     let (tx, rx) = watch::channel(false);
-    let tasks = spawn_health_checks(std::slice::from_ref(&g), rx);
+    let tasks = spawn_health_checks(std::slice::from_ref(&g), &[], rx);
     wait_for("302 within 200..=399", || g.peers()[0].is_healthy()).await;
     let req = origin.first_request.lock().unwrap().clone();
     assert!(req.starts_with(b"GET / HTTP/1.1\r\nHost: svc.internal\r\n"));
@@ -274,7 +274,7 @@ async fn tcp_check_follows_listener() {
     };
     let g = group(&[origin.addr], Some(hc));
     let (tx, rx) = watch::channel(false);
-    let tasks = spawn_health_checks(std::slice::from_ref(&g), rx);
+    let tasks = spawn_health_checks(std::slice::from_ref(&g), &[], rx);
     let peer = g.peers()[0].clone();
     // Connects count as good answers at the origin: two checks have passed.
     wait_for("two tcp checks", || origin.good.load(Ordering::SeqCst) >= 2).await;
@@ -296,7 +296,7 @@ async fn active_check_restores_passively_downed_peer() {
     let origin = Origin::start(200).await;
     let g = group(&[origin.addr], Some(http_check(3, 3)));
     let (tx, rx) = watch::channel(false);
-    let tasks = spawn_health_checks(std::slice::from_ref(&g), rx);
+    let tasks = spawn_health_checks(std::slice::from_ref(&g), &[], rx);
     wait_for("checks running", || origin.good.load(Ordering::SeqCst) >= 3).await;
 
     // The proxy saw max_fails (3) failed attempts in a row.
@@ -318,7 +318,7 @@ async fn checkers_stop_when_sender_dropped_and_skip_unchecked_groups() {
     let checked = group(&[origin.addr, origin.addr], Some(http_check(1, 1)));
     let unchecked = group(&[origin.addr], None);
     let (tx, rx) = watch::channel(false);
-    let tasks = spawn_health_checks(&[checked, unchecked], rx);
+    let tasks = spawn_health_checks(&[checked, unchecked], &[], rx);
     assert_eq!(tasks.len(), 2, "one task per peer of checked groups only");
     wait_for("both checked", || origin.good.load(Ordering::SeqCst) >= 2).await;
     drop(tx);

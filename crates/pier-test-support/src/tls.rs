@@ -222,6 +222,19 @@ impl TlsClient {
         self.stream.conn.handshake_kind() == Some(rustls::HandshakeKind::Resumed)
     }
 
+    /// Send a GET with `Connection: close` and read until the server closes:
+    /// the bytes, or `UnexpectedEof` when it closed without a TLS
+    /// close_notify (rustls tells a clean close from a truncation).
+    pub fn get_until_close(&mut self, host: &str, path: &str) -> std::io::Result<Vec<u8>> {
+        use std::io::{Read, Write};
+        let req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        self.stream.write_all(req.as_bytes())?;
+        self.stream.flush()?;
+        let mut all = std::mem::take(&mut self.buf);
+        self.stream.read_to_end(&mut all)?;
+        Ok(all)
+    }
+
     /// Send a GET with Host `host`; read one response with a Content-Length
     /// or chunked body (Pier's codec). Returns (status, headers, body).
     pub fn get(&mut self, host: &str, path: &str) -> std::io::Result<crate::Response> {
