@@ -70,6 +70,47 @@ fn hits_age_head_and_cache_status() {
     assert!(pier.metrics().contains("pier_cache_lookups_total"));
 }
 
+/// The cache step's result reaches the access log (`"cache"`, nginx's
+/// `$upstream_cache_status`) and the analytics events.
+#[test]
+fn cache_results_are_logged() {
+    let o = Origin::start();
+    let dir = TempDir::new();
+    let log = dir.path().join("access.log");
+    let cfg = cache_config(o.addr(), "").replace(
+        "access = \"off\"",
+        &format!("access = \"{}\"", log.display()),
+    );
+    let pier = pier(&cfg);
+    let mut c = RawConn::connect(pier.listener("main"));
+    for _ in 0..2 {
+        assert_eq!(c.get("/cache/60").unwrap().status, 200);
+    }
+    assert_eq!(
+        c.request("POST", "/cache/60", &[], b"x").unwrap().status,
+        200
+    );
+    let want = ["MISS", "HIT", "PASS"];
+    let mut lines = Vec::new();
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            lines = std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .lines()
+                .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+                .collect();
+            lines.len() >= want.len()
+        }),
+        "{lines:?}"
+    );
+    // One connection, one worker: its records in order.
+    let got: Vec<&str> = lines
+        .iter()
+        .map(|v| v["cache"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(got, want, "{lines:?}");
+}
+
 #[test]
 fn a_head_miss_is_not_stored_as_the_get() {
     let o = Origin::start();

@@ -117,6 +117,20 @@ impl Registry {
             .map(|t| min_age_ms.saturating_sub(now_ms.saturating_sub(t)))
     }
 
+    /// Evict every waiting connection (the worker drains: idle ones close
+    /// now, quietly, as nginx's do at a graceful stop).
+    pub fn evict_all(&mut self) {
+        for e in &mut self.entries {
+            if e.mark == Mark::Waiting {
+                e.mark = Mark::Evicted;
+                self.waiting -= 1;
+                if let Some(w) = e.waker.take() {
+                    w.wake();
+                }
+            }
+        }
+    }
+
     /// Connections currently waiting (evictable).
     pub fn waiting(&self) -> usize {
         self.waiting

@@ -25,6 +25,10 @@ pub struct AccessRecord<'a> {
     pub reason: &'a str,
     /// What the connection's TLS handshake agreed on (None: cleartext).
     pub tls: Option<TlsFields<'a>>,
+    /// The cache step's result (`HIT`, `MISS`, …; nginx's
+    /// `$upstream_cache_status`); "" on a route without a cache, and then
+    /// not written.
+    pub cache: &'a str,
 }
 
 /// TLS fields of an access record (logged as a `"tls"` object).
@@ -133,6 +137,11 @@ fn write_record(b: &mut Vec<u8>, r: &AccessRecord<'_>) {
     b.extend_from_slice(b"\",\"reason\":\"");
     escape(b, r.reason.as_bytes());
     b.push(b'"');
+    if !r.cache.is_empty() {
+        b.extend_from_slice(b",\"cache\":\"");
+        escape(b, r.cache.as_bytes());
+        b.push(b'"');
+    }
     if let Some(t) = &r.tls {
         for (k, v) in [
             (&b",\"tls\":{\"version\":\""[..], t.version),
@@ -189,6 +198,7 @@ mod tests {
                 upstream: b"127.0.0.1:9000",
                 reason: "",
                 tls: None,
+                cache: "",
             },
         );
         let s = String::from_utf8(b).unwrap();
@@ -196,5 +206,28 @@ mod tests {
             s,
             "{\"ts_ms\":1,\"client\":\"127.0.0.1\",\"method\":\"GET\",\"uri\":\"/a\\\"b\\u0001\\u00ff\",\"host\":\"h\",\"status\":200,\"bytes\":12,\"duration_us\":5,\"route\":\"r\",\"upstream\":\"127.0.0.1:9000\",\"reason\":\"\"}\n"
         );
+        // A cached route's record says what the cache did.
+        let mut b = Vec::new();
+        write_record(
+            &mut b,
+            &AccessRecord {
+                ts_ms: 1,
+                client: b"::1",
+                method: b"GET",
+                uri: b"/",
+                host: b"",
+                status: 200,
+                bytes_sent: 0,
+                duration_us: 0,
+                route: "",
+                upstream: b"",
+                reason: "",
+                tls: None,
+                cache: "HIT",
+            },
+        );
+        assert!(String::from_utf8(b)
+            .unwrap()
+            .ends_with(",\"reason\":\"\",\"cache\":\"HIT\"}\n"));
     }
 }

@@ -171,6 +171,8 @@ fn cache_status(s: &str) -> &'static str {
         "EXPIRED" => "EXPIRED",
         "REVALIDATED" => "REVALIDATED",
         "STALE" => "STALE",
+        "UPDATING" => "UPDATING",
+        "COALESCED" => "COALESCED",
         "PASS" => "PASS",
         "" => "",
         _ => "OTHER",

@@ -6,7 +6,7 @@
 //! it arrives.
 
 use crate::protocol::{BodySize, ResponseSource};
-use crate::session::Session;
+use crate::session::{CacheResult, Session};
 use crate::state::State;
 use bytes::BytesMut;
 use pier_cache::fill::{FillBuf, FillHead, HeadWait, Piece};
@@ -115,6 +115,7 @@ pub async fn lookup(
     if !matches!(method, Method::Get | Method::Head) {
         // Unsafe methods invalidate once answered (`after_response`).
         zone.stats.pass.fetch_add(1, Relaxed);
+        sess.cache = CacheResult::Pass;
         return Lookup::Miss(None);
     }
     // Pier's own refresh (stale-while-revalidate) goes to the origin even
@@ -139,12 +140,14 @@ pub async fn lookup(
             match policy::usable(obj.lifetime, age, &obj.cc, &cc) {
                 Use::Fresh if !refresh => {
                     zone.stats.hit.fetch_add(1, Relaxed);
+                    sess.cache = CacheResult::Hit;
                     return Lookup::Hit(CacheSource::new(obj, sess, age, "hit"));
                 }
                 Use::StaleWhileRevalidate if !refresh => {
                     // Served stale now; one background refresh per key.
                     if start_refresh(&zone, &key) {
                         zone.stats.updating.fetch_add(1, Relaxed);
+                        sess.cache = CacheResult::Updating;
                         let mut src =
                             CacheSource::new(obj, sess, age, "hit; detail=stale-while-revalidate");
                         if let CacheSource::Stored(s) = &mut src {
@@ -153,6 +156,7 @@ pub async fn lookup(
                         return Lookup::Hit(src);
                     }
                     zone.stats.stale.fetch_add(1, Relaxed);
+                    sess.cache = CacheResult::Stale;
                     return Lookup::Hit(CacheSource::new(
                         obj,
                         sess,
@@ -170,12 +174,14 @@ pub async fn lookup(
             // A partial answer is not stored: the range goes to the origin
             // without a fill (the next full GET fills the key).
             zone.stats.pass.fetch_add(1, Relaxed);
+            sess.cache = CacheResult::Pass;
             return Lookup::Miss(None);
         }
         if method == Method::Head {
             // A HEAD is answered from a stored GET, but its own answer has
             // no body to store: it goes to the origin without a fill.
             zone.stats.pass.fetch_add(1, Relaxed);
+            sess.cache = CacheResult::Pass;
             return Lookup::Miss(None);
         }
         match zone.fill(&key, now) {
@@ -186,6 +192,7 @@ pub async fn lookup(
                     // Readers follow the writer: the body as it arrives.
                     HeadWait::Head(head) if plain && !refresh => {
                         zone.stats.coalesced.fetch_add(1, Relaxed);
+                        sess.cache = CacheResult::Coalesced;
                         return Lookup::Hit(CacheSource::Follow(Box::new(Follow {
                             rx: buf.subscribe(),
                             buf,
@@ -200,6 +207,7 @@ pub async fn lookup(
                     HeadWait::Head(_) => {
                         if buf.wait_end(rc.lock_timeout).await {
                             zone.stats.coalesced.fetch_add(1, Relaxed);
+                            sess.cache = CacheResult::Coalesced;
                         } else {
                             zone.stats.lock_timeouts.fetch_add(1, Relaxed);
                             break (None, stale);
@@ -207,6 +215,7 @@ pub async fn lookup(
                     }
                     HeadWait::Again => {
                         zone.stats.coalesced.fetch_add(1, Relaxed);
+                        sess.cache = CacheResult::Coalesced;
                     }
                     HeadWait::Timeout => {
                         zone.stats.lock_timeouts.fetch_add(1, Relaxed);
@@ -217,6 +226,7 @@ pub async fn lookup(
             Fill::Follower(_) => break (None, stale),
             Fill::Pass => {
                 zone.stats.pass.fetch_add(1, Relaxed);
+                sess.cache = CacheResult::Pass;
                 return Lookup::Miss(None);
             }
         }
@@ -224,8 +234,10 @@ pub async fn lookup(
     let (guard, stale) = guard;
     if stale.is_some() {
         zone.stats.expired.fetch_add(1, Relaxed);
+        sess.cache = CacheResult::Expired;
     } else {
         zone.stats.miss.fetch_add(1, Relaxed);
+        sess.cache = CacheResult::Miss;
     }
     // The origin gets an unconditional request (what comes back is stored
     // whole), or a conditional one with the stored validators.
@@ -652,6 +664,8 @@ pub struct TeeSource<S> {
     cc: CacheControl,
     /// Serving the stored object after a 304, or instead of a 5xx.
     from_stale: Option<CacheSource>,
+    /// Which of the two (`Revalidated`, `Stale`), for the request's log.
+    result: Option<CacheResult>,
     lifetime: u64,
     /// The fill's pieces: shared with its followers when this request
     /// leads it, private otherwise.
@@ -678,6 +692,7 @@ impl<S> TeeSource<S> {
             head: None,
             cc: CacheControl::default(),
             from_stale: None,
+            result: None,
             lifetime: 0,
             buf,
             published: false,
@@ -846,6 +861,7 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
                 if policy::usable_on_error(stale.lifetime, age, &stale.cc, &f.req_cc, f.grace) {
                     // The origin failed: the stored response instead.
                     f.zone.stats.stale.fetch_add(1, Relaxed);
+                    self.result = Some(CacheResult::Stale);
                     self.buf.pass();
                     let mut src = Stored::answer(
                         stale,
@@ -864,6 +880,7 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
             if let Some(stale) = f.stale.clone() {
                 // Revalidated: the stored object, its fields updated.
                 f.zone.stats.revalidated.fetch_add(1, Relaxed);
+                self.result = Some(CacheResult::Revalidated);
                 let obj = self.revalidated(&stale, head, now);
                 self.fill.zone.insert(self.fill.key.clone(), obj.clone());
                 // Followers find the refreshed object when they look again.
@@ -999,6 +1016,10 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
     /// A phase's verdict (Lua `pier.cache` in header_filter): don't store,
     /// store after all (with its TTL, else the route's for the status), or
     /// another TTL.
+    fn cache_result(&self) -> Option<CacheResult> {
+        self.result
+    }
+
     fn cache_override(&mut self, head: &mut ResponseHead, ctl: &crate::cache_key::CacheCtl) {
         if self.from_stale.is_some() || (ctl.cacheable.is_none() && ctl.ttl.is_none()) {
             return;
@@ -1052,7 +1073,7 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
 /// `stale-if-error` or the route's `grace` allows it.
 pub async fn stale_on_error(
     state: &State,
-    sess: &Session,
+    sess: &mut Session,
     kind: pier_error::Kind,
 ) -> Option<CacheSource> {
     use pier_error::Kind as K;
@@ -1083,6 +1104,8 @@ pub async fn stale_on_error(
         return None;
     }
     zone.stats.stale.fetch_add(1, Relaxed);
+    sess.cache = CacheResult::Stale;
+    let sess = &*sess;
     Some(CacheSource::new(
         obj,
         sess,

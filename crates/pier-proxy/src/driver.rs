@@ -87,32 +87,15 @@ impl Work {
 /// than kept in the worker's pool (a big head is rare).
 const KEEP_HEAD_BYTES: usize = 2048;
 
-impl Bufs {
-    /// Between requests: hand the byte buffers back to the worker's pool, so
-    /// an idle keep-alive connection holds none (10,000 idle connections
-    /// cost little more than their sockets) while a busy one gets them back
-    /// at once. Freed buffers would otherwise sit in the allocator between
-    /// long-lived allocations (fragmentation: measured ~19 MB held but free
-    /// with 10,000 idle connections).
-    /// The heads' storage goes back too (all three: the request as
-    /// received, the upstream request, the response), so an idle
-    /// connection holds no head bytes either.
-    fn release(&mut self, sess: &mut Session, pool: &RefCell<BufPool>) {
-        let mut p = pool.borrow_mut();
-        p.put(std::mem::take(&mut self.rbuf));
-        p.put(std::mem::take(&mut self.work.ubuf));
-        p.put_vec(std::mem::take(&mut self.out));
-        p.put_vec(std::mem::take(&mut self.work.head));
-        p.put_head(std::mem::take(&mut sess.req));
-        p.put_head(std::mem::take(&mut sess.up_req));
-        p.put_resp(std::mem::take(&mut self.work.resp));
-    }
-}
-
 /// A worker's spare I/O buffers (single-threaded, like the worker), bounded
 /// in count and in the size of what it keeps.
 #[derive(Default)]
 pub struct BufPool {
+    /// HTTP/1 connections' sessions and buffers, between their requests.
+    /// Boxed on purpose: a connection holds the box while busy, so taking
+    /// and returning one moves a pointer, not the ~1 KB it points to.
+    #[allow(clippy::vec_box)]
+    busy: Vec<Box<Busy>>,
     bytes: Vec<BytesMut>,
     vecs: Vec<Vec<u8>>,
     heads: Vec<pier_http::RequestHead>,
@@ -176,128 +159,288 @@ enum Relayed {
     Upgrade,
 }
 
-/// Serve one client connection until it closes, idles out, or errs. The
-/// stream is any byte stream (TCP, TLS, an in-memory pipe): the driver never
-/// names a socket type.
-pub async fn serve_connection<P: Phases, S: Stream>(
-    w: Arc<Worker<P>>,
-    mut stream: S,
+/// What a connection holds only while it has a request to serve (a head
+/// arriving, a request running, pipelined bytes): the session and the
+/// buffers. Boxed, and pooled per worker in between, so an idle keep-alive
+/// connection holds neither (its task keeps only the stream and a few
+/// words), and a busy one takes them back in one step, buffers attached.
+struct Busy {
+    sess: Session,
+    b: Bufs,
+}
+
+impl Busy {
+    fn new(client: SocketAddr, local: SocketAddr) -> Box<Busy> {
+        Box::new(Busy {
+            sess: Session::new(client, local),
+            b: Bufs {
+                rbuf: BytesMut::new(),
+                out: Vec::new(),
+                work: Work {
+                    ubuf: BytesMut::new(),
+                    resp: ResponseHead::default(),
+                    head: Vec::new(),
+                    cache: None,
+                },
+            },
+        })
+    }
+}
+
+/// The connection's own facts, lent to its `Busy` while it is taken (two
+/// swaps instead of a clone and a format per request).
+struct Lent {
     client: SocketAddr,
     local: SocketAddr,
     conn: ConnInfo,
-) {
-    // Boxed: one allocation per connection keeps the connection's future
-    // small (session_size pins the box's size as the future's test does).
-    let mut sess = Box::new(Session::new(client, local));
-    sess.conn = conn;
-    let mut b = Bufs {
-        rbuf: BytesMut::new(),
-        out: Vec::new(),
-        work: Work {
-            ubuf: BytesMut::new(),
-            resp: ResponseHead::default(),
-            head: Vec::new(),
-            cache: None,
-        },
+    client_ip: String,
+}
+
+impl Lent {
+    fn lend(&mut self, bz: &mut Busy) {
+        bz.sess.client = self.client;
+        bz.sess.local = self.local;
+        std::mem::swap(&mut bz.sess.conn, &mut self.conn);
+        std::mem::swap(&mut bz.sess.client_ip, &mut self.client_ip);
+    }
+    fn take_back(&mut self, bz: &mut Busy) {
+        std::mem::swap(&mut bz.sess.conn, &mut self.conn);
+        std::mem::swap(&mut bz.sess.client_ip, &mut self.client_ip);
+    }
+}
+
+/// Serve one client connection until it closes, idles out, or errs. The
+/// stream is any byte stream (TCP, TLS, an in-memory pipe): the driver never
+/// names a socket type.
+///
+/// While the connection idles between requests, its task waits for the
+/// first byte holding only the stream and its own facts; the session and
+/// buffers ([`Busy`]) come from the worker's pool when bytes arrive and go
+/// back when the request is done and nothing else was sent.
+pub fn serve_connection<P: Phases, S: Stream>(
+    w: Arc<Worker<P>>,
+    stream: S,
+    client: SocketAddr,
+    local: SocketAddr,
+    conn: ConnInfo,
+) -> impl Future<Output = ()> {
+    // Not an `async fn`: its arguments would stay in the task for its whole
+    // life beside `Lent`, which holds them (~100 bytes per connection).
+    let lent = Lent {
+        client,
+        local,
+        conn,
+        client_ip: client.ip().to_string(),
     };
+    connection_loop(w, stream, lent)
+}
+
+async fn connection_loop<P: Phases, S: Stream>(w: Arc<Worker<P>>, mut stream: S, mut lent: Lent) {
     let mut drain = w.shared.drain_rx();
     let mut state = w.shared.state.load_full();
     let mut first = true;
+    let mut busy: Option<Box<Busy>> = None;
     loop {
         w.shared.refresh(&mut state);
-        // Waiting for a head: evictable when the worker is full (evict.rs).
-        let waiting = pier_core::evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
-        if b.rbuf.is_empty() && !first {
-            // Between requests: the buffers go back to the worker's pool.
-            b.release(&mut sess, &w.bufs);
-        }
-        let r = tokio::select! {
-            r = read_head(&mut stream, &mut b.rbuf, &w.bufs, &mut sess, &state, &mut drain, first) => r,
-            // Evicted for a new connection: close without a word, as nginx does.
-            _ = waiting.evicted() => break,
-        };
-        drop(waiting);
-        first = false;
-        // A reload while this connection waited applies to its next request.
-        w.shared.refresh(&mut state);
-        match r {
-            Ok(true) => {}
-            Ok(false) => break,
-            Err(kind) => {
-                sess.begin_now();
-                sess.step = Step::Fail;
-                // Boxed, as the request is: the connection's future stays small.
-                Box::pin(answer_plain(&state, &mut stream, &mut b, &mut sess, kind)).await;
-                w.shared.metrics.local_response(kind);
-                finish(&w, &state, &sess, None);
+        if busy.is_none() {
+            // Waiting for a head: evictable when the worker is full (evict.rs).
+            let waiting = pier_core::evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
+            if *drain.borrow() {
                 break;
             }
-        }
-        {
-            let mut pool = w.bufs.borrow_mut();
-            if sess.up_req.headers.capacity_bytes() == 0 {
-                sess.up_req = pool.take_head();
+            let ready = tokio::select! {
+                r = wait_first_byte(&mut stream, &state, first) => r,
+                // Evicted for a new connection: close without a word, as nginx does.
+                _ = waiting.evicted() => false,
+            };
+            drop(waiting);
+            if !ready {
+                break;
             }
-            if b.work.resp.headers.capacity_bytes() == 0 {
-                b.work.resp = pool.take_resp();
-            }
+            // A reload while this connection waited applies to its next request.
+            w.shared.refresh(&mut state);
         }
-        sess.begin_now();
-        // Released on every path out, a panic's unwinding included.
-        let active = GaugeGuard::enter(&w.shared.metrics.active_requests);
+        let mut bz = match busy.take() {
+            Some(bz) => bz,
+            None => {
+                let mut bz = w
+                    .bufs
+                    .borrow_mut()
+                    .busy
+                    .pop()
+                    .unwrap_or_else(|| Busy::new(lent.client, lent.local));
+                lent.lend(&mut bz);
+                bz
+            }
+        };
         // Boxed: the connection's task stays small while it idles; the
         // request's (larger) state machine, its phase context included,
-        // exists only while it runs. A panic in it (a bug) costs this
-        // request and its connection only: its guards are released as the
-        // future is dropped.
-        if b.out.capacity() == 0 {
-            b.out = w.bufs.borrow_mut().take_vec();
-        }
-        let mut down = H1Downstream {
-            stream: &mut stream,
-            rbuf: &mut b.rbuf,
-            out: &mut b.out,
-        };
-        let keep = CatchUnwind(Box::pin(run_request(
+        // exists only while it runs.
+        let keep = Box::pin(serve_request(
             &w,
             &state,
-            &mut down,
-            &mut b.work,
-            &mut sess,
-        )))
+            &mut stream,
+            &mut bz,
+            &mut drain,
+            first,
+        ))
         .await;
-        let keep = match keep {
-            Ok(keep) => keep,
-            Err(()) => {
-                w.shared
-                    .metrics
-                    .panics
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tracing::error!(step = ?sess.step, "request task panicked; connection closed");
-                if sess.bytes_sent == 0 {
-                    Box::pin(answer_plain(
-                        &state,
-                        &mut stream,
-                        &mut b,
-                        &mut sess,
-                        Kind::Internal,
-                    ))
-                    .await;
-                } else {
-                    sess.status = 500;
-                }
-                sess.reason = Kind::Internal.reason();
-                false
-            }
-        };
-        drop(active);
-        finish(&w, &state, &sess, sess.route);
-        if !keep || *drain.borrow() {
+        first = false;
+        if keep && !bz.b.rbuf.is_empty() {
+            // Pipelined bytes: the next head is (partly) here already.
+            busy = Some(bz);
+            continue;
+        }
+        lent.take_back(&mut bz);
+        w.put_busy(bz);
+        if !keep {
             break;
         }
     }
-    // The next connection reuses them.
-    b.release(&mut sess, &w.bufs);
+    if let Some(mut bz) = busy {
+        lent.take_back(&mut bz);
+        w.put_busy(bz);
+    }
+    // TLS: close_notify (bounded: a client that reads nothing cannot hold
+    // the connection open by it).
+    let _ = timeout(CLOSE_NOTIFY_WAIT, stream.close()).await;
+}
+
+/// How long a closing connection may take to send its goodbye (TLS
+/// close_notify) before it is dropped anyway.
+const CLOSE_NOTIFY_WAIT: Duration = Duration::from_secs(1);
+
+impl<P: Phases> Worker<P> {
+    /// A connection's `Busy` back to the worker's pool (at most
+    /// `BufPool::MAX`), its buffers trimmed to what the pool keeps.
+    fn put_busy(&self, mut bz: Box<Busy>) {
+        let mut pool = self.bufs.borrow_mut();
+        if pool.busy.len() >= BufPool::MAX {
+            return;
+        }
+        let b = &mut bz.b;
+        b.work.cache = None;
+        for buf in [&mut b.rbuf, &mut b.work.ubuf] {
+            buf.clear();
+            if buf.capacity() > BufPool::MAX_CAP {
+                *buf = BytesMut::new();
+            }
+        }
+        for v in [&mut b.out, &mut b.work.head] {
+            v.clear();
+            if v.capacity() > BufPool::MAX_CAP {
+                *v = Vec::new();
+            }
+        }
+        if b.work.resp.headers.capacity_bytes() > KEEP_HEAD_BYTES {
+            b.work.resp = ResponseHead::default();
+        }
+        for h in [&mut bz.sess.req, &mut bz.sess.up_req] {
+            if h.headers.capacity_bytes() > KEEP_HEAD_BYTES {
+                *h = pier_http::RequestHead::default();
+            }
+        }
+        pool.busy.push(bz);
+    }
+}
+
+/// Idle: wait until the client sends something (`true`), holding no buffer;
+/// `false` when it closes or idles out (`client_header` for a new
+/// connection, which must start talking, `client_idle` for a kept-alive
+/// one). A drain reaches an idle connection as an eviction (`run_worker`
+/// evicts every waiting connection), so this future holds no watch waiter.
+async fn wait_first_byte<S: Stream>(stream: &mut S, state: &State, first: bool) -> bool {
+    let t = &state.cfg.timeouts;
+    let idle = if first {
+        t.client_header
+    } else {
+        t.client_idle
+    };
+    let ready = std::future::poll_fn(|cx| stream.poll_readable(cx));
+    matches!(timeout(idle, ready).await, Ok(Ok(())))
+}
+
+/// One request on an HTTP/1 connection whose first bytes are here: its
+/// head, the steps, the logging step. Whether the connection goes on.
+async fn serve_request<P: Phases, S: Stream>(
+    w: &Arc<Worker<P>>,
+    state: &Arc<State>,
+    stream: &mut S,
+    bz: &mut Busy,
+    drain: &mut tokio::sync::watch::Receiver<bool>,
+    first: bool,
+) -> bool {
+    let Busy { sess, b } = bz;
+    let r = {
+        // A head still arriving is evictable too (a slowloris).
+        let waiting = pier_core::evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
+        tokio::select! {
+            r = read_head(stream, &mut b.rbuf, &w.bufs, sess, state, drain, first) => r,
+            _ = waiting.evicted() => Ok(false),
+        }
+    };
+    match r {
+        Ok(true) => {}
+        Ok(false) => return false,
+        Err(kind) => {
+            sess.begin_now();
+            sess.step = Step::Fail;
+            answer_plain(state, stream, b, sess, kind).await;
+            w.shared.metrics.local_response(kind);
+            finish(w, state, sess, None);
+            return false;
+        }
+    }
+    {
+        let mut pool = w.bufs.borrow_mut();
+        if sess.up_req.headers.capacity_bytes() == 0 {
+            sess.up_req = pool.take_head();
+        }
+        if b.work.resp.headers.capacity_bytes() == 0 {
+            b.work.resp = pool.take_resp();
+        }
+        if b.out.capacity() == 0 {
+            b.out = pool.take_vec();
+        }
+    }
+    sess.begin_now();
+    // Released on every path out, a panic's unwinding included.
+    let active = GaugeGuard::enter(&w.shared.metrics.active_requests);
+    let mut down = H1Downstream {
+        stream: &mut *stream,
+        rbuf: &mut b.rbuf,
+        out: &mut b.out,
+    };
+    // A panic in the request (a bug) costs this request and its connection
+    // only: its guards are released as the future is dropped.
+    let keep = CatchUnwind(Box::pin(run_request(
+        w,
+        state,
+        &mut down,
+        &mut b.work,
+        sess,
+    )))
+    .await;
+    let keep = match keep {
+        Ok(keep) => keep,
+        Err(()) => {
+            w.shared
+                .metrics
+                .panics
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::error!(step = ?sess.step, "request task panicked; connection closed");
+            if sess.bytes_sent == 0 {
+                answer_plain(state, stream, b, sess, Kind::Internal).await;
+            } else {
+                sess.status = 500;
+            }
+            sess.reason = Kind::Internal.reason();
+            false
+        }
+    };
+    drop(active);
+    finish(w, state, sess, sess.route);
+    keep && !*drain.borrow()
 }
 
 /// A request through the steps, a panic in it turned into a 500 (when
@@ -489,6 +632,7 @@ pub(crate) fn finish<P: Phases>(
                 alpn: t.alpn.as_deref().unwrap_or(""),
                 client: t.client_subject.as_deref().unwrap_or(""),
             }),
+            cache: sess.cache.as_str(),
         });
         if dropped > 0 {
             w.shared.metrics.log_dropped(dropped);
@@ -546,7 +690,7 @@ fn record_event(
                 // Formatted on the analytics thread, and only for a sink:
                 // the rollups don't use it.
                 upstream: b"",
-                cache: "",
+                cache: sess.cache.as_str(),
                 protocol: "",
                 tls_version: "",
                 extra,
@@ -599,12 +743,10 @@ async fn read_head<S: Stream>(
             }
         }
         if rbuf.is_empty() && header_deadline.is_none() {
-            // Idle keep-alive connection: wait for a first byte, or drain.
-            // Wait for readiness *without* a buffer and allocate it only
-            // once bytes are there: a 4 KiB read buffer held by every idle
-            // connection was most of its memory. Then `read_buf`, not
-            // `try_read_buf`: a short read must clear the readiness, or the
-            // next idle wait would wake at once.
+            // The first bytes of a head (the connection's idle wait,
+            // `wait_first_byte`, saw them coming): a buffer only now. Then
+            // `read_buf`, not `try_read_buf`: a short read must clear the
+            // readiness, or the next idle wait would wake at once.
             if *drain.borrow() {
                 return Ok(false);
             }
@@ -1768,6 +1910,9 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
             continue;
         }
         break;
+    }
+    if let Some(r) = src.cache_result() {
+        sess.cache = r;
     }
     if w.shared.analytics.is_some() {
         // One more clock read, only for the analytics that report it.

@@ -188,6 +188,22 @@ pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phas
             }
         })
     };
+    // A drain closes the idle connections now: they wait as evictable
+    // (evict.rs), so one eviction each instead of a watch waiter each.
+    let drainer = {
+        let weak = Arc::downgrade(&w);
+        let mut rx = shared.drain_rx();
+        tokio::task::spawn_local(async move {
+            while !*rx.borrow_and_update() {
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+            if let Some(w) = weak.upgrade() {
+                w.waiting.borrow_mut().evict_all();
+            }
+        })
+    };
     // Hand the access log buffer over at least once a second.
     let flusher = {
         let shared = shared.clone();
@@ -221,6 +237,7 @@ pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phas
     }
     flusher.abort();
     reloads.abort();
+    drainer.abort();
 }
 
 /// Who gets in: `limits.max_connections` (evicting the oldest connection

@@ -64,6 +64,12 @@ pub trait ResponseSource {
     /// before the head is written): a cache fill applies it to what it
     /// stores and to `head`'s Cache-Status. Other sources ignore it.
     fn cache_override(&mut self, _head: &mut ResponseHead, _ctl: &crate::cache_key::CacheCtl) {}
+    /// What a cache fill turned into once the origin answered (its 304
+    /// revalidated the stored object, or its 5xx was replaced by it); None
+    /// for other sources.
+    fn cache_result(&self) -> Option<crate::session::CacheResult> {
+        None
+    }
 }
 
 /// A borrowed source is a source (wrappers such as the cache's tee take one).
@@ -85,6 +91,9 @@ impl<S: ResponseSource> ResponseSource for &mut S {
     }
     fn cache_override(&mut self, head: &mut ResponseHead, ctl: &crate::cache_key::CacheCtl) {
         (**self).cache_override(head, ctl)
+    }
+    fn cache_result(&self) -> Option<crate::session::CacheResult> {
+        (**self).cache_result()
     }
 }
 
