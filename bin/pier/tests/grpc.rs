@@ -557,6 +557,14 @@ fn cors_preflight_from_config() {
 /// A gRPC health server (grpc.health.v1.Health/Check over h2c) whose answer
 /// the test switches between SERVING and NOT_SERVING.
 fn health_server(serving: std::sync::Arc<std::sync::atomic::AtomicBool>) -> SocketAddr {
+    health_server_tls(serving, None)
+}
+
+/// The health server, over TLS (ALPN h2) when `tls` is given.
+fn health_server_tls(
+    serving: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    tls: Option<std::sync::Arc<rustls::ServerConfig>>,
+) -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     l.set_nonblocking(true).unwrap();
     let addr = l.local_addr().unwrap();
@@ -572,44 +580,59 @@ fn health_server(serving: std::sync::Arc<std::sync::atomic::AtomicBool>) -> Sock
                     return;
                 };
                 let serving = serving.clone();
+                let tls = tls.clone();
                 tokio::spawn(async move {
-                    let Ok(mut conn) = h2::server::handshake(tcp).await else {
-                        return;
-                    };
-                    while let Some(Ok((req, mut respond))) = conn.accept().await {
-                        let serving = serving.clone();
-                        tokio::spawn(async move {
-                            let mut body = req.into_body();
-                            while let Some(Ok(d)) = body.data().await {
-                                let _ = body.flow_control().release_capacity(d.len());
+                    match tls {
+                        None => serve_health(tcp, serving).await,
+                        Some(cfg) => {
+                            let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
+                            if let Ok(s) = acceptor.accept(tcp).await {
+                                serve_health(s, serving).await;
                             }
-                            let status = if serving.load(std::sync::atomic::Ordering::SeqCst) {
-                                1
-                            } else {
-                                2
-                            };
-                            let resp = http::Response::builder()
-                                .status(200)
-                                .header("content-type", "application/grpc")
-                                .body(())
-                                .unwrap();
-                            let Ok(mut send) = respond.send_response(resp, false) else {
-                                return;
-                            };
-                            let _ = send.send_data(
-                                bytes::Bytes::from(vec![0, 0, 0, 0, 2, 0x08, status]),
-                                false,
-                            );
-                            let mut t = http::HeaderMap::new();
-                            t.insert("grpc-status", http::HeaderValue::from_static("0"));
-                            let _ = send.send_trailers(t);
-                        });
+                        }
                     }
                 });
             }
         });
     });
     addr
+}
+
+/// One HTTP/2 connection of the health server: each call gets SERVING (1)
+/// or NOT_SERVING (2) as `serving` says, then grpc-status 0.
+async fn serve_health<T>(io: T, serving: std::sync::Arc<std::sync::atomic::AtomicBool>)
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let Ok(mut conn) = h2::server::handshake(io).await else {
+        return;
+    };
+    while let Some(Ok((req, mut respond))) = conn.accept().await {
+        let serving = serving.clone();
+        tokio::spawn(async move {
+            let mut body = req.into_body();
+            while let Some(Ok(d)) = body.data().await {
+                let _ = body.flow_control().release_capacity(d.len());
+            }
+            let status = if serving.load(std::sync::atomic::Ordering::SeqCst) {
+                1
+            } else {
+                2
+            };
+            let resp = http::Response::builder()
+                .status(200)
+                .header("content-type", "application/grpc")
+                .body(())
+                .unwrap();
+            let Ok(mut send) = respond.send_response(resp, false) else {
+                return;
+            };
+            let _ = send.send_data(bytes::Bytes::from(vec![0, 0, 0, 0, 2, 0x08, status]), false);
+            let mut t = http::HeaderMap::new();
+            t.insert("grpc-status", http::HeaderValue::from_static("0"));
+            let _ = send.send_trailers(t);
+        });
+    }
 }
 
 #[test]
@@ -638,4 +661,42 @@ fn grpc_health_check_follows_serving() {
     );
     serving.store(true, Ordering::SeqCst);
     assert!(healthy(1.0), "SERVING again: {}", pier.logs());
+}
+
+/// Over TLS: a `grpc` check of an upstream with `[upstream.NAME.tls]` runs
+/// `grpc.health.v1.Health/Check` over TLS with ALPN h2, verified against the
+/// upstream's CA and name (a cleartext check would fail every time).
+#[test]
+fn grpc_health_check_over_tls() {
+    use pier_test_support::tls::{server_config, Alg, TestCa};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let cert = ca.server("grpc", &["grpc.test"], Alg::EcdsaP256, 30);
+    let serving = std::sync::Arc::new(AtomicBool::new(true));
+    let addr = health_server_tls(serving.clone(), Some(server_config(&cert, &[b"h2"])));
+    let cfg = config(addr).replace(
+        "protocol = \"h2c\"\nretries = 0\n",
+        &format!(
+            "protocol = \"h2\"\nretries = 0\n[upstream.svc.tls]\nserver_name = \"grpc.test\"\nca = \"{}\"\n\
+             [upstream.svc.health_check]\ntype = \"grpc\"\ninterval = \"100ms\"\ntimeout = \"2s\"\nrise = 1\nfall = 1\n",
+            ca.cert.display()
+        ),
+    );
+    let pier = pier(&cfg);
+    let healthy = |want: f64| {
+        wait_until(Duration::from_secs(30), || {
+            pier.metric_value(&format!(
+                "pier_upstream_healthy{{upstream=\"svc\",server=\"{addr}\"}}"
+            )) == Some(want)
+        })
+    };
+    serving.store(false, Ordering::SeqCst);
+    assert!(
+        healthy(0.0),
+        "NOT_SERVING over TLS must mark the server down: {}",
+        pier.logs()
+    );
+    serving.store(true, Ordering::SeqCst);
+    assert!(healthy(1.0), "SERVING over TLS: {}", pier.logs());
 }

@@ -298,3 +298,21 @@ pub fn cert_der(pem: &Path) -> Vec<u8> {
         .unwrap()
         .to_vec()
 }
+
+/// A rustls server config for a test's own TLS server (an origin that is
+/// not Pier): `pair`'s chain and key, offering `alpn`.
+pub fn server_config(pair: &CertPair, alpn: &[&[u8]]) -> std::sync::Arc<rustls::ServerConfig> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&pair.cert)
+        .unwrap()
+        .map(|c| c.unwrap())
+        .collect();
+    let key = PrivateKeyDer::from_pem_file(&pair.key).unwrap();
+    let mut cfg = rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .unwrap();
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    std::sync::Arc::new(cfg)
+}
