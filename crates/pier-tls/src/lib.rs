@@ -44,11 +44,16 @@ pub struct TlsInfo {
     pub resumed: bool,
 }
 
-/// The crypto provider every config is built with.
+/// The crypto provider every config is built with: aws-lc-rs, or ring with
+/// the `ring` feature (built only to measure the two side by side:
+/// BENCHMARKS.md, "TLS (issue 9)").
 pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     static P: std::sync::OnceLock<Arc<rustls::crypto::CryptoProvider>> = std::sync::OnceLock::new();
-    P.get_or_init(|| Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
-        .clone()
+    #[cfg(not(feature = "ring"))]
+    let make = rustls::crypto::aws_lc_rs::default_provider;
+    #[cfg(feature = "ring")]
+    let make = rustls::crypto::ring::default_provider;
+    P.get_or_init(|| Arc::new(make())).clone()
 }
 
 /// Validate a config's TLS without serving it (`pier check`): every

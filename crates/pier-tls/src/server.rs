@@ -80,7 +80,11 @@ fn ticketer() -> Result<Arc<dyn rustls::server::ProducesTickets>, String> {
     if let Some(t) = T.get() {
         return Ok(t.clone());
     }
-    let t = rustls::crypto::aws_lc_rs::Ticketer::new().map_err(|e| format!("ticket keys: {e}"))?;
+    #[cfg(not(feature = "ring"))]
+    let t = rustls::crypto::aws_lc_rs::Ticketer::new();
+    #[cfg(feature = "ring")]
+    let t = rustls::crypto::ring::Ticketer::new();
+    let t = t.map_err(|e| format!("ticket keys: {e}"))?;
     Ok(T.get_or_init(|| t).clone())
 }
 
