@@ -637,7 +637,7 @@ where
 
 #[test]
 fn grpc_health_check_follows_serving() {
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::AtomicBool;
     let serving = std::sync::Arc::new(AtomicBool::new(true));
     let addr = health_server(serving.clone());
     let cfg = config(addr).replace(
@@ -645,22 +645,36 @@ fn grpc_health_check_follows_serving() {
         "retries = 0\n[upstream.svc.health_check]\ntype = \"grpc\"\ninterval = \"100ms\"\ntimeout = \"2s\"\nrise = 1\nfall = 1\n",
     );
     let pier = pier(&cfg);
-    let healthy = |want: f64| {
-        wait_until(Duration::from_secs(30), || {
-            pier.metric_value(&format!(
-                "pier_upstream_healthy{{upstream=\"svc\",server=\"{addr}\"}}"
-            )) == Some(want)
-        })
-    };
-    assert!(healthy(1.0), "{}", pier.metrics());
+    assert!(server_healthy(&pier, addr, 1.0), "{}", pier.metrics());
+    follows_serving(&pier, addr, &serving);
+}
+
+/// Whether `addr` of upstream `svc` reaches `want` in pier_upstream_healthy
+/// within 30 s.
+fn server_healthy(pier: &PierProcess, addr: SocketAddr, want: f64) -> bool {
+    wait_until(Duration::from_secs(30), || {
+        pier.metric_value(&format!(
+            "pier_upstream_healthy{{upstream=\"svc\",server=\"{addr}\"}}"
+        )) == Some(want)
+    })
+}
+
+/// NOT_SERVING marks the server down, SERVING brings it back (each seen by
+/// the active grpc check).
+fn follows_serving(pier: &PierProcess, addr: SocketAddr, serving: &std::sync::atomic::AtomicBool) {
+    use std::sync::atomic::Ordering;
     serving.store(false, Ordering::SeqCst);
     assert!(
-        healthy(0.0),
+        server_healthy(pier, addr, 0.0),
         "NOT_SERVING must mark the server down: {}",
         pier.logs()
     );
     serving.store(true, Ordering::SeqCst);
-    assert!(healthy(1.0), "SERVING again: {}", pier.logs());
+    assert!(
+        server_healthy(pier, addr, 1.0),
+        "SERVING again: {}",
+        pier.logs()
+    );
 }
 
 /// Over TLS: a `grpc` check of an upstream with `[upstream.NAME.tls]` runs
@@ -669,7 +683,7 @@ fn grpc_health_check_follows_serving() {
 #[test]
 fn grpc_health_check_over_tls() {
     use pier_test_support::tls::{server_config, Alg, TestCa};
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::AtomicBool;
     let dir = TempDir::new();
     let ca = TestCa::new(dir.path(), "pier");
     let cert = ca.server("grpc", &["grpc.test"], Alg::EcdsaP256, 30);
@@ -684,19 +698,6 @@ fn grpc_health_check_over_tls() {
         ),
     );
     let pier = pier(&cfg);
-    let healthy = |want: f64| {
-        wait_until(Duration::from_secs(30), || {
-            pier.metric_value(&format!(
-                "pier_upstream_healthy{{upstream=\"svc\",server=\"{addr}\"}}"
-            )) == Some(want)
-        })
-    };
-    serving.store(false, Ordering::SeqCst);
-    assert!(
-        healthy(0.0),
-        "NOT_SERVING over TLS must mark the server down: {}",
-        pier.logs()
-    );
-    serving.store(true, Ordering::SeqCst);
-    assert!(healthy(1.0), "SERVING over TLS: {}", pier.logs());
+    // Down, then up again: the second proves a check passed over TLS.
+    follows_serving(&pier, addr, &serving);
 }

@@ -81,10 +81,7 @@ fn check_connector(
     };
     let mut config = (*t.config).clone();
     config.alpn_protocols = vec![alpn.to_vec()];
-    let name: Arc<str> = t
-        .server_name
-        .or_else(|| peer.host.clone())
-        .unwrap_or_else(|| Arc::from(peer.addr.ip().to_string()));
+    let name = crate::tls_server_name(t.server_name.as_ref(), peer.host.as_ref(), peer.addr);
     let name = match rustls::pki_types::ServerName::try_from(name.to_string()) {
         Ok(n) => n,
         Err(e) => {

@@ -82,7 +82,7 @@ pub use budget::RetryBudget;
 pub use group::Group;
 pub use health::{spawn_health_checks, CheckTls};
 pub use key::{extract_hash_key, find_cookie};
-pub use peer::{ActiveGuard, Peer};
+pub use peer::{tls_server_name, ActiveGuard, Peer};
 
 use std::sync::OnceLock;
 use std::time::Instant;

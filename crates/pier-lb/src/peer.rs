@@ -17,6 +17,21 @@ impl<T> std::ops::Deref for CachePadded<T> {
     }
 }
 
+/// The TLS server name (SNI, and the name verified) for a server: the
+/// upstream's configured `server_name`, else the server's host name, else
+/// its address (verified against the certificate's IP SANs; rustls sends no
+/// SNI for an IP). Requests and health checks both ask here.
+pub fn tls_server_name(
+    configured: Option<&Arc<str>>,
+    host: Option<&Arc<str>>,
+    addr: SocketAddr,
+) -> Arc<str> {
+    configured
+        .or(host)
+        .cloned()
+        .unwrap_or_else(|| Arc::from(addr.ip().to_string()))
+}
+
 /// An upstream server of a [`crate::Group`].
 ///
 /// Every field that changes at run time is an atomic: all worker threads

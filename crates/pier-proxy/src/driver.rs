@@ -1552,15 +1552,11 @@ async fn attempt_once<P: Phases, D: Downstream>(
         },
         Some(t) => PeerKey {
             addr,
-            // The configured name, else the server's host name, else the
-            // address (verified against the certificate's IP SANs; rustls
-            // sends no SNI for an IP).
-            sni: Some(
-                t.server_name
-                    .clone()
-                    .or_else(|| sess.upstream_host.clone())
-                    .unwrap_or_else(|| Arc::from(addr.ip().to_string())),
-            ),
+            sni: Some(pier_lb::tls_server_name(
+                t.server_name.as_ref(),
+                sess.upstream_host.as_ref(),
+                addr,
+            )),
             alpn,
         },
     };
