@@ -53,7 +53,8 @@ pub struct SinkStats {
     /// Events queued but never acknowledged: Kafka kept failing for
     /// `message.timeout.ms` (5 minutes) or rejected them.
     pub errors: u64,
-    /// Events in the queue or in flight now.
+    /// Events in the queue or in flight now (librdkafka's out-queue, which
+    /// also counts a few of its own requests while a broker is unreachable).
     pub queued: u64,
 }
 
@@ -268,7 +269,10 @@ mod tests {
         }
         let s = sink.stats();
         assert_eq!(s.dropped, 4000, "{s:?}");
-        assert_eq!(s.queued, 1000, "{s:?}");
+        // librdkafka's out-queue length counts its own requests too (broker
+        // connects, metadata): the 1000 events plus a few (seen: 1003 once
+        // in CI). The exact 4000 drops above prove the queue held 1000.
+        assert!((1000..1100).contains(&s.queued), "{s:?}");
         assert_eq!(s.sent, 0);
         assert!(worst < Duration::from_millis(50), "an offer took {worst:?}");
         let t = Instant::now();
