@@ -77,6 +77,11 @@ enum Cmd {
         /// The disk tier's size (default 1GiB), e.g. 10GiB.
         #[arg(long, requires = "cache_dir")]
         cache_disk: Option<String>,
+        /// Responses with Set-Cookie: `pass` (default: not stored unless
+        /// public, as Varnish and nginx) or `store` (stored with the cookie,
+        /// as RFC 9111 allows).
+        #[arg(long, requires = "cache", value_parser = ["pass", "store"])]
+        cache_set_cookie: Option<String>,
     },
     /// Consume Pier's analytics events from Kafka in a consumer group,
     /// aggregate them per minute and merge them into PostgreSQL (hll).
@@ -226,6 +231,7 @@ fn main() -> ExitCode {
             cache,
             cache_dir,
             cache_disk,
+            cache_set_cookie,
         } => {
             let parse = |s: &str| pier_config::parse_listen_addr(s.trim());
             let listen = match parse(&listen) {
@@ -280,7 +286,11 @@ fn main() -> ExitCode {
                         return usage_error(&e);
                     }
                     if let Some(bytes) = cache {
-                        cfg.enable_quick_cache(bytes, cache_dir.map(|d| (d, disk)));
+                        cfg.enable_quick_cache(
+                            bytes,
+                            cache_dir.map(|d| (d, disk)),
+                            cache_set_cookie.as_deref() == Some("store"),
+                        );
                     }
                     run(cfg, None)
                 }

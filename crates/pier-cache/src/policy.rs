@@ -212,11 +212,33 @@ pub fn heuristically_cacheable(status: u16) -> bool {
     )
 }
 
-/// Statuses Pier understands well enough to store.
+/// Statuses Pier understands well enough to store (RFC 9111 §3: never one
+/// it does not). Beyond the heuristically cacheable ones, the errors whose
+/// meaning does not depend on who asked are stored too, but only with
+/// explicit freshness (as nginx does): an origin that says `max-age` on a
+/// 503 asks to be shielded. 401, 407 and 429 are per client and never are.
 fn understood(status: u16) -> bool {
     matches!(
         status,
-        200 | 203 | 204 | 300 | 301 | 302 | 303 | 307 | 308 | 404 | 405 | 410 | 414 | 501
+        200 | 203
+            | 204
+            | 300
+            | 301
+            | 302
+            | 303
+            | 307
+            | 308
+            | 400
+            | 403
+            | 404
+            | 405
+            | 410
+            | 414
+            | 500
+            | 501
+            | 502
+            | 503
+            | 504
     )
 }
 
@@ -231,6 +253,8 @@ pub struct StorePolicy {
     pub heuristic_fraction: f64,
     /// ...capped at this many seconds.
     pub heuristic_max: u64,
+    /// Store responses that carry `Set-Cookie` (`set_cookie = "store"`).
+    pub store_set_cookie: bool,
 }
 
 impl StorePolicy {
@@ -330,8 +354,10 @@ pub fn storable_with(
     if req_has_authorization && !(cc.public || cc.s_maxage.is_some() || cc.must_revalidate) {
         return Err(NotStored::Authorization);
     }
-    // A Set-Cookie would hand one client's cookie to every client.
-    if resp.has_known(known::SET_COOKIE) && !cc.public {
+    // A Set-Cookie would hand one client's cookie to every client: stored
+    // only when the origin says `public` or the route says so (RFC 9111
+    // allows it; Varnish and nginx do not by default).
+    if resp.has_known(known::SET_COOKIE) && !cc.public && !policy.store_set_cookie {
         return Err(NotStored::SetCookie);
     }
     if policy.override_origin {
@@ -524,10 +550,19 @@ mod tests {
             Ok(960)
         );
         assert_eq!(store(&[], 200), Err(NotStored::NoFreshness));
+        // Errors with explicit freshness only; unknown statuses never.
+        assert_eq!(store(&[("cache-control", "max-age=60")], 500), Ok(60));
+        assert_eq!(store(&[("cache-control", "max-age=60")], 503), Ok(60));
         assert_eq!(
-            store(&[("cache-control", "max-age=60")], 500),
-            Err(NotStored::Status)
+            store(&[("last-modified", "Sun, 06 Nov 1994 06:09:37 GMT")], 503),
+            Err(NotStored::NoFreshness)
         );
+        for status in [299, 401, 429, 599] {
+            assert_eq!(
+                store(&[("cache-control", "max-age=60")], status),
+                Err(NotStored::Status)
+            );
+        }
         assert_eq!(
             store(&[("cache-control", "no-store, max-age=60")], 200),
             Err(NotStored::NoStore)
@@ -542,6 +577,33 @@ mod tests {
                 200
             ),
             Err(NotStored::SetCookie)
+        );
+        assert_eq!(
+            store(
+                &[
+                    ("cache-control", "public, max-age=60"),
+                    ("set-cookie", "a=1")
+                ],
+                200
+            ),
+            Ok(60)
+        );
+        // `set_cookie = "store"`: as RFC 9111 allows.
+        let storing = StorePolicy {
+            store_set_cookie: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            storable(
+                true,
+                &CacheControl::default(),
+                false,
+                200,
+                &h(&[("cache-control", "max-age=60"), ("set-cookie", "a=1")]),
+                1_000_000,
+                &storing,
+            ),
+            Ok(60)
         );
         assert_eq!(
             store(&[("cache-control", "max-age=60"), ("vary", "*")], 200),

@@ -196,8 +196,14 @@ impl Config {
     /// `pier proxy --cache SIZE`: one memory zone `quick` of `bytes`, used by
     /// the catch-all route; freshness only from the origin's headers.
     /// With `disk`, a disk tier (`--cache-dir`, `--cache-disk`) behind it,
-    /// with the defaults of `[cache.NAME]`.
-    pub fn enable_quick_cache(&mut self, bytes: usize, disk: Option<(std::path::PathBuf, u64)>) {
+    /// with the defaults of `[cache.NAME]`. `store_set_cookie`:
+    /// `--cache-set-cookie store` (`[route.cache] set_cookie`).
+    pub fn enable_quick_cache(
+        &mut self,
+        bytes: usize,
+        disk: Option<(std::path::PathBuf, u64)>,
+        store_set_cookie: bool,
+    ) {
         self.caches.push(CacheZone {
             name: "quick".into(),
             memory: bytes,
@@ -221,6 +227,7 @@ impl Config {
                 grace: Duration::ZERO,
                 key: None,
                 strip_tags: true,
+                store_set_cookie,
             });
         }
     }

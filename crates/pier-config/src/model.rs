@@ -166,6 +166,10 @@ pub struct RouteCache {
     pub key: Option<CacheKey>,
     /// `strip_tags`: drop `Surrogate-Key` / `Cache-Tag` from client responses.
     pub strip_tags: bool,
+    /// `set_cookie = "store"`: responses carrying `Set-Cookie` are stored
+    /// (and the cookie replayed), as RFC 9111 allows; the default `"pass"`
+    /// does not store them unless they are `public`, as Varnish and nginx.
+    pub store_set_cookie: bool,
 }
 
 /// `[route.cache.key]`: the cache key's parts beyond scheme + host + path.

@@ -258,6 +258,8 @@ pub struct RouteCacheSection {
     pub grace: Option<Spanned<String>>,
     pub key: Option<CacheKeySection>,
     pub strip_tags: Option<bool>,
+    /// `"pass"` (default) or `"store"`.
+    pub set_cookie: Option<Spanned<String>>,
 }
 
 /// `[cache.NAME]`: a cache zone.

@@ -2600,3 +2600,23 @@ fn max_buffered_body_bytes() {
         "at least 1024 bytes",
     );
 }
+
+#[test]
+fn route_cache_set_cookie() {
+    let text = |v: &str| {
+        format!(
+            "[[listener]]\nlisten = \"127.0.0.1:0\"\n[cache.c]\nmemory = \"1m\"\n\
+             [[route]]\nupstream = \"u\"\n[route.cache]\nzone = \"c\"\n{v}\n\
+             [upstream.u]\nservers = [\"127.0.0.1:1\"]\n"
+        )
+    };
+    let store = |c: &Config| c.routes[0].cache.as_ref().unwrap().store_set_cookie;
+    assert!(!store(&ok(&text(""))));
+    assert!(!store(&ok(&text("set_cookie = \"pass\""))));
+    assert!(store(&ok(&text("set_cookie = \"store\""))));
+    one_error(
+        &text("set_cookie = \"strip\""),
+        "9:14",
+        "cache set_cookie \"strip\": \"pass\" or \"store\"",
+    );
+}

@@ -580,6 +580,17 @@ fn route_cache(
             ),
         }
     }
+    let store_set_cookie = match x.set_cookie.as_ref().map(|s| s.get_ref().as_str()) {
+        None | Some("pass") => false,
+        Some("store") => true,
+        Some(other) => {
+            c.err(
+                sp(x.set_cookie.as_ref().unwrap()),
+                format!("route `{route}`: cache set_cookie {other:?}: \"pass\" or \"store\""),
+            );
+            false
+        }
+    };
     Some(RouteCache {
         zone,
         ttl,
@@ -589,6 +600,7 @@ fn route_cache(
         grace: c.duration(&x.grace, "grace", Duration::ZERO),
         key: x.key.as_ref().map(|k| cache_key(c, route, k)),
         strip_tags: x.strip_tags.unwrap_or(true),
+        store_set_cookie,
     })
 }
 

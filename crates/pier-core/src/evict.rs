@@ -13,10 +13,20 @@
 //! connections, which is enough because reuseport spreads accepts over the
 //! workers. Entering and leaving the registry is a slab insert/remove around
 //! each head wait; the scan for the oldest happens only when full.
+//!
+//! The registry is also the idle connections' timer: an entry may carry a
+//! deadline (`client_idle`, `client_header` before a first byte), and one
+//! sweeper task per worker ([`sweep`]) evicts the entries whose deadline has
+//! passed. An idle connection then holds no timer of its own (a tokio
+//! `Sleep` is ~120 bytes, and pushed its task over a 128-byte size class).
+//! The sweeper sleeps until the earliest deadline (no earlier than
+//! [`SWEEP_MS`] from now), is woken only when an earlier one enters, and
+//! exits when no entry has a deadline.
 
 use std::cell::RefCell;
-use std::future::poll_fn;
+use std::future::{poll_fn, Future};
 use std::task::{Poll, Waker};
+use std::time::Duration;
 
 /// A connection gets this long (in the waiting state) before it may be
 /// evicted, so a client that just connected has time to send its head even
@@ -26,6 +36,13 @@ use std::task::{Poll, Waker};
 /// every waiting connection was younger and new ones were refused (1-4 of
 /// ~155 good requests failed); 5 ms lost none in repeated runs.
 pub const MIN_AGE_MS: u64 = 5;
+
+/// The sweeper's resolution: deadlines are met within this many
+/// milliseconds (plus scheduling), and it scans at most this often.
+pub const SWEEP_MS: u64 = 10;
+
+/// An entry without a deadline (a head being read has its own timeout).
+const NO_DEADLINE: u64 = u64::MAX;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Mark {
@@ -40,6 +57,8 @@ enum Mark {
 /// connection's waker is kept here.
 struct Entry {
     since_ms: u64,
+    /// Evicted once the clock reaches it (`NO_DEADLINE`: never).
+    deadline_ms: u64,
     mark: Mark,
     waker: Option<Waker>,
 }
@@ -50,13 +69,43 @@ pub struct Registry {
     entries: Vec<Entry>,
     free: Vec<usize>,
     waiting: usize,
+    sweeper: Sweeper,
+}
+
+/// The sweeper task's state, kept in the registry it sweeps.
+struct Sweeper {
+    running: bool,
+    /// When it will next scan (`NO_DEADLINE`: not planned).
+    planned_ms: u64,
+    /// An earlier deadline entered: scan again now.
+    poked: bool,
+    waker: Option<Waker>,
+}
+
+impl Default for Sweeper {
+    fn default() -> Self {
+        Sweeper {
+            running: false,
+            planned_ms: NO_DEADLINE,
+            poked: false,
+            waker: None,
+        }
+    }
 }
 
 impl Registry {
-    fn enter(&mut self, now_ms: u64) -> usize {
+    fn enter(&mut self, now_ms: u64, deadline_ms: u64) -> usize {
         self.waiting += 1;
+        if deadline_ms < self.sweeper.planned_ms {
+            self.sweeper.planned_ms = deadline_ms;
+            self.sweeper.poked = true;
+            if let Some(w) = self.sweeper.waker.take() {
+                w.wake();
+            }
+        }
         let e = Entry {
             since_ms: now_ms,
+            deadline_ms,
             mark: Mark::Waiting,
             waker: None,
         };
@@ -120,15 +169,34 @@ impl Registry {
     /// Evict every waiting connection (the worker drains: idle ones close
     /// now, quietly, as nginx's do at a graceful stop).
     pub fn evict_all(&mut self) {
+        self.expire(NO_DEADLINE);
+    }
+
+    /// Evict the waiting connections whose deadline is at or before
+    /// `now_ms`; the earliest deadline left, if any.
+    fn expire(&mut self, now_ms: u64) -> Option<u64> {
+        let mut next = NO_DEADLINE;
         for e in &mut self.entries {
-            if e.mark == Mark::Waiting {
+            if e.mark != Mark::Waiting {
+                continue;
+            }
+            if e.deadline_ms <= now_ms {
                 e.mark = Mark::Evicted;
                 self.waiting -= 1;
                 if let Some(w) = e.waker.take() {
                     w.wake();
                 }
+            } else {
+                next = next.min(e.deadline_ms);
             }
         }
+        (next != NO_DEADLINE).then_some(next)
+    }
+
+    /// Whether the caller must start the sweeper (none is running): true
+    /// once, until it exits.
+    pub fn claim_sweeper(&mut self) -> bool {
+        !std::mem::replace(&mut self.sweeper.running, true)
     }
 
     /// Connections currently waiting (evictable).
@@ -145,7 +213,14 @@ pub struct Waiting<'a> {
 
 impl<'a> Waiting<'a> {
     pub fn enter(reg: &'a RefCell<Registry>, now_ms: u64) -> Self {
-        let i = reg.borrow_mut().enter(now_ms);
+        let i = reg.borrow_mut().enter(now_ms, NO_DEADLINE);
+        Waiting { reg, i }
+    }
+
+    /// As `enter`, and evicted by the sweeper at `deadline_ms` (the caller
+    /// starts one when `Registry::claim_sweeper` says so).
+    pub fn enter_until(reg: &'a RefCell<Registry>, now_ms: u64, deadline_ms: u64) -> Self {
+        let i = reg.borrow_mut().enter(now_ms, deadline_ms);
         Waiting { reg, i }
     }
 
@@ -174,6 +249,48 @@ impl<'a> Waiting<'a> {
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.reg.borrow_mut().leave(self.i);
+    }
+}
+
+/// The worker's sweeper: evicts waiting connections whose deadline passed
+/// (`now_ms` is the worker's millisecond clock), sleeping in between; returns
+/// when no waiting connection has a deadline. Start it when
+/// [`Registry::claim_sweeper`] returns true.
+pub async fn sweep(reg: &RefCell<Registry>, now_ms: impl Fn() -> u64) {
+    let sleep = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(sleep);
+    loop {
+        let now = now_ms();
+        let at = {
+            let mut r = reg.borrow_mut();
+            let Some(next) = r.expire(now) else {
+                r.sweeper = Sweeper::default();
+                return;
+            };
+            let at = next.max(now + SWEEP_MS);
+            r.sweeper.planned_ms = at;
+            r.sweeper.poked = false;
+            at
+        };
+        sleep
+            .as_mut()
+            .reset(tokio::time::Instant::now() + Duration::from_millis(at - now));
+        poll_fn(|cx| {
+            let mut r = reg.borrow_mut();
+            if r.sweeper.poked || sleep.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(());
+            }
+            if !r
+                .sweeper
+                .waker
+                .as_ref()
+                .is_some_and(|w| w.will_wake(cx.waker()))
+            {
+                r.sweeper.waker = Some(cx.waker().clone());
+            }
+            Poll::Pending
+        })
+        .await;
     }
 }
 
@@ -232,6 +349,48 @@ mod tests {
         tokio::time::timeout(std::time::Duration::from_secs(1), wait)
             .await
             .expect("woken on eviction");
+    }
+
+    /// The sweeper evicts entries whose deadline passed (never before),
+    /// is woken when an earlier deadline enters, and exits when no entry
+    /// has a deadline. Waits on conditions, with generous bounds.
+    #[tokio::test]
+    async fn the_sweeper_evicts_at_deadlines_and_exits_when_none_is_left() {
+        use std::rc::Rc;
+        let t0 = std::time::Instant::now();
+        let clock = move || t0.elapsed().as_millis() as u64;
+        let reg = Rc::new(RefCell::new(Registry::default()));
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                let a = Waiting::enter_until(&reg, clock(), clock() + 600_000);
+                let no_deadline = Waiting::enter(&reg, clock());
+                assert!(reg.borrow_mut().claim_sweeper());
+                assert!(!reg.borrow_mut().claim_sweeper(), "one sweeper at a time");
+                let r2 = reg.clone();
+                let sweeper = tokio::task::spawn_local(async move { sweep(&r2, clock).await });
+                tokio::task::yield_now().await;
+                // An earlier deadline than the planned one wakes it.
+                let deadline = clock() + 50;
+                let b = Waiting::enter_until(&reg, clock(), deadline);
+                tokio::time::timeout(Duration::from_secs(30), b.evicted())
+                    .await
+                    .expect("evicted at its deadline");
+                assert!(clock() >= deadline, "not before its deadline");
+                assert!(!a.is_evicted() && !no_deadline.is_evicted());
+                drop((a, b));
+                // The last entry with a deadline goes: the sweeper exits
+                // after its scan and may be claimed again.
+                let c = Waiting::enter_until(&reg, clock(), clock() + 20);
+                tokio::time::timeout(Duration::from_secs(30), sweeper)
+                    .await
+                    .expect("the sweeper exits")
+                    .unwrap();
+                assert!(c.is_evicted() && !no_deadline.is_evicted());
+                assert!(reg.borrow_mut().claim_sweeper());
+                assert_eq!(reg.borrow().waiting(), 1);
+            })
+            .await;
     }
 
     fn futures_poll_once<F: std::future::Future>(f: std::pin::Pin<&mut F>) -> Poll<F::Output> {

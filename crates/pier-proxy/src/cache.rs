@@ -258,6 +258,7 @@ pub async fn lookup(
         override_origin: rc.override_origin,
         heuristic_fraction: 0.1,
         heuristic_max: 86_400,
+        store_set_cookie: rc.store_set_cookie,
     };
     Lookup::Miss(Some(Box::new(CacheFill {
         zone,

@@ -194,6 +194,8 @@ struct Lent {
     local: SocketAddr,
     conn: ConnInfo,
     client_ip: String,
+    /// The connection's admission slots, released with the task.
+    _slot: Option<crate::Slot>,
 }
 
 impl Lent {
@@ -223,6 +225,7 @@ pub fn serve_connection<P: Phases, S: Stream>(
     client: SocketAddr,
     local: SocketAddr,
     conn: ConnInfo,
+    slot: Option<crate::Slot>,
 ) -> impl Future<Output = ()> {
     // Not an `async fn`: its arguments would stay in the task for its whole
     // life beside `Lent`, which holds them (~100 bytes per connection).
@@ -231,6 +234,7 @@ pub fn serve_connection<P: Phases, S: Stream>(
         local,
         conn,
         client_ip: client.ip().to_string(),
+        _slot: slot,
     };
     connection_loop(w, stream, lent)
 }
@@ -243,14 +247,36 @@ async fn connection_loop<P: Phases, S: Stream>(w: Arc<Worker<P>>, mut stream: S,
     loop {
         w.shared.refresh(&mut state);
         if busy.is_none() {
-            // Waiting for a head: evictable when the worker is full (evict.rs).
-            let waiting = pier_core::evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
+            // Waiting for a head: evictable when the worker is full, and
+            // evicted when it idles out (`client_header` for a new
+            // connection, which must start talking, `client_idle` for a
+            // kept-alive one), by the worker's sweeper (evict.rs): the
+            // connection holds no timer while it idles.
+            let t = &state.cfg.timeouts;
+            let idle = if first {
+                t.client_header
+            } else {
+                t.client_idle
+            };
+            let now = pier_lb::recent_ms();
+            let deadline = now.saturating_add(idle.as_millis().min(u64::MAX as u128) as u64);
+            let waiting = pier_core::evict::Waiting::enter_until(&w.waiting, now, deadline);
+            if w.waiting.borrow_mut().claim_sweeper() {
+                let w = w.clone();
+                tokio::task::spawn_local(async move {
+                    pier_core::evict::sweep(&w.waiting, pier_lb::recent_ms).await
+                });
+            }
             if *drain.borrow() {
                 break;
             }
+            // A drain reaches an idle connection as an eviction too
+            // (`run_worker` evicts every waiting connection), so this holds
+            // no watch waiter; nor a readiness waiter node (`poll_readable`).
             let ready = tokio::select! {
-                r = wait_first_byte(&mut stream, &state, first) => r,
-                // Evicted for a new connection: close without a word, as nginx does.
+                r = std::future::poll_fn(|cx| stream.poll_readable(cx)) => r.is_ok(),
+                // Evicted (for a new connection, idled out, draining): close
+                // without a word, as nginx does.
                 _ = waiting.evicted() => false,
             };
             drop(waiting);
@@ -302,8 +328,9 @@ async fn connection_loop<P: Phases, S: Stream>(w: Arc<Worker<P>>, mut stream: S,
         w.put_busy(bz);
     }
     // TLS: close_notify (bounded: a client that reads nothing cannot hold
-    // the connection open by it).
-    let _ = timeout(CLOSE_NOTIFY_WAIT, stream.close()).await;
+    // the connection open by it). Boxed: its timer would otherwise be part
+    // of every idle connection's future.
+    let _ = Box::pin(timeout(CLOSE_NOTIFY_WAIT, stream.close())).await;
 }
 
 /// How long a closing connection may take to send its goodbye (TLS
@@ -318,46 +345,31 @@ impl<P: Phases> Worker<P> {
         if pool.busy.len() >= BufPool::MAX {
             return;
         }
+        let (cap, head_cap) = (BufPool::MAX_CAP, KEEP_HEAD_BYTES);
         let b = &mut bz.b;
         b.work.cache = None;
         for buf in [&mut b.rbuf, &mut b.work.ubuf] {
             buf.clear();
-            if buf.capacity() > BufPool::MAX_CAP {
+            if buf.capacity() > cap {
                 *buf = BytesMut::new();
             }
         }
         for v in [&mut b.out, &mut b.work.head] {
             v.clear();
-            if v.capacity() > BufPool::MAX_CAP {
+            if v.capacity() > cap {
                 *v = Vec::new();
             }
         }
-        if b.work.resp.headers.capacity_bytes() > KEEP_HEAD_BYTES {
+        if b.work.resp.headers.capacity_bytes() > head_cap {
             b.work.resp = ResponseHead::default();
         }
         for h in [&mut bz.sess.req, &mut bz.sess.up_req] {
-            if h.headers.capacity_bytes() > KEEP_HEAD_BYTES {
+            if h.headers.capacity_bytes() > head_cap {
                 *h = pier_http::RequestHead::default();
             }
         }
         pool.busy.push(bz);
     }
-}
-
-/// Idle: wait until the client sends something (`true`), holding no buffer;
-/// `false` when it closes or idles out (`client_header` for a new
-/// connection, which must start talking, `client_idle` for a kept-alive
-/// one). A drain reaches an idle connection as an eviction (`run_worker`
-/// evicts every waiting connection), so this future holds no watch waiter.
-async fn wait_first_byte<S: Stream>(stream: &mut S, state: &State, first: bool) -> bool {
-    let t = &state.cfg.timeouts;
-    let idle = if first {
-        t.client_header
-    } else {
-        t.client_idle
-    };
-    let ready = std::future::poll_fn(|cx| stream.poll_readable(cx));
-    matches!(timeout(idle, ready).await, Ok(Ok(())))
 }
 
 /// One request on an HTTP/1 connection whose first bytes are here: its
@@ -743,8 +755,8 @@ async fn read_head<S: Stream>(
             }
         }
         if rbuf.is_empty() && header_deadline.is_none() {
-            // The first bytes of a head (the connection's idle wait,
-            // `wait_first_byte`, saw them coming): a buffer only now. Then
+            // The first bytes of a head (the connection's idle wait saw
+            // them coming): a buffer only now. Then
             // `read_buf`, not `try_read_buf`: a short read must clear the
             // readiness, or the next idle wait would wake at once.
             if *drain.borrow() {

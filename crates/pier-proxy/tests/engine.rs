@@ -176,6 +176,7 @@ fn connect(e: &Engine) -> DuplexStream {
         peer,
         local,
         Default::default(),
+        None,
     ));
     client
 }
