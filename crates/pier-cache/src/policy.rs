@@ -112,7 +112,7 @@ pub struct Surrogate {
 impl Surrogate {
     pub fn parse(h: &Headers) -> Surrogate {
         let mut s = Surrogate::default();
-        for v in fields(h, b"surrogate-control") {
+        for v in h.get_all_known(known::SURROGATE_CONTROL) {
             let Ok(v) = std::str::from_utf8(v) else {
                 continue;
             };
@@ -371,7 +371,7 @@ pub fn storable_with(
     if let Some(s) = cc.s_maxage.or(cc.max_age) {
         return Ok(s);
     }
-    if let Some(exp) = field(resp, b"expires") {
+    if let Some(exp) = resp.get_known(known::EXPIRES) {
         // An invalid Expires (e.g. "0") means already expired.
         let date = resp
             .get_known(known::DATE)

@@ -30,10 +30,10 @@ pub fn tags_of(headers: &Headers) -> Vec<Vec<u8>> {
             out.push(t.to_vec());
         }
     };
-    for v in crate::policy::fields(headers, b"surrogate-key") {
+    for v in headers.get_all_known(pier_http::known::SURROGATE_KEY) {
         v.split(|c| c.is_ascii_whitespace()).for_each(&mut add);
     }
-    for v in crate::policy::fields(headers, b"cache-tag") {
+    for v in headers.get_all_known(pier_http::known::CACHE_TAG) {
         v.split(|&c| c == b',').for_each(&mut add);
     }
     out

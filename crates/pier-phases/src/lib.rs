@@ -740,7 +740,9 @@ mod size_tests {
         // 576 since the chosen peer's host name (re-resolved upstream
         // names, issue 9) joined it: 16 bytes per connection; 592 since the
         // bytes received and the upstream header time (analytics, issue 12):
-        // 240 KB more at 10,000 idle connections.
-        assert!(n <= 592, "Session grew to {n} bytes");
+        // 240 KB more at 10,000 idle connections. 624 since the cache's
+        // fields got slots (six more per header map, two maps): no longer
+        // per idle connection (sessions are pooled per worker, at most 64).
+        assert!(n <= 624, "Session grew to {n} bytes");
     }
 }

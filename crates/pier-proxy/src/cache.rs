@@ -86,7 +86,10 @@ fn req_cc(sess: &Session) -> CacheControl {
     let mut cc = CacheControl::parse(&sess.req.headers);
     // Pragma: no-cache counts when there is no Cache-Control (RFC 9111 §5.4).
     if !sess.req.headers.has_known(known::CACHE_CONTROL)
-        && policy::field(&sess.req.headers, b"pragma")
+        && sess
+            .req
+            .headers
+            .get_known(known::PRAGMA)
             .is_some_and(|p| p.eq_ignore_ascii_case(b"no-cache"))
     {
         cc.no_cache = true;
@@ -754,11 +757,8 @@ fn stored_fields(resp: &Headers) -> Headers {
     h.copy_from(resp);
     pier_http::remove_hop_by_hop(&mut h);
     h.remove_known(known::TRANSFER_ENCODING);
-    for name in [&b"surrogate-control"[..], b"cache-status"] {
-        if policy::field(&h, name).is_some() {
-            h.remove(name);
-        }
-    }
+    h.remove_known(known::SURROGATE_CONTROL);
+    h.remove_known(known::CACHE_STATUS);
     h
 }
 
@@ -1121,9 +1121,7 @@ pub async fn stale_on_error(
 /// `Location` and `Content-Location` (RFC 9111 §4.4); `Surrogate-Control`,
 /// addressed to Pier, is not passed on.
 pub fn after_response(state: &State, sess: &Session, resp: &mut ResponseHead) {
-    if policy::field(&resp.headers, b"surrogate-control").is_some() {
-        resp.headers.remove(b"surrogate-control");
-    }
+    resp.headers.remove_known(known::SURROGATE_CONTROL);
     let method = sess.req.method_kind();
     if matches!(method, Method::Get | Method::Head | Method::Options)
         || !(200..400).contains(&resp.status)

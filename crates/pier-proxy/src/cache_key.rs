@@ -10,7 +10,7 @@
 use crate::session::Session;
 use crate::state::State;
 use pier_config::{CacheKey, QueryKey};
-use pier_http::Headers;
+use pier_http::{known, Headers};
 
 /// What a phase decided about caching this request (set in `access` and
 /// `header_filter`; the driver reads it through `Phases::cache_ctl`).
@@ -181,12 +181,8 @@ pub fn strip_tags(state: &State, sess: &Session, resp: &mut pier_http::ResponseH
         .as_ref()
         .is_some_and(|c| c.strip_tags)
     {
-        // Looked for first: removal makes a known-name lookup, and most
-        // responses have neither.
-        for name in [&b"surrogate-key"[..], b"cache-tag"] {
-            if pier_cache::policy::field(&resp.headers, name).is_some() {
-                resp.headers.remove(name);
-            }
+        for k in [known::SURROGATE_KEY, known::CACHE_TAG] {
+            resp.headers.remove_known(k);
         }
     }
 }
