@@ -14,13 +14,13 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BENCH="$ROOT/bench"
-PIER_BIN="${PIER_BIN:-$ROOT/target/release/pier}"
+PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
 N1="${N1:-2000}"
 N2="${N2:-12000}"
 for t in valgrind callgrind_annotate h2load nginx; do
   command -v "$t" >/dev/null || { echo "needs $t (apt-get install valgrind nghttp2-client nginx)" >&2; exit 1; }
 done
-[ -x "$PIER_BIN" ] || { echo "no $PIER_BIN: cargo build --release -p pier" >&2; exit 1; }
+[ -x "$PIER_BIN" ] || { echo "no $PIER_BIN: cargo build --profile dist -p pier" >&2; exit 1; }
 RUN="$(mktemp -d /tmp/pier-ainstr.XXXXXX)"
 PIDS=()
 # KEEP=1 keeps the callgrind files (callgrind_annotate RUN/on-N2/cg.out*).

@@ -31,7 +31,7 @@ MISS_PATH="${MISS_PATH:-/4k.bin}"
 ZIPF_REQUESTS="${ZIPF_REQUESTS:-40000}"
 ZIPF_KEYS="${ZIPF_KEYS:-200000}"
 ZIPF_S="${ZIPF_S:-0.9}"
-PIER_BIN="${PIER_BIN:-$ROOT/target/release/pier}"
+PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
 SKIP_INSTALL="${SKIP_INSTALL:-0}"
 SKIP_BUILD="${SKIP_BUILD:-0}"
 OUT_DIR="${OUT_DIR:-$BENCH_DIR/out}"
@@ -154,9 +154,9 @@ measure() {   # measure PROXY PATH CONNS REP [SCRIPT]
 # ---- setup ------------------------------------------------------------------------------
 install_missing
 if [ "$SKIP_BUILD" != 1 ]; then
-    log "building pier: cargo build --release -p pier"
-    (cd "$ROOT" && nice -n 10 cargo build --release -p pier) >/dev/null 2>&1 \
-        || die "cargo build --release -p pier failed"
+    log "building pier: cargo build --profile dist -p pier"
+    (cd "$ROOT" && nice -n 10 cargo build --profile dist -p pier) >/dev/null 2>&1 \
+        || die "cargo build --profile dist -p pier failed"
 fi
 [ -x "$PIER_BIN" ] || die "no Pier binary at $PIER_BIN"
 

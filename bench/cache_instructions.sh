@@ -18,7 +18,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BENCH="$ROOT/bench"
-PIER_BIN="${PIER_BIN:-$ROOT/target/release/pier}"
+PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
 N1="${N1:-2000}"
 N2="${N2:-8000}"
 C="${C:-10}"
@@ -28,7 +28,7 @@ MEMORY="${MEMORY:-4m}"
 for t in valgrind callgrind_annotate h2load nginx python3; do
   command -v "$t" >/dev/null || { echo "needs $t (apt-get install valgrind nghttp2-client nginx)" >&2; exit 1; }
 done
-[ -x "$PIER_BIN" ] || { echo "no $PIER_BIN: cargo build --release -p pier" >&2; exit 1; }
+[ -x "$PIER_BIN" ] || { echo "no $PIER_BIN: cargo build --profile dist -p pier" >&2; exit 1; }
 [ $((N1 % C)) = 0 ] && [ $((N2 % C)) = 0 ] || { echo "N1 and N2 must be multiples of C" >&2; exit 1; }
 RUN="$(mktemp -d /tmp/pier-cache-instr.XXXXXX)"
 PIDS=()

@@ -11,9 +11,9 @@
 #   bench/compress.sh                      # DURATION=5 REPS=3 CONNS=50
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PIER_BIN="${PIER_BIN:-$ROOT/target/release/pier}"
+PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
 DURATION="${DURATION:-5}"; REPS="${REPS:-3}"; CONNS="${CONNS:-50}"
-[ -x "$PIER_BIN" ] || (cd "$ROOT" && cargo build --release -p pier)
+[ -x "$PIER_BIN" ] || (cd "$ROOT" && cargo build --profile dist -p pier)
 DIR="$(mktemp -d)"; PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$DIR"; }
 trap cleanup EXIT

@@ -24,7 +24,7 @@ DURATION="${DURATION:-10}"
 STREAMS="${STREAMS:-50,500}"        # streams in flight in total; 10 per connection
 REPS="${REPS:-3}"
 IDLE_CONNS="${IDLE_CONNS:-2000}"
-PIER_BIN="${PIER_BIN:-$ROOT/target/release/pier}"
+PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
 GHZ="${GHZ:-$(command -v ghz || echo /root/go/bin/ghz)}"
 GRPC_SERVER="${GRPC_SERVER:-$(command -v server || echo /root/go/bin/server)}"
 SKIP_BUILD="${SKIP_BUILD:-0}"
@@ -64,8 +64,8 @@ template() {   # template SRC DST PORT UPSTREAM
 }
 
 if [ "$SKIP_BUILD" != 1 ]; then
-    log "building pier: cargo build --release -p pier"
-    (cd "$ROOT" && nice -n 10 cargo build --release -p pier) || die "cargo build failed"
+    log "building pier: cargo build --profile dist -p pier"
+    (cd "$ROOT" && nice -n 10 cargo build --profile dist -p pier) || die "cargo build failed"
 fi
 [ -x "$PIER_BIN" ] || die "no Pier binary at $PIER_BIN"
 

@@ -18,7 +18,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BENCH="$ROOT/bench"
-PIER_BIN="${PIER_BIN:-$ROOT/target/release/pier}"
+PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
 N1="${N1:-2000}"
 N2="${N2:-12000}"
 C="${C:-10}"
@@ -27,7 +27,7 @@ PATHS="${PATHS:-/hello}"
 for t in valgrind callgrind_annotate h2load nginx; do
   command -v "$t" >/dev/null || { echo "needs $t (apt-get install valgrind nghttp2-client nginx)" >&2; exit 1; }
 done
-[ -x "$PIER_BIN" ] || { echo "no $PIER_BIN: cargo build --release -p pier" >&2; exit 1; }
+[ -x "$PIER_BIN" ] || { echo "no $PIER_BIN: cargo build --profile dist -p pier" >&2; exit 1; }
 RUN="$(mktemp -d /tmp/pier-instr.XXXXXX)"
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; [ "${KEEP:-0}" = 1 ] && echo "kept $RUN" >&2 || rm -rf "$RUN"; }

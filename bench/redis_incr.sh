@@ -18,7 +18,7 @@ DURATION="${DURATION:-10}"          # seconds per wrk run
 CONNS="${CONNS:-50,500}"            # wrk connection counts
 REPS="${REPS:-3}"                   # repetitions; proxies are interleaved within each
 THREADS="${THREADS:-2}"             # wrk threads
-PIER_BIN="${PIER_BIN:-$ROOT/target/release/pier}"
+PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
 SKIP_INSTALL="${SKIP_INSTALL:-0}"   # 1 = never call apt-get
 SKIP_BUILD="${SKIP_BUILD:-0}"       # 1 = use $PIER_BIN as is
 OUT_DIR="${OUT_DIR:-$BENCH_DIR/out}"
@@ -158,9 +158,9 @@ ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
 if has_proxy pier-redis; then
     if [ "$SKIP_BUILD" != 1 ]; then
-        log "building pier: cargo build --release -p pier"
-        (cd "$ROOT" && nice -n 10 cargo build --release -p pier) >"$RUN/cargo-build.log" 2>&1 \
-            || { tail -n 20 "$RUN/cargo-build.log" >&2; die "cargo build --release -p pier failed"; }
+        log "building pier: cargo build --profile dist -p pier"
+        (cd "$ROOT" && nice -n 10 cargo build --profile dist -p pier) >"$RUN/cargo-build.log" 2>&1 \
+            || { tail -n 20 "$RUN/cargo-build.log" >&2; die "cargo build --profile dist -p pier failed"; }
     fi
     [ -x "$PIER_BIN" ] || die "no Pier binary at $PIER_BIN"
 fi

@@ -15,7 +15,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BENCH="$ROOT/bench"
-PIER_BIN="${PIER_BIN:-$ROOT/target/release/pier}"
+PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
 PIER_LUA_LIBS="${PIER_LUA_LIBS:-$ROOT/target/lualibs/root/usr/share/lua/5.1}"
 N1="${N1:-1000}"
 N2="${N2:-5000}"
@@ -23,7 +23,7 @@ C="${C:-10}"
 for t in valgrind callgrind_annotate h2load nginx redis-server redis-cli; do
   command -v "$t" >/dev/null || { echo "needs $t (apt-get install valgrind nghttp2-client nginx redis-server)" >&2; exit 1; }
 done
-[ -x "$PIER_BIN" ] || { echo "no $PIER_BIN: cargo build --release -p pier" >&2; exit 1; }
+[ -x "$PIER_BIN" ] || { echo "no $PIER_BIN: cargo build --profile dist -p pier" >&2; exit 1; }
 [ -f "$PIER_LUA_LIBS/nginx/redis.lua" ] || { echo "no lua-resty-redis in $PIER_LUA_LIBS (run bench/redis_incr.sh once, or .ci/run)" >&2; exit 1; }
 [ -e /usr/lib/nginx/modules/ngx_http_lua_module.so ] || { echo "needs libnginx-mod-http-lua" >&2; exit 1; }
 RUN="$(mktemp -d /tmp/pier-rinstr.XXXXXX)"

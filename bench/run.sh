@@ -17,7 +17,7 @@ PATHS="${PATHS-/hello,/4k.bin}"     # request paths (origin: /hello, /4k.bin, /1
 REPS="${REPS:-3}"                   # repetitions; proxies are interleaved within each
 THREADS="${THREADS:-2}"             # wrk threads
 IDLE_CONNS="${IDLE_CONNS:-10000}"   # idle keep-alive connections for the idle-RSS test (0 = skip)
-PIER_BIN="${PIER_BIN:-$ROOT/target/release/pier}"
+PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
 PIER_LUA_CONFIG="${PIER_LUA_CONFIG:-$ROOT/examples/lua-access.toml}"
 SKIP_INSTALL="${SKIP_INSTALL:-0}"   # 1 = never call apt-get
 SKIP_BUILD="${SKIP_BUILD:-0}"       # 1 = use $PIER_BIN as is
@@ -71,12 +71,12 @@ SKIPPED=()   # "proxy: reason" lines, copied into the report
 build_pier() {
     has_proxy pier || has_proxy pier-lua || has_proxy pier-limit || has_proxy pier-noanalytics || return 0
     if [ "$SKIP_BUILD" != 1 ]; then
-        log "building pier: cargo build --release -p pier"
-        if ! (cd "$ROOT" && nice -n 10 cargo build --release -p pier) >"$RUN/cargo-build.log" 2>&1; then
+        log "building pier: cargo build --profile dist -p pier"
+        if ! (cd "$ROOT" && nice -n 10 cargo build --profile dist -p pier) >"$RUN/cargo-build.log" 2>&1; then
             tail -n 20 "$RUN/cargo-build.log" >&2
-            log "Pier does NOT build yet (cargo build --release -p pier failed; log: $RUN/cargo-build.log)."
+            log "Pier does NOT build yet (cargo build --profile dist -p pier failed; log: $RUN/cargo-build.log)."
             log "Skipping the pier and pier-lua scenarios; the peers are still measured."
-            SKIPPED+=("pier, pier-lua: \`cargo build --release -p pier\` failed (binary not ready)")
+            SKIPPED+=("pier, pier-lua: \`cargo build --profile dist -p pier\` failed (binary not ready)")
             drop_proxy pier; drop_proxy pier-lua; drop_proxy pier-limit; drop_proxy pier-noanalytics
             return 0
         fi
