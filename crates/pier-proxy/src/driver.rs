@@ -345,26 +345,25 @@ impl<P: Phases> Worker<P> {
         if pool.busy.len() >= BufPool::MAX {
             return;
         }
-        let (cap, head_cap) = (BufPool::MAX_CAP, KEEP_HEAD_BYTES);
         let b = &mut bz.b;
         b.work.cache = None;
         for buf in [&mut b.rbuf, &mut b.work.ubuf] {
             buf.clear();
-            if buf.capacity() > cap {
+            if buf.capacity() > BufPool::MAX_CAP {
                 *buf = BytesMut::new();
             }
         }
         for v in [&mut b.out, &mut b.work.head] {
             v.clear();
-            if v.capacity() > cap {
+            if v.capacity() > BufPool::MAX_CAP {
                 *v = Vec::new();
             }
         }
-        if b.work.resp.headers.capacity_bytes() > head_cap {
+        if b.work.resp.headers.capacity_bytes() > KEEP_HEAD_BYTES {
             b.work.resp = ResponseHead::default();
         }
         for h in [&mut bz.sess.req, &mut bz.sess.up_req] {
-            if h.headers.capacity_bytes() > head_cap {
+            if h.headers.capacity_bytes() > KEEP_HEAD_BYTES {
                 *h = pier_http::RequestHead::default();
             }
         }
