@@ -580,12 +580,12 @@ fn route_cache(
             ),
         }
     }
-    let store_set_cookie = match x.set_cookie.as_ref().map(|s| s.get_ref().as_str()) {
-        None | Some("pass") => false,
-        Some("store") => true,
-        Some(other) => {
+    let store_set_cookie = match x.set_cookie.as_ref().map(|s| (s, s.get_ref().as_str())) {
+        None | Some((_, "pass")) => false,
+        Some((_, "store")) => true,
+        Some((s, other)) => {
             c.err(
-                sp(x.set_cookie.as_ref().unwrap()),
+                sp(s),
                 format!("route `{route}`: cache set_cookie {other:?}: \"pass\" or \"store\""),
             );
             false

@@ -1057,11 +1057,11 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
         };
         let others: Vec<Vec<u8>> = head
             .headers
-            .get_all(b"cache-status")
+            .get_all_known(known::CACHE_STATUS)
             .filter(|v| !v.starts_with(b"pier;"))
             .map(|v| v.to_vec())
             .collect();
-        head.headers.remove(b"cache-status");
+        head.headers.remove_known(known::CACHE_STATUS);
         for v in &others {
             head.headers.append(b"Cache-Status", v);
         }
