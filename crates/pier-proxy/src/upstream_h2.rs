@@ -208,6 +208,8 @@ pub struct H2ResponseSource {
     trailers: Option<Headers>,
     size: BodySize,
     timeout: Duration,
+    /// When the wait for the head ends: for gRPC, the call's deadline.
+    deadline: tokio::time::Instant,
     done: bool,
     head_only: bool,
 }
@@ -221,9 +223,34 @@ impl H2ResponseSource {
             trailers: None,
             size: BodySize::Stream,
             timeout,
+            deadline: tokio::time::Instant::now() + timeout,
             done: false,
             head_only,
         }
+    }
+}
+
+impl H2ResponseSource {
+    /// What an origin's reset means. An origin that enforces the same
+    /// deadline (grpc-go resets with CANCEL when a call's `grpc-timeout`
+    /// passes) received the call after Pier did, so its reset comes at or
+    /// after Pier's deadline, possibly before Pier's own timer (millisecond
+    /// granularity) fires: that is a timeout (504, DEADLINE_EXCEEDED), not a
+    /// broken origin (502, UNAVAILABLE).
+    fn reset_kind(&self, e: &h2::Error) -> Kind {
+        reset_kind(e.reason(), self.deadline, tokio::time::Instant::now())
+    }
+}
+
+fn reset_kind(
+    reason: Option<h2::Reason>,
+    deadline: tokio::time::Instant,
+    now: tokio::time::Instant,
+) -> Kind {
+    if reason == Some(h2::Reason::CANCEL) && now >= deadline {
+        Kind::UpstreamTimeout
+    } else {
+        Kind::UpstreamClosed
     }
 }
 
@@ -238,13 +265,13 @@ impl ResponseSource for H2ResponseSource {
         let Some(fut) = self.fut.take() else {
             return Err(Error::new(Kind::UpstreamProtocol));
         };
-        let resp = match tokio::time::timeout(self.timeout, fut).await {
+        let resp = match tokio::time::timeout_at(self.deadline, fut).await {
             Err(_) => return Err(Error::new(Kind::UpstreamTimeout)),
             // A stream refused before any processing may go elsewhere.
             Ok(Err(e)) if e.reason() == Some(h2::Reason::REFUSED_STREAM) => {
                 return Err(Error::upstream(Kind::UpstreamClosed))
             }
-            Ok(Err(_)) => return Err(Error::new(Kind::UpstreamClosed)),
+            Ok(Err(e)) => return Err(Error::new(self.reset_kind(&e))),
             Ok(Ok(r)) => r,
         };
         let (parts, recv) = resp.into_parts();
@@ -289,7 +316,7 @@ impl ResponseSource for H2ResponseSource {
         }
         match tokio::time::timeout(self.timeout, recv.data()).await {
             Err(_) => Err(Error::answered(Kind::UpstreamTimeout)),
-            Ok(Some(Err(_))) => Err(Error::answered(Kind::UpstreamClosed)),
+            Ok(Some(Err(e))) => Err(Error::answered(self.reset_kind(&e))),
             Ok(Some(Ok(data))) => {
                 let _ = recv.flow_control().release_capacity(data.len());
                 let last = recv.is_end_stream();
@@ -513,4 +540,37 @@ fn push_u16(out: &mut Vec<u8>, n: u16) {
         }
     }
     out.extend_from_slice(&buf[i..]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use h2::Reason;
+
+    #[test]
+    fn a_cancel_at_the_deadline_is_a_timeout_and_any_other_reset_a_closed_origin() {
+        let t0 = tokio::time::Instant::now();
+        let deadline = t0 + Duration::from_millis(5);
+        let after = deadline + Duration::from_micros(1);
+        assert_eq!(
+            reset_kind(Some(Reason::CANCEL), deadline, after),
+            Kind::UpstreamTimeout
+        );
+        assert_eq!(
+            reset_kind(Some(Reason::CANCEL), deadline, deadline),
+            Kind::UpstreamTimeout
+        );
+        assert_eq!(
+            reset_kind(Some(Reason::CANCEL), deadline, t0),
+            Kind::UpstreamClosed
+        );
+        for r in [
+            Reason::INTERNAL_ERROR,
+            Reason::PROTOCOL_ERROR,
+            Reason::NO_ERROR,
+        ] {
+            assert_eq!(reset_kind(Some(r), deadline, after), Kind::UpstreamClosed);
+        }
+        assert_eq!(reset_kind(None, deadline, after), Kind::UpstreamClosed);
+    }
 }
