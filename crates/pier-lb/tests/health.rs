@@ -205,15 +205,16 @@ async fn http_check_follows_fall_and_rise() {
         )
     );
 
-    origin.set(500);
+    // Read before the switch: every bad answer counts after it.
     let bad_before = origin.bad.load(Ordering::SeqCst);
+    origin.set(500);
     wait_for("peer down", || !peer.is_healthy()).await;
     let bad = origin.bad.load(Ordering::SeqCst) - bad_before;
     assert!(bad >= 3, "down after {bad} bad checks, fall is 3");
     assert_eq!(g.select(None, &[]), None);
 
-    origin.set(204);
     let good_before = origin.good.load(Ordering::SeqCst);
+    origin.set(204);
     wait_for("peer up", || peer.is_healthy()).await;
     let good = origin.good.load(Ordering::SeqCst) - good_before;
     assert!(good >= 2, "up after {good} good checks, rise is 2");
@@ -299,12 +300,24 @@ async fn active_check_restores_passively_downed_peer() {
     let tasks = spawn_health_checks(std::slice::from_ref(&g), &[], rx);
     wait_for("checks running", || origin.good.load(Ordering::SeqCst) >= 3).await;
 
+    // No good answer may be in flight when the peer goes down (one answered
+    // before `good_before` but applied after the down would count towards
+    // the rise unseen): answer 500 until a check has seen it. Checks of a
+    // peer run one at a time, so every earlier good one has been applied.
+    let bad_before = origin.bad.load(Ordering::SeqCst);
+    origin.set(500);
+    wait_for("a bad check", || {
+        origin.bad.load(Ordering::SeqCst) > bad_before
+    })
+    .await;
+
     // The proxy saw max_fails (3) failed attempts in a row.
     for _ in 0..3 {
         g.report(0, false, clock_ms());
     }
     assert!(!g.peers()[0].is_healthy());
     let good_before = origin.good.load(Ordering::SeqCst);
+    origin.set(200);
     wait_for("active check brings it back", || g.peers()[0].is_healthy()).await;
     let good = origin.good.load(Ordering::SeqCst) - good_before;
     assert!(good >= 3, "back after {good} checks, rise is 3");
