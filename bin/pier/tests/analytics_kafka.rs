@@ -364,7 +364,12 @@ fn kafka_down_then_back() {
     let all = t.elapsed();
     let down = s.stats();
     eprintln!("20000 offers with Kafka down in {all:?}, slowest {worst:?}: {down:?}");
-    assert!(worst < Duration::from_millis(20), "an offer took {worst:?}");
+    // A blocking offer would wait for queue room that never comes (Kafka is
+    // down): far past this bound, which leaves room for a descheduled thread.
+    assert!(
+        worst < Duration::from_millis(500),
+        "an offer took {worst:?}"
+    );
     assert_eq!(down.sent, 500);
     assert_eq!(down.dropped + down.queued, 20_000, "{down:?}");
     assert!(down.dropped >= 18_000, "{down:?}");

@@ -340,9 +340,7 @@ fn grpc_web_from_connect_client() {
     }
     // The calls went upstream as gRPC: OK twice, INVALID_ARGUMENT (3) once.
     assert!(
-        pier.metric_value("pier_grpc_responses_total{status=\"3\"}")
-            .unwrap_or(0.0)
-            >= 1.0,
+        wait_metric_at_least(&pier, "pier_grpc_responses_total{status=\"3\"}", 1.0) >= 1.0,
         "{}",
         pier.metrics()
     );

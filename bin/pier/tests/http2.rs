@@ -364,9 +364,13 @@ fn upstream_protocol_auto_follows_alpn() {
         );
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains("status codes: 200 2xx"), "{text}");
-        let h2_at_b = b
-            .metric_value("pier_requests_by_protocol_total{protocol=\"h2\"}")
-            .unwrap_or(0.0);
+        let q = "pier_requests_by_protocol_total{protocol=\"h2\"}";
+        let h2_at_b = if want_h2 {
+            // Counted as each request is logged, after its answer went out.
+            wait_metric_at_least(b, q, 206.0)
+        } else {
+            b.metric_value(q).unwrap_or(0.0)
+        };
         if want_h2 {
             assert!(h2_at_b >= 206.0, "h2 requests at b: {h2_at_b}");
         } else {
@@ -696,9 +700,11 @@ pier.resp.set_header("x-filtered", "yes")
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(!text.contains("status codes: 50 2xx"), "{text}");
     assert!(
-        pier.metric_value("pier_requests_by_protocol_total{protocol=\"h2\"}")
-            .unwrap()
-            >= 52.0,
+        wait_metric_at_least(
+            &pier,
+            "pier_requests_by_protocol_total{protocol=\"h2\"}",
+            52.0
+        ) >= 52.0,
         "{}",
         pier.metrics()
     );

@@ -51,7 +51,7 @@ fn max_connections_per_server_caps_upstream_connections() {
     ));
     let addr = p.listener("main");
     let threads: Vec<_> = (0..3)
-        .map(|_| std::thread::spawn(move || get(addr, "/slow/300")))
+        .map(|_| std::thread::spawn(move || get(addr, "/slow/2000")))
         .collect();
     // Sample the origin's open connections for as long as any request runs (not for a
     // fixed time that a loaded machine could outlast). The pause is the sampling pace.

@@ -139,13 +139,13 @@ fn concurrent_slot_is_released_when_the_client_gives_up() {
     let mut gone = Vec::new();
     for _ in 0..2 {
         let mut c = RawConn::connect(a);
-        c.send(b"GET /slow/400 HTTP/1.1\r\nhost: pier.test\r\n\r\n");
+        c.send(b"GET /slow/2000 HTTP/1.1\r\nhost: pier.test\r\n\r\n");
         gone.push(c);
     }
     wait_origin_requests(&o, 2);
     assert_503_retry_after(&get(a, "/hello"), "concurrency-limited");
     drop(gone);
-    // Once the origin has answered (400 ms), the abandoned requests end and free the slots.
+    // Once the origin has answered (2 s), the abandoned requests end and free the slots.
     let mut last = 0;
     let freed = wait_until(Duration::from_secs(20), || {
         last = get(a, "/hello").status;
@@ -218,7 +218,7 @@ fn upstream_limited_answer_carries_retry_after() {
     let o = Origin::start();
     let p = pier(&inflight_config(&o));
     let a = p.listener("main");
-    let slow: Vec<_> = (0..2).map(|_| spawn_get(a, "/slow/500")).collect();
+    let slow: Vec<_> = (0..2).map(|_| spawn_get(a, "/slow/2000")).collect();
     wait_origin_requests(&o, 2);
     assert_503_retry_after(&get(a, "/hello"), "upstream-limited");
     for h in slow {

@@ -106,10 +106,14 @@ fn keep_alive_reuses_upstream_connections() {
     );
     drop(c);
     // New client connections each time (landing on either worker): the shared pool
-    // still reuses. The pause lets the upstream connection go back to the pool, which
-    // may happen a moment after the client has the response.
+    // still reuses. Each waits for the upstream connection to be back in the pool,
+    // which may happen a moment after the client has the response.
     for _ in 0..20 {
-        std::thread::sleep(Duration::from_millis(10));
+        wait_until(Duration::from_secs(5), || {
+            p.metric_value("pier_upstream_idle_connections")
+                .unwrap_or(0.0)
+                >= 1.0
+        });
         assert_eq!(get(p.listener("main"), "/hello").status, 200);
     }
     assert!(

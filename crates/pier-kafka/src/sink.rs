@@ -274,7 +274,12 @@ mod tests {
         // in CI). The exact 4000 drops above prove the queue held 1000.
         assert!((1000..1100).contains(&s.queued), "{s:?}");
         assert_eq!(s.sent, 0);
-        assert!(worst < Duration::from_millis(50), "an offer took {worst:?}");
+        // A blocking offer would wait for room that never comes: far past
+        // this bound, which leaves room for a descheduled thread.
+        assert!(
+            worst < Duration::from_millis(500),
+            "an offer took {worst:?}"
+        );
         let t = Instant::now();
         sink.flush(Duration::from_millis(200));
         assert!(t.elapsed() < Duration::from_secs(2));

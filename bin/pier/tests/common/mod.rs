@@ -113,6 +113,19 @@ pub fn wait_metric(p: &PierProcess, query: &str, want: f64) -> Option<f64> {
     last
 }
 
+/// Polls a metric until it reaches `at_least` (5 s at most); its last value.
+/// For counters updated as a request is logged, after the client has its
+/// answer.
+#[allow(dead_code)]
+pub fn wait_metric_at_least(p: &PierProcess, query: &str, at_least: f64) -> f64 {
+    let mut last = 0.0;
+    wait_until(std::time::Duration::from_secs(5), || {
+        last = p.metric_value(query).unwrap_or(0.0);
+        last >= at_least
+    });
+    last
+}
+
 /// Polls the local-response count for (status, reason) until it reaches `at_least`.
 pub fn wait_local_count(p: &PierProcess, status: u16, reason: &str, at_least: f64) -> f64 {
     let mut last = 0.0;
