@@ -1472,10 +1472,11 @@ async fn attempt_h2<P: Phases, D: Downstream>(
                 .await
             }
             // A cacheable miss: kept as it streams, stored when complete.
-            // Boxed: a miss's fill state (the tee, the encoder) stays out
-            // of every request's future.
+            // In place, not boxed: the request's future is in its own box
+            // already (`serve_connection`), and a box per miss cost an
+            // allocation and a copy of the whole exchange's state.
             Some(fill) => {
-                Box::pin(async {
+                async {
                     // Compressed before it is stored (`[route.compress]`).
                     let enc = crate::compress::EncodeSource::new(&mut src, state, sess);
                     let mut tee = crate::cache::TeeSource::new(enc, fill);
@@ -1494,7 +1495,7 @@ async fn attempt_h2<P: Phases, D: Downstream>(
                     // A client gone mid-body does not end the fill for others.
                     tee.finish_detached().await;
                     r
-                })
+                }
                 .await
             }
         }
@@ -1720,10 +1721,11 @@ async fn attempt_once<P: Phases, D: Downstream>(
                 .await
             }
             // A cacheable miss: kept as it streams, stored when complete.
-            // Boxed: a miss's fill state (the tee, the encoder) stays out
-            // of every request's future.
+            // In place, not boxed: the request's future is in its own box
+            // already (`serve_connection`), and a box per miss cost an
+            // allocation and a copy of the whole exchange's state.
             Some(fill) => {
-                Box::pin(async {
+                async {
                     // Compressed before it is stored (`[route.compress]`).
                     let enc = crate::compress::EncodeSource::new(&mut src, state, sess);
                     let mut tee = crate::cache::TeeSource::new(enc, fill);
@@ -1742,7 +1744,7 @@ async fn attempt_once<P: Phases, D: Downstream>(
                     // A client gone mid-body does not end the fill for others.
                     tee.finish_detached().await;
                     r
-                })
+                }
                 .await
             }
         }
