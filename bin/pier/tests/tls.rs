@@ -576,7 +576,9 @@ fn health_checks_of_a_tls_upstream_use_tls() {
             .and_then(|l| l.rsplit(' ').next())
             .map(|v| v.trim().to_string())
     };
-    let check = "[upstream.app.health_check]\ntype = \"http\"\npath = \"/hello\"\ninterval = \"50ms\"\nrise = 1\nfall = 1\n";
+    // fall = 1: a generous check timeout, so that one slow handshake on a
+    // loaded machine does not take the server down between the reads below.
+    let check = "[upstream.app.health_check]\ntype = \"http\"\npath = \"/hello\"\ninterval = \"50ms\"\ntimeout = \"10s\"\nrise = 1\nfall = 1\n";
     let a = pier(&simple_config(
         &[b.listener("main")],
         "",
