@@ -302,15 +302,9 @@ async fn connection_loop<P: Phases, S: Stream>(w: Arc<Worker<P>>, mut stream: S,
         // Boxed: the connection's task stays small while it idles; the
         // request's (larger) state machine, its phase context included,
         // exists only while it runs.
-        let keep = Box::pin(serve_request(
-            &w,
-            &state,
-            &mut stream,
-            &mut bz,
-            &mut drain,
-            first,
-        ))
-        .await;
+        let keep =
+            boxed_in_place(|| serve_request(&w, &state, &mut stream, &mut bz, &mut drain, first))
+                .await;
         first = false;
         if keep && !bz.b.rbuf.is_empty() {
             // Pipelined bytes: the next head is (partly) here already.
@@ -451,6 +445,14 @@ async fn serve_request<P: Phases, S: Stream>(
     drop(active);
     finish(w, state, sess, sess.route);
     keep && !*drain.borrow()
+}
+
+/// `Box::pin(make())`, with the future written straight into its box: a
+/// future built first and then moved is copied whole (its full size, a few
+/// KB for a request's, not just the arguments it starts with).
+#[inline(always)]
+fn boxed_in_place<F: Future>(make: impl FnOnce() -> F) -> Pin<Box<F>> {
+    Box::into_pin(Box::write(Box::new_uninit(), make()))
 }
 
 /// A request through the steps, a panic in it turned into a 500 (when
@@ -1128,7 +1130,7 @@ async fn respond<P: Phases, D: Downstream>(
     r: &LocalResponse,
     body_pending: bool,
 ) -> bool {
-    Box::pin(respond_inner(w, state, down, b, sess, ctx, r, body_pending)).await
+    boxed_in_place(|| respond_inner(w, state, down, b, sess, ctx, r, body_pending)).await
 }
 
 /// Answer with a response a phase made; counted by its kind (or as a hook answer).
@@ -1166,7 +1168,7 @@ async fn local_fail<P: Phases, D: Downstream>(
     kind: Kind,
     close: bool,
 ) -> bool {
-    Box::pin(local_fail_inner(w, state, down, b, sess, ctx, kind, close)).await
+    boxed_in_place(|| local_fail_inner(w, state, down, b, sess, ctx, kind, close)).await
 }
 
 /// Answer with an error; `close` when the connection can't continue (e.g.
@@ -1604,9 +1606,11 @@ async fn attempt_once<P: Phases, D: Downstream>(
             .await;
             match leased {
                 Ok(crate::upstream_h2::Leased::H2(lease, reused)) => {
-                    return Box::pin(attempt_h2(
-                        w, state, down, b, sess, ctx, &key, tls, lease, reused, inflight,
-                    ))
+                    return boxed_in_place(|| {
+                        attempt_h2(
+                            w, state, down, b, sess, ctx, &key, tls, lease, reused, inflight,
+                        )
+                    })
                     .await
                 }
                 Ok(crate::upstream_h2::Leased::Http1(c)) => {
