@@ -21,6 +21,7 @@ PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
 PIER_LUA_CONFIG="${PIER_LUA_CONFIG:-$ROOT/examples/lua-access.toml}"
 SKIP_INSTALL="${SKIP_INSTALL:-0}"   # 1 = never call apt-get
 SKIP_BUILD="${SKIP_BUILD:-0}"       # 1 = use $PIER_BIN as is
+PGO="${PGO:-0}"                     # 1 = build with bench/pgo.sh (profile-guided) and run that binary
 OUT_DIR="${OUT_DIR:-$BENCH_DIR/out}"
 TLS="${TLS:-0}"                     # 1 = the proxies serve HTTPS (pier, nginx, haproxy)
 CERT_KIND="${CERT_KIND:-ecdsa}"     # TLS certificate: ecdsa (P-256) or rsa (2048)
@@ -70,7 +71,15 @@ SKIPPED=()   # "proxy: reason" lines, copied into the report
 
 build_pier() {
     has_proxy pier || has_proxy pier-lua || has_proxy pier-limit || has_proxy pier-noanalytics || return 0
-    if [ "$SKIP_BUILD" != 1 ]; then
+    if [ "$SKIP_BUILD" != 1 ] && [ "$PGO" = 1 ]; then
+        # The profile-guided build (bench/pgo.sh): it trains on this script's workloads.
+        log "building pier with PGO: bench/pgo.sh"
+        if ! (cd "$ROOT" && nice -n 10 bash "$BENCH_DIR/pgo.sh") >"$RUN/cargo-build.log" 2>&1; then
+            tail -n 20 "$RUN/cargo-build.log" >&2
+            die "bench/pgo.sh failed (log: $RUN/cargo-build.log)"
+        fi
+        PIER_BIN="$ROOT/target/pgo-use/dist/pier"
+    elif [ "$SKIP_BUILD" != 1 ]; then
         log "building pier: cargo build --profile dist -p pier"
         if ! (cd "$ROOT" && nice -n 10 cargo build --profile dist -p pier) >"$RUN/cargo-build.log" 2>&1; then
             tail -n 20 "$RUN/cargo-build.log" >&2
