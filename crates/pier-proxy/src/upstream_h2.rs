@@ -223,7 +223,8 @@ impl H2ResponseSource {
             trailers: None,
             size: BodySize::Stream,
             timeout,
-            deadline: tokio::time::Instant::now() + timeout,
+            // The worker's last clock read, no read of its own; saturating.
+            deadline: pier_clock::tokio_deadline(timeout),
             done: false,
             head_only,
         }
