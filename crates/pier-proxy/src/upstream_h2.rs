@@ -229,9 +229,7 @@ impl H2ResponseSource {
             head_only,
         }
     }
-}
 
-impl H2ResponseSource {
     /// What an origin's reset means. An origin that enforces the same
     /// deadline (grpc-go resets with CANCEL when a call's `grpc-timeout`
     /// passes) received the call after Pier did, so its reset comes at or
