@@ -829,3 +829,98 @@ fn ranges_from_a_stored_object_and_location_invalidation() {
     );
     assert_eq!(o.requests(), 4);
 }
+
+/// A large stored body lives in a sealed memory file and a plain HTTP/1 hit
+/// leaves by `sendfile` from it (counted in `pier_sendfile_bytes_total`):
+/// whole, as a range, after a HEAD, pipelined behind another hit on one
+/// connection; an HTTP/2 hit of it (no sendfile there) gets the same bytes.
+#[test]
+fn large_hits_leave_by_sendfile_from_a_memory_file() {
+    const LEN: usize = 300_000;
+    let body: Vec<u8> = (0..LEN).map(|i| (i * 7 % 251) as u8).collect();
+    let served = body.clone();
+    let o = Script::start(move |_, _, _| {
+        Answer::Send(
+            format!("HTTP/1.1 200 OK\r\nCache-Control: max-age=600\r\nContent-Length: {LEN}"),
+            vec![(Duration::ZERO, served.clone())],
+        )
+    });
+    let cfg = base_config(
+        "[cache.main]\nmemory = \"16m\"\nmax_object = \"1m\"",
+        &format!(
+            "[[route]]\nname = \"default\"\nupstream = \"app\"\n[route.cache]\nzone = \"main\"\n\n[upstream.app]\nservers = [\"{}\"]\n",
+            o.addr
+        ),
+    )
+    .replace(
+        "name = \"main\"\nlisten = \"127.0.0.1:0\"",
+        "name = \"main\"\nlisten = \"127.0.0.1:0\"\nh2c = true",
+    );
+    let pier = pier(&cfg);
+    let mut c = RawConn::connect(pier.listener("main"));
+    let r = c.get("/big").unwrap();
+    assert_eq!((r.status, r.body.len()), (200, LEN));
+    assert!(r.body == body, "the miss relays the origin's bytes");
+    // Stored once the client had the whole body.
+    wait_metric_at_least(&pier, "pier_cache_stored_total{zone=\"main\"}", 1.0);
+    assert!(wait_metric_at_least(&pier, "pier_cache_memory_files", 1.0) >= 1.0);
+    let sent0 = pier
+        .metric_value("pier_sendfile_bytes_total")
+        .unwrap_or(0.0);
+    for _ in 0..3 {
+        let r = c.get("/big").unwrap();
+        assert_eq!(r.status, 200);
+        assert!(r.header("cache-status").unwrap().starts_with("pier; hit"));
+        assert_eq!(r.header("content-length"), Some("300000"));
+        assert!(r.body == body, "a hit sends the stored bytes");
+    }
+    let r = c
+        .request("GET", "/big", &[("Range", "bytes=1000-200999")], b"")
+        .unwrap();
+    assert_eq!(r.status, 206);
+    assert!(r.body == body[1000..201000], "a range of the file");
+    let r = c.request("HEAD", "/big", &[], b"").unwrap();
+    assert_eq!((r.status, r.body.len()), (200, 0));
+    // Two hits pipelined: the second head follows the first file exactly.
+    {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(pier.listener("main")).unwrap();
+        s.write_all(b"GET /big HTTP/1.1\r\nHost: pier.test\r\n\r\nGET /big HTTP/1.1\r\nHost: pier.test\r\nRange: bytes=0-9\r\n\r\n")
+            .unwrap();
+        let (head, rest) = read_response(&mut s, LEN);
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(rest[..LEN] == body[..]);
+        let mut tail = rest[LEN..].to_vec();
+        let mut b = [0u8; 4096];
+        while !tail.windows(4).any(|w| w == b"\r\n\r\n")
+            || tail.len() < tail.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4 + 10
+        {
+            use std::io::Read;
+            let n = s.read(&mut b).unwrap();
+            assert!(n > 0, "closed");
+            tail.extend_from_slice(&b[..n]);
+        }
+        let end = tail.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+        assert!(tail.starts_with(b"HTTP/1.1 206"), "{tail:?}");
+        assert_eq!(&tail[end + 4..end + 14], &body[..10]);
+    }
+    // Counted just after each `sendfile` returns: possibly after the client read.
+    let want = sent0 + (4 * LEN + 200_000 + 10) as f64;
+    let sent = wait_metric_at_least(&pier, "pier_sendfile_bytes_total", want) - sent0;
+    assert!(sent + sent0 >= want, "hits went by sendfile: {sent}");
+    // HTTP/2 reads the same file through its mapping.
+    let dir = pier_test_support::TempDir::new();
+    let out_path = dir.path().join("body");
+    let out = pier_test_support::curl(&[
+        "-sS",
+        "--http2-prior-knowledge",
+        "-H",
+        "Host: pier.test",
+        "-o",
+        out_path.to_str().unwrap(),
+        &format!("http://{}/big", pier.listener("main")),
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(std::fs::read(&out_path).unwrap() == body);
+    assert_eq!(o.requests(), 1, "every hit from the one stored copy");
+}

@@ -12,6 +12,7 @@
 
 mod disk;
 pub mod fill;
+pub mod memfile;
 mod memory;
 pub mod policy;
 pub mod tags;
@@ -19,6 +20,7 @@ pub mod tags;
 use bytes::Bytes;
 use disk::Disk;
 pub use disk::{DiskConfig, DiskStats};
+pub use memfile::MemFile;
 use memory::{Memory, Slot};
 use parking_lot::Mutex;
 use pier_http::Headers;
@@ -35,6 +37,9 @@ pub struct Object {
     /// As the origin sent them, minus hop-by-hop fields.
     pub headers: Headers,
     pub body: Bytes,
+    /// A large body's sealed memory file (`memfile`): `body` is then its
+    /// mapping, and a plain HTTP/1 hit sends it by `sendfile`.
+    pub file: Option<Arc<MemFile>>,
     /// Freshness lifetime, seconds.
     pub lifetime: u64,
     /// When the request went and the response came (Unix seconds).
@@ -72,6 +77,25 @@ impl Object {
         self.vary
             .iter()
             .all(|(name, want)| normalize(name, req.get(name)) == *want)
+    }
+}
+
+/// Move a large body into a sealed memory file (one copy, at store time)
+/// so that hits can `sendfile` it; true when its body is in one.
+fn to_file(obj: &mut Object) -> bool {
+    if obj.file.is_some() {
+        return true;
+    }
+    if obj.body.len() < memfile::MIN_FILE_BODY {
+        return false;
+    }
+    match MemFile::new(&obj.body) {
+        Some(f) => {
+            obj.body = f.bytes();
+            obj.file = Some(f);
+            true
+        }
+        None => false,
     }
 }
 
@@ -284,7 +308,9 @@ impl Zone {
             return Some(o);
         }
         let d = self.disk.as_ref()?;
-        let obj = Arc::new(d.lookup(key, req).await?);
+        let mut obj = d.lookup(key, req).await?;
+        to_file(&mut obj);
+        let obj = Arc::new(obj);
         let evicted = self.mem.lock().insert(
             key,
             Slot {
@@ -305,13 +331,15 @@ impl Zone {
         if size > self.max_object {
             return;
         }
-        // A body grown by doubling may hold twice its length: keep an
-        // exact copy so that the zone's bytes are what memory holds.
-        obj.body = match std::mem::take(&mut obj.body).try_into_mut() {
-            Ok(b) if b.capacity() > b.len() + b.len() / 8 + 64 => Bytes::copy_from_slice(&b),
-            Ok(b) => b.freeze(),
-            Err(shared) => shared,
-        };
+        if !to_file(&mut obj) {
+            // A body grown by doubling may hold twice its length: keep an
+            // exact copy so that the zone's bytes are what memory holds.
+            obj.body = match std::mem::take(&mut obj.body).try_into_mut() {
+                Ok(b) if b.capacity() > b.len() + b.len() / 8 + 64 => Bytes::copy_from_slice(&b),
+                Ok(b) => b.freeze(),
+                Err(shared) => shared,
+            };
+        }
         let obj = Arc::new(obj);
         let mut write_now = false;
         if let Some(d) = &self.disk {
@@ -476,6 +504,7 @@ mod tests {
             status: 200,
             headers: Headers::default(),
             body: Bytes::from(vec![b'x'; body]),
+            file: None,
             lifetime: 60,
             request_time: 0,
             response_time: 0,

@@ -16,4 +16,4 @@ pub mod stream;
 
 pub use pool::{Pool, PoolConfig};
 pub use server::{bind_all, bind_reuseport, spawn_workers, WorkerContext};
-pub use stream::{Alpn, Conn, Connector, PeerKey, Stream};
+pub use stream::{Alpn, Conn, Connector, PeerKey, RawSocket, Stream};

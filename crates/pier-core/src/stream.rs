@@ -21,7 +21,7 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + 'static {
     type Read<'a>: AsyncRead + Unpin
     where
         Self: 'a;
-    type Write<'a>: AsyncWrite + Unpin
+    type Write<'a>: AsyncWrite + Unpin + RawSocket
     where
         Self: 'a;
     /// Both directions at once (a request body goes up while the response
@@ -48,6 +48,29 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + 'static {
         async {}
     }
 }
+
+/// A writer whose bytes reach a TCP socket unchanged (no TLS record, no
+/// in-memory pipe): a file's pages can then go to the socket by
+/// `sendfile`, without being copied through user space (cached bodies
+/// kept in memory files, `pier_cache::memfile`). Others say None and are
+/// written to as usual.
+pub trait RawSocket {
+    fn tcp(&self) -> Option<&TcpStream> {
+        None
+    }
+}
+
+impl RawSocket for tokio::net::tcp::WriteHalf<'_> {
+    fn tcp(&self) -> Option<&TcpStream> {
+        Some(self.as_ref())
+    }
+}
+
+/// Shared halves (TLS, in-memory pipes) transform or buffer what they carry.
+impl<T> RawSocket for tokio::io::WriteHalf<T> {}
+
+/// Upstream connections carry requests, not cached bodies.
+impl RawSocket for ConnWrite<'_> {}
 
 impl Stream for TcpStream {
     type Read<'a> = tokio::net::tcp::ReadHalf<'a>;

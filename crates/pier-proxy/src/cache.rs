@@ -535,6 +535,21 @@ impl Stored {
         let (a, b) = self.range.unwrap_or((0, self.obj.body.len() - 1));
         Some((&self.obj.body[a..=b], true))
     }
+
+    /// The body (or its range) as its memory file's pages, when it has one.
+    fn take_file_body(&mut self) -> Option<crate::protocol::FileBody> {
+        let file = self.obj.file.as_ref()?;
+        if self.sent || self.head_only || self.obj.body.is_empty() {
+            return None;
+        }
+        self.sent = true;
+        let (a, b) = self.range.unwrap_or((0, self.obj.body.len() - 1));
+        Some(crate::protocol::FileBody {
+            file: file.clone(),
+            offset: a as u64,
+            bytes: self.obj.body.slice(a..=b),
+        })
+    }
 }
 
 /// A stored head as sent: the stored fields, Age, Cache-Status.
@@ -592,6 +607,12 @@ impl ResponseSource for CacheSource {
     }
     fn reusable(&self) -> bool {
         true
+    }
+    fn take_file_body(&mut self) -> Option<crate::protocol::FileBody> {
+        match self {
+            CacheSource::Stored(s) => s.take_file_body(),
+            CacheSource::Follow(_) => None,
+        }
     }
 }
 
@@ -736,6 +757,7 @@ fn store(
         cc,
         headers,
         body,
+        file: None,
         lifetime,
         request_time: fill.request_time,
         response_time: now,
@@ -836,6 +858,7 @@ impl<S: ResponseSource> TeeSource<S> {
             cc: CacheControl::parse(&headers),
             headers,
             body: stale.body.clone(),
+            file: stale.file.clone(),
             lifetime,
             request_time: f.request_time,
             response_time: now,

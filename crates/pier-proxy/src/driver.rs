@@ -1992,6 +1992,13 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
     sess.status = resp.status;
     snk.write_head(resp, size).await?;
     let mut piece = filtering.then(BytesMut::new);
+    if piece.is_none() {
+        // A cached body in a memory file leaves as the file's pages.
+        if let Some(f) = src.take_file_body() {
+            inflight.take();
+            snk.write_file(&f).await?;
+        }
+    }
     loop {
         let Some((data, last)) = src.read_body().await? else {
             break;

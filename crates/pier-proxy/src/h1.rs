@@ -8,7 +8,8 @@
 //! is re-chunked), and nothing of one side's framing can leak to the other.
 
 use crate::protocol::{
-    BodySize, Downstream, DownstreamOpts, RequestSink, RequestSource, ResponseSink, ResponseSource,
+    BodySize, Downstream, DownstreamOpts, FileBody, RequestSink, RequestSource, ResponseSink,
+    ResponseSource,
 };
 use bytes::{Buf, BytesMut};
 use pier_clock::timeout;
@@ -57,6 +58,53 @@ async fn write2_timed<W: AsyncWrite + Unpin>(
             }
         }
         w.write_all(b).await
+    };
+    match timeout(t, all).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
+    }
+}
+
+/// Bytes this process sent by `sendfile` (cached bodies in memory files).
+pub static SENDFILE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// `head` (held back with MSG_MORE, so that it leaves with the body's first
+/// segment) then `len` bytes of `file` from `offset` by `sendfile`: the
+/// file's pages go to the socket without a copy through user space. Within
+/// `t`, waiting for the socket as any write does.
+async fn sendfile_timed(
+    tcp: &tokio::net::TcpStream,
+    mut head: &[u8],
+    file: std::os::fd::BorrowedFd<'_>,
+    mut offset: u64,
+    mut len: usize,
+    t: Duration,
+) -> std::io::Result<()> {
+    use tokio::io::Interest;
+    let all = async {
+        while !head.is_empty() {
+            let n = tcp
+                .async_io(Interest::WRITABLE, || {
+                    rustix::net::send(tcp, head, rustix::net::SendFlags::MORE)
+                        .map_err(std::io::Error::from)
+                })
+                .await?;
+            head = &head[n..];
+        }
+        while len > 0 {
+            let n = tcp
+                .async_io(Interest::WRITABLE, || {
+                    rustix::fs::sendfile(tcp, file, Some(&mut offset), len)
+                        .map_err(std::io::Error::from)
+                })
+                .await?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            SENDFILE_BYTES.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+            len -= n;
+        }
+        Ok(())
     };
     match timeout(t, all).await {
         Ok(r) => r,
@@ -331,7 +379,7 @@ impl<'a, W: AsyncWrite + Unpin> H1ResponseSink<'a, W> {
     }
 }
 
-impl<W: AsyncWrite + Unpin> ResponseSink for H1ResponseSink<'_, W> {
+impl<W: AsyncWrite + Unpin + pier_core::RawSocket> ResponseSink for H1ResponseSink<'_, W> {
     async fn write_interim(&mut self, head: &ResponseHead) -> Result<(), Error> {
         // 100 Continue, 103 Early Hints: HTTP/1.0 clients can't take them.
         if self.version == 0 {
@@ -404,6 +452,30 @@ impl<W: AsyncWrite + Unpin> ResponseSink for H1ResponseSink<'_, W> {
         write_timed(&mut self.w, data, self.timeout)
             .await
             .map_err(|_| Error::answered(Kind::ClientClosed))
+    }
+
+    async fn write_file(&mut self, body: &FileBody) -> Result<(), Error> {
+        if self.head_only || body.bytes.is_empty() {
+            return Ok(());
+        }
+        let Some(tcp) = self.w.tcp().filter(|_| !self.chunked) else {
+            return self.write_body(&body.bytes).await;
+        };
+        // The head (if still held back) goes first, then the file's pages.
+        let head_len = if self.pending { self.out.len() } else { 0 };
+        self.pending = false;
+        self.sent += (head_len + body.bytes.len()) as u64;
+        let r = sendfile_timed(
+            tcp,
+            &self.out[..head_len],
+            body.file.fd(),
+            body.offset,
+            body.bytes.len(),
+            self.timeout,
+        )
+        .await;
+        self.out.clear();
+        r.map_err(|_| Error::answered(Kind::ClientClosed))
     }
 
     async fn finish(&mut self, trailers: Option<&Headers>) -> Result<(), Error> {

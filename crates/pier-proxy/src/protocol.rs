@@ -28,6 +28,15 @@ pub enum BodySize {
     Stream,
 }
 
+/// A body that lies in a sealed memory file (a large cached object):
+/// `bytes` are the file's bytes from `offset` (the writer sends them by
+/// `sendfile` where it can, else writes `bytes`).
+pub struct FileBody {
+    pub file: std::sync::Arc<pier_cache::MemFile>,
+    pub offset: u64,
+    pub bytes: bytes::Bytes,
+}
+
 /// The client's request body, decoded.
 pub trait RequestSource {
     /// The next piece of the body; `Ok(None)` at its end.
@@ -70,6 +79,11 @@ pub trait ResponseSource {
     fn cache_result(&self) -> Option<crate::session::CacheResult> {
         None
     }
+    /// The whole body at once when it lies in a memory file (a cache hit
+    /// on a large object); it then counts as read. None for other sources.
+    fn take_file_body(&mut self) -> Option<FileBody> {
+        None
+    }
 }
 
 /// A borrowed source is a source (wrappers such as the cache's tee take one).
@@ -95,6 +109,9 @@ impl<S: ResponseSource> ResponseSource for &mut S {
     fn cache_result(&self) -> Option<crate::session::CacheResult> {
         (**self).cache_result()
     }
+    fn take_file_body(&mut self) -> Option<FileBody> {
+        (**self).take_file_body()
+    }
 }
 
 /// Where the response goes: the client connection's writer.
@@ -105,6 +122,12 @@ pub trait ResponseSink {
     /// wait to go out with the first body bytes (one write).
     async fn write_head(&mut self, head: &ResponseHead, size: BodySize) -> Result<(), Error>;
     async fn write_body(&mut self, data: &[u8]) -> Result<(), Error>;
+    /// A body in a memory file: where the writer can, the file's pages go
+    /// to the socket as they are (HTTP/1 over plain TCP: `sendfile`);
+    /// otherwise its bytes are written as `write_body` writes them.
+    async fn write_file(&mut self, body: &FileBody) -> Result<(), Error> {
+        self.write_body(&body.bytes).await
+    }
     /// The response ended; trailers where the protocol carries them.
     async fn finish(&mut self, trailers: Option<&Headers>) -> Result<(), Error>;
     /// Whether the client connection can take another request afterwards.
