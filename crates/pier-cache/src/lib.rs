@@ -12,7 +12,7 @@
 
 mod disk;
 pub mod fill;
-pub mod memfile;
+pub mod mapped;
 mod memory;
 pub mod policy;
 pub mod tags;
@@ -20,7 +20,7 @@ pub mod tags;
 use bytes::Bytes;
 use disk::Disk;
 pub use disk::{DiskConfig, DiskStats};
-pub use memfile::MemFile;
+pub use mapped::MappedBody;
 use memory::{Memory, Slot};
 use parking_lot::Mutex;
 use pier_http::Headers;
@@ -37,9 +37,9 @@ pub struct Object {
     /// As the origin sent them, minus hop-by-hop fields.
     pub headers: Headers,
     pub body: Bytes,
-    /// A large body's sealed memory file (`memfile`): `body` is then its
-    /// mapping, and a plain HTTP/1 hit sends it by `sendfile`.
-    pub file: Option<Arc<MemFile>>,
+    /// A large body's own read-only mapping (`mapped`): `body` is then a
+    /// view of it, and a plain HTTP/1 hit splices its pages to the socket.
+    pub file: Option<Arc<MappedBody>>,
     /// Freshness lifetime, seconds.
     pub lifetime: u64,
     /// When the request went and the response came (Unix seconds).
@@ -80,16 +80,16 @@ impl Object {
     }
 }
 
-/// Move a large body into a sealed memory file (one copy, at store time)
-/// so that hits can `sendfile` it; true when its body is in one.
+/// Move a large body into a mapping of its own (one copy, at store time)
+/// so that hits can splice it; true when its body is in one.
 fn to_file(obj: &mut Object) -> bool {
     if obj.file.is_some() {
         return true;
     }
-    if obj.body.len() < memfile::MIN_FILE_BODY {
+    if obj.body.len() < mapped::MIN_MAPPED_BODY {
         return false;
     }
-    match MemFile::new(&obj.body) {
+    match MappedBody::new(&obj.body) {
         Some(f) => {
             obj.body = f.bytes();
             obj.file = Some(f);

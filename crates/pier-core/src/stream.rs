@@ -51,8 +51,8 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + 'static {
 
 /// A writer whose bytes reach a TCP socket unchanged (no TLS record, no
 /// in-memory pipe): a file's pages can then go to the socket by
-/// `sendfile`, without being copied through user space (cached bodies
-/// kept in memory files, `pier_cache::memfile`). Others say None and are
+/// `splice`, without being copied through user space (cached bodies kept
+/// in mappings of their own, `pier_cache::mapped`). Others say None and are
 /// written to as usual.
 pub trait RawSocket {
     fn tcp(&self) -> Option<&TcpStream> {

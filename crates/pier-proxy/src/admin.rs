@@ -644,9 +644,9 @@ pub fn render_metrics(shared: &Shared) -> String {
         }
         let _ = writeln!(
             out,
-            "# HELP pier_cache_memory_files Large cached bodies held in sealed memory files.\n# TYPE pier_cache_memory_files gauge\npier_cache_memory_files {}\n# HELP pier_sendfile_bytes_total Body bytes sent by sendfile from memory files.\n# TYPE pier_sendfile_bytes_total counter\npier_sendfile_bytes_total {}",
-            pier_cache::memfile::files(),
-            crate::h1::SENDFILE_BYTES.load(Relaxed)
+            "# HELP pier_cache_mapped_bodies Large cached bodies held in read-only mappings of their own.\n# TYPE pier_cache_mapped_bodies gauge\npier_cache_mapped_bodies {}\n# HELP pier_splice_bytes_total Cached body bytes spliced to clients without a copy.\n# TYPE pier_splice_bytes_total counter\npier_splice_bytes_total {}",
+            pier_cache::mapped::mapped(),
+            crate::h1::SPLICE_BYTES.load(Relaxed)
         );
         out.push_str("# TYPE pier_cache_objects gauge\n# TYPE pier_cache_bytes gauge\n# TYPE pier_cache_capacity_bytes gauge\n# TYPE pier_cache_stored_total counter\n# TYPE pier_cache_evictions_total counter\n# TYPE pier_cache_lock_timeouts_total counter\n# TYPE pier_cache_promotions_total counter\n# TYPE pier_cache_disk_writes_total counter\n# TYPE pier_cache_disk_written_bytes_total counter\n# TYPE pier_cache_disk_skipped_total counter\n# TYPE pier_cache_disk_errors_total counter\n# TYPE pier_cache_disk_corrupt_total counter\n# TYPE pier_cache_disk_hits_total counter\n");
         for z in &state.cache_zones {

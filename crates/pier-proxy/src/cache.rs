@@ -536,7 +536,7 @@ impl Stored {
         Some((&self.obj.body[a..=b], true))
     }
 
-    /// The body (or its range) as its memory file's pages, when it has one.
+    /// The body (or its range) as its mapping's pages, when it has one.
     fn take_file_body(&mut self) -> Option<crate::protocol::FileBody> {
         let file = self.obj.file.as_ref()?;
         if self.sent || self.head_only || self.obj.body.is_empty() {

@@ -1993,7 +1993,7 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
     snk.write_head(resp, size).await?;
     let mut piece = filtering.then(BytesMut::new);
     if piece.is_none() {
-        // A cached body in a memory file leaves as the file's pages.
+        // A cached body in a mapping of its own leaves as its pages.
         if let Some(f) = src.take_file_body() {
             inflight.take();
             snk.write_file(&f).await?;

@@ -65,45 +65,115 @@ async fn write2_timed<W: AsyncWrite + Unpin>(
     }
 }
 
-/// Bytes this process sent by `sendfile` (cached bodies in memory files).
-pub static SENDFILE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Cached body bytes this process spliced to clients (no copy).
+pub static SPLICE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A pipe the pages of a body pass through on their way to a socket.
+struct Pipe {
+    r: std::os::fd::OwnedFd,
+    w: std::os::fd::OwnedFd,
+    /// Bytes it holds at most.
+    cap: usize,
+}
+
+thread_local! {
+    /// Empty pipes, kept for the next large hit on this worker (a pipe
+    /// that still holds bytes when its send fails is closed instead).
+    static PIPES: std::cell::RefCell<Vec<Pipe>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+const MAX_SPARE_PIPES: usize = 16;
+/// A pipe is grown to this (one `vmsplice` + one `splice` per MiB, not per
+/// 64 KiB); where the kernel refuses, it keeps its default size.
+const PIPE_SIZE: usize = 1 << 20;
+
+fn take_pipe() -> std::io::Result<Pipe> {
+    if let Some(p) = PIPES.with_borrow_mut(Vec::pop) {
+        return Ok(p);
+    }
+    use rustix::pipe::PipeFlags;
+    let (r, w) = rustix::pipe::pipe_with(PipeFlags::NONBLOCK | PipeFlags::CLOEXEC)?;
+    let cap = rustix::pipe::fcntl_setpipe_size(&w, PIPE_SIZE)
+        .or_else(|_| rustix::pipe::fcntl_getpipe_size(&w))
+        .unwrap_or(64 << 10);
+    Ok(Pipe { r, w, cap })
+}
+
+fn give_pipe(p: Pipe) {
+    PIPES.with_borrow_mut(|v| {
+        if v.len() < MAX_SPARE_PIPES {
+            v.push(p);
+        }
+    });
+}
 
 /// `head` (held back with MSG_MORE, so that it leaves with the body's first
-/// segment) then `len` bytes of `file` from `offset` by `sendfile`: the
-/// file's pages go to the socket without a copy through user space. Within
-/// `t`, waiting for the socket as any write does.
-async fn sendfile_timed(
+/// segment), then the body's pages: into a pipe by reference (`vmsplice`)
+/// and from it to the socket (`splice`), which keeps references to them
+/// as `sendfile` does. Within `t`, waiting for the socket as any write does.
+async fn splice_timed(
     tcp: &tokio::net::TcpStream,
     mut head: &[u8],
-    file: std::os::fd::BorrowedFd<'_>,
-    mut offset: u64,
-    mut len: usize,
+    body: &FileBody,
     t: Duration,
 ) -> std::io::Result<()> {
+    use rustix::pipe::SpliceFlags;
+    use std::os::fd::AsFd;
     use tokio::io::Interest;
     let all = async {
         while !head.is_empty() {
             let n = tcp
                 .async_io(Interest::WRITABLE, || {
-                    rustix::net::send(tcp, head, rustix::net::SendFlags::MORE)
-                        .map_err(std::io::Error::from)
+                    rustix::net::send(
+                        tcp,
+                        head,
+                        rustix::net::SendFlags::MORE | rustix::net::SendFlags::NOSIGNAL,
+                    )
+                    .map_err(std::io::Error::from)
                 })
                 .await?;
             head = &head[n..];
         }
-        while len > 0 {
+        let pipe = take_pipe()?;
+        let mut pos = body.offset as usize;
+        let end = pos + body.bytes.len();
+        let mut held = 0;
+        while pos < end || held > 0 {
+            if held == 0 {
+                let n = body
+                    .file
+                    .splice_into(pipe.w.as_fd(), pos, (end - pos).min(pipe.cap))?;
+                if n == 0 {
+                    return Err(std::io::ErrorKind::WriteZero.into());
+                }
+                pos += n;
+                held = n;
+            }
+            let more = if pos < end {
+                SpliceFlags::MORE
+            } else {
+                SpliceFlags::empty()
+            };
             let n = tcp
                 .async_io(Interest::WRITABLE, || {
-                    rustix::fs::sendfile(tcp, file, Some(&mut offset), len)
-                        .map_err(std::io::Error::from)
+                    rustix::pipe::splice(
+                        &pipe.r,
+                        None,
+                        tcp,
+                        None,
+                        held,
+                        SpliceFlags::NONBLOCK | more,
+                    )
+                    .map_err(std::io::Error::from)
                 })
                 .await?;
             if n == 0 {
                 return Err(std::io::ErrorKind::WriteZero.into());
             }
-            SENDFILE_BYTES.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
-            len -= n;
+            SPLICE_BYTES.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+            held -= n;
         }
+        // Empty: fit for the next send (on any error it closes instead).
+        give_pipe(pipe);
         Ok(())
     };
     match timeout(t, all).await {
@@ -461,19 +531,11 @@ impl<W: AsyncWrite + Unpin + pier_core::RawSocket> ResponseSink for H1ResponseSi
         let Some(tcp) = self.w.tcp().filter(|_| !self.chunked) else {
             return self.write_body(&body.bytes).await;
         };
-        // The head (if still held back) goes first, then the file's pages.
+        // The head (if still held back) goes first, then the body's pages.
         let head_len = if self.pending { self.out.len() } else { 0 };
         self.pending = false;
         self.sent += (head_len + body.bytes.len()) as u64;
-        let r = sendfile_timed(
-            tcp,
-            &self.out[..head_len],
-            body.file.fd(),
-            body.offset,
-            body.bytes.len(),
-            self.timeout,
-        )
-        .await;
+        let r = splice_timed(tcp, &self.out[..head_len], body, self.timeout).await;
         self.out.clear();
         r.map_err(|_| Error::answered(Kind::ClientClosed))
     }

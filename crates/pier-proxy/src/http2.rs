@@ -502,6 +502,17 @@ impl H2Tx {
         }
         Ok(())
     }
+
+    async fn write_bytes(&mut self, data: Bytes) -> Result<(), Error> {
+        let last = self
+            .end_at
+            .is_some_and(|n| self.sent + data.len() as u64 >= n);
+        self.send_all(data, last).await?;
+        if last {
+            self.send = None;
+        }
+        Ok(())
+    }
 }
 
 impl ResponseSink for &mut H2Tx {
@@ -540,14 +551,15 @@ impl ResponseSink for &mut H2Tx {
         if self.head_only || data.is_empty() || self.send.is_none() {
             return Ok(());
         }
-        let last = self
-            .end_at
-            .is_some_and(|n| self.sent + data.len() as u64 >= n);
-        self.send_all(Bytes::copy_from_slice(data), last).await?;
-        if last {
-            self.send = None;
+        self.write_bytes(Bytes::copy_from_slice(data)).await
+    }
+
+    /// A cached body's bytes go to the frames as they are (no copy).
+    async fn write_file(&mut self, body: &crate::protocol::FileBody) -> Result<(), Error> {
+        if self.head_only || body.bytes.is_empty() || self.send.is_none() {
+            return Ok(());
         }
-        Ok(())
+        self.write_bytes(body.bytes.clone()).await
     }
 
     async fn finish(&mut self, trailers: Option<&Headers>) -> Result<(), Error> {

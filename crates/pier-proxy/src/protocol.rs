@@ -28,11 +28,11 @@ pub enum BodySize {
     Stream,
 }
 
-/// A body that lies in a sealed memory file (a large cached object):
-/// `bytes` are the file's bytes from `offset` (the writer sends them by
-/// `sendfile` where it can, else writes `bytes`).
+/// A body that lies in a mapping of its own (a large cached object):
+/// `bytes` are the mapping's bytes from `offset` (the writer splices its
+/// pages where it can, else writes `bytes`).
 pub struct FileBody {
-    pub file: std::sync::Arc<pier_cache::MemFile>,
+    pub file: std::sync::Arc<pier_cache::MappedBody>,
     pub offset: u64,
     pub bytes: bytes::Bytes,
 }
@@ -79,7 +79,7 @@ pub trait ResponseSource {
     fn cache_result(&self) -> Option<crate::session::CacheResult> {
         None
     }
-    /// The whole body at once when it lies in a memory file (a cache hit
+    /// The whole body at once when it lies in a mapping (a cache hit
     /// on a large object); it then counts as read. None for other sources.
     fn take_file_body(&mut self) -> Option<FileBody> {
         None
@@ -122,8 +122,8 @@ pub trait ResponseSink {
     /// wait to go out with the first body bytes (one write).
     async fn write_head(&mut self, head: &ResponseHead, size: BodySize) -> Result<(), Error>;
     async fn write_body(&mut self, data: &[u8]) -> Result<(), Error>;
-    /// A body in a memory file: where the writer can, the file's pages go
-    /// to the socket as they are (HTTP/1 over plain TCP: `sendfile`);
+    /// A body in a mapping: where the writer can, its pages go to the
+    /// socket as they are (HTTP/1 over plain TCP: `vmsplice` + `splice`);
     /// otherwise its bytes are written as `write_body` writes them.
     async fn write_file(&mut self, body: &FileBody) -> Result<(), Error> {
         self.write_body(&body.bytes).await
