@@ -107,9 +107,9 @@ fn give_pipe(p: Pipe) {
 }
 
 /// `head` (held back with MSG_MORE, so that it leaves with the body's first
-/// segment), then the body's pages: into a pipe by reference (`vmsplice`)
-/// and from it to the socket (`splice`), which keeps references to them
-/// as `sendfile` does. Within `t`, waiting for the socket as any write does.
+/// segment), then the body's pages: into a pipe by reference (`tee` from
+/// the body's own pipe, else `vmsplice`) and from it to the socket
+/// (`splice`), which keeps references to them as `sendfile` does. Within `t`, waiting for the socket as any write does.
 async fn splice_timed(
     tcp: &tokio::net::TcpStream,
     mut head: &[u8],
@@ -139,9 +139,13 @@ async fn splice_timed(
         let mut held = 0;
         while pos < end || held > 0 {
             if held == 0 {
-                let n = body
-                    .file
-                    .splice_into(pipe.w.as_fd(), pos, (end - pos).min(pipe.cap))?;
+                let room = (end - pos).min(pipe.cap);
+                // From the start of the body, its own pipe lends the page
+                // references; otherwise the pages are pinned here.
+                let n = match (pos == 0).then(|| body.file.tee_into(pipe.w.as_fd(), room)) {
+                    Some(Some(r)) => r?,
+                    _ => body.file.splice_into(pipe.w.as_fd(), pos, room)?,
+                };
                 if n == 0 {
                     return Err(std::io::ErrorKind::WriteZero.into());
                 }
