@@ -907,8 +907,10 @@ fn large_hits_are_spliced_from_their_mapping() {
     let sent = wait_metric_at_least(&pier, "pier_splice_bytes_total", want) - sent0;
     assert!(sent + sent0 >= want, "hits were spliced: {sent}");
     // Clients that leave mid-body (the socket's buffer full, the rest
-    // unread) cost nothing but their own response.
-    for _ in 0..20 {
+    // unread) cost nothing but their own response, and leak no pipe.
+    let fds = || std::fs::read_dir(format!("/proc/{}/fd", pier.pid())).map_or(0, |d| d.count());
+    let fds0 = fds();
+    for _ in 0..60 {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(pier.listener("main")).unwrap();
         s.write_all(b"GET /big HTTP/1.1\r\nHost: pier.test\r\n\r\n")
@@ -918,6 +920,14 @@ fn large_hits_are_spliced_from_their_mapping() {
     }
     let r = c.get("/big").unwrap();
     assert!(r.body == body, "still served");
+    // At most 16 spare pipes per worker (2 workers, 2 descriptors each).
+    let bound = fds0 + 2 * 16 * 2 + 4;
+    let mut now = fds();
+    wait_until(Duration::from_secs(10), || {
+        now = fds();
+        now <= bound
+    });
+    assert!(now <= bound, "descriptors {fds0} -> {now}");
     // HTTP/2 hands the mapping's bytes to its frames.
     let dir = pier_test_support::TempDir::new();
     let out_path = dir.path().join("body");

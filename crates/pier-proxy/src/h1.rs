@@ -80,40 +80,84 @@ thread_local! {
     /// Empty pipes, kept for the next large hit on this worker (a pipe
     /// that still holds bytes when its send fails is closed instead).
     static PIPES: std::cell::RefCell<Vec<Pipe>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Pipes this worker's sends hold now.
+    static PIPES_IN_USE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 const MAX_SPARE_PIPES: usize = 16;
-/// A pipe is grown to this (one `vmsplice` + one `splice` per MiB, not per
+/// A pipe is grown to this (one `tee` + one `splice` per MiB, not per
 /// 64 KiB); where the kernel refuses, it keeps its default size.
 const PIPE_SIZE: usize = 1 << 20;
 
-fn take_pipe() -> std::io::Result<Pipe> {
-    if let Some(p) = PIPES.with_borrow_mut(Vec::pop) {
-        return Ok(p);
-    }
-    use rustix::pipe::PipeFlags;
-    let (r, w) = rustix::pipe::pipe_with(PipeFlags::NONBLOCK | PipeFlags::CLOEXEC)?;
-    let cap = rustix::pipe::fcntl_setpipe_size(&w, PIPE_SIZE)
-        .or_else(|_| rustix::pipe::fcntl_getpipe_size(&w))
-        .unwrap_or(64 << 10);
-    Ok(Pipe { r, w, cap })
+/// How many pipes one worker's sends may hold at once (two descriptors
+/// each, for as long as a slow client takes): a sixteenth of the
+/// descriptor limit, 16 to 256. Past it a body is written as usual.
+fn max_pipes_in_use() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(u64::MAX);
+        (soft / 16).clamp(16, 256) as usize
+    })
 }
 
-fn give_pipe(p: Pipe) {
-    PIPES.with_borrow_mut(|v| {
-        if v.len() < MAX_SPARE_PIPES {
-            v.push(p);
+/// A pipe held by one send: back to the spares when the send emptied it,
+/// closed otherwise (it may still hold a body's pages).
+struct PipeLease {
+    pipe: Option<Pipe>,
+    empty: bool,
+}
+
+impl PipeLease {
+    /// A spare or a new pipe; None past the worker's bound or when the
+    /// kernel refuses one (the caller writes the body instead).
+    fn take() -> Option<PipeLease> {
+        if PIPES_IN_USE.get() >= max_pipes_in_use() {
+            return None;
         }
-    });
+        let pipe = match PIPES.with_borrow_mut(Vec::pop) {
+            Some(p) => p,
+            None => {
+                use rustix::pipe::PipeFlags;
+                let (r, w) =
+                    rustix::pipe::pipe_with(PipeFlags::NONBLOCK | PipeFlags::CLOEXEC).ok()?;
+                let cap = rustix::pipe::fcntl_setpipe_size(&w, PIPE_SIZE)
+                    .or_else(|_| rustix::pipe::fcntl_getpipe_size(&w))
+                    .unwrap_or(64 << 10);
+                Pipe { r, w, cap }
+            }
+        };
+        PIPES_IN_USE.set(PIPES_IN_USE.get() + 1);
+        Some(PipeLease {
+            pipe: Some(pipe),
+            empty: false,
+        })
+    }
+}
+
+impl Drop for PipeLease {
+    fn drop(&mut self) {
+        PIPES_IN_USE.set(PIPES_IN_USE.get().saturating_sub(1));
+        if let Some(p) = self.pipe.take().filter(|_| self.empty) {
+            PIPES.with_borrow_mut(|v| {
+                if v.len() < MAX_SPARE_PIPES {
+                    v.push(p);
+                }
+            });
+        }
+    }
 }
 
 /// `head` (held back with MSG_MORE, so that it leaves with the body's first
 /// segment), then the body's pages: into a pipe by reference (`tee` from
 /// the body's own pipe, else `vmsplice`) and from it to the socket
-/// (`splice`), which keeps references to them as `sendfile` does. Within `t`, waiting for the socket as any write does.
+/// (`splice`), which keeps references to them as `sendfile` does. Within
+/// `t`, waiting for the socket as any write does.
 async fn splice_timed(
     tcp: &tokio::net::TcpStream,
     mut head: &[u8],
     body: &FileBody,
+    mut lease: PipeLease,
     t: Duration,
 ) -> std::io::Result<()> {
     use rustix::pipe::SpliceFlags;
@@ -133,18 +177,20 @@ async fn splice_timed(
                 .await?;
             head = &head[n..];
         }
-        let pipe = take_pipe()?;
+        let Some(p) = lease.pipe.as_ref() else {
+            return Err(std::io::ErrorKind::BrokenPipe.into());
+        };
         let mut pos = body.offset as usize;
         let end = pos + body.bytes.len();
         let mut held = 0;
         while pos < end || held > 0 {
             if held == 0 {
-                let room = (end - pos).min(pipe.cap);
+                let room = (end - pos).min(p.cap);
                 // From the start of the body, its own pipe lends the page
                 // references; otherwise the pages are pinned here.
-                let n = match (pos == 0).then(|| body.file.tee_into(pipe.w.as_fd(), room)) {
+                let n = match (pos == 0).then(|| body.file.tee_into(p.w.as_fd(), room)) {
                     Some(Some(r)) => r?,
-                    _ => body.file.splice_into(pipe.w.as_fd(), pos, room)?,
+                    _ => body.file.splice_into(p.w.as_fd(), pos, room)?,
                 };
                 if n == 0 {
                     return Err(std::io::ErrorKind::WriteZero.into());
@@ -159,15 +205,8 @@ async fn splice_timed(
             };
             let n = tcp
                 .async_io(Interest::WRITABLE, || {
-                    rustix::pipe::splice(
-                        &pipe.r,
-                        None,
-                        tcp,
-                        None,
-                        held,
-                        SpliceFlags::NONBLOCK | more,
-                    )
-                    .map_err(std::io::Error::from)
+                    rustix::pipe::splice(&p.r, None, tcp, None, held, SpliceFlags::NONBLOCK | more)
+                        .map_err(std::io::Error::from)
                 })
                 .await?;
             if n == 0 {
@@ -177,7 +216,7 @@ async fn splice_timed(
             held -= n;
         }
         // Empty: fit for the next send (on any error it closes instead).
-        give_pipe(pipe);
+        lease.empty = true;
         Ok(())
     };
     match timeout(t, all).await {
@@ -535,11 +574,14 @@ impl<W: AsyncWrite + Unpin + pier_core::RawSocket> ResponseSink for H1ResponseSi
         let Some(tcp) = self.w.tcp().filter(|_| !self.chunked) else {
             return self.write_body(&body.bytes).await;
         };
+        let Some(pipe) = PipeLease::take() else {
+            return self.write_body(&body.bytes).await;
+        };
         // The head (if still held back) goes first, then the body's pages.
         let head_len = if self.pending { self.out.len() } else { 0 };
         self.pending = false;
         self.sent += (head_len + body.bytes.len()) as u64;
-        let r = splice_timed(tcp, &self.out[..head_len], body, self.timeout).await;
+        let r = splice_timed(tcp, &self.out[..head_len], body, pipe, self.timeout).await;
         self.out.clear();
         r.map_err(|_| Error::answered(Kind::ClientClosed))
     }
