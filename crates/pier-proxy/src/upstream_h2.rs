@@ -95,7 +95,7 @@ impl H2Pool {
         });
         let _turn = match &gate {
             Some(g) => Some(
-                tokio::time::timeout(limit, g.lock())
+                pier_clock::timeout(limit, g.lock())
                     .await
                     .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?,
             ),
@@ -122,7 +122,7 @@ impl H2Pool {
                 ));
             }
         }
-        let (send, conn) = tokio::time::timeout(limit, h2::client::handshake(io))
+        let (send, conn) = pier_clock::timeout(limit, h2::client::handshake(io))
             .await
             .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
@@ -185,7 +185,7 @@ pub async fn send_request(
     end_of_stream: bool,
     limit: Duration,
 ) -> Result<(h2::client::ResponseFuture, h2::SendStream<Bytes>), Error> {
-    let ready = tokio::time::timeout(limit, lease.conn.send.clone().ready()).await;
+    let ready = pier_clock::timeout(limit, lease.conn.send.clone().ready()).await;
     let mut send = match ready {
         Ok(Ok(s)) => s,
         Ok(Err(_)) => {
@@ -313,7 +313,7 @@ impl ResponseSource for H2ResponseSource {
         if self.done {
             return Ok(None);
         }
-        match tokio::time::timeout(self.timeout, recv.data()).await {
+        match pier_clock::timeout(self.timeout, recv.data()).await {
             Err(_) => Err(Error::answered(Kind::UpstreamTimeout)),
             Ok(Some(Err(e))) => Err(Error::answered(self.reset_kind(&e))),
             Ok(Some(Ok(data))) => {
@@ -324,7 +324,7 @@ impl ResponseSource for H2ResponseSource {
             }
             Ok(None) => {
                 self.done = true;
-                if let Ok(Ok(Some(t))) = tokio::time::timeout(self.timeout, recv.trailers()).await {
+                if let Ok(Ok(Some(t))) = pier_clock::timeout(self.timeout, recv.trailers()).await {
                     let mut h = Headers::default();
                     to_headers(&t, &mut h);
                     self.trailers = Some(h);
@@ -387,7 +387,7 @@ impl RequestSink for H2RequestSink {
         while !data.is_empty() {
             self.send.reserve_capacity(data.len());
             let cap =
-                tokio::time::timeout(self.timeout, poll_fn(|cx| self.send.poll_capacity(cx))).await;
+                pier_clock::timeout(self.timeout, poll_fn(|cx| self.send.poll_capacity(cx))).await;
             let n = match cap {
                 Ok(Some(Ok(n))) => n.min(data.len()),
                 Err(_) => return Err(Error::new(Kind::UpstreamTimeout)),
