@@ -39,7 +39,7 @@ pub struct Object {
     pub body: Bytes,
     /// A large body's own read-only mapping (`mapped`): `body` is then a
     /// view of it, and a plain HTTP/1 hit splices its pages to the socket.
-    pub file: Option<Arc<MappedBody>>,
+    pub mapped: Option<Arc<MappedBody>>,
     /// Freshness lifetime, seconds.
     pub lifetime: u64,
     /// When the request went and the response came (Unix seconds).
@@ -83,7 +83,7 @@ impl Object {
 /// Move a large body into a mapping of its own (one copy, at store time)
 /// so that hits can splice it; true when its body is in one.
 fn to_file(obj: &mut Object) -> bool {
-    if obj.file.is_some() {
+    if obj.mapped.is_some() {
         return true;
     }
     if obj.body.len() < mapped::MIN_MAPPED_BODY {
@@ -92,7 +92,7 @@ fn to_file(obj: &mut Object) -> bool {
     match MappedBody::new(&obj.body) {
         Some(f) => {
             obj.body = f.bytes();
-            obj.file = Some(f);
+            obj.mapped = Some(f);
             true
         }
         None => false,
@@ -504,7 +504,7 @@ mod tests {
             status: 200,
             headers: Headers::default(),
             body: Bytes::from(vec![b'x'; body]),
-            file: None,
+            mapped: None,
             lifetime: 60,
             request_time: 0,
             response_time: 0,

@@ -116,14 +116,18 @@ impl MappedBody {
         // SAFETY: `ptr` maps `len` writable bytes that nothing else
         // references yet; `data` is a distinct allocation.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr.as_ptr(), len) };
+        // SAFETY: the mapping made above, whole; from here on read-only.
+        if unsafe { rustix::mm::mprotect(ptr.as_ptr().cast(), len, MprotectFlags::READ) }.is_err() {
+            // SAFETY: the mapping made above, not referenced by anything.
+            let _ = unsafe { rustix::mm::munmap(ptr.as_ptr().cast(), len) };
+            return None;
+        }
+        // From here `drop` unmaps it and gives its count back.
         let mut body = MappedBody {
             ptr,
             len,
             pipe: None,
         };
-        // SAFETY: the mapping made above, whole; from here on read-only.
-        // On failure `body` drops and unmaps it.
-        unsafe { rustix::mm::mprotect(ptr.as_ptr().cast(), len, MprotectFlags::READ) }.ok()?;
         body.pipe = body.fill_pipe();
         Some(body)
     }

@@ -292,7 +292,7 @@ mod tests {
                 status: 200,
                 headers: Headers::default(),
                 body: Bytes::from(vec![b'x'; body]),
-                file: None,
+                mapped: None,
                 lifetime: 60,
                 request_time: 0,
                 response_time: 0,

@@ -537,15 +537,15 @@ impl Stored {
     }
 
     /// The body (or its range) as its mapping's pages, when it has one.
-    fn take_file_body(&mut self) -> Option<crate::protocol::FileBody> {
-        let file = self.obj.file.as_ref()?;
+    fn take_spliceable(&mut self) -> Option<crate::protocol::SpliceBody> {
+        let m = self.obj.mapped.as_ref()?;
         if self.sent || self.head_only || self.obj.body.is_empty() {
             return None;
         }
         self.sent = true;
         let (a, b) = self.range.unwrap_or((0, self.obj.body.len() - 1));
-        Some(crate::protocol::FileBody {
-            file: file.clone(),
+        Some(crate::protocol::SpliceBody {
+            mapped: m.clone(),
             offset: a as u64,
             bytes: self.obj.body.slice(a..=b),
         })
@@ -608,9 +608,9 @@ impl ResponseSource for CacheSource {
     fn reusable(&self) -> bool {
         true
     }
-    fn take_file_body(&mut self) -> Option<crate::protocol::FileBody> {
+    fn take_spliceable(&mut self) -> Option<crate::protocol::SpliceBody> {
         match self {
-            CacheSource::Stored(s) => s.take_file_body(),
+            CacheSource::Stored(s) => s.take_spliceable(),
             CacheSource::Follow(_) => None,
         }
     }
@@ -757,7 +757,7 @@ fn store(
         cc,
         headers,
         body,
-        file: None,
+        mapped: None,
         lifetime,
         request_time: fill.request_time,
         response_time: now,
@@ -858,7 +858,7 @@ impl<S: ResponseSource> TeeSource<S> {
             cc: CacheControl::parse(&headers),
             headers,
             body: stale.body.clone(),
-            file: stale.file.clone(),
+            mapped: stale.mapped.clone(),
             lifetime,
             request_time: f.request_time,
             response_time: now,

@@ -1994,9 +1994,9 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
     let mut piece = filtering.then(BytesMut::new);
     if piece.is_none() {
         // A cached body in a mapping of its own leaves as its pages.
-        if let Some(f) = src.take_file_body() {
+        if let Some(f) = src.take_spliceable() {
             inflight.take();
-            snk.write_file(&f).await?;
+            snk.write_spliced(&f).await?;
         }
     }
     loop {

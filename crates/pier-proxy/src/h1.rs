@@ -8,8 +8,8 @@
 //! is re-chunked), and nothing of one side's framing can leak to the other.
 
 use crate::protocol::{
-    BodySize, Downstream, DownstreamOpts, FileBody, RequestSink, RequestSource, ResponseSink,
-    ResponseSource,
+    BodySize, Downstream, DownstreamOpts, RequestSink, RequestSource, ResponseSink, ResponseSource,
+    SpliceBody,
 };
 use bytes::{Buf, BytesMut};
 use pier_clock::timeout;
@@ -156,7 +156,7 @@ impl Drop for PipeLease {
 async fn splice_timed(
     tcp: &tokio::net::TcpStream,
     mut head: &[u8],
-    body: &FileBody,
+    body: &SpliceBody,
     mut lease: PipeLease,
     t: Duration,
 ) -> std::io::Result<()> {
@@ -188,9 +188,9 @@ async fn splice_timed(
                 let room = (end - pos).min(p.cap);
                 // From the start of the body, its own pipe lends the page
                 // references; otherwise the pages are pinned here.
-                let n = match (pos == 0).then(|| body.file.tee_into(p.w.as_fd(), room)) {
+                let n = match (pos == 0).then(|| body.mapped.tee_into(p.w.as_fd(), room)) {
                     Some(Some(r)) => r?,
-                    _ => body.file.splice_into(p.w.as_fd(), pos, room)?,
+                    _ => body.mapped.splice_into(p.w.as_fd(), pos, room)?,
                 };
                 if n == 0 {
                     return Err(std::io::ErrorKind::WriteZero.into());
@@ -567,7 +567,7 @@ impl<W: AsyncWrite + Unpin + pier_core::RawSocket> ResponseSink for H1ResponseSi
             .map_err(|_| Error::answered(Kind::ClientClosed))
     }
 
-    async fn write_file(&mut self, body: &FileBody) -> Result<(), Error> {
+    async fn write_spliced(&mut self, body: &SpliceBody) -> Result<(), Error> {
         if self.head_only || body.bytes.is_empty() {
             return Ok(());
         }

@@ -555,7 +555,7 @@ impl ResponseSink for &mut H2Tx {
     }
 
     /// A cached body's bytes go to the frames as they are (no copy).
-    async fn write_file(&mut self, body: &crate::protocol::FileBody) -> Result<(), Error> {
+    async fn write_spliced(&mut self, body: &crate::protocol::SpliceBody) -> Result<(), Error> {
         if self.head_only || body.bytes.is_empty() || self.send.is_none() {
             return Ok(());
         }

@@ -31,8 +31,8 @@ pub enum BodySize {
 /// A body that lies in a mapping of its own (a large cached object):
 /// `bytes` are the mapping's bytes from `offset` (the writer splices its
 /// pages where it can, else writes `bytes`).
-pub struct FileBody {
-    pub file: std::sync::Arc<pier_cache::MappedBody>,
+pub struct SpliceBody {
+    pub mapped: std::sync::Arc<pier_cache::MappedBody>,
     pub offset: u64,
     pub bytes: bytes::Bytes,
 }
@@ -81,7 +81,7 @@ pub trait ResponseSource {
     }
     /// The whole body at once when it lies in a mapping (a cache hit
     /// on a large object); it then counts as read. None for other sources.
-    fn take_file_body(&mut self) -> Option<FileBody> {
+    fn take_spliceable(&mut self) -> Option<SpliceBody> {
         None
     }
 }
@@ -109,8 +109,8 @@ impl<S: ResponseSource> ResponseSource for &mut S {
     fn cache_result(&self) -> Option<crate::session::CacheResult> {
         (**self).cache_result()
     }
-    fn take_file_body(&mut self) -> Option<FileBody> {
-        (**self).take_file_body()
+    fn take_spliceable(&mut self) -> Option<SpliceBody> {
+        (**self).take_spliceable()
     }
 }
 
@@ -125,7 +125,7 @@ pub trait ResponseSink {
     /// A body in a mapping: where the writer can, its pages go to the
     /// socket as they are (HTTP/1 over plain TCP: `vmsplice` + `splice`);
     /// otherwise its bytes are written as `write_body` writes them.
-    async fn write_file(&mut self, body: &FileBody) -> Result<(), Error> {
+    async fn write_spliced(&mut self, body: &SpliceBody) -> Result<(), Error> {
         self.write_body(&body.bytes).await
     }
     /// The response ended; trailers where the protocol carries them.
