@@ -5,6 +5,8 @@
 //! for one key reach the origin once (the others wait for the fill, up to a
 //! timeout, then are served from it; an uncacheable answer is remembered for
 //! a while — Varnish's hit-for-miss — so later requests do not queue).
+//! Bodies of 64 KiB or more are kept in read-only mappings of their own
+//! (`mapped.rs`), whose pages a hit splices to the socket without a copy.
 //!
 //! Written here rather than taken from a crate (`foyer` was weighed; see
 //! docs/cache.md): admission by HTTP semantics and by hits, fill locks,
