@@ -559,7 +559,7 @@ fn parse_prefix(p: &[u8]) -> Option<(usize, u64, u32, u32)> {
     (ml <= MAX_META).then_some((ml, bl, mc, bc))
 }
 
-fn write_spliced(shared: &Shared, id: u64, gen: u64, key: &[u8], obj: &Object) -> io::Result<u64> {
+fn write_file(shared: &Shared, id: u64, gen: u64, key: &[u8], obj: &Object) -> io::Result<u64> {
     let meta = encode_meta(key, obj);
     let mut prefix = Vec::with_capacity(PREFIX);
     prefix.extend_from_slice(MAGIC);
@@ -601,7 +601,7 @@ fn writer(s: Arc<Shared>, rx: Receiver<WriteJob>) {
             Ok(WriteJob::Wake) | Err(RecvTimeoutError::Timeout) => continue,
             Err(RecvTimeoutError::Disconnected) => return,
         };
-        let res = write_spliced(&s, id, gen, &key, &obj);
+        let res = write_file(&s, id, gen, &key, &obj);
         let mut ix = s.index.lock();
         ix.queued_bytes -= obj.size();
         match res {

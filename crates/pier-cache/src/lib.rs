@@ -84,7 +84,7 @@ impl Object {
 
 /// Move a large body into a mapping of its own (one copy, at store time)
 /// so that hits can splice it; true when its body is in one.
-fn to_file(obj: &mut Object) -> bool {
+fn to_mapped(obj: &mut Object) -> bool {
     if obj.mapped.is_some() {
         return true;
     }
@@ -311,7 +311,7 @@ impl Zone {
         }
         let d = self.disk.as_ref()?;
         let mut obj = d.lookup(key, req).await?;
-        to_file(&mut obj);
+        to_mapped(&mut obj);
         let obj = Arc::new(obj);
         let evicted = self.mem.lock().insert(
             key,
@@ -333,7 +333,7 @@ impl Zone {
         if size > self.max_object {
             return;
         }
-        if !to_file(&mut obj) {
+        if !to_mapped(&mut obj) {
             // A body grown by doubling may hold twice its length: keep an
             // exact copy so that the zone's bytes are what memory holds.
             obj.body = match std::mem::take(&mut obj.body).try_into_mut() {

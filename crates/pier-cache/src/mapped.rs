@@ -51,16 +51,21 @@ pub fn mapped() -> usize {
 /// Pipes held by bodies in this process (each costs a descriptor).
 static PIPES: AtomicUsize = AtomicUsize::new(0);
 
+/// The process's soft descriptor limit, read once: bodies' pipes and the
+/// pipes that carry them to sockets (pier-proxy) each take a share of it.
+pub fn descriptor_limit() -> u64 {
+    static LIMIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(u64::MAX)
+    })
+}
+
 /// At most a quarter of the descriptor limit goes to bodies' pipes (the
 /// rest is for connections), and never more than `MAX_MAPPED`.
 fn max_pipes() -> usize {
-    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| {
-        let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
-            .current
-            .unwrap_or(u64::MAX);
-        (soft / 4).min(MAX_MAPPED as u64) as usize
-    })
+    (descriptor_limit() / 4).min(MAX_MAPPED as u64) as usize
 }
 
 /// A body in a read-only anonymous mapping of its own.
@@ -170,14 +175,6 @@ impl MappedBody {
             rustix::pipe::tee(own, pipe, len.min(self.len), SpliceFlags::NONBLOCK)
                 .map_err(std::io::Error::from),
         )
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// The whole body as `Bytes` (no copy; the bytes keep the mapping).

@@ -527,25 +527,27 @@ impl Stored {
         }
     }
 
-    fn read_body(&mut self) -> Option<(&[u8], bool)> {
+    /// The bytes still to send (the body or its range), once: they then
+    /// count as sent.
+    fn take_span(&mut self) -> Option<(usize, usize)> {
         if self.sent || self.head_only || self.obj.body.is_empty() {
             return None;
         }
         self.sent = true;
-        let (a, b) = self.range.unwrap_or((0, self.obj.body.len() - 1));
+        Some(self.range.unwrap_or((0, self.obj.body.len() - 1)))
+    }
+
+    fn read_body(&mut self) -> Option<(&[u8], bool)> {
+        let (a, b) = self.take_span()?;
         Some((&self.obj.body[a..=b], true))
     }
 
     /// The body (or its range) as its mapping's pages, when it has one.
     fn take_spliceable(&mut self) -> Option<crate::protocol::SpliceBody> {
-        let m = self.obj.mapped.as_ref()?;
-        if self.sent || self.head_only || self.obj.body.is_empty() {
-            return None;
-        }
-        self.sent = true;
-        let (a, b) = self.range.unwrap_or((0, self.obj.body.len() - 1));
+        self.obj.mapped.as_ref()?;
+        let (a, b) = self.take_span()?;
         Some(crate::protocol::SpliceBody {
-            mapped: m.clone(),
+            mapped: self.obj.mapped.clone()?,
             offset: a as u64,
             bytes: self.obj.body.slice(a..=b),
         })

@@ -92,13 +92,7 @@ const PIPE_SIZE: usize = 1 << 20;
 /// each, for as long as a slow client takes): a sixteenth of the
 /// descriptor limit, 16 to 256. Past it a body is written as usual.
 fn max_pipes_in_use() -> usize {
-    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| {
-        let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
-            .current
-            .unwrap_or(u64::MAX);
-        (soft / 16).clamp(16, 256) as usize
-    })
+    (pier_cache::mapped::descriptor_limit() / 16).clamp(16, 256) as usize
 }
 
 /// A pipe held by one send: back to the spares when the send emptied it,
