@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
-use mlua::{Function, Lua, LuaOptions, StdLib};
+use mlua::{Function, Lua};
 use pier_shdict::Registry;
 
 use crate::current::{self, Current, Scope};
@@ -121,6 +121,8 @@ pub(crate) struct Inner {
     memory_limit: usize,
     pub limits: LuaLimits,
     runners: Runners,
+    /// Last: closes the state once every handle above is gone.
+    heap: crate::heap::Heap,
 }
 
 /// Idle "runner" coroutines, reused across requests instead of creating a
@@ -159,10 +161,10 @@ impl LuaEngine {
         limits: LuaLimits,
     ) -> Result<Self, LuaError> {
         let err = |e| LuaError::lua(None, e);
-        // SAFETY: `ffi` and `debug` are "unsafe" libraries for mlua: Lua code
-        // can corrupt memory with them. Hook code is the operator's own
+        // With `ffi` and `debug` ("unsafe" libraries for mlua: Lua code can
+        // corrupt memory with them). Hook code is the operator's own
         // configuration, trusted like nginx.conf, and FFI is the point.
-        let lua = unsafe { Lua::unsafe_new_with(StdLib::ALL, LuaOptions::default()) };
+        let (heap, lua) = crate::heap::Heap::new().map_err(err)?;
         // Before any Rust function is handed to Lua: see `cabi`.
         crate::cabi::install(&lua).map_err(err)?;
         let weak_slot: Rc<RefCell<Weak<Inner>>> = Rc::default();
@@ -197,6 +199,7 @@ impl LuaEngine {
             timers: crate::io::Timers::default(),
             memory_limit: setup.memory_limit,
             limits,
+            heap,
         });
         *weak_slot.borrow_mut() = Rc::downgrade(&inner);
         let engine = LuaEngine { inner };
@@ -210,15 +213,9 @@ impl LuaEngine {
                 engine.run_sync(phase, &f, Current::NONE)?;
             }
         }
-        if setup.memory_limit > 0 {
-            // LuaJIT 2.1 with GC64 accepts mlua's allocator, so the limit is
-            // enforced on every allocation ("not enough memory" in the hook).
-            engine
-                .inner
-                .lua
-                .set_memory_limit(setup.memory_limit)
-                .map_err(err)?;
-        }
+        // Set after `init`, as before: the limit bounds what requests and
+        // timers allocate ("not enough memory" in the hook; see `heap`).
+        engine.inner.heap.set_limit(setup.memory_limit);
         Ok(engine)
     }
 
@@ -247,7 +244,7 @@ impl LuaEngine {
 
     /// Bytes of Lua heap in use.
     pub fn used_memory(&self) -> usize {
-        self.inner.lua.used_memory()
+        self.inner.heap.used()
     }
 
     /// Idle pooled hook coroutines (a metric; see `Runners`).
@@ -336,8 +333,12 @@ impl LuaEngine {
     /// close to the limit.
     fn after_hook(&self, failed: bool) {
         let limit = self.inner.memory_limit;
-        if limit > 0 && (failed || self.inner.lua.used_memory() > limit / 10 * 9) {
+        if limit > 0 && (failed || self.inner.heap.used() > limit / 10 * 9) {
+            // Unbounded while it runs: mlua makes the call protected, which
+            // allocates, and at the limit that would fail the collection.
+            self.inner.heap.set_limit(0);
             let _ = self.inner.lua.gc_collect();
+            self.inner.heap.set_limit(limit);
         }
     }
 

@@ -33,6 +33,7 @@ mod current;
 mod engine;
 mod error;
 mod ffi;
+mod heap;
 mod io;
 mod limits;
 mod modules;
