@@ -21,6 +21,8 @@ THREADS="${THREADS:-2}"             # wrk threads
 PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
 SKIP_INSTALL="${SKIP_INSTALL:-0}"   # 1 = never call apt-get
 SKIP_BUILD="${SKIP_BUILD:-0}"       # 1 = use $PIER_BIN as is
+# A second Pier build to compare in the same run: PROXIES=pier-redis,pier-redis-b,nginx-redis
+PIER_BIN_B="${PIER_BIN_B:-}"
 OUT_DIR="${OUT_DIR:-$BENCH_DIR/out}"
 # The libraries: .ci/run unpacks them here; this script does the same when missing.
 LUALIBS_DIR="$ROOT/target/lualibs"
@@ -112,11 +114,13 @@ start_proxy() {
             template "$BENCH_DIR/peers/redis/nginx.conf" "$dir/nginx.conf" "$port"
             nginx -p "$dir/" -c nginx.conf -e "$dir/logs/error.log" >"$dir/stdout.log" 2>&1 &
             ;;
-        pier-redis)
+        pier-redis | pier-redis-b)
+            local bin="$PIER_BIN"
+            [ "$name" = pier-redis-b ] && bin="$PIER_BIN_B"
             template "$BENCH_DIR/peers/redis/pier.toml" "$dir/pier.toml" "$port"
-            "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
+            "$bin" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
             ;;
-        *) die "unknown proxy '$name' (known: pier-redis, nginx-redis)" ;;
+        *) die "unknown proxy '$name' (known: pier-redis, pier-redis-b, nginx-redis)" ;;
     esac
     PROXY_PID=$!
     PIDS+=("$PROXY_PID")
@@ -163,6 +167,9 @@ if has_proxy pier-redis; then
             || { tail -n 20 "$RUN/cargo-build.log" >&2; die "cargo build --profile dist -p pier failed"; }
     fi
     [ -x "$PIER_BIN" ] || die "no Pier binary at $PIER_BIN"
+fi
+if has_proxy pier-redis-b; then
+    [ -x "$PIER_BIN_B" ] || die "pier-redis-b needs PIER_BIN_B (another Pier binary)"
 fi
 
 # redis-server: one instance for every run, no persistence.

@@ -11,8 +11,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import cell, kcell, med, ratio_cell  # noqa: E402  (same cells as bench/run.sh's)
 
-ORDER = ["pier-redis", "nginx-redis"]
-LABEL = {"pier-redis": "Pier + lua-resty-redis", "nginx-redis": "nginx + lua-resty-redis"}
+ORDER = ["pier-redis", "pier-redis-b", "nginx-redis"]
+LABEL = {"pier-redis": "Pier + lua-resty-redis", "pier-redis-b": "Pier (build B) + lua-resty-redis",
+         "nginx-redis": "nginx + lua-resty-redis"}
 
 
 def main():
@@ -75,13 +76,17 @@ def main():
               f"| {cell([r.get('redis_conns_opened') for r in rs], '{:.0f}')} "
               f"| {cell(extra, '{:.0f}')} | {errs} |")
     w("")
-    if "pier-redis" in seen and "nginx-redis" in seen:
-        w("Pier ÷ nginx (ratio of the medians; per-repetition range in brackets):")
+    for pa, pb, what in [("pier-redis", "nginx-redis", "Pier ÷ nginx"),
+                         ("pier-redis-b", "nginx-redis", "Pier (build B) ÷ nginx"),
+                         ("pier-redis", "pier-redis-b", "Pier ÷ Pier (build B)")]:
+        if pa not in seen or pb not in seen:
+            continue
+        w(f"{what} (ratio of the medians; per-repetition range in brackets):")
         w("")
         w("| conns | req/CPU-s | user µs/req | sys µs/req |")
         w("|---|---|---|---|")
         for c in conns_list:
-            a, b = runs("pier-redis", c), runs("nginx-redis", c)
+            a, b = runs(pa, c), runs(pb, c)
             w(f"| {c} | {ratio_cell(a, b, 'req_per_cpu_s')} | {ratio_cell(a, b, 'user_us_per_req')} "
               f"| {ratio_cell(a, b, 'sys_us_per_req')} |")
         w("")
