@@ -1,6 +1,7 @@
 //! ns per `pier.*` call from a hot Lua loop: the FFI path against an mlua
 //! `create_function` doing the same header lookup, plus the fixed cost of
 //! running a hook (one coroutine per request). Results go in docs/lua.md.
+#![allow(unsafe_code)] // `LuaEngine::lua`, whose handle must not outlive the engine; nothing else
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -95,7 +96,8 @@ fn engine(code: &str) -> LuaEngine {
     };
     let reg = Arc::new(pier_shdict::Registry::new(&[("cache", 1 << 20)]).unwrap());
     let e = LuaEngine::new(Arc::new(setup), reg).unwrap();
-    pier_lua::bench_support::register_classic_get_header(e.lua()).unwrap();
+    // SAFETY: the handle is used here only, while `e` lives.
+    pier_lua::bench_support::register_classic_get_header(unsafe { e.lua() }).unwrap();
     e
 }
 
@@ -112,7 +114,8 @@ fn loop_bench(c: &mut Criterion, name: &str, code: &str) {
     let rt = rt();
     c.bench_function(name, |b| {
         b.iter_custom(|iters| {
-            e.lua().globals().set("N", iters).unwrap();
+            // SAFETY: used while `e` lives, not kept.
+            unsafe { e.lua() }.globals().set("N", iters).unwrap();
             let mut v = view();
             let t0 = Instant::now();
             rt.block_on(e.access(0, &mut v, &mut RequestCtx::new()))

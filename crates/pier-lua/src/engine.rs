@@ -220,7 +220,13 @@ impl LuaEngine {
     }
 
     /// The Lua state (for tests and embedding).
-    pub fn lua(&self) -> &Lua {
+    ///
+    /// # Safety
+    /// No clone of the returned `Lua` may outlive the engine: the engine
+    /// closes the state when dropped (`heap.rs`), whoever still holds a
+    /// handle. Values taken from it (tables, functions) may outlive it: they
+    /// hold weak references, and fail cleanly once the state is gone.
+    pub unsafe fn lua(&self) -> &Lua {
         &self.inner.lua
     }
 

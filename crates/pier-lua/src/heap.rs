@@ -15,6 +15,13 @@
 //! not close it: [`Heap`]'s drop does, after the engine's mlua handles are
 //! gone (it is the engine's last field). In that mode mlua runs its own
 //! allocating calls protected, as it did with a limit set.
+//!
+//! The invariant this needs: no strong `Lua` handle outlives its engine.
+//! Values (tables, functions, threads) hold weak references and are safe
+//! to drop or use after the close (they fail cleanly); a `Lua` clone is
+//! not. Inside this crate, handles mlua passes to callbacks are used during
+//! the call or moved into futures that the state owns; outside it,
+//! `LuaEngine::lua` is `unsafe` for this reason.
 
 use std::os::raw::c_void;
 use std::ptr::{self, NonNull};

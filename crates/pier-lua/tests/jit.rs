@@ -3,6 +3,7 @@
 //! events; we require at least one trace to complete ("stop") and no trace
 //! abort located in, or naming, our wrappers (`@pier/*.lua`) other than the
 //! trace-shape ones (see HARNESS).
+#![allow(unsafe_code)] // `LuaEngine::lua`, whose handle must not outlive the engine; nothing else
 
 mod support;
 
@@ -72,7 +73,8 @@ fn check_compiles(name: &str, body: &str) {
     .unwrap();
     let mut v = TestView::default();
     run(e.access(0, &mut v, &mut RequestCtx::new())).unwrap();
-    let res: Table = e.lua().globals().get("JIT_RESULT").unwrap();
+    // SAFETY: used while `e` lives, not kept.
+    let res: Table = unsafe { e.lua() }.globals().get("JIT_RESULT").unwrap();
     let stops: i64 = res.get("stops").unwrap();
     let api_aborts: i64 = res.get("api_aborts").unwrap();
     let aborts: Vec<String> = res
@@ -178,7 +180,8 @@ fn jit_one_shot_hook_across_requests() {
     let e = access_engine(
         "local ua = pier.req.get_header('user-agent') if ua == nil then pier.exit(403) end pier.resp.set_header('x-lua', '1') pier.ctx.n = 1",
     );
-    e.lua()
+    // SAFETY: used while `e` lives, not kept.
+    unsafe { e.lua() }
         .load(
             r#"
             EV = { stops = 0, aborts = {} }
@@ -200,7 +203,8 @@ fn jit_one_shot_hook_across_requests() {
             assert_eq!(v.resp("x-lua").as_deref(), Some("1"));
         }
     });
-    let ev: Table = e.lua().globals().get("EV").unwrap();
+    // SAFETY: used while `e` lives, not kept.
+    let ev: Table = unsafe { e.lua() }.globals().get("EV").unwrap();
     let stops: i64 = ev.get("stops").unwrap();
     let aborts: Vec<String> = ev
         .get::<Table>("aborts")
