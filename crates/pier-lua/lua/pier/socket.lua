@@ -6,14 +6,16 @@
 -- handle then fails).
 --
 -- The hot methods call Rust without mlua's machinery (src/io/tcp/fast.rs):
--- setkeepalive, getreusedtimes and connect from a pool through the FFI
--- (their call sites get compiled); send, receive*, settimeout(s) and the
--- anchor's finalizer as classic C functions (their call sites run
+-- setkeepalive, getreusedtimes and connect (from a pool, or a new
+-- connection to an address) through the FFI (their call sites get
+-- compiled); send, receive*, settimeout(s) and the anchor's finalizer as
+-- classic C functions (their call sites run
 -- interpreted, next to the yield, where an FFI call costs far more). A
 -- call that would block returns AGAIN, and the wrapper yields mlua's
 -- pending marker (through ngx.thread's scheduler, so light threads run
 -- meanwhile) until the connection or its deadline wakes the hook, then
--- calls again. Connecting, TLS and options go through the async natives.
+-- calls again. Connecting to a name or a unix socket, or queueing in a
+-- pool's backlog, TLS and options go through the async natives.
 local ffi = require "ffi"
 local base = require "pier.base"
 
@@ -35,11 +37,12 @@ typedef struct {
   int (*setkeepalive)(double, double, double);
   int (*reused)(double);
   int (*connect_pooled)(double, const char *, size_t, int, const char *, size_t);
+  int (*connect_new)(double, const char *, size_t, int, const char *, size_t, int, int, int);
 } pier_sock_api_t;
 ]]
 local S = ffi.cast("const pier_sock_api_t*", native.sock_api_addr)
-local C_new, C_errmsg, C_keepalive, C_reused, C_pooled =
-  S.new, S.errmsg, S.setkeepalive, S.reused, S.connect_pooled
+local C_new, C_errmsg, C_keepalive, C_reused, C_pooled, C_connect =
+  S.new, S.errmsg, S.setkeepalive, S.reused, S.connect_pooled, S.connect_new
 
 -- Waits for the hook's task to be woken (the pending marker, through the
 -- light-thread scheduler's yield).
@@ -128,13 +131,24 @@ function Sock.connect(self, host, port, opts)
     return nil, "missing the port number"
   end
   -- An idle connection of an existing pool: no yield, nothing allocated.
-  local rc = C_pooled(self.id, host, #host, p, pool, pool and #pool or 0)
+  local id, plen = self.id, pool and #pool or 0
+  local rc = C_pooled(id, host, #host, p, pool, plen)
   if rc == 1 then return 1 end
-  if rc < 0 then
-    if rc == E_BUSY then return nil, "socket busy connecting" end
-    raise(rc, "connect")
+  if rc >= 0 then
+    -- A new connection to an address: opened through the FFI, waiting
+    -- like receive does. Names, unix sockets and backlog queues: the
+    -- async connect (rc 0).
+    rc = C_connect(id, host, #host, p, pool, plen, pool_size, backlog, 0)
+    while rc == AGAIN do
+      wait(PENDING)
+      rc = C_connect(id, host, #host, p, pool, plen, pool_size, backlog, 1)
+    end
+    if rc == 1 then return 1 end
+    if rc == 0 then return n_connect(id, host, p, pool, pool_size, backlog) end
+    if rc == E_TIMEOUT or rc == E_CLOSED or rc == E_IO then return nil, errtext(id, rc) end
   end
-  return n_connect(self.id, host, p, pool, pool_size, backlog)
+  if rc == E_BUSY then return nil, "socket busy connecting" end
+  raise(rc, "connect")
 end
 
 -- sslhandshake(reused_session, server_name, ssl_verify, send_status_req):

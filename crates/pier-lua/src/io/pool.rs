@@ -204,20 +204,30 @@ impl Spool {
         }
     }
 
+    /// `acquire` without waiting: an idle connection or a place for a new
+    /// one, else None (the connect queues in the backlog, or is refused).
+    pub(super) fn try_acquire(self: &Rc<Self>) -> Option<Acquired> {
+        if let Some((c, slot, reused)) = self.take_idle() {
+            return Some(Acquired::Reused(c, slot, reused));
+        }
+        // Without a backlog the pool bounds only idle connections (ngx_lua);
+        // with one, queued connects go first: a new one opens only with
+        // none waiting.
+        if self.backlog.is_none() || (self.connections.get() < self.size && self.waiting.get() == 0)
+        {
+            return Some(Acquired::Open(self.count()));
+        }
+        None
+    }
+
     /// ngx_lua's connect on a pool: an idle connection, else a place for
     /// a new one, queueing (up to `backlog`, for at most `timeout`) when
     /// the pool has a backlog and `size` connections are open.
     pub async fn acquire(self: &Rc<Self>, timeout: Duration) -> Acquired {
-        if let Some((c, slot, reused)) = self.take_idle() {
-            return Acquired::Reused(c, slot, reused);
+        if let Some(a) = self.try_acquire() {
+            return a;
         }
-        let Some(backlog) = self.backlog else {
-            return Acquired::Open(self.count());
-        };
-        // Queued connects go first: a new one opens only with none waiting.
-        if self.connections.get() < self.size && self.waiting.get() == 0 {
-            return Acquired::Open(self.count());
-        }
+        let backlog = self.backlog.unwrap_or(0);
         if self.waiting.get() >= backlog {
             return Acquired::Full;
         }

@@ -209,6 +209,8 @@ impl TcpSock {
         self.conn = None;
         self.slot = None;
         self.buf.clear();
+        // A connect under way (`fast::connect_new`) ends too.
+        self.op.connecting = None;
     }
 }
 
@@ -399,6 +401,50 @@ fn literal(host: &str) -> &str {
 }
 
 impl TcpSock {
+    /// The pool of a connect: `pool`, else `host:port` (`unix:path` alone),
+    /// found, or made when `pool_size` > 0 (with `backlog` >= 0 if given);
+    /// sets the socket's pool key. Shared by both connect paths.
+    fn pool_for(
+        &mut self,
+        host: &[u8],
+        port: i64,
+        pool_name: Option<&[u8]>,
+        pool_size: i64,
+        backlog: i64,
+    ) -> Result<Option<Rc<Spool>>, String> {
+        KEY.with_borrow_mut(|key| {
+            key.clear();
+            match pool_name {
+                Some(p) => key.extend_from_slice(p),
+                None => {
+                    key.extend_from_slice(host);
+                    if port >= 0 {
+                        key.push(b':');
+                        key.extend_from_slice(itoa::Buffer::new().format(port).as_bytes());
+                    }
+                }
+            }
+            if key.len() > pool::MAX_KEY {
+                return Err(format!(
+                    "bad pool name (longer than {} bytes)",
+                    pool::MAX_KEY
+                ));
+            }
+            let spool = if pool_size > 0 {
+                let backlog = usize::try_from(backlog).ok();
+                pool::find_or_create(key, pool_size as usize, backlog)
+            } else {
+                pool::find(key)
+            };
+            self.key = Some(match &spool {
+                Some(s) => s.key().clone(),
+                // First use of this key (no pool yet): its own copy.
+                None => Rc::from(&key[..]),
+            });
+            Ok(spool)
+        })
+    }
+
     /// `connect(host, port|-1, pool, pool_size|0, backlog|-1)`; arguments
     /// already checked by the Lua side.
     async fn connect(
@@ -417,38 +463,10 @@ impl TcpSock {
             return fail(lua, "failed to parse host name");
         };
         let unix = host_s.len() >= 5 && host_s[..5].eq_ignore_ascii_case("unix:");
-        // The pool key: `pool`, else `host:port` (`unix:path` alone).
-        let spool = KEY.with_borrow_mut(|key| -> mlua::Result<Option<Rc<Spool>>> {
-            key.clear();
-            match &pool_name {
-                Some(p) => key.extend_from_slice(&p.as_bytes()),
-                None => {
-                    key.extend_from_slice(host_s.as_bytes());
-                    if port >= 0 {
-                        key.push(b':');
-                        key.extend_from_slice(itoa::Buffer::new().format(port).as_bytes());
-                    }
-                }
-            }
-            if key.len() > pool::MAX_KEY {
-                return Err(mlua::Error::runtime(format!(
-                    "bad pool name (longer than {} bytes)",
-                    pool::MAX_KEY
-                )));
-            }
-            let spool = if pool_size > 0 {
-                let backlog = usize::try_from(backlog).ok();
-                pool::find_or_create(key, pool_size as usize, backlog)
-            } else {
-                pool::find(key)
-            };
-            self.key = Some(match &spool {
-                Some(s) => s.key().clone(),
-                // First use of this key (no pool yet): its own copy.
-                None => Rc::from(&key[..]),
-            });
-            Ok(spool)
-        })?;
+        let pool_name = pool_name.as_ref().map(|p| p.as_bytes());
+        let spool = self
+            .pool_for(&host_b, port, pool_name.as_deref(), pool_size, backlog)
+            .map_err(mlua::Error::runtime)?;
         if let Some(sp) = &spool {
             match sp.acquire(self.connect_timeout).await {
                 Acquired::Reused(c, slot, reused) => {

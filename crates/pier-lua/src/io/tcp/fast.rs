@@ -94,6 +94,9 @@ pub(super) struct OpState {
     /// Flushed bytes of `wbuf`, and the size of the send in progress.
     wpos: usize,
     wtotal: usize,
+    /// A new connection being opened by [`connect_new`].
+    pub(super) connecting:
+        Option<Pin<Box<dyn Future<Output = std::io::Result<tokio::net::TcpStream>>>>>,
 }
 
 thread_local! {
@@ -147,6 +150,7 @@ pub(super) fn recycle(sock: Sock) {
         op.scanned = 0;
         op.armed = false;
         op.parked = None;
+        op.connecting = None;
         op.scratch.clear();
         op.wpos = 0;
         op.wtotal = 0;
@@ -556,6 +560,102 @@ impl TcpSock {
         }
     }
 
+    /// `connect` opening a new connection to an address literal: started
+    /// (`retry` false) or polled again. 1 once connected, [`AGAIN`] while
+    /// it is under way, 0 when this path does not apply (a name to
+    /// resolve, `unix:`, a pool whose backlog queues the connect, a pool
+    /// name too long): the wrapper then calls the async connect, which
+    /// handles those.
+    #[allow(clippy::too_many_arguments)]
+    fn connect_new(
+        &mut self,
+        cx: &mut Context<'_>,
+        host: &[u8],
+        port: c_int,
+        pool_name: &[u8],
+        pool_size: c_int,
+        backlog: c_int,
+        retry: bool,
+    ) -> c_int {
+        if !retry {
+            if self.op.reading || self.op.writing || self.op.connecting.is_some() {
+                return E_BUSY;
+            }
+            let ip = std::str::from_utf8(host)
+                .ok()
+                .and_then(|h| super::literal(h).parse::<std::net::IpAddr>().ok());
+            let (Some(ip), Ok(port)) = (ip, u16::try_from(port)) else {
+                return 0;
+            };
+            self.close_conn();
+            self.spool = None;
+            let pool = (!pool_name.is_empty()).then_some(pool_name);
+            let Ok(spool) = self.pool_for(
+                host,
+                i64::from(port),
+                pool,
+                i64::from(pool_size),
+                i64::from(backlog),
+            ) else {
+                return 0;
+            };
+            if let Some(sp) = &spool {
+                match sp.try_acquire() {
+                    Some(pool::Acquired::Reused(c, slot, reused)) => {
+                        self.conn = Some(c);
+                        self.slot = Some(slot);
+                        self.reused = reused + 1;
+                        self.spool = spool;
+                        return 1;
+                    }
+                    Some(pool::Acquired::Open(slot)) => self.slot = Some(slot),
+                    _ => return 0,
+                }
+            }
+            self.spool = spool;
+            self.peer_ip = Some(ip);
+            self.op.armed = false;
+            self.op.connecting = Some(Box::pin(tokio::net::TcpStream::connect(
+                std::net::SocketAddr::new(ip, port),
+            )));
+        }
+        let Some(fut) = self.op.connecting.as_mut() else {
+            // Closed meanwhile (another light thread's `close`).
+            return E_CLOSED;
+        };
+        match fut.as_mut().poll(cx) {
+            Poll::Ready(Ok(stream)) => {
+                self.op.connecting = None;
+                self.op.armed = false;
+                let _ = stream.set_nodelay(true);
+                self.conn = Some(super::Conn::Tcp(stream));
+                self.reused = 0;
+                1
+            }
+            Poll::Ready(Err(e)) => {
+                self.op.err = super::io_err(&e);
+                self.connect_failed();
+                E_IO
+            }
+            Poll::Pending => {
+                if self.timed_out(cx, self.connect_timeout) {
+                    self.connect_failed();
+                    return E_TIMEOUT;
+                }
+                AGAIN
+            }
+        }
+    }
+
+    /// A new connection that did not open: its pool place is freed.
+    fn connect_failed(&mut self) {
+        self.op.connecting = None;
+        self.op.armed = false;
+        self.slot = None;
+        self.spool = None;
+        self.peer_ip = None;
+    }
+
     fn end_send(&mut self) {
         self.wbuf.clear();
         if self.wbuf.capacity() > super::KEEP_WBUF {
@@ -656,6 +756,17 @@ pub(crate) struct SockApi {
     reused: unsafe extern "C" fn(f64) -> c_int,
     connect_pooled:
         unsafe extern "C" fn(f64, *const c_char, usize, c_int, *const c_char, usize) -> c_int,
+    connect_new: unsafe extern "C" fn(
+        f64,
+        *const c_char,
+        usize,
+        c_int,
+        *const c_char,
+        usize,
+        c_int,
+        c_int,
+        c_int,
+    ) -> c_int,
 }
 
 static SOCK_API: SockApi = SockApi {
@@ -666,6 +777,7 @@ static SOCK_API: SockApi = SockApi {
     setkeepalive,
     reused,
     connect_pooled,
+    connect_new,
 };
 
 /// The address Lua casts to `const pier_sock_api_t*`.
@@ -820,7 +932,7 @@ unsafe extern "C" fn connect_pooled(
     // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
     let (host, pool_name) = unsafe { (arg(host, hlen), arg(pool_name, plen)) };
     with_tcp(h, |s| {
-        if s.op.reading || s.op.writing {
+        if s.op.reading || s.op.writing || s.op.connecting.is_some() {
             return E_BUSY;
         }
         let spool = KEY.with_borrow_mut(|key| {
@@ -849,6 +961,30 @@ unsafe extern "C" fn connect_pooled(
         s.key = Some(sp.key().clone());
         s.spool = Some(sp);
         1
+    })
+}
+
+/// `connect` opening a new connection without mlua's async machinery:
+/// see [`TcpSock::connect_new`] (`pool_size` 0: none given; `backlog` -1:
+/// none given; `retry` non-zero after an [`AGAIN`]).
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn connect_new(
+    h: f64,
+    host: *const c_char,
+    hlen: usize,
+    port: c_int,
+    pool_name: *const c_char,
+    plen: usize,
+    pool_size: c_int,
+    backlog: c_int,
+    retry: c_int,
+) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let (host, pool_name) = unsafe { (arg(host, hlen), arg(pool_name, plen)) };
+    with_cx(|cx| {
+        with_tcp(h, |s| {
+            s.connect_new(cx, host, port, pool_name, pool_size, backlog, retry != 0)
+        })
     })
 }
 
