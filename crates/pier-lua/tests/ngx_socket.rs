@@ -392,6 +392,45 @@ fn pool_size_and_backlog_queue_connects() {
     });
 }
 
+/// A new connection that cannot open in time: the listener's accept queue
+/// is full (backlog 1, two connections queued and never accepted), so the
+/// kernel drops the SYN and only the connect timeout ends the wait. The
+/// timed-out connect gives its pool place back: with `pool_size = 1` and
+/// no backlog room, a leaked place would make the next connect on the
+/// pool "too many waiting connect operations".
+#[test]
+fn a_connect_times_out_and_gives_its_pool_place_back() {
+    let full = TcpListener::bind("127.0.0.1:0").unwrap();
+    rustix::net::listen(&full, 1).unwrap();
+    let full_addr = full.local_addr().unwrap();
+    let _queued: Vec<std::net::TcpStream> = (0..2)
+        .map(|_| std::net::TcpStream::connect_timeout(&full_addr, Duration::from_secs(5)).unwrap())
+        .collect();
+    let (port, counts) = tcp_server();
+    let e = engine_for(&format!(
+        r#"
+        local s = socket.tcp()
+        s:settimeouts(100, 1000, 1000)
+        local opts = {{ pool = "tmo", pool_size = 1, backlog = 0 }}
+        local ok, err = s:connect("127.0.0.1", {full}, opts)
+        assert(ok == nil and err == "timeout", tostring(err))
+        assert(select(2, s:send("x")) == "closed")
+        ok, err = s:connect("127.0.0.1", {port}, opts)
+        assert(ok, err)
+        assert(s:getreusedtimes() == 0)
+        assert(s:send("ECHO t\n") and s:receive() == "t")
+        pier.exit(204)
+        "#,
+        full = full_addr.port(),
+    ));
+    let flow = run(step(&e, "")).unwrap();
+    assert!(
+        matches!(flow, Flow::Respond { status: 204, .. }),
+        "{flow:?}"
+    );
+    assert_eq!(counts.accepts.load(Ordering::SeqCst), 1);
+}
+
 #[test]
 fn unix_stream_sockets_and_their_pool() {
     let path = sock_path("stream");
