@@ -121,6 +121,9 @@ fn exit_and_say() {
             ngx.status = 201
             assert(ngx.say("a", 1, { "b", { "c" } }, nil, true, ngx.null) == 1)
             ngx.print("x")
+            -- one string or number (emit's short path), and the others alone
+            assert(ngx.say(42) == 1 and ngx.say(1.5) == 1 and ngx.say("s") == 1)
+            ngx.print(7) ngx.print("p") ngx.say() ngx.say(nil) ngx.print(false) ngx.say({ "t" })
             ngx.flush(true)
             ngx.exit(ngx.HTTP_OK)
             error("not reached")
@@ -133,7 +136,7 @@ fn exit_and_say() {
     match run(e.content(0, &mut v, &mut ctx)).unwrap() {
         Flow::Respond { status, body, .. } => {
             assert_eq!(status, 201);
-            assert_eq!(&body[..], b"a1bcniltruenull\nx");
+            assert_eq!(&body[..], b"a1bcniltruenull\nx42\n1.5\ns\n7p\nnil\nfalset\n");
         }
         f => panic!("{f:?}"),
     }

@@ -246,10 +246,28 @@ end
 
 local function emit(nl, ...)
   if C_phase_allowed(M_SAY) == 0 then return nil end
-  local out, n = {}, 0
-  for i = 1, select("#", ...) do n = flatten(out, n, (select(i, ...)), 0) end
-  if nl then n = n + 1; out[n] = "\n" end
-  local s = concat(out)
+  local s
+  if select("#", ...) == 1 then
+    -- One string or number, the common case: no table and no loop. A
+    -- trace that starts here and leaves a loop is aborted, and after a
+    -- few aborts (their count is random) LuaJIT blacklists the function:
+    -- it then runs interpreted, FFI calls included, for good.
+    local v = ...
+    local t = type(v)
+    if t == "string" then
+      s = v
+    elseif t == "number" then
+      s = tostring(v)
+    end
+  end
+  if s then
+    if nl then s = s .. "\n" end
+  else
+    local out, n = {}, 0
+    for i = 1, select("#", ...) do n = flatten(out, n, (select(i, ...)), 0) end
+    if nl then n = n + 1; out[n] = "\n" end
+    s = concat(out)
+  end
   return api.say(s, #s)
 end
 
