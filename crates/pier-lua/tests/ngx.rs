@@ -136,7 +136,10 @@ fn exit_and_say() {
     match run(e.content(0, &mut v, &mut ctx)).unwrap() {
         Flow::Respond { status, body, .. } => {
             assert_eq!(status, 201);
-            assert_eq!(&body[..], b"a1bcniltruenull\nx42\n1.5\ns\n7p\nnil\nfalset\n");
+            assert_eq!(
+                &body[..],
+                b"a1bcniltruenull\nx42\n1.5\ns\n7p\nnil\nfalset\n"
+            );
         }
         f => panic!("{f:?}"),
     }
