@@ -56,6 +56,11 @@ pub(crate) fn bootstrap(
     natives.set("str_api_addr", crate::ffi::strings::str_api_addr() as f64)?;
     natives.set("pid", std::process::id())?;
     natives.set("ngx_api_addr", crate::ffi::ngx_api_addr() as f64)?;
+    // SAFETY: a `lua_CFunction` that reads its arguments with the C API's
+    // checked accessors and pushes one result (see `l_say` on errors).
+    natives.set("say_c", unsafe {
+        lua.create_c_function(crate::ffi::l_say)?
+    })?;
     natives.set("sock_api_addr", crate::io::sock_api_addr() as f64)?;
     // ngx.null: a NULL light userdata, as ngx_lua's (and cjson's) null.
     natives.set(

@@ -194,6 +194,10 @@ fn say_and_exit_bodies_are_bounded() {
             pier.say(string.rep("x", 600))
         elseif STEP == "exit" then
             pier.exit(200, string.rep("x", 2000))
+        elseif STEP == "ngxsay" then
+            -- one string: ngx.say's classic C path (the newline counts)
+            ngx.say(string.rep("x", 500))
+            ngx.say(string.rep("x", 499))
         else
             pier.say(string.rep("x", 900))
         end
@@ -204,7 +208,7 @@ fn say_and_exit_bodies_are_bounded() {
         },
     );
     run(async {
-        for s in ["say", "exit"] {
+        for s in ["say", "exit", "ngxsay"] {
             let err = step(&e, &mut RequestCtx::new(), s).await.unwrap_err();
             assert!(err.contains("max_response_body"), "{s}: {err}");
         }

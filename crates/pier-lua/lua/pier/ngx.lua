@@ -244,30 +244,26 @@ local function flatten(out, n, v, depth)
   return n
 end
 
+local L_say, E_PHASE = native.say_c, -2
+
 local function emit(nl, ...)
-  if C_phase_allowed(M_SAY) == 0 then return nil end
-  local s
   if select("#", ...) == 1 then
-    -- One string or number, the common case: no table and no loop. A
+    -- One string or number, the common case: one classic C call, no table
+    -- and no loop. It often runs right after a cosocket wait, which ends
+    -- traces, so it is interpreted, where an FFI call costs far more. (A
     -- trace that starts here and leaves a loop is aborted, and after a
-    -- few aborts (their count is random) LuaJIT blacklists the function:
-    -- it then runs interpreted, FFI calls included, for good.
-    local v = ...
-    local t = type(v)
-    if t == "string" then
-      s = v
-    elseif t == "number" then
-      s = tostring(v)
+    -- random number of aborts LuaJIT blacklists the function for good.)
+    local rc = L_say((...), nl)
+    if rc ~= 1 then
+      if rc == E_PHASE then return nil end
+      return rc
     end
   end
-  if s then
-    if nl then s = s .. "\n" end
-  else
-    local out, n = {}, 0
-    for i = 1, select("#", ...) do n = flatten(out, n, (select(i, ...)), 0) end
-    if nl then n = n + 1; out[n] = "\n" end
-    s = concat(out)
-  end
+  if C_phase_allowed(M_SAY) == 0 then return nil end
+  local out, n = {}, 0
+  for i = 1, select("#", ...) do n = flatten(out, n, (select(i, ...)), 0) end
+  if nl then n = n + 1; out[n] = "\n" end
+  local s = concat(out)
   return api.say(s, #s)
 end
 

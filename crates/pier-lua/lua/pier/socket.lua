@@ -6,10 +6,10 @@
 -- handle then fails).
 --
 -- The hot methods call Rust without mlua's machinery (src/io/tcp/fast.rs):
--- setkeepalive, getreusedtimes and connect (from a pool, or a new
--- connection to an address) through the FFI (their call sites get
--- compiled); send, receive*, settimeout(s) and the anchor's finalizer as
--- classic C functions (their call sites run
+-- getreusedtimes and connect (from a pool, or a new connection to an
+-- address) through the FFI (their call sites get compiled); send,
+-- receive*, settimeout(s), setkeepalive (called right after the reply's
+-- receive) and the anchor's finalizer as classic C functions (their call sites run
 -- interpreted, next to the yield, where an FFI call costs far more). A
 -- call that would block returns AGAIN, and the wrapper yields mlua's
 -- pending marker (through ngx.thread's scheduler, so light threads run
@@ -24,6 +24,7 @@ local ffi_string, concat = ffi.string, table.concat
 local native = base.native
 local n_free = native.tcp_free_c
 local L_recv, L_send, L_settimeouts = native.tcp_recv_c, native.tcp_send_c, native.tcp_settimeouts_c
+local L_keepalive = native.tcp_setkeepalive_c
 local n_connect = native.tcp_connect
 local n_settimeouts, n_close = native.tcp_settimeouts, native.tcp_close
 local n_ssl, n_setoption, n_getoption = native.tcp_sslhandshake, native.tcp_setoption, native.tcp_getoption
@@ -41,8 +42,8 @@ typedef struct {
 } pier_sock_api_t;
 ]]
 local S = ffi.cast("const pier_sock_api_t*", native.sock_api_addr)
-local C_new, C_errmsg, C_keepalive, C_reused, C_pooled, C_connect =
-  S.new, S.errmsg, S.setkeepalive, S.reused, S.connect_pooled, S.connect_new
+local C_new, C_errmsg, C_reused, C_pooled, C_connect =
+  S.new, S.errmsg, S.reused, S.connect_pooled, S.connect_new
 
 -- Waits for the hook's task to be woken (the pending marker, through the
 -- light-thread scheduler's yield).
@@ -342,7 +343,7 @@ function Sock.setkeepalive(self, idle_ms, pool_size)
     if not (size >= 1 and size <= 1e9) then error('bad "pool_size" option value: ' .. tostring(size), 2) end
   end
   local id = self.id
-  local rc = C_keepalive(id, idle, size)
+  local rc = L_keepalive(id, idle, size)
   if rc >= 0 then return 1 end
   if rc == E_BUSY then return nil, "socket busy" end
   local err = errtext(id, rc)

@@ -179,6 +179,47 @@ pub(super) unsafe extern "C" fn say(p: *const c_char, n: usize) -> c_int {
     })
 }
 
+/// `say_c(value, newline)`, a classic Lua C function: `ngx.say` /
+/// `ngx.print` of one string or number (a number as Lua writes it,
+/// `%.14g`), with the newline. Pushes the code: [`say`]'s, or 1 when the
+/// value is of another type (the wrapper then builds the output itself).
+/// A C function because its call site comes right after a cosocket wait,
+/// which ends traces: interpreted, an FFI call costs far more (see
+/// `io/tcp/fast.rs`, "classic C functions"). Raises no Lua error of its
+/// own; converting a number may fail for memory, and LuaJIT then unwinds
+/// through this frame, which holds nothing to drop at that point.
+pub(crate) unsafe extern "C-unwind" fn l_say(l: *mut mlua::ffi::lua_State) -> c_int {
+    use mlua::ffi as lua;
+    // SAFETY: called by LuaJIT with its state (the lua_CFunction contract);
+    // the value's type is checked before lua_tolstring, which converts a
+    // number in place in its own argument slot (it stays a valid string
+    // for the call); one push fits LUA_MINSTACK.
+    unsafe {
+        let t = lua::lua_type(l, 1);
+        let rc = if t == lua::LUA_TSTRING || t == lua::LUA_TNUMBER {
+            let nl = lua::lua_toboolean(l, 2) != 0;
+            let mut n = 0usize;
+            let p = lua::lua_tolstring(l, 1, &mut n);
+            let s = arg(p, n);
+            with_ctx(mask::SAY, |c, cur| {
+                let add = s.len() + usize::from(nl);
+                if c.body.len().saturating_add(add) > max_body(cur) {
+                    return E_TOO_LARGE;
+                }
+                c.body.extend_from_slice(s);
+                if nl {
+                    c.body.push(b'\n');
+                }
+                0
+            })
+        } else {
+            1
+        };
+        lua::lua_pushinteger(l, rc as lua::lua_Integer);
+    }
+    1
+}
+
 /// `[lua] max_response_body` of the engine running the hook.
 fn max_body(cur: &Current) -> usize {
     match cur.engine {

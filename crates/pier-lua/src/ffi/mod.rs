@@ -40,6 +40,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use crate::current::{self, Current};
 use crate::view::HttpView;
 
+pub(crate) use ctx::l_say;
 pub(crate) use ngx::{ngx_api_addr, set_worker};
 
 /// Not allowed in the current phase (or no request is running).

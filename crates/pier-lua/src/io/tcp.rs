@@ -1150,6 +1150,10 @@ pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
             lua.create_c_function(fast::l_settimeouts)?,
         )?;
         natives.set("tcp_free_c", lua.create_c_function(fast::l_free)?)?;
+        natives.set(
+            "tcp_setkeepalive_c",
+            lua.create_c_function(fast::l_setkeepalive)?,
+        )?;
     }
     natives.set(
         "tcp_connect",

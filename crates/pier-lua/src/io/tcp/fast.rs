@@ -1144,6 +1144,19 @@ pub(super) unsafe extern "C-unwind" fn l_settimeouts(l: *mut lua::lua_State) -> 
     1
 }
 
+/// `setkeepalive(handle, idle_ms|NaN, pool_size|NaN)` -> [`setkeepalive`]'s
+/// code: the call right after the last receive of a request (the reply),
+/// so it runs interpreted more often than not.
+pub(super) unsafe extern "C-unwind" fn l_setkeepalive(l: *mut lua::lua_State) -> c_int {
+    // SAFETY: called by LuaJIT with its state (the lua_CFunction contract);
+    // one push fits LUA_MINSTACK.
+    unsafe {
+        let rc = setkeepalive(num(l, 1), num(l, 2), num(l, 3));
+        lua::lua_pushnumber(l, f64::from(rc));
+    }
+    1
+}
+
 /// `free(handle)`: the anchor's finalizer (frees the socket's slot).
 pub(super) unsafe extern "C-unwind" fn l_free(l: *mut lua::lua_State) -> c_int {
     // SAFETY: called by LuaJIT with its state (the lua_CFunction contract).
