@@ -9,11 +9,11 @@
 -- getreusedtimes and connect (from a pool, or a new connection to an
 -- address) through the FFI (their call sites get compiled); send,
 -- receive*, settimeout(s), setkeepalive (called right after the reply's
--- receive) and the anchor's finalizer as classic C functions (their call sites run
--- interpreted, next to the yield, where an FFI call costs far more). A
--- call that would block returns AGAIN, and the wrapper yields mlua's
--- pending marker (through ngx.thread's scheduler, so light threads run
--- meanwhile) until the connection or its deadline wakes the hook, then
+-- receive) and the anchor's finalizer as classic C functions (their call
+-- sites run interpreted, next to the yield, where an FFI call costs far
+-- more). A call that would block returns AGAIN, and the wrapper yields
+-- mlua's pending marker (through ngx.thread's scheduler, so light threads
+-- run meanwhile) until the connection or its deadline wakes the hook, then
 -- calls again. Connecting to a name or a unix socket, or queueing in a
 -- pool's backlog, TLS and options go through the async natives.
 local ffi = require "ffi"

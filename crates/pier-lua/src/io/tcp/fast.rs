@@ -1,8 +1,10 @@
 //! The cosocket fast path: `send`, `receive*`, `setkeepalive`,
-//! `getreusedtimes` and connects served from a pool, as `extern "C"`
-//! functions reached through the LuaJIT FFI like the rest of the API,
-//! instead of mlua async functions (which box a future and build result
-//! values on every call: the malloc/free and GC work seen in profiles).
+//! `getreusedtimes`, connects served from a pool and new connections to an
+//! address, as `extern "C"` functions (reached through the LuaJIT FFI like
+//! the rest of the API, or wrapped as classic C functions: see the end of
+//! this file) instead of mlua async functions (which box a future and build
+//! result values on every call: the malloc/free and GC work seen in
+//! profiles).
 //!
 //! A call tries its operation at once, against the socket's buffer and the
 //! connection, polling with the waker of the task that runs the hook
