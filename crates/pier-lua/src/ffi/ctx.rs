@@ -170,13 +170,21 @@ pub(super) unsafe extern "C" fn redirect(uri: *const c_char, n: usize, status: c
 pub(super) unsafe extern "C" fn say(p: *const c_char, n: usize) -> c_int {
     // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
     let s = unsafe { arg(p, n) };
-    with_ctx(mask::SAY, |c, cur| {
-        if c.body.len().saturating_add(s.len()) > max_body(cur) {
-            return E_TOO_LARGE;
-        }
-        c.body.extend_from_slice(s);
-        0
-    })
+    with_ctx(mask::SAY, |c, cur| push_body(c, cur, s, false))
+}
+
+/// Appends `s` (and a newline) to the hook's response body, within
+/// `[lua] max_response_body`: all of it, or nothing and [`E_TOO_LARGE`].
+fn push_body(c: &mut RequestCtx, cur: &Current, s: &[u8], nl: bool) -> c_int {
+    let add = s.len() + usize::from(nl);
+    if c.body.len().saturating_add(add) > max_body(cur) {
+        return E_TOO_LARGE;
+    }
+    c.body.extend_from_slice(s);
+    if nl {
+        c.body.push(b'\n');
+    }
+    0
 }
 
 /// `say_c(value, newline)`, a classic Lua C function: `ngx.say` /
@@ -201,17 +209,7 @@ pub(crate) unsafe extern "C-unwind" fn l_say(l: *mut mlua::ffi::lua_State) -> c_
             let mut n = 0usize;
             let p = lua::lua_tolstring(l, 1, &mut n);
             let s = arg(p, n);
-            with_ctx(mask::SAY, |c, cur| {
-                let add = s.len() + usize::from(nl);
-                if c.body.len().saturating_add(add) > max_body(cur) {
-                    return E_TOO_LARGE;
-                }
-                c.body.extend_from_slice(s);
-                if nl {
-                    c.body.push(b'\n');
-                }
-                0
-            })
+            with_ctx(mask::SAY, |c, cur| push_body(c, cur, s, nl))
         } else {
             1
         };

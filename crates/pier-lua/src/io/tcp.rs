@@ -212,6 +212,14 @@ impl TcpSock {
         // A connect under way (`fast::connect_new`) ends too.
         self.op.connecting = None;
     }
+
+    /// Takes an idle connection of `spool` (every connect path's reuse).
+    fn reuse(&mut self, conn: Conn, slot: Counted, reused: u32, spool: Rc<Spool>) {
+        self.conn = Some(conn);
+        self.slot = Some(slot);
+        self.reused = reused + 1;
+        self.spool = Some(spool);
+    }
 }
 
 /// A scalar `send` value's bytes.
@@ -470,10 +478,7 @@ impl TcpSock {
         if let Some(sp) = &spool {
             match sp.acquire(self.connect_timeout).await {
                 Acquired::Reused(c, slot, reused) => {
-                    self.conn = Some(c);
-                    self.slot = Some(slot);
-                    self.reused = reused + 1;
-                    self.spool = spool;
+                    self.reuse(c, slot, reused, sp.clone());
                     return ok1(lua);
                 }
                 Acquired::Open(slot) => self.slot = Some(slot),

@@ -604,10 +604,7 @@ impl TcpSock {
             if let Some(sp) = &spool {
                 match sp.try_acquire() {
                     Some(pool::Acquired::Reused(c, slot, reused)) => {
-                        self.conn = Some(c);
-                        self.slot = Some(slot);
-                        self.reused = reused + 1;
-                        self.spool = spool;
+                        self.reuse(c, slot, reused, sp.clone());
                         return 1;
                     }
                     Some(pool::Acquired::Open(slot)) => self.slot = Some(slot),
@@ -957,11 +954,8 @@ unsafe extern "C" fn connect_pooled(
             return 0;
         };
         s.close_conn();
-        s.conn = Some(c);
-        s.slot = Some(slot);
-        s.reused = reused + 1;
         s.key = Some(sp.key().clone());
-        s.spool = Some(sp);
+        s.reuse(c, slot, reused, sp);
         1
     })
 }
