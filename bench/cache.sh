@@ -28,6 +28,13 @@ PATHS="${PATHS-/hello,/4k.bin,/1m.bin}"
 REPS="${REPS:-3}"
 THREADS="${THREADS:-2}"
 MISS_PATH="${MISS_PATH:-/4k.bin}"
+# The miss part's memory tier: small enough to be full and evicting within a second, as a
+# production cache is (a 1 GiB tier would still be growing, and page-faulting, for the
+# whole run).
+MISS_MEMORY="${MISS_MEMORY:-64m}"
+# Who runs the miss part: each proxy with its cache and without (X-plain). The peers show what
+# storing every miss costs them: MISS_PROXIES=pier,pier-plain,nginx,nginx-plain,varnish,varnish-plain
+MISS_PROXIES="${MISS_PROXIES:-pier,pier-plain}"
 ZIPF_REQUESTS="${ZIPF_REQUESTS:-40000}"
 ZIPF_KEYS="${ZIPF_KEYS:-200000}"
 ZIPF_S="${ZIPF_S:-0.9}"
@@ -102,20 +109,25 @@ start_proxy() {
             if [ "$name" = pier-plain ]; then
                 sed -i -e '/^\[route.cache\]/d' -e '/^zone = "main"/d' "$dir/pier.toml"
             fi
+            [ -n "${MEMORY:-}" ] && sed -i -e "s/^memory = .*/memory = \"$MEMORY\"/" "$dir/pier.toml"
             # Extra keys go under [cache.main], the file's last table; then [admin].
             [ -n "$extra" ] && printf '%s\n' "$extra" >>"$dir/pier.toml"
             ADMIN_PORT="$(python3 "$BENCH_DIR/tool.py" port)"
             printf '\n[admin]\nlisten = "127.0.0.1:%s"\n' "$ADMIN_PORT" >>"$dir/pier.toml"
             "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
             ;;
-        varnish)
+        varnish|varnish-plain)
             template "$PEERS/varnish.vcl" "$dir/default.vcl" "$port"
+            # The plain baseline: every request passed to the origin, nothing stored.
+            [ "$name" = varnish-plain ] && printf 'sub vcl_recv { return (pass); }\n' >>"$dir/default.vcl"
             "$VARNISHD" -F -j none -n "$dir/varnish" -a "127.0.0.1:$port" -f "$dir/default.vcl" \
-                -s malloc,1g -p thread_pools=2 -p thread_pool_min=50 -p thread_pool_max=1000 \
+                -s "malloc,${MEMORY:-1g}" -p thread_pools=2 -p thread_pool_min=50 -p thread_pool_max=1000 \
                 >"$dir/stdout.log" 2>&1 &
             ;;
-        nginx)
+        nginx|nginx-plain)
             template "$PEERS/nginx.conf" "$dir/nginx.conf" "$port" "$dir"
+            [ "$name" = nginx-plain ] && sed -i -e 's/proxy_cache c;/proxy_cache off;/' "$dir/nginx.conf"
+            [ -n "${MEMORY:-}" ] && sed -i -e "s/max_size=2g/max_size=$MEMORY/" "$dir/nginx.conf"
             nginx -p "$dir/" -c nginx.conf -e "$dir/logs/error.log" >"$dir/stdout.log" 2>&1 &
             ;;
         *) die "unknown proxy '$name'" ;;
@@ -189,6 +201,7 @@ log "origin: nginx on 127.0.0.1:$ORIGIN_PORT; load average $(cut -d' ' -f1-3 /pr
 IFS=, read -ra PROXY_LIST <<<"$PROXIES"
 IFS=, read -ra CONN_LIST <<<"$CONNS"
 IFS=, read -ra PATH_LIST <<<"$PATHS"
+IFS=, read -ra MISS_PROXY_LIST <<<"$MISS_PROXIES"
 
 # ---- hits ---------------------------------------------------------------------------------
 if has hits "$PARTS"; then
@@ -217,8 +230,8 @@ if has miss "$PARTS"; then
     for rep in $(seq 1 "$REPS"); do
         for c in "${CONN_LIST[@]}"; do
             log "miss rep $rep/$REPS: $MISS_PATH?m=<unique>, $c connections"
-            for proxy in pier pier-plain; do
-                start_proxy "$proxy" || continue
+            for proxy in "${MISS_PROXY_LIST[@]}"; do
+                MEMORY="$MISS_MEMORY" start_proxy "$proxy" || continue
                 RESULTS_SAVE="$RESULTS"; RESULTS="$MRESULTS"
                 measure "$proxy" "$MISS_PATH" "$c" "$rep" "$PEERS/miss.lua"
                 RESULTS="$RESULTS_SAVE"
@@ -226,7 +239,7 @@ if has miss "$PARTS"; then
             done
         done
     done
-    log "miss path: pier (cache on, every request a miss) vs pier-plain"
+    log "miss path: each proxy with its cache on (every request a miss) vs plain (X-plain)"
     python3 "$BENCH_DIR/cache_tool.py" table "$MRESULTS" | tee "$RUN/miss.md"
 fi
 

@@ -106,9 +106,12 @@ def table(a):
     for _, _, p in groups:
         if p not in proxies:
             proxies.append(p)
+    # X and X-plain: what X's cache costs it (cache on ÷ off, per CPU-second).
+    pairs = [p for p in proxies if p + "-plain" in proxies]
     print("| path | conns | " + " | ".join(f"{p} req/CPU-s (min–max)" for p in proxies)
-          + " | " + " | ".join(f"pier ÷ {p}" for p in proxies if p != "pier") + " | load avg |")
-    print("|---|---|" + "---|" * (2 * len(proxies) - 1 + 1))
+          + " | " + " | ".join(f"pier ÷ {p}" for p in proxies if p != "pier")
+          + "".join(f" | {p} on ÷ off" for p in pairs) + " | load avg |")
+    print("|---|---|" + "---|" * (2 * len(proxies) - 1 + len(pairs) + 1))
     for path, conns in keys:
         med = {}
         cells = []
@@ -127,6 +130,9 @@ def table(a):
             if p == "pier":
                 continue
             ratios.append(f"{med['pier'] / med[p]:.2f}×" if "pier" in med and p in med else "—")
+        for p in pairs:
+            q = p + "-plain"
+            ratios.append(f"{med[p] / med[q]:.2f}×" if p in med and q in med else "—")
         lo = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "—"
         print(f"| {path} | {conns} | " + " | ".join(cells) + " | " + " | ".join(ratios) + f" | {lo} |")
 

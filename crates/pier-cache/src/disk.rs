@@ -19,7 +19,7 @@
 use crate::{Object, Stats};
 use bytes::Bytes;
 use parking_lot::Mutex;
-use pier_http::Headers;
+use pier_http::{known, Headers};
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -440,14 +440,16 @@ fn encode_meta(key: &[u8], o: &Object) -> Vec<u8> {
     ] {
         m.extend_from_slice(&v.to_le_bytes());
     }
-    match &o.etag {
+    // ETag and Last-Modified are in the fields too; they keep their
+    // places in the format so that files of earlier runs still read.
+    match o.etag() {
         Some(e) => {
             m.push(1);
             put_bytes(&mut m, e);
         }
         None => m.push(0),
     }
-    put_bytes(&mut m, &o.last_modified);
+    put_bytes(&mut m, o.last_modified());
     m.extend_from_slice(&(o.vary.len() as u32).to_le_bytes());
     for (n, v) in &o.vary {
         put_bytes(&mut m, n);
@@ -510,8 +512,8 @@ fn decode_meta(meta: &[u8]) -> Option<(Box<[u8]>, Object)> {
     let status = r.u16()?;
     let (lifetime, request_time, response_time, date, age_header) =
         (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
-    let etag = r.opt()?.map(|e| e.to_vec());
-    let last_modified = r.bytes()?.to_vec();
+    let etag = r.opt()?;
+    let last_modified = r.bytes()?;
     let nv = r.u32()? as usize;
     let mut vary = Vec::with_capacity(nv.min(64));
     for _ in 0..nv {
@@ -525,6 +527,13 @@ fn decode_meta(meta: &[u8]) -> Option<(Box<[u8]>, Object)> {
     }
     if !r.0.is_empty() {
         return None;
+    }
+    // Files written before the validators lived only in the fields.
+    if let (Some(e), false) = (etag, headers.has_known(known::ETAG)) {
+        headers.append(b"ETag", e);
+    }
+    if !last_modified.is_empty() && !headers.has_known(known::LAST_MODIFIED) {
+        headers.append(b"Last-Modified", last_modified);
     }
     let cc = crate::policy::CacheControl::parse(&headers);
     Some((
@@ -541,8 +550,6 @@ fn decode_meta(meta: &[u8]) -> Option<(Box<[u8]>, Object)> {
             age_header,
             cc,
             vary,
-            etag,
-            last_modified,
         },
     ))
 }
@@ -839,6 +846,8 @@ mod tests {
         let mut headers = Headers::default();
         headers.append(b"Content-Type", b"text/plain");
         headers.append(b"Cache-Control", b"max-age=600");
+        headers.append(b"ETag", b"\"e1\"");
+        headers.append(b"Last-Modified", b"Wed, 25 Nov 2026 00:00:00 GMT");
         Object {
             status: 200,
             headers,
@@ -851,8 +860,6 @@ mod tests {
             age_header: 0,
             cc: crate::policy::CacheControl::default(),
             vary: Vec::new(),
-            etag: Some(b"\"e1\"".to_vec()),
-            last_modified: b"Wed, 25 Nov 2026 00:00:00 GMT".to_vec(),
         }
     }
 
@@ -905,7 +912,8 @@ mod tests {
         assert!(z.lookup(b"k", &h).is_none(), "memory is empty");
         let o = z.get(b"k", &h).await.expect("a disk hit");
         assert_eq!(&o.body[..], b"hello disk");
-        assert_eq!(o.etag.as_deref(), Some(&b"\"e1\""[..]));
+        assert_eq!(o.etag(), Some(&b"\"e1\""[..]));
+        assert_eq!(o.last_modified(), b"Wed, 25 Nov 2026 00:00:00 GMT");
         assert_eq!(o.headers.get(b"content-type"), Some(&b"text/plain"[..]));
         assert_eq!(o.cc.max_age, Some(600));
         assert_eq!(z.stats.disk.hits.load(Relaxed), 1);
@@ -975,5 +983,35 @@ mod tests {
         let o = z.get(b"after", &Headers::default()).await.unwrap();
         assert_eq!(&o.body[..], b"still served");
         std::fs::remove_file(&d.0).unwrap();
+    }
+
+    /// Validators live in the stored fields; a meta written before that
+    /// (ETag and Last-Modified only in their own places) still reads with
+    /// them, and a meta written now does not get them twice.
+    #[test]
+    fn validators_read_from_old_and_new_metas() {
+        let mut old = Vec::new();
+        put_bytes(&mut old, b"k");
+        old.extend_from_slice(&200u16.to_le_bytes());
+        for v in [60u64, 1, 2, 3, 0] {
+            old.extend_from_slice(&v.to_le_bytes());
+        }
+        old.push(1);
+        put_bytes(&mut old, b"\"old\"");
+        put_bytes(&mut old, b"Tue, 24 Nov 2026 00:00:00 GMT");
+        old.extend_from_slice(&0u32.to_le_bytes());
+        old.extend_from_slice(&1u32.to_le_bytes());
+        put_bytes(&mut old, b"Content-Type");
+        put_bytes(&mut old, b"text/plain");
+        let (key, o) = decode_meta(&old).expect("an old meta reads");
+        assert_eq!(&key[..], b"k");
+        assert_eq!(o.etag(), Some(&b"\"old\""[..]));
+        assert_eq!(o.last_modified(), b"Tue, 24 Nov 2026 00:00:00 GMT");
+
+        let o = obj(b"x", 60);
+        let (_, back) = decode_meta(&encode_meta(b"k", &o)).expect("a new meta reads");
+        assert_eq!(back.headers.get_all(b"etag").count(), 1);
+        assert_eq!(back.headers.get_all(b"last-modified").count(), 1);
+        assert_eq!(back.etag(), Some(&b"\"e1\""[..]));
     }
 }

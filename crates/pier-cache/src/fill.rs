@@ -11,6 +11,7 @@
 use bytes::Bytes;
 use parking_lot::Mutex;
 use pier_http::Headers;
+use smallvec::SmallVec;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,7 +33,7 @@ pub fn in_flight_bytes() -> usize {
 }
 
 /// The head of a response being filled, as it will be stored.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct FillHead {
     pub status: u16,
     /// Stored fields (hop-by-hop ones gone).
@@ -43,8 +44,14 @@ pub struct FillHead {
 
 #[derive(Default)]
 struct State {
-    head: Option<Arc<FillHead>>,
-    chunks: Vec<Bytes>,
+    /// Held here, not shared: a follower takes its own copy (most fills
+    /// have none, and a shared head would cost every miss an allocation).
+    head: Option<FillHead>,
+    /// A follower took the head: it reads `chunks` by index until the end,
+    /// so `finish` must leave them in place.
+    followed: bool,
+    /// One piece inline: a small body is one read, and needs no vector.
+    chunks: SmallVec<[Bytes; 1]>,
     held: usize,
     /// Set once: the body is complete (true) or will never be (false).
     end: Option<bool>,
@@ -62,14 +69,14 @@ pub struct FillBuf {
     tx: std::sync::OnceLock<watch::Sender<u64>>,
     max: usize,
     /// The key filled (empty for a private fill): the zone's table of
-    /// fills finds entries by it, so it is held once.
-    key: Box<[u8]>,
+    /// fills finds entries by it; the stored entry shares it.
+    key: Arc<[u8]>,
 }
 
 /// What a follower found when the head was due.
 pub enum HeadWait {
-    /// Stream the body from here.
-    Head(Arc<FillHead>),
+    /// Stream the body from here (the follower's copy of the head).
+    Head(Box<FillHead>),
     /// Look again (the fill ended, or its answer is not for followers).
     Again,
     /// Nothing within the limit.
@@ -89,21 +96,26 @@ pub enum Piece {
 impl FillBuf {
     /// A fill keeping at most `max` bytes.
     pub fn new(max: usize) -> Arc<FillBuf> {
-        Self::keyed(&[], max)
+        Self::keyed(Arc::from(&[][..]), max)
     }
 
     /// A fill of `key` keeping at most `max` bytes.
-    pub fn keyed(key: &[u8], max: usize) -> Arc<FillBuf> {
+    pub fn keyed(key: Arc<[u8]>, max: usize) -> Arc<FillBuf> {
         Arc::new(FillBuf {
             state: Mutex::new(State::default()),
             tx: std::sync::OnceLock::new(),
             max,
-            key: key.into(),
+            key,
         })
     }
 
     /// The key filled.
     pub fn key(&self) -> &[u8] {
+        &self.key
+    }
+
+    /// The key filled, shared.
+    pub fn shared_key(&self) -> &Arc<[u8]> {
         &self.key
     }
 
@@ -119,7 +131,7 @@ impl FillBuf {
 
     /// The leader: the response will be stored; followers may stream it.
     pub fn publish_head(&self, head: FillHead) {
-        self.state.lock().head = Some(Arc::new(head));
+        self.state.lock().head = Some(head);
         self.changed();
     }
 
@@ -159,28 +171,30 @@ impl FillBuf {
     fn release(s: &mut State) {
         IN_FLIGHT.fetch_sub(s.held, Relaxed);
         s.held = 0;
-        s.chunks = Vec::new();
+        s.chunks = SmallVec::new();
     }
 
-    /// The leader: the body is complete; its pieces and the published
-    /// head (the caller stores them). Followers still reading keep their
-    /// own references; when none holds the head (followers get it only
-    /// under the lock, and none can once it is taken here), the pieces are
-    /// handed over rather than copied.
-    pub fn finish(&self) -> (Vec<Bytes>, Option<Arc<FillHead>>) {
+    /// The leader: the body is complete; the body in one piece and the
+    /// published head (the caller stores them). Followers still reading
+    /// go on reading the pieces by index; when none took the head (they
+    /// take it only under the lock, and none can once it is taken here), a
+    /// one-piece body is handed over rather than copied.
+    pub fn finish(&self) -> (Bytes, Option<FillHead>) {
         let mut s = self.state.lock();
         if s.end.is_some() {
-            return (Vec::new(), None);
+            return (Bytes::new(), None);
         }
         s.end = Some(true);
         let head = s.head.take();
-        let chunks = match &head {
-            Some(h) if Arc::strong_count(h) == 1 => std::mem::take(&mut s.chunks),
-            _ => s.chunks.clone(),
+        let body = match s.chunks.len() {
+            0 => Bytes::new(),
+            1 if !s.followed => s.chunks.pop().unwrap_or_default(),
+            1 => s.chunks[0].clone(),
+            _ => Bytes::from(s.chunks.concat()),
         };
         drop(s);
         self.changed();
-        (chunks, head)
+        (body, head)
     }
 
     /// The fill ended without completing (the leader went away).
@@ -204,12 +218,15 @@ impl FillBuf {
         let r = tokio::time::timeout(limit, async {
             loop {
                 {
-                    let s = self.state.lock();
+                    let mut s = self.state.lock();
                     if s.pass || s.end == Some(false) {
                         return HeadWait::Again;
                     }
-                    if let Some(h) = &s.head {
-                        return HeadWait::Head(h.clone());
+                    // Marked under the same lock as the copy: `finish`
+                    // then leaves the pieces for this reader.
+                    if let Some(h) = s.head.as_ref().map(|h| Box::new(h.clone())) {
+                        s.followed = true;
+                        return HeadWait::Head(h);
                     }
                     if s.end.is_some() {
                         return HeadWait::Again;
@@ -308,8 +325,39 @@ mod tests {
             assert!(f.push(p));
             tokio::task::yield_now().await;
         }
-        assert_eq!(f.finish().0.concat(), b"abcde");
+        assert_eq!(&f.finish().0[..], b"abcde");
         assert_eq!(reader.await.unwrap(), b"abcde");
+        // A one-piece body finished before a follower read it: the piece
+        // stays for the follower (it holds a copy of the head, and reads
+        // pieces by index), and the leader gets the same bytes.
+        let one = FillBuf::new(100);
+        one.publish_head(FillHead {
+            status: 200,
+            headers: Headers::default(),
+            length: Some(3),
+        });
+        let HeadWait::Head(h) = one.wait_head(Duration::from_secs(5)).await else {
+            panic!("head")
+        };
+        assert_eq!(h.length, Some(3));
+        assert!(one.push(b"xyz"));
+        let (body, head) = one.finish();
+        assert_eq!(&body[..], b"xyz");
+        assert!(head.is_some());
+        assert!(matches!(one.piece(0), Piece::Data(b) if &b[..] == b"xyz"));
+        assert!(matches!(one.piece(1), Piece::End));
+        // Without a follower the piece is handed over, not kept twice.
+        let solo = FillBuf::new(100);
+        solo.publish_head(FillHead {
+            status: 200,
+            headers: Headers::default(),
+            length: None,
+        });
+        assert!(solo.push(b"xyz"));
+        assert_eq!(&solo.finish().0[..], b"xyz");
+        assert!(matches!(solo.piece(0), Piece::End));
+        drop(solo);
+        drop(one);
         // Past `max`: cut, nothing held.
         let g = FillBuf::new(4);
         assert!(g.push(b"abc"));

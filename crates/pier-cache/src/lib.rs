@@ -53,10 +53,6 @@ pub struct Object {
     pub cc: CacheControl,
     /// The request's values of the fields named by Vary (lower-cased names).
     pub vary: Vec<(Vec<u8>, Option<Vec<u8>>)>,
-    pub etag: Option<Vec<u8>>,
-    /// The origin's Last-Modified, or a synthetic one (the response time)
-    /// so that clients' revalidations can still become 304s.
-    pub last_modified: Vec<u8>,
 }
 
 impl Object {
@@ -69,6 +65,18 @@ impl Object {
             self.response_time,
             now,
         )
+    }
+    /// Its ETag (read from its fields: no copy of its own per object).
+    pub fn etag(&self) -> Option<&[u8]> {
+        self.headers.get_known(pier_http::known::ETAG)
+    }
+    /// Its Last-Modified: the origin's, or the synthetic one the fill
+    /// added to its fields (`with_synthetic_last_modified`), so that
+    /// clients' revalidations can become 304s without an origin validator.
+    pub fn last_modified(&self) -> &[u8] {
+        self.headers
+            .get_known(pier_http::known::LAST_MODIFIED)
+            .unwrap_or_default()
     }
     /// Bytes it holds in memory (body, fields, the rest).
     pub fn size(&self) -> usize {
@@ -314,7 +322,7 @@ impl Zone {
         to_mapped(&mut obj);
         let obj = Arc::new(obj);
         let evicted = self.mem.lock().insert(
-            key,
+            Arc::from(key),
             Slot {
                 obj: obj.clone(),
                 hits: 0,
@@ -328,7 +336,9 @@ impl Zone {
     /// Store a response (replacing the variant with the same Vary values);
     /// the memory tier evicts until the zone fits. With `promote_hits = 0`
     /// it is queued for the disk at once (write every store).
-    pub fn insert(&self, key: Vec<u8>, mut obj: Object) {
+    /// The key is shared with the entry (a fill's key is already an `Arc`).
+    pub fn insert(&self, key: impl Into<Arc<[u8]>>, mut obj: Object) {
+        let key: Arc<[u8]> = key.into();
         let size = obj.size();
         if size > self.max_object {
             return;
@@ -351,7 +361,7 @@ impl Zone {
                 && obj.lifetime.saturating_sub(obj.age(now())) >= d.config().min_ttl;
         }
         let evicted = self.mem.lock().insert(
-            &key,
+            key.clone(),
             Slot {
                 obj: obj.clone(),
                 hits: 0,
@@ -405,24 +415,24 @@ impl Zone {
     }
 
     /// Who fills `key` now.
-    pub fn fill(self: &Arc<Self>, key: &[u8], now: u64) -> Fill {
+    pub fn fill(self: &Arc<Self>, key: &Arc<[u8]>, now: u64) -> Fill {
         {
             let mut h = self.hit_for_miss.lock();
             if !h.is_empty() {
-                match h.get(key) {
+                match h.get(&key[..]) {
                     Some(&until) if until > now => return Fill::Pass,
                     Some(_) => {
-                        h.remove(key);
+                        h.remove(&key[..]);
                     }
                     None => {}
                 }
             }
         }
         let mut fills = self.fills.lock();
-        if let Some(FillEntry(buf)) = fills.get(key) {
+        if let Some(FillEntry(buf)) = fills.get(&key[..]) {
             return Fill::Follower(buf.clone());
         }
-        let buf = fill::FillBuf::keyed(key, self.max_object);
+        let buf = fill::FillBuf::keyed(key.clone(), self.max_object);
         fills.insert(FillEntry(buf.clone()));
         Fill::Leader(FillGuard {
             zone: self.clone(),
@@ -475,6 +485,12 @@ pub async fn wait_fill(buf: Arc<fill::FillBuf>, limit: Duration) -> bool {
 /// port) and target.
 pub fn key(scheme: &str, host: &[u8], target: &[u8]) -> Vec<u8> {
     let mut k = Vec::with_capacity(scheme.len() + host.len() + target.len() + 3);
+    key_into(&mut k, scheme, host, target);
+    k
+}
+
+/// `key`, appended to `k` (a buffer reused from request to request).
+pub fn key_into(k: &mut Vec<u8>, scheme: &str, host: &[u8], target: &[u8]) {
     k.extend_from_slice(scheme.as_bytes());
     k.extend_from_slice(b"://");
     let host = match scheme {
@@ -486,7 +502,6 @@ pub fn key(scheme: &str, host: &[u8], target: &[u8]) -> Vec<u8> {
     k.extend_from_slice(host);
     k[at..].make_ascii_lowercase();
     k.extend_from_slice(target);
-    k
 }
 
 /// Unix seconds now.
@@ -514,8 +529,6 @@ mod tests {
             age_header: 0,
             cc: CacheControl::default(),
             vary,
-            etag: None,
-            last_modified: Vec::new(),
         }
     }
 
@@ -556,17 +569,18 @@ mod tests {
     #[tokio::test]
     async fn one_leader_per_key_and_hit_for_miss() {
         let z = Zone::new("t", 10_000, 5_000);
-        let Fill::Leader(g) = z.fill(b"k", 100) else {
+        let k: Arc<[u8]> = Arc::from(&b"k"[..]);
+        let Fill::Leader(g) = z.fill(&k, 100) else {
             panic!("first is the leader")
         };
-        let Fill::Follower(rx) = z.fill(b"k", 100) else {
+        let Fill::Follower(rx) = z.fill(&k, 100) else {
             panic!("second follows")
         };
         let waiter = tokio::spawn(wait_fill(rx, Duration::from_secs(10)));
         g.uncacheable(100, 30);
         drop(g);
         assert!(waiter.await.unwrap());
-        assert!(matches!(z.fill(b"k", 110), Fill::Pass));
-        assert!(matches!(z.fill(b"k", 200), Fill::Leader(_)));
+        assert!(matches!(z.fill(&k, 110), Fill::Pass));
+        assert!(matches!(z.fill(&k, 200), Fill::Leader(_)));
     }
 }

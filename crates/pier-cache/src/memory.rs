@@ -14,6 +14,7 @@
 //! (and the queues are compacted when stale items outnumber live ones).
 
 use crate::Object;
+use smallvec::SmallVec;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::BuildHasher;
 use std::sync::Arc;
@@ -31,8 +32,10 @@ pub(crate) struct Slot {
 }
 
 pub(crate) struct Entry {
-    pub key: Box<[u8]>,
-    pub slots: Vec<Slot>,
+    /// Shared with the fill that stored it (one copy of the key).
+    pub key: Arc<[u8]>,
+    /// One variant inline: most keys have no Vary.
+    pub slots: SmallVec<[Slot; 1]>,
     bytes: usize,
     /// S3-FIFO access count, 0..=3.
     freq: u8,
@@ -108,9 +111,17 @@ impl Memory {
     }
 
     /// Add (or replace, by Vary values) a variant of `key`.
-    pub fn insert(&mut self, key: &[u8], slot: Slot) -> Evicted {
-        let h = self.hash(key);
-        let existing = self.map.get_mut(&h).filter(|e| *e.key == *key).is_some();
+    pub fn insert(&mut self, key: Arc<[u8]>, slot: Slot) -> Evicted {
+        let h = self.hash(&key);
+        let existing = match self.map.get(&h) {
+            Some(e) if *e.key == *key => true,
+            Some(_) => {
+                // A different key with the same 64-bit hash is replaced.
+                self.remove_hash(h);
+                false
+            }
+            None => false,
+        };
         if existing {
             if let Some(e) = self.map.get_mut(&h) {
                 let before = e.slots.len();
@@ -129,17 +140,16 @@ impl Memory {
                 *q = *q + new - old;
             }
         } else {
-            // A different key with the same 64-bit hash is replaced.
-            self.remove_hash(h);
-            let slots = vec![slot];
-            let bytes = Entry::size(key, &slots);
+            let mut slots = SmallVec::new();
+            slots.push(slot);
+            let bytes = Entry::size(&key, &slots);
             let in_main = self.ghost_set.contains(&h);
             let gen = self.next_gen;
             self.next_gen += 1;
             self.map.insert(
                 h,
                 Entry {
-                    key: key.into(),
+                    key,
                     slots,
                     bytes,
                     freq: 0,
@@ -300,8 +310,6 @@ mod tests {
                 age_header: 0,
                 cc: Default::default(),
                 vary: Vec::new(),
-                etag: None,
-                last_modified: Vec::new(),
             }),
             hits: 0,
             on_disk: false,
@@ -325,7 +333,7 @@ mod tests {
                 if m.get(key.as_bytes()).is_some() {
                     hits += 1;
                 } else {
-                    m.insert(key.as_bytes(), slot(1_000));
+                    m.insert(Arc::from(key.as_bytes()), slot(1_000));
                 }
                 if lru.get(&key) {
                     lru_hits += 1;
@@ -338,7 +346,7 @@ mod tests {
                 for _ in 0..300 {
                     scan += 1;
                     let key = format!("scan{scan}");
-                    m.insert(key.as_bytes(), slot(1_000));
+                    m.insert(Arc::from(key.as_bytes()), slot(1_000));
                     lru.insert(key, 1_000 + 128 + 256 + 5);
                 }
             }
@@ -358,21 +366,21 @@ mod tests {
     fn bounded_by_bytes_and_replaced_in_place() {
         let mut m = Memory::new(10_000);
         for i in 0..100 {
-            m.insert(format!("k{i}").as_bytes(), slot(500 + i * 7));
+            m.insert(Arc::from(format!("k{i}").as_bytes()), slot(500 + i * 7));
             let (n, keys, bytes) = m.usage();
             assert!(bytes <= 10_000, "{bytes}");
             assert_eq!(n, keys);
         }
         // Replacing a variant keeps one object under the key.
-        m.insert(b"r", slot(100));
-        m.insert(b"r", slot(200));
+        m.insert(Arc::from(&b"r"[..]), slot(100));
+        m.insert(Arc::from(&b"r"[..]), slot(200));
         assert_eq!(m.get(b"r").unwrap().slots.len(), 1);
         assert_eq!(m.get(b"r").unwrap().slots[0].obj.body.len(), 200);
         assert!(m.remove(b"r").is_some());
         assert!(m.get(b"r").is_none());
         // Queues stay bounded under churn of one key.
         for _ in 0..10_000 {
-            m.insert(b"churn", slot(10));
+            m.insert(Arc::from(&b"churn"[..]), slot(10));
             m.remove(b"churn");
         }
         assert!(m.small.len() + m.main.len() < 2 * m.map.len() + 1100);

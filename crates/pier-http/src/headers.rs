@@ -62,6 +62,17 @@ impl Headers {
         self.live = other.live;
     }
 
+    /// `copy_from` into storage sized for `other` plus `bytes` more bytes
+    /// and `fields` more fields, allocated once (a stored head that gets
+    /// one more field must not grow, and so copy, its storage).
+    pub fn copy_from_with_room(&mut self, other: &Headers, bytes: usize, fields: usize) {
+        self.arena.clear();
+        self.arena.reserve_exact(other.arena.len() + bytes);
+        self.entries.clear();
+        self.entries.reserve_exact(other.entries.len() + fields);
+        self.copy_from(other);
+    }
+
     /// Forget every header but keep the allocations for the next request.
     pub fn clear(&mut self) {
         self.arena.clear();

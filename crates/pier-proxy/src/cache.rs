@@ -21,7 +21,8 @@ use std::sync::Arc;
 /// A miss that may be stored: what the fill needs to know.
 pub struct CacheFill {
     zone: Arc<Zone>,
-    key: Vec<u8>,
+    /// Shared with the fill table and, once stored, the zone's entry.
+    key: Arc<[u8]>,
     guard: Option<FillGuard>,
     /// What is stored for the key, stale: revalidated with its validators,
     /// served instead of an origin's 5xx when `stale-if-error`/`grace` allow.
@@ -46,6 +47,31 @@ thread_local! {
 }
 const POOL_MAX: usize = 64;
 const POOL_BYTES: usize = 8 << 10;
+
+thread_local! {
+    /// The buffer lookups build keys in: a hit allocates no key, a miss
+    /// one (the `Arc` it shares with the fill table and the zone).
+    static KEY_BUF: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// The thread's key buffer, taken for one lookup (which awaits, so it is
+/// moved out rather than borrowed) and given back on drop.
+struct KeyBuf(Vec<u8>);
+
+impl KeyBuf {
+    fn take() -> KeyBuf {
+        KeyBuf(KEY_BUF.try_with(|b| b.take()).unwrap_or_default())
+    }
+}
+
+impl Drop for KeyBuf {
+    fn drop(&mut self) {
+        let k = std::mem::take(&mut self.0);
+        if k.capacity() <= crate::cache_key::MAX_KEY {
+            let _ = KEY_BUF.try_with(|b| b.set(k));
+        }
+    }
+}
 
 fn pooled_copy(h: &Headers) -> Headers {
     let mut c = HEADER_POOL
@@ -113,7 +139,11 @@ pub async fn lookup(
         return Lookup::Miss(None);
     };
     let zone = state.cache_zones[rc.zone].clone();
-    let key = crate::cache_key::key(state, sess, route, ctl);
+    let mut buf = KeyBuf::take();
+    crate::cache_key::key_into(&mut buf.0, state, sess, route, ctl);
+    let key = &buf.0[..];
+    // Made at the first fill: the one allocation of a key on a miss.
+    let mut shared: Option<Arc<[u8]>> = None;
     let method = sess.req.method_kind();
     if !matches!(method, Method::Get | Method::Head) {
         // Unsafe methods invalidate once answered (`after_response`).
@@ -138,7 +168,7 @@ pub async fn lookup(
     let mut waited = false;
     let guard = loop {
         let mut stale = None;
-        if let Some(obj) = zone.get(&key, &sess.req.headers).await {
+        if let Some(obj) = zone.get(key, &sess.req.headers).await {
             let age = obj.age(now);
             match policy::usable(obj.lifetime, age, &obj.cc, &cc) {
                 Use::Fresh if !refresh => {
@@ -148,13 +178,13 @@ pub async fn lookup(
                 }
                 Use::StaleWhileRevalidate if !refresh => {
                     // Served stale now; one background refresh per key.
-                    if start_refresh(&zone, &key) {
+                    if start_refresh(&zone, key) {
                         zone.stats.updating.fetch_add(1, Relaxed);
                         sess.cache = CacheResult::Updating;
                         let mut src =
                             CacheSource::new(obj, sess, age, "hit; detail=stale-while-revalidate");
                         if let CacheSource::Stored(s) = &mut src {
-                            s.refresh = Some(key);
+                            s.refresh = Some(key.to_vec());
                         }
                         return Lookup::Hit(src);
                     }
@@ -187,7 +217,8 @@ pub async fn lookup(
             sess.cache = CacheResult::Pass;
             return Lookup::Miss(None);
         }
-        match zone.fill(&key, now) {
+        let k = shared.get_or_insert_with(|| Arc::from(key));
+        match zone.fill(k, now) {
             Fill::Leader(g) => break (Some(g), stale),
             Fill::Follower(buf) if !waited => {
                 waited = true;
@@ -250,10 +281,10 @@ pub async fn lookup(
     // Origins may address Surrogate-Control directives to Pier.
     up.append(b"Surrogate-Capability", b"pier=\"Surrogate/1.0\"");
     if let Some(o) = &stale {
-        if let Some(e) = &o.etag {
+        if let Some(e) = o.etag() {
             up.append(b"If-None-Match", e);
-        } else if !o.last_modified.is_empty() {
-            up.append(b"If-Modified-Since", &o.last_modified);
+        } else if !o.last_modified().is_empty() {
+            up.append(b"If-Modified-Since", o.last_modified());
         }
     }
     let policy = StorePolicy {
@@ -265,7 +296,7 @@ pub async fn lookup(
     };
     Lookup::Miss(Some(Box::new(CacheFill {
         zone,
-        key,
+        key: shared.unwrap_or_else(|| Arc::from(key)),
         guard,
         stale,
         request_time: now,
@@ -344,16 +375,13 @@ struct SessionView<'a>(&'a Headers);
 impl SessionView<'_> {
     fn not_modified(&self, obj: &Object) -> bool {
         if let Some(inm) = self.0.get_known(known::IF_NONE_MATCH) {
-            return obj
-                .etag
-                .as_deref()
-                .is_some_and(|e| policy::etag_matches(inm, e));
+            return obj.etag().is_some_and(|e| policy::etag_matches(inm, e));
         }
         match (
             self.0
                 .get_known(known::IF_MODIFIED_SINCE)
                 .and_then(policy::http_date),
-            policy::http_date(&obj.last_modified),
+            policy::http_date(obj.last_modified()),
         ) {
             (Some(since), Some(lm)) => lm <= since,
             _ => false,
@@ -381,9 +409,9 @@ fn part_of(req: &Headers, obj: &Object) -> Part {
         let ir = ir.trim_ascii();
         let ok = if ir.starts_with(b"\"") {
             // A strong comparison: a weak stored tag never matches.
-            obj.etag.as_deref().is_some_and(|e| e.trim_ascii() == ir)
+            obj.etag().is_some_and(|e| e.trim_ascii() == ir)
         } else {
-            !ir.starts_with(b"W/") && ir == obj.last_modified.trim_ascii()
+            !ir.starts_with(b"W/") && ir == obj.last_modified().trim_ascii()
         };
         if !ok {
             return Part::Whole;
@@ -564,9 +592,6 @@ fn stored_head(obj: &Object, status: u16, age: u64, detail: &str, head: &mut Res
     if status == 304 {
         head.headers.remove_known(known::CONTENT_LENGTH);
     }
-    if !obj.headers.has_known(known::LAST_MODIFIED) {
-        head.headers.append(b"Last-Modified", &obj.last_modified);
-    }
     head.headers.remove_known(known::AGE);
     head.headers
         .append(b"Age", itoa::Buffer::new().format(age).as_bytes());
@@ -621,7 +646,7 @@ impl ResponseSource for CacheSource {
 /// A fill in flight, streamed to a follower as the leader gets it.
 pub struct Follow {
     buf: Arc<FillBuf>,
-    head: Arc<FillHead>,
+    head: Box<FillHead>,
     rx: tokio::sync::watch::Receiver<u64>,
     index: usize,
     cur: bytes::Bytes,
@@ -739,15 +764,16 @@ fn store(
     lifetime: u64,
 ) {
     let now = pier_cache::now();
-    let etag = headers.get_known(known::ETAG).map(|e| e.to_vec());
-    let last_modified = headers
-        .get_known(known::LAST_MODIFIED)
-        .map(|l| l.to_vec())
+    let mut headers = headers;
+    if !headers.has_known(known::LAST_MODIFIED) {
         // Synthetic Last-Modified (Smart Edge Revalidation): clients'
-        // revalidations can become 304s without an origin validator.
-        .unwrap_or_else(|| {
-            pier_http::date::with_date(now.saturating_mul(1_000_000_000), |d| d.to_vec())
+        // revalidations can become 304s without an origin validator. It is
+        // one of the stored fields (`stored_fields` left room for it), so
+        // every hit sends it and revalidations with the origin use it.
+        pier_http::date::with_date(now.saturating_mul(1_000_000_000), |d| {
+            headers.append(b"Last-Modified", d)
         });
+    }
     let date = headers
         .get_known(known::DATE)
         .and_then(policy::http_date)
@@ -766,10 +792,8 @@ fn store(
         date,
         age_header,
         vary,
-        etag,
-        last_modified,
     };
-    fill.zone.insert(std::mem::take(&mut fill.key), obj);
+    fill.zone.insert(fill.key.clone(), obj);
 }
 
 /// The fields a stored response keeps: the origin's, minus hop-by-hop ones
@@ -778,13 +802,21 @@ fn store(
 /// appends: this runs on every stored miss.
 fn stored_fields(resp: &Headers) -> Headers {
     let mut h = Headers::default();
-    h.copy_from(resp);
+    if resp.has_known(known::LAST_MODIFIED) {
+        h.copy_from(resp);
+    } else {
+        // Room for the synthetic Last-Modified `store` adds.
+        h.copy_from_with_room(resp, LAST_MODIFIED_FIELD, 1);
+    }
     pier_http::remove_hop_by_hop(&mut h);
     h.remove_known(known::TRANSFER_ENCODING);
     h.remove_known(known::SURROGATE_CONTROL);
     h.remove_known(known::CACHE_STATUS);
     h
 }
+
+/// Bytes of a `Last-Modified: <IMF-fixdate>` field in a `Headers` arena.
+const LAST_MODIFIED_FIELD: usize = b"Last-Modified".len() + 29;
 
 /// Fields a stored response does not keep: hop-by-hop ones, those the
 /// origin's `Connection` names, and `Surrogate-Control` (meant for Pier).
@@ -867,8 +899,6 @@ impl<S: ResponseSource> TeeSource<S> {
             date: now,
             age_header: 0,
             vary: stale.vary.clone(),
-            etag: stale.etag.clone(),
-            last_modified: stale.last_modified.clone(),
         }
     }
 }
@@ -1006,20 +1036,19 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
             None => {
                 self.done = true;
                 if let (Some((status, _)), Some(_)) = (self.head.take(), self.body.take()) {
-                    let (mut pieces, head) = self.buf.finish();
-                    let body = match pieces.len() {
-                        0 => bytes::Bytes::new(),
-                        1 => pieces.pop().unwrap_or_default(),
-                        _ => bytes::Bytes::from(pieces.concat()),
-                    };
+                    let (body, head) = self.buf.finish();
                     // Published at the first body read, so here unless the
                     // fill was cut (then nothing is stored).
                     if let Some(head) = head {
-                        let headers = Arc::try_unwrap(head)
-                            .map(|h| h.headers)
-                            .unwrap_or_else(|h| h.headers.clone());
                         let cc = std::mem::take(&mut self.cc);
-                        store(status, headers, cc, body, &mut self.fill, self.lifetime);
+                        store(
+                            status,
+                            head.headers,
+                            cc,
+                            body,
+                            &mut self.fill,
+                            self.lifetime,
+                        );
                     }
                 } else {
                     self.buf.close();

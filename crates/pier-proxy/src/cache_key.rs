@@ -33,8 +33,24 @@ pub const MAX_KEY: usize = 4096;
 
 /// The cache key of this request on `route` (a hook's key wins).
 pub fn key(state: &State, sess: &Session, route: usize, ctl: Option<&CacheCtl>) -> Vec<u8> {
-    if let Some(k) = ctl.and_then(|c| c.key.as_ref()) {
-        return k.clone();
+    let mut k = Vec::new();
+    key_into(&mut k, state, sess, route, ctl);
+    k
+}
+
+/// `key`, written into `k` (cleared first; a buffer reused from request
+/// to request, so that a lookup allocates no key).
+pub fn key_into(
+    k: &mut Vec<u8>,
+    state: &State,
+    sess: &Session,
+    route: usize,
+    ctl: Option<&CacheCtl>,
+) {
+    k.clear();
+    if let Some(hook) = ctl.and_then(|c| c.key.as_ref()) {
+        k.extend_from_slice(hook);
+        return;
     }
     let host = sess.req.host().unwrap_or(b"");
     let target = sess
@@ -47,11 +63,10 @@ pub fn key(state: &State, sess: &Session, route: usize, ctl: Option<&CacheCtl>) 
         .as_ref()
         .and_then(|c| c.key.as_ref());
     match spec {
-        None => pier_cache::key(sess.scheme(), host, target),
+        None => pier_cache::key_into(k, sess.scheme(), host, target),
         Some(spec) => {
-            let mut k = url_key(sess.scheme(), host, target, Some(spec));
-            extras(&mut k, spec, &sess.req.headers);
-            k
+            url_key_into(k, sess.scheme(), host, target, Some(spec));
+            extras(k, spec, &sess.req.headers);
         }
     }
 }
@@ -59,8 +74,21 @@ pub fn key(state: &State, sess: &Session, route: usize, ctl: Option<&CacheCtl>) 
 /// The part of a key made from the URL: the default key, with the query
 /// kept, sorted or dropped and its parameters filtered as `spec` says.
 pub fn url_key(scheme: &str, host: &[u8], target: &[u8], spec: Option<&CacheKey>) -> Vec<u8> {
+    let mut k = Vec::new();
+    url_key_into(&mut k, scheme, host, target, spec);
+    k
+}
+
+/// `url_key`, appended to `k`.
+fn url_key_into(
+    k: &mut Vec<u8>,
+    scheme: &str,
+    host: &[u8],
+    target: &[u8],
+    spec: Option<&CacheKey>,
+) {
     let Some(spec) = spec else {
-        return pier_cache::key(scheme, host, target);
+        return pier_cache::key_into(k, scheme, host, target);
     };
     let (path, query) = match target.iter().position(|&c| c == b'?') {
         Some(i) => (&target[..i], &target[i + 1..]),
@@ -85,7 +113,7 @@ pub fn url_key(scheme: &str, host: &[u8], target: &[u8], spec: Option<&CacheKey>
             t.extend_from_slice(p);
         }
     }
-    pier_cache::key(scheme, host, &t)
+    pier_cache::key_into(k, scheme, host, &t)
 }
 
 /// The header and cookie parts of a key.
