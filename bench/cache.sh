@@ -39,6 +39,9 @@ ZIPF_REQUESTS="${ZIPF_REQUESTS:-40000}"
 ZIPF_KEYS="${ZIPF_KEYS:-200000}"
 ZIPF_S="${ZIPF_S:-0.9}"
 PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
+# A second build to compare in the same interleaved run: proxy "pier-b" (cache on), e.g.
+# PIER_BIN_B=<before> PARTS=miss MISS_PROXIES=pier,pier-b,pier-plain.
+PIER_BIN_B="${PIER_BIN_B:-}"
 SKIP_INSTALL="${SKIP_INSTALL:-0}"
 SKIP_BUILD="${SKIP_BUILD:-0}"
 OUT_DIR="${OUT_DIR:-$BENCH_DIR/out}"
@@ -104,7 +107,7 @@ start_proxy() {
     ADMIN_PORT=""
     rm -rf "$dir"; mkdir -p "$dir/logs/tmp"; chmod -R 755 "$dir"
     case "$name" in
-        pier|pier-plain|pier-disk)
+        pier|pier-plain|pier-disk|pier-b)
             template "$PEERS/pier.toml" "$dir/pier.toml" "$port"
             if [ "$name" = pier-plain ]; then
                 sed -i -e '/^\[route.cache\]/d' -e '/^zone = "main"/d' "$dir/pier.toml"
@@ -114,7 +117,9 @@ start_proxy() {
             [ -n "$extra" ] && printf '%s\n' "$extra" >>"$dir/pier.toml"
             ADMIN_PORT="$(python3 "$BENCH_DIR/tool.py" port)"
             printf '\n[admin]\nlisten = "127.0.0.1:%s"\n' "$ADMIN_PORT" >>"$dir/pier.toml"
-            "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
+            local bin="$PIER_BIN"
+            [ "$name" = pier-b ] && bin="${PIER_BIN_B:?pier-b needs PIER_BIN_B}"
+            "$bin" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
             ;;
         varnish|varnish-plain)
             template "$PEERS/varnish.vcl" "$dir/default.vcl" "$port"

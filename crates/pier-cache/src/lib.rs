@@ -12,6 +12,7 @@
 //! docs/cache.md): admission by HTTP semantics and by hits, fill locks,
 //! Vary variants and files that outlive a restart are Pier's own.
 
+mod counter;
 mod disk;
 pub mod fill;
 pub mod mapped;
@@ -20,6 +21,7 @@ pub mod policy;
 pub mod tags;
 
 use bytes::Bytes;
+pub use counter::Counter;
 use disk::Disk;
 pub use disk::{DiskConfig, DiskStats};
 pub use mapped::MappedBody;
@@ -28,7 +30,7 @@ use parking_lot::Mutex;
 use pier_http::Headers;
 use policy::CacheControl;
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -140,24 +142,24 @@ pub fn vary_of(resp: &Headers, req: &Headers) -> Vec<(Vec<u8>, Option<Vec<u8>>)>
     out
 }
 
-/// Lookups by result, and storage counters.
+/// Lookups by result, and storage counters (sharded per thread: `counter`).
 #[derive(Debug, Default)]
 pub struct Stats {
-    pub hit: AtomicU64,
-    pub miss: AtomicU64,
-    pub stale: AtomicU64,
+    pub hit: Counter,
+    pub miss: Counter,
+    pub stale: Counter,
     /// A stored response was found stale and went to the origin.
-    pub expired: AtomicU64,
+    pub expired: Counter,
     /// A stale response was served while a background refresh ran
     /// (stale-while-revalidate).
-    pub updating: AtomicU64,
-    pub revalidated: AtomicU64,
-    pub coalesced: AtomicU64,
-    pub pass: AtomicU64,
-    pub stored: AtomicU64,
+    pub updating: Counter,
+    pub revalidated: Counter,
+    pub coalesced: Counter,
+    pub pass: Counter,
+    pub stored: Counter,
     /// Keys evicted from the memory tier.
-    pub evicted: AtomicU64,
-    pub lock_timeouts: AtomicU64,
+    pub evicted: Counter,
+    pub lock_timeouts: Counter,
     /// The disk tier's counters (zero without one).
     pub disk: DiskStats,
 }
@@ -176,6 +178,15 @@ pub struct FillGuard {
     zone: Arc<Zone>,
     /// What the fill publishes for its followers (`fill.rs`); holds the key.
     pub buf: Arc<fill::FillBuf>,
+}
+
+/// A zone's fills in flight, and the keys found uncacheable lately
+/// (hit-for-miss: key → until, Unix seconds). Both are looked up on every
+/// miss: foldhash (randomly seeded), not SipHash.
+#[derive(Default)]
+struct Fills {
+    table: HashSet<FillEntry, foldhash::fast::RandomState>,
+    hit_for_miss: HashMap<Vec<u8>, u64, foldhash::fast::RandomState>,
 }
 
 /// A zone's fill in flight, found in the zone's table by its key (which
@@ -205,7 +216,7 @@ impl Eq for FillEntry {}
 
 impl Drop for FillGuard {
     fn drop(&mut self) {
-        self.zone.fills.lock().remove(self.buf.key());
+        self.zone.fills.lock().table.remove(self.buf.key());
         // Followers still waiting look again.
         self.buf.close();
     }
@@ -215,7 +226,8 @@ impl FillGuard {
     /// The response is not cacheable: remember it for `for_secs`, so the
     /// next requests for the key skip the lock.
     pub fn uncacheable(&self, now: u64, for_secs: u64) {
-        let mut h = self.zone.hit_for_miss.lock();
+        let mut f = self.zone.fills.lock();
+        let h = &mut f.hit_for_miss;
         if h.len() >= 10_000 {
             h.retain(|_, until| *until > now);
             if h.len() >= 10_000 {
@@ -235,9 +247,9 @@ pub struct Zone {
     pub max_object: usize,
     mem: Mutex<Memory>,
     disk: Option<Disk>,
-    /// Both looked up on every miss: foldhash (randomly seeded), not SipHash.
-    fills: Mutex<HashSet<FillEntry, foldhash::fast::RandomState>>,
-    hit_for_miss: Mutex<HashMap<Vec<u8>, u64, foldhash::fast::RandomState>>,
+    /// Fills in flight and hit-for-miss keys, under one lock: a miss
+    /// takes it once to start its fill and once to end it.
+    fills: Mutex<Fills>,
     pub stats: Arc<Stats>,
     /// Tag → keys (`Surrogate-Key`, `Cache-Tag`), for purges by tag.
     pub tags: tags::TagIndex,
@@ -268,8 +280,7 @@ impl Zone {
             max_object: max_object.min(max_bytes),
             mem: Mutex::new(Memory::new(max_bytes)),
             disk,
-            fills: Mutex::new(HashSet::default()),
-            hit_for_miss: Mutex::new(HashMap::default()),
+            fills: Mutex::new(Fills::default()),
             stats,
             // About 100 bytes a pair: bounded to ~1/8 of the zone's bytes.
             tags: tags::TagIndex::new((max_bytes / 800).clamp(1024, 4_000_000)),
@@ -329,7 +340,7 @@ impl Zone {
                 on_disk: true,
             },
         );
-        self.stats.evicted.fetch_add(evicted.keys, Relaxed);
+        self.stats.evicted.add(evicted.keys);
         Some(obj)
     }
 
@@ -368,8 +379,8 @@ impl Zone {
                 on_disk: write_now,
             },
         );
-        self.stats.evicted.fetch_add(evicted.keys, Relaxed);
-        self.stats.stored.fetch_add(1, Relaxed);
+        self.stats.evicted.add(evicted.keys);
+        self.stats.stored.add(1);
         self.record_tags(&key, &obj.headers);
         if write_now {
             if let Some(d) = &self.disk {
@@ -416,24 +427,22 @@ impl Zone {
 
     /// Who fills `key` now.
     pub fn fill(self: &Arc<Self>, key: &Arc<[u8]>, now: u64) -> Fill {
-        {
-            let mut h = self.hit_for_miss.lock();
-            if !h.is_empty() {
-                match h.get(&key[..]) {
-                    Some(&until) if until > now => return Fill::Pass,
-                    Some(_) => {
-                        h.remove(&key[..]);
-                    }
-                    None => {}
+        let mut f = self.fills.lock();
+        let h = &mut f.hit_for_miss;
+        if !h.is_empty() {
+            match h.get(&key[..]) {
+                Some(&until) if until > now => return Fill::Pass,
+                Some(_) => {
+                    h.remove(&key[..]);
                 }
+                None => {}
             }
         }
-        let mut fills = self.fills.lock();
-        if let Some(FillEntry(buf)) = fills.get(&key[..]) {
+        if let Some(FillEntry(buf)) = f.table.get(&key[..]) {
             return Fill::Follower(buf.clone());
         }
         let buf = fill::FillBuf::keyed(key.clone(), self.max_object);
-        fills.insert(FillEntry(buf.clone()));
+        f.table.insert(FillEntry(buf.clone()));
         Fill::Leader(FillGuard {
             zone: self.clone(),
             buf,

@@ -64,10 +64,13 @@ pub(crate) struct Memory {
     next_gen: u64,
 }
 
-/// What an insert or a removal pushed out (counted by the zone).
+/// What an insert pushed out: counted by the zone, and dropped by it
+/// after the zone's lock is released (freeing an object touches memory
+/// gone cold; the other workers need not wait for that).
 #[derive(Default)]
 pub(crate) struct Evicted {
     pub keys: u64,
+    pub entries: SmallVec<[Entry; 2]>,
 }
 
 impl Memory {
@@ -253,7 +256,7 @@ impl Memory {
                     self.main_bytes += b;
                     self.main.push_back((h, g));
                 } else {
-                    self.remove_hash(h);
+                    out.entries.extend(self.remove_hash(h));
                     self.remember_ghost(h);
                     out.keys += 1;
                 }
@@ -274,7 +277,7 @@ impl Memory {
                 self.main.push_back((h, g));
                 continue;
             }
-            self.remove_hash(h);
+            out.entries.extend(self.remove_hash(h));
             out.keys += 1;
             return;
         }

@@ -638,7 +638,7 @@ pub fn render_metrics(shared: &Shared) -> String {
                     out,
                     "pier_cache_lookups_total{{zone=\"{}\",result=\"{result}\"}} {}",
                     z.name,
-                    n.load(Relaxed)
+                    n.get()
                 );
             }
         }
@@ -655,9 +655,9 @@ pub fn render_metrics(shared: &Shared) -> String {
                 out,
                 "pier_cache_objects{{zone=\"{n}\",tier=\"memory\"}} {objects}\npier_cache_bytes{{zone=\"{n}\",tier=\"memory\"}} {bytes}\npier_cache_capacity_bytes{{zone=\"{n}\",tier=\"memory\"}} {}\npier_cache_stored_total{{zone=\"{n}\"}} {}\npier_cache_evictions_total{{zone=\"{n}\",tier=\"memory\"}} {}\npier_cache_lock_timeouts_total{{zone=\"{n}\"}} {}",
                 z.capacity(),
-                z.stats.stored.load(Relaxed),
-                z.stats.evicted.load(Relaxed),
-                z.stats.lock_timeouts.load(Relaxed),
+                z.stats.stored.get(),
+                z.stats.evicted.get(),
+                z.stats.lock_timeouts.get(),
                 n = z.name,
             );
             if let Some((objects, bytes)) = disk {

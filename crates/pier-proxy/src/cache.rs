@@ -15,7 +15,6 @@ use pier_cache::{Fill, FillGuard, Object, Zone};
 use pier_error::Error;
 use pier_http::{known, Headers, Method, ResponseHead};
 use std::io::Write as _;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 /// A miss that may be stored: what the fill needs to know.
@@ -147,7 +146,7 @@ pub async fn lookup(
     let method = sess.req.method_kind();
     if !matches!(method, Method::Get | Method::Head) {
         // Unsafe methods invalidate once answered (`after_response`).
-        zone.stats.pass.fetch_add(1, Relaxed);
+        zone.stats.pass.add(1);
         sess.cache = CacheResult::Pass;
         return Lookup::Miss(None);
     }
@@ -172,14 +171,14 @@ pub async fn lookup(
             let age = obj.age(now);
             match policy::usable(obj.lifetime, age, &obj.cc, &cc) {
                 Use::Fresh if !refresh => {
-                    zone.stats.hit.fetch_add(1, Relaxed);
+                    zone.stats.hit.add(1);
                     sess.cache = CacheResult::Hit;
                     return Lookup::Hit(CacheSource::new(obj, sess, age, "hit"));
                 }
                 Use::StaleWhileRevalidate if !refresh => {
                     // Served stale now; one background refresh per key.
                     if start_refresh(&zone, key) {
-                        zone.stats.updating.fetch_add(1, Relaxed);
+                        zone.stats.updating.add(1);
                         sess.cache = CacheResult::Updating;
                         let mut src =
                             CacheSource::new(obj, sess, age, "hit; detail=stale-while-revalidate");
@@ -188,7 +187,7 @@ pub async fn lookup(
                         }
                         return Lookup::Hit(src);
                     }
-                    zone.stats.stale.fetch_add(1, Relaxed);
+                    zone.stats.stale.add(1);
                     sess.cache = CacheResult::Stale;
                     return Lookup::Hit(CacheSource::new(
                         obj,
@@ -206,14 +205,14 @@ pub async fn lookup(
         if sess.req.headers.has_known(known::RANGE) {
             // A partial answer is not stored: the range goes to the origin
             // without a fill (the next full GET fills the key).
-            zone.stats.pass.fetch_add(1, Relaxed);
+            zone.stats.pass.add(1);
             sess.cache = CacheResult::Pass;
             return Lookup::Miss(None);
         }
         if method == Method::Head {
             // A HEAD is answered from a stored GET, but its own answer has
             // no body to store: it goes to the origin without a fill.
-            zone.stats.pass.fetch_add(1, Relaxed);
+            zone.stats.pass.add(1);
             sess.cache = CacheResult::Pass;
             return Lookup::Miss(None);
         }
@@ -225,7 +224,7 @@ pub async fn lookup(
                 match buf.wait_head(rc.lock_timeout).await {
                     // Readers follow the writer: the body as it arrives.
                     HeadWait::Head(head) if plain && !refresh => {
-                        zone.stats.coalesced.fetch_add(1, Relaxed);
+                        zone.stats.coalesced.add(1);
                         sess.cache = CacheResult::Coalesced;
                         return Lookup::Hit(CacheSource::Follow(Box::new(Follow {
                             rx: buf.subscribe(),
@@ -240,26 +239,26 @@ pub async fn lookup(
                     // the stored object once the fill ends.
                     HeadWait::Head(_) => {
                         if buf.wait_end(rc.lock_timeout).await {
-                            zone.stats.coalesced.fetch_add(1, Relaxed);
+                            zone.stats.coalesced.add(1);
                             sess.cache = CacheResult::Coalesced;
                         } else {
-                            zone.stats.lock_timeouts.fetch_add(1, Relaxed);
+                            zone.stats.lock_timeouts.add(1);
                             break (None, stale);
                         }
                     }
                     HeadWait::Again => {
-                        zone.stats.coalesced.fetch_add(1, Relaxed);
+                        zone.stats.coalesced.add(1);
                         sess.cache = CacheResult::Coalesced;
                     }
                     HeadWait::Timeout => {
-                        zone.stats.lock_timeouts.fetch_add(1, Relaxed);
+                        zone.stats.lock_timeouts.add(1);
                         break (None, stale);
                     }
                 }
             }
             Fill::Follower(_) => break (None, stale),
             Fill::Pass => {
-                zone.stats.pass.fetch_add(1, Relaxed);
+                zone.stats.pass.add(1);
                 sess.cache = CacheResult::Pass;
                 return Lookup::Miss(None);
             }
@@ -267,10 +266,10 @@ pub async fn lookup(
     };
     let (guard, stale) = guard;
     if stale.is_some() {
-        zone.stats.expired.fetch_add(1, Relaxed);
+        zone.stats.expired.add(1);
         sess.cache = CacheResult::Expired;
     } else {
-        zone.stats.miss.fetch_add(1, Relaxed);
+        zone.stats.miss.add(1);
         sess.cache = CacheResult::Miss;
     }
     // The origin gets an unconditional request (what comes back is stored
@@ -916,7 +915,7 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
                 let age = stale.age(now);
                 if policy::usable_on_error(stale.lifetime, age, &stale.cc, &f.req_cc, f.grace) {
                     // The origin failed: the stored response instead.
-                    f.zone.stats.stale.fetch_add(1, Relaxed);
+                    f.zone.stats.stale.add(1);
                     self.result = Some(CacheResult::Stale);
                     self.buf.pass();
                     let mut src = Stored::answer(
@@ -935,7 +934,7 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
         if head.status == 304 {
             if let Some(stale) = f.stale.clone() {
                 // Revalidated: the stored object, its fields updated.
-                f.zone.stats.revalidated.fetch_add(1, Relaxed);
+                f.zone.stats.revalidated.add(1);
                 self.result = Some(CacheResult::Revalidated);
                 let obj = self.revalidated(&stale, head, now);
                 self.fill.zone.insert(self.fill.key.clone(), obj.clone());
@@ -1158,7 +1157,7 @@ pub async fn stale_on_error(
     if !policy::usable_on_error(obj.lifetime, age, &obj.cc, &cc, rc.grace.as_secs()) {
         return None;
     }
-    zone.stats.stale.fetch_add(1, Relaxed);
+    zone.stats.stale.add(1);
     sess.cache = CacheResult::Stale;
     let sess = &*sess;
     Some(CacheSource::new(
