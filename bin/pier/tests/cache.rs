@@ -658,6 +658,45 @@ fn a_hundred_concurrent_cold_requests_reach_the_origin_once() {
     );
 }
 
+/// A synthetic Last-Modified answers revalidations but gives no heuristic
+/// freshness: a `public` response without validators or a lifetime is
+/// revalidated on every use, also after a 304 (whose Date, a day ahead,
+/// would make a Last-Modified-based heuristic lifetime of hours).
+#[test]
+fn a_synthetic_last_modified_gives_no_heuristic_freshness() {
+    let o = Script::start(|_, _, n| {
+        if n == 1 {
+            Answer::Send(
+                "HTTP/1.1 200 OK\r\nCache-Control: public\r\nContent-Length: 2".into(),
+                vec![(Duration::ZERO, b"v1".to_vec())],
+            )
+        } else {
+            let tomorrow = std::time::SystemTime::now() + Duration::from_secs(86_400);
+            Answer::Send(
+                format!(
+                    "HTTP/1.1 304 Not Modified\r\nDate: {}",
+                    httpdate::fmt_http_date(tomorrow)
+                ),
+                Vec::new(),
+            )
+        }
+    });
+    // No route TTL: the response's own freshness (none) decides.
+    let cfg = cache_config(o.addr, "").replace("ttl = { \"200\" = \"60s\" }\n", "");
+    assert!(!cfg.contains("ttl ="), "{cfg}");
+    let pier = pier(&cfg);
+    let addr = pier.listener("main");
+    let r = RawConn::connect(addr).get("/p").unwrap();
+    assert_eq!(r.body, b"v1");
+    assert!(r.header("last-modified").is_none(), "{r:?}");
+    for want in 2..=4 {
+        let r = RawConn::connect(addr).get("/p").unwrap();
+        assert_eq!((r.status, &r.body[..]), (200, &b"v1"[..]), "{r:?}");
+        assert!(r.header("last-modified").is_some(), "{r:?}");
+        assert_eq!(o.requests(), want, "revalidated on every use: {r:?}");
+    }
+}
+
 #[test]
 fn stale_while_revalidate_serves_stale_and_refreshes_once_in_the_background() {
     // v1, then v2 after 1.5 s (a slow refresh the clients must not wait on).

@@ -442,12 +442,11 @@ fn encode_meta(key: &[u8], o: &Object) -> Vec<u8> {
     }
     // ETag and Last-Modified are in the fields too; they keep their
     // places in the format so that files of earlier runs still read.
-    match o.etag() {
-        Some(e) => {
-            m.push(1);
-            put_bytes(&mut m, e);
-        }
-        None => m.push(0),
+    // Bit 0: an ETag follows; bit 1: the Last-Modified is synthetic.
+    let flags = u8::from(o.etag().is_some()) | u8::from(o.synthetic_lm) << 1;
+    m.push(flags);
+    if let Some(e) = o.etag() {
+        put_bytes(&mut m, e);
     }
     put_bytes(&mut m, o.last_modified());
     m.extend_from_slice(&(o.vary.len() as u32).to_le_bytes());
@@ -512,7 +511,16 @@ fn decode_meta(meta: &[u8]) -> Option<(Box<[u8]>, Object)> {
     let status = r.u16()?;
     let (lifetime, request_time, response_time, date, age_header) =
         (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
-    let etag = r.opt()?;
+    let flags = r.u8()?;
+    if flags > 3 {
+        return None;
+    }
+    let etag = if flags & 1 != 0 {
+        Some(r.bytes()?)
+    } else {
+        None
+    };
+    let mut synthetic_lm = flags & 2 != 0;
     let last_modified = r.bytes()?;
     let nv = r.u32()? as usize;
     let mut vary = Vec::with_capacity(nv.min(64));
@@ -533,7 +541,9 @@ fn decode_meta(meta: &[u8]) -> Option<(Box<[u8]>, Object)> {
         headers.append(b"ETag", e);
     }
     if !last_modified.is_empty() && !headers.has_known(known::LAST_MODIFIED) {
+        // Only a synthetic one was kept out of the fields.
         headers.append(b"Last-Modified", last_modified);
+        synthetic_lm = true;
     }
     let cc = crate::policy::CacheControl::parse(&headers);
     Some((
@@ -550,6 +560,7 @@ fn decode_meta(meta: &[u8]) -> Option<(Box<[u8]>, Object)> {
             age_header,
             cc,
             vary,
+            synthetic_lm,
         },
     ))
 }
@@ -860,6 +871,7 @@ mod tests {
             age_header: 0,
             cc: crate::policy::CacheControl::default(),
             vary: Vec::new(),
+            synthetic_lm: false,
         }
     }
 
@@ -1007,11 +1019,18 @@ mod tests {
         assert_eq!(&key[..], b"k");
         assert_eq!(o.etag(), Some(&b"\"old\""[..]));
         assert_eq!(o.last_modified(), b"Tue, 24 Nov 2026 00:00:00 GMT");
+        // Then only a synthetic Last-Modified was kept out of the fields.
+        assert!(o.synthetic_lm);
 
-        let o = obj(b"x", 60);
+        let mut o = obj(b"x", 60);
         let (_, back) = decode_meta(&encode_meta(b"k", &o)).expect("a new meta reads");
         assert_eq!(back.headers.get_all(b"etag").count(), 1);
         assert_eq!(back.headers.get_all(b"last-modified").count(), 1);
         assert_eq!(back.etag(), Some(&b"\"e1\""[..]));
+        assert!(!back.synthetic_lm);
+        o.synthetic_lm = true;
+        let (_, back) = decode_meta(&encode_meta(b"k", &o)).expect("a new meta reads");
+        assert!(back.synthetic_lm);
+        assert_eq!(back.headers.get_all(b"last-modified").count(), 1);
     }
 }

@@ -55,6 +55,9 @@ pub struct Object {
     pub cc: CacheControl,
     /// The request's values of the fields named by Vary (lower-cased names).
     pub vary: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+    /// Its Last-Modified field is Pier's (the origin sent no validator):
+    /// it answers clients' revalidations, but gives no heuristic freshness.
+    pub synthetic_lm: bool,
 }
 
 impl Object {
@@ -538,6 +541,7 @@ mod tests {
             age_header: 0,
             cc: CacheControl::default(),
             vary,
+            synthetic_lm: false,
         }
     }
 

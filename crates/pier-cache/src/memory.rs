@@ -313,6 +313,7 @@ mod tests {
                 age_header: 0,
                 cc: Default::default(),
                 vary: Vec::new(),
+                synthetic_lm: false,
             }),
             hits: 0,
             on_disk: false,

@@ -764,7 +764,8 @@ fn store(
 ) {
     let now = pier_cache::now();
     let mut headers = headers;
-    if !headers.has_known(known::LAST_MODIFIED) {
+    let synthetic_lm = !headers.has_known(known::LAST_MODIFIED);
+    if synthetic_lm {
         // Synthetic Last-Modified (Smart Edge Revalidation): clients'
         // revalidations can become 304s without an origin validator. It is
         // one of the stored fields (`stored_fields` left room for it), so
@@ -791,6 +792,7 @@ fn store(
         date,
         age_header,
         vary,
+        synthetic_lm,
     };
     fill.zone.insert(fill.key.clone(), obj);
 }
@@ -866,7 +868,14 @@ impl<S: ResponseSource> TeeSource<S> {
     fn revalidated(&self, stale: &Object, head: &ResponseHead, now: u64) -> Object {
         let f = &self.fill;
         let mut headers = Headers::default();
+        // A synthetic Last-Modified stays Pier's unless the origin now sends
+        // one; it is left out while freshness is worked out (it must not
+        // give heuristic freshness) and put back after.
+        let synthetic_lm = stale.synthetic_lm && !head.headers.has_known(known::LAST_MODIFIED);
         for (k, v) in stale.headers.iter() {
+            if synthetic_lm && k.eq_ignore_ascii_case(b"last-modified") {
+                continue;
+            }
             if head.headers.get(k).is_none() || !updatable(k) {
                 headers.append(k, v);
             }
@@ -886,6 +895,9 @@ impl<S: ResponseSource> TeeSource<S> {
             &f.policy,
         )
         .unwrap_or(0);
+        if synthetic_lm {
+            headers.append(b"Last-Modified", stale.last_modified());
+        }
         Object {
             status: stale.status,
             cc: CacheControl::parse(&headers),
@@ -898,6 +910,7 @@ impl<S: ResponseSource> TeeSource<S> {
             date: now,
             age_header: 0,
             vary: stale.vary.clone(),
+            synthetic_lm,
         }
     }
 }
