@@ -114,11 +114,6 @@ impl FillBuf {
         &self.key
     }
 
-    /// The key filled, shared.
-    pub fn shared_key(&self) -> &Arc<[u8]> {
-        &self.key
-    }
-
     /// Wake the followers. Skipped when none is subscribed (the usual
     /// miss): a reader subscribes before it looks at the state, and the
     /// state is changed (under its lock) before this runs, so a reader

@@ -76,7 +76,7 @@ impl Object {
         self.headers.get_known(pier_http::known::ETAG)
     }
     /// Its Last-Modified: the origin's, or the synthetic one the fill
-    /// added to its fields (`with_synthetic_last_modified`), so that
+    /// added to its fields when it stored the response (`synthetic_lm`), so that
     /// clients' revalidations can become 304s without an origin validator.
     pub fn last_modified(&self) -> &[u8] {
         self.headers
