@@ -245,8 +245,9 @@ fn understood(status: u16) -> bool {
 /// Route settings that bear on storing.
 #[derive(Debug, Clone, Default)]
 pub struct StorePolicy {
-    /// TTL by status for responses that carry no freshness of their own.
-    pub default_ttl: Vec<(u16, u64)>,
+    /// TTL by status for responses that carry no freshness of their own
+    /// (built per miss: a few statuses inline, no allocation).
+    pub default_ttl: smallvec::SmallVec<[(u16, u64); 4]>,
     /// Use `default_ttl` even when the origin says otherwise.
     pub override_origin: bool,
     /// Heuristic freshness: this fraction of the Last-Modified age...
