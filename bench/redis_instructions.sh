@@ -11,6 +11,8 @@
 #
 #   bash bench/redis_instructions.sh                 # N1=1000 N2=5000 C=10
 #   C=500 N1=2000 N2=8000 bash bench/redis_instructions.sh
+#   CACHE_SIM=1 C=500 N1=2000 N2=8000 bash bench/redis_instructions.sh
+#                                                    # and simulated L1d/L2 data misses per request
 #   KEEP=1 ...                                       # keep the callgrind files
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -20,6 +22,11 @@ PIER_LUA_LIBS="${PIER_LUA_LIBS:-$ROOT/target/lualibs/root/usr/share/lua/5.1}"
 N1="${N1:-1000}"
 N2="${N2:-5000}"
 C="${C:-10}"
+# CACHE_SIM=1: callgrind also simulates this machine's data caches per core (48 KiB L1d,
+# 2 MiB L2) and reports their misses per request: state per connection that no longer fits
+# shows there, not in Ir.
+SIM=()
+[ "${CACHE_SIM:-0}" = 1 ] && SIM=(--cache-sim=yes --I1=32768,8,64 --D1=49152,12,64 --LL=2097152,16,64)
 for t in valgrind callgrind_annotate h2load nginx redis-server redis-cli; do
   command -v "$t" >/dev/null || { echo "needs $t (apt-get install valgrind nghttp2-client nginx redis-server)" >&2; exit 1; }
 done
@@ -54,7 +61,7 @@ instructions() {
       "$BENCH/peers/redis/nginx.conf" >"$dir/nginx.conf"
     cmd=(nginx -p "$dir/" -c nginx.conf -e "$dir/logs/error.log")
   fi
-  valgrind --tool=callgrind --callgrind-out-file="$dir/cg.out" "${cmd[@]}" >"$dir/proxy.log" 2>&1 &
+  valgrind --tool=callgrind "${SIM[@]}" --callgrind-out-file="$dir/cg.out" "${cmd[@]}" >"$dir/proxy.log" 2>&1 &
   local vp=$!
   python3 "$BENCH/tool.py" wait-port "$p" 120 --pid "$vp"
   redis-cli -p "$REDIS_PORT" SET hits 0 >/dev/null
@@ -63,14 +70,34 @@ instructions() {
   local hits; hits="$(redis-cli -p "$REDIS_PORT" GET hits)"
   [ "$hits" = "$n" ] || echo "$proxy: redis counted $hits INCRs for $n requests" >&2
   kill -TERM "$vp"; wait "$vp" || true
-  { callgrind_annotate "$dir"/cg.out* 2>/dev/null || true; } | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }'
+  # "Ir D1miss L2miss" (the misses are 0 without CACHE_SIM=1).
+  python3 - "$dir"/cg.out* <<'PY'
+import sys
+tot = {}
+for path in sys.argv[1:]:
+    ev = None
+    for line in open(path, errors="replace"):
+        if line.startswith("events:"):
+            ev = line.split()[1:]
+        elif line.startswith("totals:") and ev:
+            for k, v in zip(ev, line.split()[1:]):
+                tot[k] = tot.get(k, 0) + int(v)
+print(tot.get("Ir", 0), tot.get("D1mr", 0) + tot.get("D1mw", 0), tot.get("DLmr", 0) + tot.get("DLmw", 0))
+PY
 }
 
-printf "%-8s %14s %14s %12s   (C=%s connections)\n" "proxy" "Ir(N1=$N1)" "Ir(N2=$N2)" "Ir/request" "$C"
+printf "%-8s %14s %14s %12s" "proxy" "Ir(N1=$N1)" "Ir(N2=$N2)" "Ir/request"
+[ "${CACHE_SIM:-0}" = 1 ] && printf " %13s %12s" "L1d miss/req" "L2 miss/req"
+printf "   (C=%s connections)\n" "$C"
 declare -A PER
 for proxy in ${PROXIES:-pier nginx}; do
-  a="$(instructions "$proxy" "$N1")"; b="$(instructions "$proxy" "$N2")"
+  read -r a a1 a2 <<<"$(instructions "$proxy" "$N1")"
+  read -r b b1 b2 <<<"$(instructions "$proxy" "$N2")"
   PER[$proxy]=$(( (b - a) / (N2 - N1) ))
-  printf "%-8s %14s %14s %12s\n" "$proxy" "$a" "$b" "${PER[$proxy]}"
+  printf "%-8s %14s %14s %12s" "$proxy" "$a" "$b" "${PER[$proxy]}"
+  if [ "${CACHE_SIM:-0}" = 1 ]; then
+    printf " %13s %12s" "$(( (b1 - a1) / (N2 - N1) ))" "$(( (b2 - a2) / (N2 - N1) ))"
+  fi
+  printf "\n"
 done
 [ -n "${PER[pier]:-}" ] && [ -n "${PER[nginx]:-}" ] && python3 -c "p, n = ${PER[pier]}, ${PER[nginx]}; print(f'Pier / nginx: {p / n:.2f}x the instructions per request')"
