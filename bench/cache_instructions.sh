@@ -76,21 +76,7 @@ instructions() {
   done
   kill -TERM "$vp"; wait "$vp" || true
   # Ir, and with CACHE_SIM=1 the data misses of the simulated L1 and L2: "Ir D1miss L2miss".
-  python3 - "$dir"/cg.out* <<'PY'
-import sys
-tot = {}
-for path in sys.argv[1:]:
-    ev = None
-    for line in open(path, errors="replace"):
-        if line.startswith("events:"):
-            ev = line.split()[1:]
-        elif line.startswith("totals:") and ev:
-            for k, v in zip(ev, line.split()[1:]):
-                tot[k] = tot.get(k, 0) + int(v)
-d1 = tot.get("D1mr", 0) + tot.get("D1mw", 0)
-ll = tot.get("DLmr", 0) + tot.get("DLmw", 0)
-print(tot.get("Ir", 0), d1, ll)
-PY
+  python3 "$BENCH/tool.py" cg-totals "$dir"/cg.out*
 }
 
 printf "%-12s %-8s %14s %14s %12s" mode path "Ir(N1=$N1)" "Ir(N2=$N2)" "Ir/request"

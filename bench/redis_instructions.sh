@@ -71,19 +71,7 @@ instructions() {
   [ "$hits" = "$n" ] || echo "$proxy: redis counted $hits INCRs for $n requests" >&2
   kill -TERM "$vp"; wait "$vp" || true
   # "Ir D1miss L2miss" (the misses are 0 without CACHE_SIM=1).
-  python3 - "$dir"/cg.out* <<'PY'
-import sys
-tot = {}
-for path in sys.argv[1:]:
-    ev = None
-    for line in open(path, errors="replace"):
-        if line.startswith("events:"):
-            ev = line.split()[1:]
-        elif line.startswith("totals:") and ev:
-            for k, v in zip(ev, line.split()[1:]):
-                tot[k] = tot.get(k, 0) + int(v)
-print(tot.get("Ir", 0), tot.get("D1mr", 0) + tot.get("D1mw", 0), tot.get("DLmr", 0) + tot.get("DLmw", 0))
-PY
+  python3 "$BENCH/tool.py" cg-totals "$dir"/cg.out*
 }
 
 printf "%-8s %14s %14s %12s" "proxy" "Ir(N1=$N1)" "Ir(N2=$N2)" "Ir/request"

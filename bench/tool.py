@@ -650,6 +650,23 @@ def pier_config(a):
 # ---------------------------------------------------------------- main
 
 
+def cg_totals(paths):
+    """Totals of callgrind output files, summed: (Ir, L1d misses, LL misses); the misses are
+    0 unless callgrind ran with --cache-sim=yes."""
+    tot = {}
+    for path in paths:
+        ev = None
+        for line in open(path, errors="replace"):
+            if line.startswith("events:"):
+                ev = line.split()[1:]
+            elif line.startswith("totals:") and ev:
+                for k, v in zip(ev, line.split()[1:]):
+                    tot[k] = tot.get(k, 0) + int(v)
+    d1 = tot.get("D1mr", 0) + tot.get("D1mw", 0)
+    ll = tot.get("DLmr", 0) + tot.get("DLmw", 0)
+    return tot.get("Ir", 0), d1, ll
+
+
 def main():
     ap = argparse.ArgumentParser()
     sp = ap.add_subparsers(dest="cmd", required=True)
@@ -689,6 +706,8 @@ def main():
     rs.add_argument("--tls", choices=("1.3", "1.2"), default="1.3")
     rs.add_argument("--full", action="store_true", help="never offer a session (control)")
     rs.add_argument("--path", default="/hello")
+    g = sp.add_parser("cg-totals", help="Ir, L1d and LL data misses of callgrind files")
+    g.add_argument("files", nargs="+")
     p = sp.add_parser("pier-config")
     p.add_argument("src")
     p.add_argument("dst")
@@ -715,6 +734,8 @@ def main():
         return idle(a)
     elif a.cmd == "resume":
         return resume(a)
+    elif a.cmd == "cg-totals":
+        print(*cg_totals(a.files))
     elif a.cmd == "pier-config":
         return pier_config(a)
     return 0
