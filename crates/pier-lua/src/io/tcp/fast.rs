@@ -96,9 +96,13 @@ pub(super) struct OpState {
     /// Flushed bytes of `wbuf`, and the size of the send in progress.
     wpos: usize,
     wtotal: usize,
-    /// A new connection being opened by [`connect_new`].
-    pub(super) connecting:
-        Option<Pin<Box<dyn Future<Output = std::io::Result<tokio::net::TcpStream>>>>>,
+    /// A new connection being opened by [`connect_new`] (registered,
+    /// waiting to become writable).
+    pub(super) connecting: Option<tokio::net::TcpStream>,
+    /// The connection opened inside `connect(2)` and nothing was written
+    /// yet: the poller has not reported it writable, so the first write
+    /// is tried directly (see [`open_tcp`]).
+    pub(super) fresh: bool,
 }
 
 thread_local! {
@@ -110,6 +114,51 @@ thread_local! {
 const MAX_SPARE: usize = 256;
 /// Receive buffers larger than this are not kept by a recycled socket.
 const KEEP_RBUF: usize = 64 << 10;
+
+/// A non-blocking connect to `addr`, and whether it is already open.
+///
+/// To a local address the handshake completes inside `connect(2)` (the
+/// kernel runs the peer's side in the same call), so the socket is
+/// usually open when it returns "in progress": checked with
+/// `getpeername`, the request goes on at once instead of waiting for
+/// the poller to report it writable, which costs a trip through the
+/// whole run queue (under load, hundreds of tasks) while the hook holds
+/// its pool place.
+fn open_tcp(addr: std::net::SocketAddr) -> std::io::Result<(tokio::net::TcpStream, bool)> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let sock = Socket::new(
+        Domain::for_address(addr),
+        Type::STREAM.nonblocking(),
+        Some(Protocol::TCP),
+    )?;
+    let _ = sock.set_tcp_nodelay(true);
+    let open = match sock.connect(&addr.into()) {
+        Ok(()) => true,
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => sock.peer_addr().is_ok(),
+        Err(e) => return Err(e),
+    };
+    Ok((tokio::net::TcpStream::from_std(sock.into())?, open))
+}
+
+/// A write to `c`, the first one of a connection opened inside
+/// `connect(2)` tried directly: tokio writes only once its poller has
+/// reported a socket writable, and waiting for that report puts the
+/// hook at the back of the run queue with its pool place held.
+fn write_some(
+    c: &mut super::Conn,
+    fresh: &mut bool,
+    cx: &mut Context<'_>,
+    buf: &[u8],
+) -> Poll<std::io::Result<usize>> {
+    // Plain TCP only: a TLS connection's bytes go through its session.
+    if std::mem::take(fresh) && matches!(c, super::Conn::Tcp(_)) {
+        match c.sock_ref().send_with_flags(buf, libc::MSG_NOSIGNAL) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            r => return Poll::Ready(r),
+        }
+    }
+    Pin::new(c).poll_write(cx, buf)
+}
 
 /// A socket for `tcp_new`: a recycled one if there is one.
 pub(super) fn new_tcp(max_buf: usize) -> Rc<RefCell<TcpSock>> {
@@ -153,6 +202,7 @@ pub(super) fn recycle(sock: Sock) {
         op.armed = false;
         op.parked = None;
         op.connecting = None;
+        op.fresh = false;
         op.scratch.clear();
         op.wpos = 0;
         op.wtotal = 0;
@@ -525,7 +575,7 @@ impl TcpSock {
                 return E_CLOSED;
             };
             let r = if self.op.wpos < self.wbuf.len() {
-                match Pin::new(c).poll_write(cx, &self.wbuf[self.op.wpos..]) {
+                match write_some(c, &mut self.op.fresh, cx, &self.wbuf[self.op.wpos..]) {
                     Poll::Ready(Ok(0)) => Poll::Ready(Err(Cow::Borrowed("broken pipe"))),
                     Poll::Ready(Ok(k)) => {
                         self.op.wpos += k;
@@ -614,27 +664,39 @@ impl TcpSock {
             self.spool = spool;
             self.peer_ip = Some(ip);
             self.op.armed = false;
-            self.op.connecting = Some(Box::pin(tokio::net::TcpStream::connect(
-                std::net::SocketAddr::new(ip, port),
-            )));
-        }
-        let Some(fut) = self.op.connecting.as_mut() else {
-            // Closed meanwhile (another light thread's `close`).
-            return E_CLOSED;
-        };
-        match fut.as_mut().poll(cx) {
-            Poll::Ready(Ok(stream)) => {
-                self.op.connecting = None;
-                self.op.armed = false;
-                let _ = stream.set_nodelay(true);
-                self.conn = Some(super::Conn::Tcp(stream));
-                self.reused = 0;
-                1
+            match open_tcp(std::net::SocketAddr::new(ip, port)) {
+                Ok((stream, true)) => {
+                    self.op.fresh = true;
+                    return self.connected(stream);
+                }
+                Ok((stream, false)) => self.op.connecting = Some(stream),
+                Err(e) => {
+                    self.op.err = super::io_err(&e);
+                    self.connect_failed();
+                    return E_IO;
+                }
             }
-            Poll::Ready(Err(e)) => {
-                self.op.err = super::io_err(&e);
-                self.connect_failed();
-                E_IO
+        }
+        let ready = match self.op.connecting.as_ref() {
+            Some(stream) => stream.poll_write_ready(cx),
+            // Closed meanwhile (another light thread's `close`).
+            None => return E_CLOSED,
+        };
+        match ready {
+            Poll::Ready(r) => {
+                let Some(stream) = self.op.connecting.take() else {
+                    return E_CLOSED;
+                };
+                // Writable with an error pending is a refused or reset
+                // connect (what tokio's own connect checks too).
+                match r.and_then(|()| stream.take_error()) {
+                    Ok(None) => self.connected(stream),
+                    Ok(Some(e)) | Err(e) => {
+                        self.op.err = super::io_err(&e);
+                        self.connect_failed();
+                        E_IO
+                    }
+                }
             }
             Poll::Pending => {
                 if self.timed_out(cx, self.connect_timeout) {
@@ -644,6 +706,15 @@ impl TcpSock {
                 AGAIN
             }
         }
+    }
+
+    /// A new connection is open: it becomes the socket's.
+    fn connected(&mut self, stream: tokio::net::TcpStream) -> c_int {
+        self.op.connecting = None;
+        self.op.armed = false;
+        self.conn = Some(super::Conn::Tcp(stream));
+        self.reused = 0;
+        1
     }
 
     /// A new connection that did not open: its pool place is freed.
@@ -690,7 +761,7 @@ impl TcpSock {
                 };
                 let mut done = 0;
                 while done < data.len() {
-                    match Pin::new(&mut *c).poll_write(cx, &data[done..]) {
+                    match write_some(c, &mut self.op.fresh, cx, &data[done..]) {
                         Poll::Ready(Ok(0)) => {
                             self.op.err = "broken pipe".into();
                             self.close_conn();
