@@ -398,6 +398,72 @@ fn pool_size_and_backlog_queue_connects() {
 /// timed-out connect gives its pool place back: with `pool_size = 1` and
 /// no backlog room, a leaked place would make the next connect on the
 /// pool "too many waiting connect operations".
+/// A new connection opens inside `connect(2)` and its first write goes
+/// out directly (before the poller has reported the socket writable): a
+/// first send larger than the socket takes at once still arrives whole,
+/// its rest written as the socket drains; the same over IPv6 loopback.
+#[test]
+fn a_first_send_on_a_new_connection_arrives_whole() {
+    const N: usize = 32 << 20;
+    let mut addrs = vec!["127.0.0.1:0"];
+    if TcpListener::bind("[::1]:0").is_ok() {
+        addrs.push("[::1]:0");
+    }
+    let mut cases = Vec::new();
+    for bind in addrs {
+        let l = TcpListener::bind(bind).unwrap();
+        let port = l.local_addr().unwrap().port();
+        let host = if bind.starts_with('[') {
+            "::1"
+        } else {
+            "127.0.0.1"
+        };
+        // Reads everything, then answers with the count.
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            // Not reading yet: the first write fills the socket's buffers
+            // and leaves the rest for when it drains.
+            std::thread::sleep(Duration::from_millis(100));
+            let mut buf = vec![0u8; 1 << 16];
+            let mut got = 0usize;
+            while got < N {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(k) => got += k,
+                }
+            }
+            s.write_all(format!("{got}\n").as_bytes()).unwrap();
+            got
+        });
+        let e = engine_for(&format!(
+            r#"
+            local s = socket.tcp()
+            s:settimeouts(5000, 20000, 20000)
+            assert(s:connect("{host}", {port}) == 1)
+            assert(s:getreusedtimes() == 0)
+            local n, err = s:send(string.rep("x", {N}))
+            assert(n == {N}, tostring(err))
+            assert(s:receive() == "{N}")
+            pier.exit(204)
+            "#
+        ));
+        cases.push((bind, e, server));
+    }
+    // One runtime for every case: a socket's spare timers belong to the
+    // runtime (a worker thread's, for its life).
+    run(async {
+        for (bind, e, server) in cases {
+            let flow = step(&e, "").await.unwrap();
+            assert!(
+                matches!(flow, Flow::Respond { status: 204, .. }),
+                "{flow:?} ({bind})"
+            );
+            assert_eq!(server.join().unwrap(), N, "{bind}");
+        }
+    });
+}
+
 #[test]
 fn a_connect_times_out_and_gives_its_pool_place_back() {
     let full = TcpListener::bind("127.0.0.1:0").unwrap();
