@@ -18,6 +18,8 @@ DURATION="${DURATION:-10}"          # seconds per wrk run
 CONNS="${CONNS:-50,500}"            # wrk connection counts
 REPS="${REPS:-3}"                   # repetitions; proxies are interleaved within each
 THREADS="${THREADS:-2}"             # wrk threads
+# Workers per proxy (Pier `workers`, nginx `worker_processes`); each has its own pool of 100.
+WORKERS="${WORKERS:-2}"
 PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
 SKIP_INSTALL="${SKIP_INSTALL:-0}"   # 1 = never call apt-get
 SKIP_BUILD="${SKIP_BUILD:-0}"       # 1 = use $PIER_BIN as is
@@ -101,6 +103,9 @@ template() {   # template SRC DST PORT
 }
 
 redis() { redis-cli -h 127.0.0.1 -p "$REDIS_PORT" "$@"; }
+# TCP segments this machine received (all of them are loopback here): wrk <-> proxy and
+# proxy <-> redis, so a run's count per request shows redis connections opened and closed.
+tcp_in_segs() { awk '/^Tcp:/ { if (h) { print $11; exit } h = 1 }' /proc/net/snmp; }
 redis_info() { redis INFO | tr -d '\r' | sed -n "s/^$1://p"; }
 
 # start_proxy NAME: sets PROXY_PID and PROXY_PORT; returns 1 (with a message) on failure
@@ -112,12 +117,14 @@ start_proxy() {
     case "$name" in
         nginx-redis)
             template "$BENCH_DIR/peers/redis/nginx.conf" "$dir/nginx.conf" "$port"
+            sed -i "s/^worker_processes .*/worker_processes $WORKERS;/" "$dir/nginx.conf"
             nginx -p "$dir/" -c nginx.conf -e "$dir/logs/error.log" >"$dir/stdout.log" 2>&1 &
             ;;
         pier-redis | pier-redis-b)
             local bin="$PIER_BIN"
             [ "$name" = pier-redis-b ] && bin="$PIER_BIN_B"
             template "$BENCH_DIR/peers/redis/pier.toml" "$dir/pier.toml" "$port"
+            sed -i "s/^workers = .*/workers = $WORKERS/" "$dir/pier.toml"
             "$bin" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
             ;;
         *) die "unknown proxy '$name' (known: pier-redis, pier-redis-b, nginx-redis)" ;;
@@ -196,7 +203,7 @@ template "$BENCH_DIR/peers/redis/incr.lua" "$RUN/incr.lua" 0
 chmod 644 "$RUN/incr.lua"
 
 cat >"$RUN/settings.json" <<EOF
-{"proxies": "$PROXIES", "duration": $DURATION, "conns": "$CONNS", "reps": $REPS,
+{"proxies": "$PROXIES", "workers": $WORKERS, "duration": $DURATION, "conns": "$CONNS", "reps": $REPS,
  "threads": $THREADS, "date": "$(date -u +%Y-%m-%dT%H:%M:%SZ)", "nproc": $(nproc),
  "kernel": "$(uname -r)", "nginx": "$(nginx -v 2>&1 | sed 's/.*nginx\///')",
  "redis": "$(redis-server --version | sed 's/.*v=\([^ ]*\).*/\1/')",
@@ -220,17 +227,19 @@ for rep in $(seq 1 "$REPS"); do
             redis SET hits 0 >/dev/null
             conns0="$(redis_info total_connections_received)"
             rcpu0="$(tool stat "$REDIS_PID" | sed 's/^cpu_s=\([^ ]*\).*/\1/')"
+            segs0="$(tcp_in_segs)"
             tool measure --proxy "$proxy" --path / --out "$RESULTS" --pid "$PROXY_PID" \
                 --port "$PROXY_PORT" --origin-pid "$ORIGIN_PID" --origin-port "$ORIGIN_PORT" \
                 --conns "$c" --duration "$DURATION" --threads "$THREADS" --rep "$rep" \
                 || log "$proxy: wrk run reported an error (kept in $RESULTS)"
             rcpu1="$(tool stat "$REDIS_PID" | sed 's/^cpu_s=\([^ ]*\).*/\1/')"
+            segs1="$(tcp_in_segs)"
             conns1="$(redis_info total_connections_received)"
             clients="$(redis_info connected_clients)"
             hits="$(redis GET hits)"
             # Connections the proxy opened to redis during the run (minus redis-cli's own
             # INFO connection), the INCRs redis counted, and redis-server's CPU.
-            echo "{\"kind\":\"redis\",\"proxy\":\"$proxy\",\"conns\":$c,\"rep\":$rep,\"redis_conns_opened\":$((conns1 - conns0 - 1)),\"redis_clients_after\":$((clients - 1)),\"incrs\":$hits,\"redis_cpu_s\":$(python3 -c "print(round($rcpu1 - $rcpu0, 3))")}" >>"$RESULTS"
+            echo "{\"kind\":\"redis\",\"proxy\":\"$proxy\",\"conns\":$c,\"rep\":$rep,\"redis_conns_opened\":$((conns1 - conns0 - 1)),\"redis_clients_after\":$((clients - 1)),\"incrs\":$hits,\"redis_cpu_s\":$(python3 -c "print(round($rcpu1 - $rcpu0, 3))"),\"redis_tcp_segs\":$((segs1 - segs0))}" >>"$RESULTS"
             log "  $proxy: redis saw $hits INCRs, $((conns1 - conns0 - 1)) new connections, $((clients - 1)) open after"
             stop_proxy
         done

@@ -38,18 +38,23 @@ def main():
           f"nginx {settings.get('nginx')}, redis {settings.get('redis')}, Pier {settings.get('pier')} "
           f"(commit {settings.get('pier_commit')}); libraries {settings.get('lua_libs')}")
         w(f"- wrk -t{settings.get('threads')}, {settings.get('duration')} s per run, connections "
-          f"{settings.get('conns')}, {settings.get('reps')} repetitions (proxies interleaved)")
+          f"{settings.get('conns')}, {settings.get('reps')} repetitions (proxies interleaved), "
+          f"{settings.get('workers', 2)} workers per proxy")
     for r in failed:
         w(f"- **failed to start/check**: {r['proxy']} at {r['conns']} conns (rep {r['rep']})")
     w("- one content hook (bench/peers/redis/incr.lua) in both: lua-resty-redis `INCR` per "
       "request, `set_keepalive(10000, 100)`; cells are `median (min–max)` over repetitions; "
       "*req/CPU-s* = requests completed ÷ the proxy's own CPU seconds; *redis conns* = "
-      "connections redis-server accepted during the run; *INCRs − reqs* = INCRs redis "
-      "counted minus requests wrk completed (requests cut off at the end, or errors)")
+      "connections redis-server accepted during the run, and per 1,000 requests; *TCP segs/req* "
+      "= TCP segments the machine received (all loopback) per request: 4 when every request "
+      "reuses a pooled redis connection, about 7 more for each one opened and closed; "
+      "*INCRs − reqs* = INCRs redis counted minus requests wrk completed (requests cut off at "
+      "the end, or errors)")
     w("")
     w("| conns | proxy | req/s | p50 ms | p99 ms | proxy CPU s | **req/CPU-s** | user µs/req "
-      "| sys µs/req | redis CPU s | redis conns | INCRs − reqs | errors |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "| sys µs/req | redis CPU s | redis conns | per 1k req | TCP segs/req | INCRs − reqs "
+      "| errors |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     conns_list = sorted({r["conns"] for r in load})
     seen = {r["proxy"] for r in load}
     proxies = [p for p in ORDER if p in seen] + sorted(seen - set(ORDER))
@@ -65,6 +70,10 @@ def main():
             errs = sum((r.get("socket_errors") or 0) + (r.get("non_2xx") or 0) for r in rs)
             extra = [r["incrs"] - r["requests"] if r.get("requests") is not None and "incrs" in r
                      else None for r in rs]
+
+            def per_req(key, scale):
+                return [r[key] * scale / r["requests"] if r.get("requests") and key in r
+                        else None for r in rs]
             w(f"| {c} | {LABEL.get(p, p)} | {kcell([r.get('rps') for r in rs])} "
               f"| {cell([r.get('p50_ms') for r in rs], '{:.2f}')} "
               f"| {cell([r.get('p99_ms') for r in rs], '{:.2f}')} "
@@ -74,6 +83,8 @@ def main():
               f"| {cell([r.get('sys_us_per_req') for r in rs], '{:.1f}')} "
               f"| {cell([r.get('redis_cpu_s') for r in rs], '{:.2f}')} "
               f"| {cell([r.get('redis_conns_opened') for r in rs], '{:.0f}')} "
+              f"| {cell(per_req('redis_conns_opened', 1000), '{:.0f}')} "
+              f"| {cell(per_req('redis_tcp_segs', 1), '{:.2f}')} "
               f"| {cell(extra, '{:.0f}')} | {errs} |")
     w("")
     for pa, pb, what in [("pier-redis", "nginx-redis", "Pier ÷ nginx"),
