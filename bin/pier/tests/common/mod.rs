@@ -67,11 +67,19 @@ pub fn pier(config: &str) -> PierProcess {
     PierProcess::start(bin(), config)
 }
 
-/// An address on which nothing listens: bound on port 0 then closed (nothing else
-/// binds it in the few milliseconds a test uses it for "connection refused").
+/// An address on which nothing listens, held for the test process's life: a socket
+/// bound to it without listening, so connects are refused and the kernel gives the port
+/// to nothing else. (A port bound and then closed went to the next `bind` on port 0:
+/// once to the Pier a test then started, whose Kafka sink, pointed at this "dead"
+/// broker, sent its requests to Pier's own listener.)
 pub fn dead_addr() -> SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap()
+    static HELD: std::sync::Mutex<Vec<socket2::Socket>> = std::sync::Mutex::new(Vec::new());
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    let addr = s.local_addr().unwrap().as_socket().unwrap();
+    HELD.lock().unwrap_or_else(|e| e.into_inner()).push(s);
+    addr
 }
 
 /// Asserts a locally generated response: status, `x-pier-reason`, and a plain-text body
