@@ -392,6 +392,60 @@ fn pool_size_and_backlog_queue_connects() {
     });
 }
 
+/// A connect that finds its pool empty while a connection of the pool is
+/// in use waits one pass through the run queue before opening another: a
+/// connection given back meanwhile is taken instead (under load, hooks
+/// with a reply read are in that queue; opening beyond the pool makes
+/// `setkeepalive` close connections later). A child light thread connects
+/// while its parent holds the pool's only connection; the parent gives it
+/// back before the child runs again. Then, with nothing given back, the
+/// connect opens a new connection after its one pass.
+#[test]
+fn a_connect_to_an_empty_pool_in_use_takes_a_connection_given_back_meanwhile() {
+    let (port, counts) = tcp_server();
+    let e = engine_for(&format!(
+        r#"
+        local th = require "pier.ngx_thread"
+        local opts = {{ pool = "pass", pool_size = 4 }}
+        local a = socket.tcp()
+        assert(a:connect("127.0.0.1", {port}, opts))
+        assert(a:getreusedtimes() == 0)
+        local t = th.spawn(function()
+          local b = socket.tcp()
+          assert(b:connect("127.0.0.1", {port}, opts))
+          local n = b:getreusedtimes()
+          assert(b:send("ECHO b\n") and b:receive() == "b")
+          assert(b:setkeepalive())
+          return n
+        end)
+        -- the child's connect is waiting its pass: this one goes back first
+        assert(a:setkeepalive())
+        local ok, n = th.wait(t)
+        assert(ok and n == 1, "child reused " .. tostring(n) .. " times")
+        -- nothing given back: the connect opens a second connection
+        local c = socket.tcp()
+        assert(c:connect("127.0.0.1", {port}, opts))
+        local t2 = th.spawn(function()
+          local d = socket.tcp()
+          assert(d:connect("127.0.0.1", {port}, opts))
+          local m = d:getreusedtimes()
+          d:close()
+          return m
+        end)
+        local ok2, m = th.wait(t2)
+        assert(ok2 and m == 0, "second child reused " .. tostring(m) .. " times")
+        c:close()
+        pier.exit(204)
+        "#
+    ));
+    let flow = run(step(&e, "")).unwrap();
+    assert!(
+        matches!(flow, Flow::Respond { status: 204, .. }),
+        "{flow:?}"
+    );
+    assert_eq!(counts.accepts.load(Ordering::SeqCst), 2);
+}
+
 /// A new connection that cannot open in time: the listener's accept queue
 /// is full (backlog 1, two connections queued and never accepted), so the
 /// kernel drops the SYN and only the connect timeout ends the wait. The

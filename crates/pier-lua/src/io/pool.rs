@@ -204,6 +204,18 @@ impl Spool {
         }
     }
 
+    /// Connections of this pool open and not idle (held by hooks).
+    pub(super) fn in_use(&self) -> usize {
+        self.connections
+            .get()
+            .saturating_sub(self.idle.borrow().len())
+    }
+
+    /// Whether connects queue in a backlog when the pool is full.
+    pub(super) fn queues(&self) -> bool {
+        self.backlog.is_some()
+    }
+
     /// `acquire` without waiting: an idle connection or a place for a new
     /// one, else None (the connect queues in the backlog, or is refused).
     pub(super) fn try_acquire(self: &Rc<Self>) -> Option<Acquired> {

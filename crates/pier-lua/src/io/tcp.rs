@@ -211,6 +211,7 @@ impl TcpSock {
         self.buf.clear();
         // A connect under way (`fast::connect_new`) ends too.
         self.op.connecting = None;
+        self.op.deferred = None;
         self.op.fresh = false;
     }
 

@@ -103,6 +103,10 @@ pub(super) struct OpState {
     /// yet: the poller has not reported it writable, so the first write
     /// is tried directly (see [`open_tcp`]).
     pub(super) fresh: bool,
+    /// A connect that found its pool empty with connections of the pool
+    /// in use, put back once in the run queue before opening one: the
+    /// port to connect to (see [`TcpSock::connect_new`]).
+    pub(super) deferred: Option<u16>,
 }
 
 thread_local! {
@@ -630,7 +634,11 @@ impl TcpSock {
         retry: bool,
     ) -> c_int {
         if !retry {
-            if self.op.reading || self.op.writing || self.op.connecting.is_some() {
+            if self.op.reading
+                || self.op.writing
+                || self.op.connecting.is_some()
+                || self.op.deferred.is_some()
+            {
                 return E_BUSY;
             }
             let ip = std::str::from_utf8(host)
@@ -652,29 +660,37 @@ impl TcpSock {
                 return 0;
             };
             if let Some(sp) = &spool {
-                match sp.try_acquire() {
-                    Some(pool::Acquired::Reused(c, slot, reused)) => {
-                        self.reuse(c, slot, reused, sp.clone());
-                        return 1;
-                    }
-                    Some(pool::Acquired::Open(slot)) => self.slot = Some(slot),
-                    _ => return 0,
+                if let Some((c, slot, reused)) = sp.take_idle() {
+                    self.reuse(c, slot, reused, sp.clone());
+                    return 1;
+                }
+                if sp.in_use() > 0 && !sp.queues() {
+                    // None idle, some in use: their hooks may be in the run
+                    // queue with a reply read. One pass through it lets them
+                    // give their connections back before this one opens
+                    // another (which a full pool would close again later).
+                    self.spool = spool;
+                    self.peer_ip = Some(ip);
+                    self.op.deferred = Some(port);
+                    cx.waker().wake_by_ref();
+                    return AGAIN;
                 }
             }
-            self.spool = spool;
-            self.peer_ip = Some(ip);
-            self.op.armed = false;
-            match open_tcp(std::net::SocketAddr::new(ip, port)) {
-                Ok((stream, true)) => {
-                    self.op.fresh = true;
-                    return self.connected(stream);
-                }
-                Ok((stream, false)) => self.op.connecting = Some(stream),
-                Err(e) => {
-                    self.op.err = super::io_err(&e);
-                    self.connect_failed();
-                    return E_IO;
-                }
+            let rc = self.open_new(spool, ip, port);
+            if rc != AGAIN {
+                return rc;
+            }
+        } else if let Some(port) = self.op.deferred.take() {
+            let (Some(ip), Some(sp)) = (self.peer_ip, self.spool.take()) else {
+                return E_CLOSED;
+            };
+            if let Some((c, slot, reused)) = sp.take_idle() {
+                self.reuse(c, slot, reused, sp);
+                return 1;
+            }
+            let rc = self.open_new(Some(sp), ip, port);
+            if rc != AGAIN {
+                return rc;
             }
         }
         let ready = match self.op.connecting.as_ref() {
@@ -704,6 +720,49 @@ impl TcpSock {
                     return E_TIMEOUT;
                 }
                 AGAIN
+            }
+        }
+    }
+
+    /// Counts a new connection in `spool` (unless its backlog queues it:
+    /// 0, the async connect then waits) and opens it.
+    fn open_new(
+        &mut self,
+        spool: Option<Rc<pool::Spool>>,
+        ip: std::net::IpAddr,
+        port: u16,
+    ) -> c_int {
+        if let Some(sp) = &spool {
+            match sp.try_acquire() {
+                Some(pool::Acquired::Reused(c, slot, reused)) => {
+                    self.reuse(c, slot, reused, sp.clone());
+                    return 1;
+                }
+                Some(pool::Acquired::Open(slot)) => self.slot = Some(slot),
+                _ => {
+                    self.spool = None;
+                    self.peer_ip = None;
+                    return 0;
+                }
+            }
+        }
+        self.spool = spool;
+        self.peer_ip = Some(ip);
+        self.op.armed = false;
+        match open_tcp(std::net::SocketAddr::new(ip, port)) {
+            Ok((stream, true)) => {
+                self.op.fresh = true;
+                self.connected(stream)
+            }
+            // Registered when the caller polls it.
+            Ok((stream, false)) => {
+                self.op.connecting = Some(stream);
+                AGAIN
+            }
+            Err(e) => {
+                self.op.err = super::io_err(&e);
+                self.connect_failed();
+                E_IO
             }
         }
     }
