@@ -37,6 +37,12 @@ pub(crate) fn duration_from_secs(secs: f64) -> Result<Duration, InvalidDuration>
 /// [`duration_from_secs`] for APIs that take milliseconds (cosockets,
 /// `pier.http`); the error shows the value as given.
 pub(crate) fn duration_from_ms(ms: f64) -> Result<Duration, InvalidDuration> {
+    // Whole milliseconds (what clients pass, often on every request:
+    // lua-resty-redis sets its timeouts per connect) skip the float
+    // division and `from_secs_f64` (about 200 instructions a call).
+    if (0.0..=MAX_DURATION_SECS * 1000.0).contains(&ms) && ms.fract() == 0.0 {
+        return Ok(Duration::from_millis(ms as u64));
+    }
     duration_from_secs(ms / 1000.0).map_err(|_| InvalidDuration(ms))
 }
 
@@ -121,6 +127,13 @@ mod tests {
         assert_eq!(duration_from_secs(0.0), Ok(Duration::ZERO));
         assert_eq!(duration_from_secs(1.5), Ok(Duration::from_millis(1500)));
         assert_eq!(duration_from_ms(250.0), Ok(Duration::from_millis(250)));
+        assert_eq!(duration_from_ms(100.0), Ok(Duration::from_millis(100)));
+        assert_eq!(duration_from_ms(0.5), Ok(Duration::from_micros(500)));
+        assert_eq!(duration_from_ms(-0.0), Ok(Duration::ZERO));
+        assert!(duration_from_ms(-1.0).is_err());
+        assert!(duration_from_ms(f64::NAN).is_err());
+        assert!(duration_from_ms(MAX_DURATION_SECS * 1000.0).is_ok());
+        assert!(duration_from_ms(MAX_DURATION_SECS * 1000.0 + 1.0).is_err());
         assert!(duration_from_secs(MAX_DURATION_SECS).is_ok());
         assert_eq!(secs_to_ms(0.0001), Ok(1));
         assert_eq!(secs_to_ms(2.0), Ok(2000));
