@@ -722,6 +722,10 @@ pub struct LuaConfig {
     pub max_sockets_per_request: usize,
     /// Cosockets alive at once on one worker thread.
     pub max_sockets_per_worker: usize,
+    /// Longest a cosocket connect waits for a pooled connection to be given
+    /// back when the pool has none idle and as many in use as it keeps
+    /// (zero: it opens one at once, as ngx_lua does).
+    pub socket_pool_wait: std::time::Duration,
 }
 
 /// `[route.lua]`: a route's hooks, one per request phase.

@@ -394,6 +394,7 @@ pub struct LuaSection {
     pub http_max_body: Option<Spanned<SizeValue>>,
     pub max_sockets_per_request: Option<Spanned<i64>>,
     pub max_sockets_per_worker: Option<Spanned<i64>>,
+    pub socket_pool_wait: Option<Spanned<String>>,
     /// `[lua.shared]`: dictionary name -> capacity.
     pub shared: Option<BTreeMap<String, Spanned<SizeValue>>>,
 }

@@ -2259,6 +2259,16 @@ fn lua_bounds() {
         "9:17",
         "`socket_buffer` must be at least 1024 bytes",
     );
+    assert_eq!(d.socket_pool_wait, Duration::from_millis(30));
+    let c = ok(&format!("{BASE}[lua]\nsocket_pool_wait = \"0s\"\n"));
+    assert_eq!(c.lua.socket_pool_wait, Duration::ZERO);
+    let c = ok(&format!("{BASE}[lua]\nsocket_pool_wait = \"250ms\"\n"));
+    assert_eq!(c.lua.socket_pool_wait, Duration::from_millis(250));
+    one_error(
+        &format!("{BASE}[lua]\nsocket_pool_wait = \"61s\"\n"),
+        "9:20",
+        "`socket_pool_wait` must be at most 60s",
+    );
     one_error(
         &format!("{BASE}[lua]\nmax_sockets_per_request = 0\n"),
         "9:27",

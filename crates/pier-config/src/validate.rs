@@ -47,6 +47,7 @@ impl Default for LuaConfig {
             http_max_body: 16 << 20,
             max_sockets_per_request: 64,
             max_sockets_per_worker: 16384,
+            socket_pool_wait: Duration::from_millis(30),
         }
     }
 }
@@ -2037,6 +2038,21 @@ fn lua_config(c: &mut Check, l: LuaSection, base: &Path) -> LuaConfig {
         1,
         16_000_000,
     ) as usize;
+    // Zero is allowed: connects then open at once (ngx_lua's rule).
+    let socket_pool_wait = match &l.socket_pool_wait {
+        None => d.socket_pool_wait,
+        Some(v) => match parse_duration(v.get_ref()) {
+            Ok(w) if w <= MAX_SOCKET_POOL_WAIT => w,
+            Ok(_) => {
+                c.err(sp(v), "`socket_pool_wait` must be at most 60s");
+                d.socket_pool_wait
+            }
+            Err(e) => {
+                c.err(sp(v), format!("`socket_pool_wait`: {e}"));
+                d.socket_pool_wait
+            }
+        },
+    };
     LuaConfig {
         init,
         init_worker,
@@ -2048,8 +2064,12 @@ fn lua_config(c: &mut Check, l: LuaSection, base: &Path) -> LuaConfig {
         http_max_body,
         max_sockets_per_request,
         max_sockets_per_worker,
+        socket_pool_wait,
     }
 }
+
+/// Longest `[lua] socket_pool_wait`.
+const MAX_SOCKET_POOL_WAIT: Duration = Duration::from_secs(60);
 
 /// Smallest Lua body / socket buffer bound.
 const MIN_LUA_BUFFER: u64 = 1 << 10;

@@ -87,6 +87,12 @@ pub struct LuaLimits {
     /// Cosockets alive at once on one worker thread.
     /// `max_sockets_per_worker` in `[lua]`.
     pub max_sockets_per_worker: usize,
+    /// Longest a cosocket connect waits for a connection of its pool to be
+    /// given back when none is idle and the pool has as many in use as it
+    /// keeps (a connection opened then would be closed by a later
+    /// `setkeepalive`). Zero: open at once, as ngx_lua. `socket_pool_wait`
+    /// in `[lua]`.
+    pub socket_pool_wait: Duration,
 }
 
 impl LuaLimits {
@@ -96,6 +102,7 @@ impl LuaLimits {
         http_max_body: 16 << 20,
         max_sockets_per_request: 64,
         max_sockets_per_worker: 16384,
+        socket_pool_wait: Duration::from_millis(30),
     };
 }
 

@@ -446,6 +446,90 @@ fn a_connect_to_an_empty_pool_in_use_takes_a_connection_given_back_meanwhile() {
     assert_eq!(counts.accepts.load(Ordering::SeqCst), 2);
 }
 
+/// An engine whose access hook is `code` (after the prelude), with
+/// `[lua] socket_pool_wait` at `wait`.
+fn engine_waiting(code: &str, wait: Duration) -> LuaEngine {
+    let limits = pier_lua::LuaLimits {
+        socket_pool_wait: wait,
+        ..pier_lua::LuaLimits::DEFAULT
+    };
+    LuaEngine::with_limits(
+        Arc::new(setup(pier_lua::RouteHooks {
+            access: src("route t access", &format!("{PRELUDE}\n{code}")),
+            ..Default::default()
+        })),
+        registry(&[("cache", 1 << 20)]),
+        limits,
+    )
+    .unwrap()
+}
+
+/// With as many connections in use as the pool keeps and none idle, a
+/// connect waits (up to `[lua] socket_pool_wait`) for one to be given
+/// back: a child light thread connects while its parent holds the only
+/// connection of a pool of one, and gets it when the parent's
+/// `setkeepalive` gives it back after a sleep; when the parent closes its
+/// connection instead, the waiting connect opens a new one. With the wait
+/// at zero (ngx_lua's rule) the child opens one at once.
+#[test]
+fn a_connect_to_a_pool_at_its_size_waits_for_a_connection_given_back() {
+    let (port, counts) = tcp_server();
+    let code = format!(
+        r#"
+        local th = require "pier.ngx_thread"
+        local opts = {{ pool = "wait", pool_size = 1 }}
+        local function child()
+          local b = socket.tcp()
+          assert(b:connect("127.0.0.1", {port}, opts))
+          local n = b:getreusedtimes()
+          assert(b:send("ECHO b\n") and b:receive() == "b")
+          assert(b:setkeepalive())
+          return n
+        end
+        local a = socket.tcp()
+        assert(a:connect("127.0.0.1", {port}, opts))
+        local t = th.spawn(child)
+        pier.sleep(0.02)
+        assert(a:setkeepalive())
+        local ok, n = th.wait(t)
+        assert(ok, n)
+        if STEP == "wait" then
+          assert(n == 1, "reused " .. tostring(n) .. " times")
+          -- the parent closes its connection: the waiting connect opens one
+          local c = socket.tcp()
+          assert(c:connect("127.0.0.1", {port}, opts))
+          assert(c:getreusedtimes() == 2)
+          local t2 = th.spawn(child)
+          pier.sleep(0.02)
+          c:close()
+          local ok2, m = th.wait(t2)
+          assert(ok2 and m == 0, "reused " .. tostring(m) .. " times")
+        else
+          assert(n == 0, "reused " .. tostring(n) .. " times")
+        end
+        pier.exit(204)
+        "#
+    );
+    // One runtime for both (a socket's spare timers belong to the runtime
+    // that made them).
+    run(async {
+        for (wait, accepts) in [(Duration::from_secs(60), 2), (Duration::ZERO, 3)] {
+            let e = engine_waiting(&code, wait);
+            let step_name = if wait.is_zero() { "nowait" } else { "wait" };
+            let flow = step(&e, step_name).await.unwrap();
+            assert!(
+                matches!(flow, Flow::Respond { status: 204, .. }),
+                "{flow:?}"
+            );
+            assert_eq!(
+                counts.accepts.load(Ordering::SeqCst),
+                accepts,
+                "{step_name}"
+            );
+        }
+    });
+}
+
 /// A new connection that cannot open in time: the listener's accept queue
 /// is full (backlog 1, two connections queued and never accepted), so the
 /// kernel drops the SYN and only the connect timeout ends the wait. The

@@ -679,6 +679,7 @@ pub fn lua_limits(cfg: &Config) -> pier_lua::LuaLimits {
         http_max_body: cfg.lua.http_max_body,
         max_sockets_per_request: cfg.lua.max_sockets_per_request,
         max_sockets_per_worker: cfg.lua.max_sockets_per_worker,
+        socket_pool_wait: cfg.lua.socket_pool_wait,
     }
 }
 

@@ -100,7 +100,13 @@ pub(crate) struct Spool {
     waiting: Cell<usize>,
     wake: Notify,
     idle: RefCell<VecDeque<SpoolIdle>>,
+    /// Connects waiting (bounded) for a connection to be given back, each
+    /// with its flag (false once it stopped waiting: skipped).
+    released: RefCell<VecDeque<(Rc<Cell<bool>>, std::task::Waker)>>,
 }
+
+/// Most connects one pool keeps waiting for a connection given back.
+const MAX_RELEASE_WAITERS: usize = 4096;
 
 struct SpoolIdle {
     conn: Conn,
@@ -120,6 +126,7 @@ impl Drop for Counted {
         if s.waiting.get() > 0 {
             s.wake.notify_one();
         }
+        s.wake_released();
     }
 }
 
@@ -168,6 +175,7 @@ pub(crate) fn find_or_create(key: &[u8], size: usize, backlog: Option<usize>) ->
             waiting: Cell::new(0),
             wake: Notify::new(),
             idle: RefCell::new(VecDeque::new()),
+            released: RefCell::new(VecDeque::new()),
         });
         m.insert(key, s.clone());
         Some(s)
@@ -209,6 +217,39 @@ impl Spool {
         self.connections
             .get()
             .saturating_sub(self.idle.borrow().len())
+    }
+
+    /// Idle connections kept.
+    pub(super) fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Registers a connect waiting for a connection to be given back (or
+    /// closed), woken then while `flag` holds; false when too many wait.
+    pub(super) fn wait_release(&self, flag: &Rc<Cell<bool>>, w: &std::task::Waker) -> bool {
+        let mut q = self.released.borrow_mut();
+        if q.len() >= MAX_RELEASE_WAITERS {
+            // Entries of connects that stopped waiting go first.
+            q.retain(|(f, _)| f.get());
+            if q.len() >= MAX_RELEASE_WAITERS {
+                return false;
+            }
+        }
+        q.push_back((flag.clone(), w.clone()));
+        true
+    }
+
+    /// Wakes the first connect still waiting for a connection.
+    fn wake_released(&self) {
+        loop {
+            let Some((flag, w)) = self.released.borrow_mut().pop_front() else {
+                return;
+            };
+            if flag.get() {
+                w.wake();
+                return;
+            }
+        }
     }
 
     /// Whether connects queue in a backlog when the pool is full.
@@ -295,6 +336,7 @@ impl Spool {
         if self.waiting.get() > 0 {
             self.wake.notify_one();
         }
+        self.wake_released();
         start_sweeper();
     }
 }

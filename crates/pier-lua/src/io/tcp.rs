@@ -171,6 +171,8 @@ pub(crate) struct TcpSock {
     /// the delimiter, or `*a` on an endless stream, cannot grow the buffer
     /// without bound.
     max_buf: usize,
+    /// `[lua] socket_pool_wait` (see `fast::TcpSock::connect_new`).
+    pub(super) pool_wait: std::time::Duration,
     /// The fast path's operation in progress (`fast.rs`).
     op: fast::OpState,
 }
@@ -200,6 +202,7 @@ impl TcpSock {
             reused: 0,
             peer_ip: None,
             max_buf,
+            pool_wait: std::time::Duration::ZERO,
             op: fast::OpState::default(),
         }
     }
@@ -211,7 +214,7 @@ impl TcpSock {
         self.buf.clear();
         // A connect under way (`fast::connect_new`) ends too.
         self.op.connecting = None;
-        self.op.deferred = None;
+        self.op.end_deferred();
         self.op.fresh = false;
     }
 
@@ -1108,7 +1111,7 @@ pub(super) fn try_new_tcp() -> Result<u64, NoSock> {
     SOCKS
         .with_borrow_mut(|s| {
             s.alloc(cur.owner, &limits, &|l| {
-                Sock::Tcp(fast::new_tcp(l.socket_buffer))
+                Sock::Tcp(fast::new_tcp(l.socket_buffer, l.socket_pool_wait))
             })
         })
         .map_err(NoSock::Full)

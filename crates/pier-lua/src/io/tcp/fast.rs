@@ -107,6 +107,27 @@ pub(super) struct OpState {
     /// in use, put back once in the run queue before opening one: the
     /// port to connect to (see [`TcpSock::connect_new`]).
     pub(super) deferred: Option<u16>,
+    /// Set while a deferred connect waits for a connection given back
+    /// (its entries in the pool's wait list are skipped once cleared).
+    pub(super) release: Option<Rc<std::cell::Cell<bool>>>,
+}
+
+impl OpState {
+    /// A deferred connect ends (it got a connection, opens one, or the
+    /// socket closed).
+    pub(super) fn end_deferred(&mut self) {
+        self.deferred = None;
+        if let Some(f) = self.release.take() {
+            f.set(false);
+        }
+    }
+
+    /// The flag of this socket's wait for a connection given back.
+    fn release_flag(&mut self) -> Rc<std::cell::Cell<bool>> {
+        self.release
+            .get_or_insert_with(|| Rc::new(std::cell::Cell::new(true)))
+            .clone()
+    }
 }
 
 thread_local! {
@@ -165,14 +186,17 @@ fn write_some(
 }
 
 /// A socket for `tcp_new`: a recycled one if there is one.
-pub(super) fn new_tcp(max_buf: usize) -> Rc<RefCell<TcpSock>> {
+pub(super) fn new_tcp(max_buf: usize, pool_wait: std::time::Duration) -> Rc<RefCell<TcpSock>> {
     if let Some(s) = SPARE_SOCKS.with_borrow_mut(Vec::pop) {
         if let Ok(mut t) = s.try_borrow_mut() {
             t.max_buf = max_buf;
+            t.pool_wait = pool_wait;
         }
         return s;
     }
-    Rc::new(RefCell::new(TcpSock::new(max_buf)))
+    let mut t = TcpSock::new(max_buf);
+    t.pool_wait = pool_wait;
+    Rc::new(RefCell::new(t))
 }
 
 /// Takes a freed socket back for reuse (its connection, if any, closes).
@@ -665,14 +689,26 @@ impl TcpSock {
                     return 1;
                 }
                 if sp.in_use() > 0 && !sp.queues() {
-                    // None idle, some in use: their hooks may be in the run
-                    // queue with a reply read. One pass through it lets them
-                    // give their connections back before this one opens
-                    // another (which a full pool would close again later).
-                    self.spool = spool;
+                    // None idle, some in use: their hooks may have a reply
+                    // read, or about to be. This connect first lets them
+                    // give their connections back rather than opening
+                    // another (which a full pool closes later).
+                    self.spool = Some(sp.clone());
                     self.peer_ip = Some(ip);
                     self.op.deferred = Some(port);
-                    cx.waker().wake_by_ref();
+                    self.op.armed = false;
+                    let wait = self.pool_wait.min(self.connect_timeout);
+                    if sp.in_use() >= sp.size()
+                        && !wait.is_zero()
+                        && sp.wait_release(&self.op.release_flag(), cx.waker())
+                    {
+                        // As many in use as the pool keeps: one opened now
+                        // would be closed after its use. Wait (at most
+                        // `[lua] socket_pool_wait`) for one given back.
+                        let _ = self.timed_out(cx, wait);
+                    } else {
+                        cx.waker().wake_by_ref();
+                    }
                     return AGAIN;
                 }
             }
@@ -685,9 +721,24 @@ impl TcpSock {
                 return E_CLOSED;
             };
             if let Some((c, slot, reused)) = sp.take_idle() {
+                self.op.armed = false;
+                self.op.end_deferred();
                 self.reuse(c, slot, reused, sp);
                 return 1;
             }
+            if self.op.armed
+                && sp.in_use() >= sp.size()
+                && !self.timed_out(cx, std::time::Duration::ZERO)
+            {
+                let flag = self.op.release_flag();
+                if sp.wait_release(&flag, cx.waker()) {
+                    self.spool = Some(sp);
+                    self.op.deferred = Some(port);
+                    return AGAIN;
+                }
+            }
+            self.op.armed = false;
+            self.op.end_deferred();
             let rc = self.open_new(Some(sp), ip, port);
             if rc != AGAIN {
                 return rc;
