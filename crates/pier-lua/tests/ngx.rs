@@ -123,6 +123,8 @@ fn exit_and_say() {
             ngx.print("x")
             -- one string or number (emit's short path), and the others alone
             assert(ngx.say(42) == 1 and ngx.say(1.5) == 1 and ngx.say("s") == 1)
+            -- integers as their digits; past 14 digits, -0 and fractions as %.14g
+            ngx.say(-3) ngx.say(1e14) ngx.say(-0.0) ngx.say(99999999999999) ngx.say(2^53)
             ngx.print(7) ngx.print("p") ngx.say() ngx.say(nil) ngx.print(false) ngx.say({ "t" })
             ngx.flush(true)
             ngx.exit(ngx.HTTP_OK)
@@ -138,7 +140,7 @@ fn exit_and_say() {
             assert_eq!(status, 201);
             assert_eq!(
                 &body[..],
-                b"a1bcniltruenull\nx42\n1.5\ns\n7p\nnil\nfalset\n"
+                b"a1bcniltruenull\nx42\n1.5\ns\n-3\n1e+14\n-0\n99999999999999\n9.007199254741e+15\n7p\nnil\nfalset\n"
             );
         }
         f => panic!("{f:?}"),

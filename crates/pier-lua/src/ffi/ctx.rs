@@ -204,7 +204,19 @@ pub(crate) unsafe extern "C-unwind" fn l_say(l: *mut mlua::ffi::lua_State) -> c_
     // for the call); one push fits LUA_MINSTACK.
     unsafe {
         let t = lua::lua_type(l, 1);
-        let rc = if t == lua::LUA_TSTRING || t == lua::LUA_TNUMBER {
+        let whole = if t == lua::LUA_TNUMBER {
+            whole_number(lua::lua_tonumber(l, 1))
+        } else {
+            None
+        };
+        let rc = if let Some(v) = whole {
+            // An integer prints as its digits under `%.14g`: formatted here,
+            // without LuaJIT's float formatter and a new interned string.
+            let nl = lua::lua_toboolean(l, 2) != 0;
+            let mut b = itoa::Buffer::new();
+            let s = b.format(v).as_bytes();
+            with_ctx(mask::SAY, |c, cur| push_body(c, cur, s, nl))
+        } else if t == lua::LUA_TSTRING || t == lua::LUA_TNUMBER {
             let nl = lua::lua_toboolean(l, 2) != 0;
             let mut n = 0usize;
             let p = lua::lua_tolstring(l, 1, &mut n);
@@ -216,6 +228,16 @@ pub(crate) unsafe extern "C-unwind" fn l_say(l: *mut mlua::ffi::lua_State) -> c_
         lua::lua_pushinteger(l, rc as lua::lua_Integer);
     }
     1
+}
+
+/// `v` as an integer when `%.14g` prints it as its plain digits: a whole
+/// number below 10^14 in magnitude (longer ones take an exponent), not -0.
+fn whole_number(v: f64) -> Option<i64> {
+    if v.fract() == 0.0 && v.abs() < 1e14 && !(v == 0.0 && v.is_sign_negative()) {
+        Some(v as i64)
+    } else {
+        None
+    }
 }
 
 /// `[lua] max_response_body` of the engine running the hook.
@@ -313,4 +335,22 @@ pub(super) unsafe extern "C" fn balancer_set_retries(n: c_int) -> c_int {
         c.retries = Some(n);
         0
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn whole_numbers_print_as_percent_14g_does() {
+        use super::whole_number as w;
+        assert_eq!(w(0.0), Some(0));
+        assert_eq!(w(42.0), Some(42));
+        assert_eq!(w(-7.0), Some(-7));
+        assert_eq!(w(99_999_999_999_999.0), Some(99_999_999_999_999));
+        // "1e+14", "-0", "0.5", "nan", "inf" under %.14g: left to Lua.
+        assert_eq!(w(1e14), None);
+        assert_eq!(w(-0.0), None);
+        assert_eq!(w(0.5), None);
+        assert_eq!(w(f64::NAN), None);
+        assert_eq!(w(f64::INFINITY), None);
+    }
 }
