@@ -718,6 +718,7 @@ impl TcpSock {
             }
         } else if let Some(port) = self.op.deferred.take() {
             let (Some(ip), Some(sp)) = (self.peer_ip, self.spool.take()) else {
+                self.op.end_deferred();
                 return E_CLOSED;
             };
             if let Some((c, slot, reused)) = sp.take_idle() {
