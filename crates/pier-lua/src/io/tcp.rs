@@ -188,7 +188,7 @@ fn ok1(lua: &Lua) -> Ret {
 }
 
 impl TcpSock {
-    pub fn new(max_buf: usize) -> Self {
+    pub fn new(max_buf: usize, pool_wait: std::time::Duration) -> Self {
         TcpSock {
             conn: None,
             slot: None,
@@ -202,7 +202,7 @@ impl TcpSock {
             reused: 0,
             peer_ip: None,
             max_buf,
-            pool_wait: std::time::Duration::ZERO,
+            pool_wait,
             op: fast::OpState::default(),
         }
     }

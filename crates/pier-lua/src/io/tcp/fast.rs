@@ -194,9 +194,7 @@ pub(super) fn new_tcp(max_buf: usize, pool_wait: std::time::Duration) -> Rc<RefC
         }
         return s;
     }
-    let mut t = TcpSock::new(max_buf);
-    t.pool_wait = pool_wait;
-    Rc::new(RefCell::new(t))
+    Rc::new(RefCell::new(TcpSock::new(max_buf, pool_wait)))
 }
 
 /// Takes a freed socket back for reuse (its connection, if any, closes).
