@@ -96,6 +96,9 @@ pub struct BufPool {
     /// and returning one moves a pointer, not the ~1 KB it points to.
     #[allow(clippy::vec_box)]
     busy: Vec<Box<Busy>>,
+    /// The fewest boxes `busy` held since the last `trim_busy`: that many
+    /// sat unused for a whole period.
+    busy_low: usize,
     bytes: Vec<BytesMut>,
     vecs: Vec<Vec<u8>>,
     heads: Vec<pier_http::RequestHead>,
@@ -107,6 +110,30 @@ impl BufPool {
     const MAX: usize = 64;
     /// Buffers that grew past this (large bodies) are freed, not kept.
     const MAX_CAP: usize = 64 * 1024;
+
+    /// Sessions kept at most. Above `MAX`: with hundreds of connections
+    /// per worker, as many sessions are out at once and their number swings
+    /// by more than `MAX` between polls; with the old bound of `MAX`, 42% of
+    /// requests allocated a new session and its 16 KiB read buffer at 500
+    /// cosocket connections (callgrind, BENCHMARKS.md stop 26). What a swing
+    /// leaves beyond `MAX` is freed by `trim_busy` once unused for a period.
+    const MAX_BUSY: usize = 512;
+
+    /// A pooled session (with its buffers), if any.
+    fn take_busy(&mut self) -> Option<Box<Busy>> {
+        let bz = self.busy.pop();
+        self.busy_low = self.busy_low.min(self.busy.len());
+        bz
+    }
+
+    /// Once a period (the worker's one-second tick): free the sessions above
+    /// `MAX` that none took during the whole period, so a burst's sessions
+    /// do not outlive it by more than two periods.
+    pub(crate) fn trim_busy(&mut self) {
+        let spare = self.busy_low.min(self.busy.len().saturating_sub(Self::MAX));
+        self.busy.truncate(self.busy.len() - spare);
+        self.busy_low = self.busy.len();
+    }
 
     /// Whether a returned buffer of `cap` bytes joins a list holding `held`.
     fn keeps(cap: usize, held: usize) -> bool {
@@ -292,8 +319,7 @@ async fn connection_loop<P: Phases, S: Stream>(w: Arc<Worker<P>>, mut stream: S,
                 let mut bz = w
                     .bufs
                     .borrow_mut()
-                    .busy
-                    .pop()
+                    .take_busy()
                     .unwrap_or_else(|| Busy::new(lent.client, lent.local));
                 lent.lend(&mut bz);
                 bz
@@ -333,10 +359,10 @@ const CLOSE_NOTIFY_WAIT: Duration = Duration::from_secs(1);
 
 impl<P: Phases> Worker<P> {
     /// A connection's `Busy` back to the worker's pool (at most
-    /// `BufPool::MAX`), its buffers trimmed to what the pool keeps.
+    /// `BufPool::MAX_BUSY`), its buffers trimmed to what the pool keeps.
     fn put_busy(&self, mut bz: Box<Busy>) {
         let mut pool = self.bufs.borrow_mut();
-        if pool.busy.len() >= BufPool::MAX {
+        if pool.busy.len() >= BufPool::MAX_BUSY {
             return;
         }
         let b = &mut bz.b;
@@ -2228,4 +2254,39 @@ fn write_upstream_head(out: &mut Vec<u8>, state: &State, sess: &Session, addr: S
         out.extend_from_slice(b"Connection: upgrade\r\n");
     }
     out.extend_from_slice(b"\r\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr() -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], 1))
+    }
+
+    #[test]
+    fn pooled_sessions_a_burst_left_unused_are_freed_after_a_period() {
+        let mut pool = BufPool::default();
+        for _ in 0..300 {
+            pool.busy.push(Busy::new(addr(), addr()));
+        }
+        pool.trim_busy(); // a period starts with 300 pooled
+        assert_eq!(pool.busy.len(), 300);
+        // During it, 100 are taken and given back: 200 were never used.
+        let taken: Vec<_> = (0..100).map(|_| pool.take_busy().unwrap()).collect();
+        pool.busy.extend(taken);
+        pool.trim_busy();
+        assert_eq!(pool.busy.len(), 100);
+        // A period with none taken: down to the floor, and no further.
+        pool.trim_busy();
+        assert_eq!(pool.busy.len(), BufPool::MAX);
+        pool.trim_busy();
+        assert_eq!(pool.busy.len(), BufPool::MAX);
+        // A pool below the floor is never trimmed.
+        let mut small = BufPool::default();
+        small.busy.push(Busy::new(addr(), addr()));
+        small.trim_busy();
+        small.trim_busy();
+        assert_eq!(small.busy.len(), 1);
+    }
 }

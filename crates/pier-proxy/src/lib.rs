@@ -204,9 +204,11 @@ pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phas
             }
         })
     };
-    // Hand the access log buffer over at least once a second.
+    // Hand the access log buffer over at least once a second, and free the
+    // pooled sessions a burst left behind.
     let flusher = {
         let shared = shared.clone();
+        let weak = Arc::downgrade(&w);
         tokio::task::spawn_local(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             loop {
@@ -220,6 +222,9 @@ pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phas
                 }
                 if ctx.id == 0 {
                     shared.pool.sweep();
+                }
+                if let Some(w) = weak.upgrade() {
+                    w.bufs.borrow_mut().trim_busy();
                 }
             }
         })
