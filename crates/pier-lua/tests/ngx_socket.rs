@@ -130,7 +130,6 @@ fn engine_for(code: &str) -> LuaEngine {
     access_engine(&format!("{PRELUDE}\n{code}"))
 }
 
-/// Waits (bounded) until `f` holds, in a runtime (for the pool sweeper).
 /// The server's accept count once it reached `n` (or after 10 s): the
 /// kernel completes a connection before the server thread accepts it, so
 /// a connection closed without a word may not be counted yet.
@@ -142,6 +141,7 @@ fn accepts_reach(counts: &Counts, n: usize) -> usize {
     counts.accepts.load(Ordering::SeqCst)
 }
 
+/// Waits (bounded) until `f` holds, in a runtime (for the pool sweeper).
 async fn until(mut f: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !f() {
