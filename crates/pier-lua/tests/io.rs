@@ -287,6 +287,39 @@ fn http_request_keepalive_and_chunked() {
     );
 }
 
+/// A request's first four sockets are freed at its end, not by the collector
+/// (they carry no finalizer); later ones are collected as soon as Lua lets
+/// go of them.
+#[test]
+fn a_requests_first_sockets_wait_for_its_end_later_ones_are_collected() {
+    let code = r#"
+        local function slot(s) return s.id % 2^24 end
+        local first, seen = {}, {}
+        for i = 1, 4 do
+          first[i] = pier.socket.tcp()
+          seen[slot(first[i])] = true
+          -- The second request: the first one's end freed its sockets,
+          -- so it gets slots the first one had.
+          if MAXSLOT then assert(slot(first[i]) <= MAXSLOT, "not freed at the request's end") end
+        end
+        first = nil
+        collectgarbage()
+        collectgarbage()
+        local fifth = pier.socket.tcp()
+        assert(not seen[slot(fifth)], "a first socket was collected")
+        local was = slot(fifth)
+        fifth = nil
+        collectgarbage()
+        collectgarbage()
+        local last = pier.socket.tcp()
+        assert(slot(last) == was, "the fifth socket was not collected")
+        for k in pairs(seen) do MAXSLOT = math.max(MAXSLOT or 0, k, slot(last)) end
+        "#;
+    let e = access_engine(code);
+    run(e.access(0, &mut TestView::default(), &mut RequestCtx::new())).unwrap();
+    run(e.access(0, &mut TestView::default(), &mut RequestCtx::new())).unwrap();
+}
+
 #[test]
 fn collected_sockets_free_their_slot() {
     let (port, conns) = resp_server();

@@ -453,3 +453,44 @@ fn jit_hot_re_find() {
     assert!(stops >= 1, "no trace compiled");
     assert!(bad.is_empty(), "trace aborts in pier.ngx_str: {bad:?}");
 }
+
+/// `require` answers a loaded module from Lua (a per-request `require` is
+/// ngx_lua's idiom) and keeps LuaJIT's semantics for everything else:
+/// preload, a module returning nothing, loops, missing modules, a replaced
+/// `package.loaded`.
+#[test]
+fn require_keeps_luajits_semantics() {
+    check(
+        "require",
+        r##"
+        local S2 = require "pier.ngx_str"
+        eq(S2, S, "a loaded module is the same table")
+        eq(package.loaded["pier.ngx_str"], S)
+        local n = 0
+        package.preload["pier_t_mod"] = function(name) n = n + 1; return { name = name } end
+        eq(require("pier_t_mod").name, "pier_t_mod")
+        eq(require("pier_t_mod").name, "pier_t_mod")
+        eq(n, 1, "preload runs once")
+        package.preload["pier_t_nil"] = function() n = n + 1 end
+        eq(require "pier_t_nil", true, "nothing returned")
+        eq(require "pier_t_nil", true, "nothing returned, again")
+        eq(n, 2)
+        -- false is not loaded: LuaJIT loads the module again
+        package.loaded["pier_t_mod"] = false
+        eq(require("pier_t_mod").name, "pier_t_mod")
+        eq(n, 3, "false reloads")
+        package.preload["pier_t_loop"] = function() return require "pier_t_loop" end
+        local ok, err = pcall(require, "pier_t_loop")
+        eq(ok, false)
+        assert(tostring(err):find("loop or previous error loading module 'pier_t_loop'", 1, true), err)
+        ok, err = pcall(require, "pier_t_no_such_module")
+        eq(ok, false)
+        assert(tostring(err):find("module 'pier_t_no_such_module' not found", 1, true), err)
+        -- the registry's table is what counts, as in LuaJIT
+        local loaded = package.loaded
+        package.loaded = {}
+        eq(require "pier.ngx_str", S, "registry table, not package.loaded")
+        package.loaded = loaded
+        "##,
+    );
+}

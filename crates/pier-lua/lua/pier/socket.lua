@@ -1,9 +1,9 @@
 -- TCP cosocket objects (pier.socket.tcp() and ngx.socket.tcp()), with
 -- ngx_lua's methods, arguments and results. An object is a plain table
 -- holding the handle (slot index and generation) of a Rust-side socket;
--- methods check their arguments here. An ffi.gc anchor frees the Rust slot
--- when the object is collected; the request's end frees it too (a stale
--- handle then fails).
+-- methods check their arguments here. The request's end frees the Rust
+-- slot (a stale handle then fails); past a request's first few sockets, and
+-- in timers, an ffi.gc anchor frees it too when the object is collected.
 --
 -- The hot methods call Rust without mlua's machinery (src/io/tcp/fast.rs):
 -- getreusedtimes and connect (from a pool, or a new connection to an
@@ -389,6 +389,12 @@ local FULL = { [-1] = "no request",
   [-2] = "too many sockets in this request (lua.max_sockets_per_request)",
   [-3] = "too many sockets in this worker (lua.max_sockets_per_worker)" }
 
+-- Added to the handle C_new returns when the object needs an anchor: a
+-- request's first few sockets do not (its end frees them; see
+-- UNANCHORED_PER_REQUEST in src/io/tcp.rs), later ones and timers' do.
+local ANCHOR = 2 ^ 52
+local double1 = ffi.typeof("double[1]")
+
 return function()
   local id = C_new()
   if id < 0 then
@@ -400,5 +406,7 @@ return function()
     end
     if id < 0 then error(FULL[id] or "internal error in tcp()", 3) end
   end
-  return setmetatable({ id = id, anchor = ffi.gc(ffi.new("double[1]", id), free_anchor) }, Sock)
+  if id < ANCHOR then return setmetatable({ id = id }, Sock) end
+  id = id - ANCHOR
+  return setmetatable({ id = id, anchor = ffi.gc(double1(id), free_anchor) }, Sock)
 end

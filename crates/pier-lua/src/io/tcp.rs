@@ -799,8 +799,8 @@ fn tls_err(e: &io::Error) -> &'static str {
 // request or timer run that created it, see `Current::owner`): another one
 // using it gets `bad request`, as OpenResty answers. A request's sockets
 // are freed when it ends (`RequestCtx` drop), a timer run's when it
-// returns, and any of them earlier when Lua collects the object (an
-// `ffi.gc` anchor). Lua never holds a pointer to a socket, only this
+// returns, and (past a request's first `UNANCHORED_PER_REQUEST`) earlier
+// when Lua collects the object (an `ffi.gc` anchor). Lua never holds a pointer to a socket, only this
 // checked handle.
 
 /// Bits of the slot index in a handle: a handle is `gen << INDEX_BITS | index`,
@@ -889,7 +889,7 @@ impl Slab {
         owner: u64,
         limits: &LuaLimits,
         make: &dyn Fn(&LuaLimits) -> Sock,
-    ) -> Result<u64, Full> {
+    ) -> Result<(u64, usize), Full> {
         if self.live >= limits.max_sockets_per_worker.min(MAX_SLOTS) {
             return Err(Full::Worker);
         }
@@ -929,7 +929,7 @@ impl Slab {
         slot.prev = NIL;
         slot.next = old_head;
         self.live += 1;
-        Ok(u64::from(slot.gen) << INDEX_BITS | i as u64)
+        Ok((u64::from(slot.gen) << INDEX_BITS | i as u64, mine))
     }
 
     /// Frees slot `i` if it holds a socket; its generation moves on. The
@@ -1081,7 +1081,7 @@ pub(super) fn new_sock(lua: &Lua, make: &dyn Fn(&LuaLimits) -> Sock) -> mlua::Re
         lua.gc_collect()?;
         r = SOCKS.with_borrow_mut(|s| s.alloc(cur.owner, &limits, make));
     }
-    r.map_err(|full| {
+    r.map(|(h, _)| h).map_err(|full| {
         mlua::Error::runtime(match full {
             Full::Request => "too many sockets in this request (lua.max_sockets_per_request)",
             Full::Worker => "too many sockets in this worker (lua.max_sockets_per_worker)",
@@ -1095,10 +1095,22 @@ pub(super) enum NoSock {
     Full(Full),
 }
 
+/// A request's first sockets that need no `ffi.gc` anchor: the request's
+/// end frees them. Registering a finalizer and running it when the object
+/// is collected cost about 2k instructions per `ngx.socket.tcp()` (the
+/// finalizer table's insert, the collector's resurrection and its protected
+/// call; callgrind, BENCHMARKS.md stop 27), for a socket that the request's
+/// end frees anyway. Past these, a hook creating sockets in a loop gets
+/// anchored ones that the collector frees, so a request holds at most this
+/// many abandoned sockets beyond what Lua still references. Timer runs (which
+/// may loop for the worker's life) always anchor.
+pub(super) const UNANCHORED_PER_REQUEST: usize = 4;
+
 /// A new TCP socket for the current request or timer run, without the
 /// collection [`new_sock`] tries when full (the FFI caller collects and
-/// asks again).
-pub(super) fn try_new_tcp() -> Result<u64, NoSock> {
+/// asks again); and whether its Lua object needs an anchor
+/// ([`UNANCHORED_PER_REQUEST`]).
+pub(super) fn try_new_tcp() -> Result<(u64, bool), NoSock> {
     let cur = current::get();
     let Some(engine) = cur.engine else {
         return Err(NoSock::NoRequest);
@@ -1108,13 +1120,14 @@ pub(super) fn try_new_tcp() -> Result<u64, NoSock> {
     }
     // SAFETY: the engine outlives every hook call it runs (see `Current`).
     let limits = unsafe { engine.as_ref() }.limits;
-    SOCKS
+    let (h, before) = SOCKS
         .with_borrow_mut(|s| {
             s.alloc(cur.owner, &limits, &|l| {
                 Sock::Tcp(fast::new_tcp(l.socket_buffer, l.socket_pool_wait))
             })
         })
-        .map_err(NoSock::Full)
+        .map_err(NoSock::Full)?;
+    Ok((h, cur.ctx.is_none() || before >= UNANCHORED_PER_REQUEST))
 }
 
 /// Frees a socket (its Lua object was collected); shared with UDP.

@@ -964,19 +964,26 @@ pub(crate) fn sock_api_addr() -> usize {
     &SOCK_API as *const SockApi as usize
 }
 
-/// `ngx.socket.tcp()`: the new socket's handle, or -1 (no request), -2
-/// (`[lua] max_sockets_per_request` reached), -3 (`max_sockets_per_worker`);
-/// when full the wrapper collects garbage (collected sockets free their
-/// slots) and asks once more.
+/// `ngx.socket.tcp()`: the new socket's handle, plus [`ANCHOR`] when its
+/// Lua object needs an `ffi.gc` anchor (`UNANCHORED_PER_REQUEST`); or -1
+/// (no request), -2 (`[lua] max_sockets_per_request` reached), -3
+/// (`max_sockets_per_worker`); when full the wrapper collects garbage
+/// (collected sockets free their slots) and asks once more.
 unsafe extern "C" fn new() -> f64 {
     let r = std::panic::catch_unwind(|| match try_new_tcp() {
-        Ok(h) => h as f64,
+        Ok((h, anchor)) => (h + if anchor { ANCHOR } else { 0 }) as f64,
         Err(NoSock::NoRequest) => -1.0,
         Err(NoSock::Full(Full::Request)) => -2.0,
         Err(NoSock::Full(Full::Worker)) => -3.0,
     });
     r.unwrap_or(-4.0)
 }
+
+/// Added to a new socket's handle (below 2^52: 28 bits of generation, 24 of
+/// index) when it needs an anchor; the sum stays below 2^53, exact in a double.
+const ANCHOR: u64 = 1 << 52;
+const _: () =
+    assert!(((super::GEN_MASK as u64) << super::INDEX_BITS | super::MAX_SLOTS as u64) < ANCHOR);
 
 /// `receive` (`*l`, `*a`, a size), `receiveany(max)` and `receiveuntil`'s
 /// iterator (`pat`, `inclusive`, `size`): see the module's comment.
