@@ -15,6 +15,7 @@
 #
 #   bash bench/instructions.sh                 # pier, pier-noanalytics, nginx; N1=2000 N2=12000 C=10
 #   PROXIES=pier PATHS=/4k.bin bash bench/instructions.sh
+#   PROXIES="pier-lua nginx-lua" bash bench/instructions.sh   # bench/run.sh's Lua access hook
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BENCH="$ROOT/bench"
@@ -52,10 +53,17 @@ instructions() {
         "$BENCH/peers/pier/pier.toml" >"$dir/pier.toml"
       [ "$proxy" = pier-noanalytics ] && printf '\n[analytics]\nenabled = false\n' >>"$dir/pier.toml"
       cmd=("$PIER_BIN" serve -c "$dir/pier.toml") ;;
-    nginx)
+    pier-lua)
+      # bench/run.sh's Lua access-hook scenario: the example config, one worker.
+      python3 "$BENCH/tool.py" pier-config "$ROOT/examples/lua-access.toml" "$dir/pier.toml"
+      sed -i 's/^workers = 2/workers = 1/' "$dir/pier.toml"
+      export PIER_LISTEN="127.0.0.1:$p" PIER_ORIGIN="127.0.0.1:$ORIGIN_PORT" PIER_ADMIN="127.0.0.1:$(port)"
+      cmd=("$PIER_BIN" serve -c "$dir/pier.toml") ;;
+    nginx | nginx-lua)
+      local conf=nginx-proxy; [ "$proxy" = nginx-lua ] && conf=nginx-lua
       sed -e "s/@PORT@/$p/g" -e "s/@ORIGIN@/$ORIGIN_PORT/g" -e 's/^worker_processes 2;/worker_processes 1;/' \
         -e 's/^master_process on;/master_process off;/' -e 's/ reuseport;/;/' \
-        "$BENCH/peers/nginx-proxy/nginx.conf" >"$dir/nginx.conf"
+        "$BENCH/peers/$conf/nginx.conf" >"$dir/nginx.conf"
       cmd=(nginx -p "$dir/" -c nginx.conf -e "$dir/logs/error.log") ;;
     *) echo "unknown proxy $proxy" >&2; exit 1 ;;
   esac
