@@ -800,8 +800,8 @@ fn tls_err(e: &io::Error) -> &'static str {
 // using it gets `bad request`, as OpenResty answers. A request's sockets
 // are freed when it ends (`RequestCtx` drop), a timer run's when it
 // returns, and (past a request's first `UNANCHORED_PER_REQUEST`) earlier
-// when Lua collects the object (an `ffi.gc` anchor). Lua never holds a pointer to a socket, only this
-// checked handle.
+// when Lua collects the object (an `ffi.gc` anchor). Lua never holds a
+// pointer to a socket, only this checked handle.
 
 /// Bits of the slot index in a handle: a handle is `gen << INDEX_BITS | index`,
 /// below 2^53 so that Lua's doubles hold it exactly.
