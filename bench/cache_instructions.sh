@@ -27,10 +27,11 @@ MODES="${MODES:-pier-plain pier-cache}"
 URL_PATH="${URL_PATH:-/4k.bin}"
 MEMORY="${MEMORY:-4m}"
 # CACHE_SIM=1: callgrind also simulates this machine's data caches per core (48 KiB L1d, 2 MiB
-# L2; the 300 MiB shared L3 would hold the whole zone) and reports their misses per request:
-# a miss path that touches memory gone cold (an evicted object's frees) shows there, not in Ir.
+# L2, or L2=<bytes,ways,line>; the 300 MiB shared L3 would hold the whole zone) and reports
+# their misses per request: a miss path that touches memory gone cold (an evicted object's
+# frees) shows there, not in Ir.
 SIM=()
-[ "${CACHE_SIM:-0}" = 1 ] && SIM=(--cache-sim=yes --I1=32768,8,64 --D1=49152,12,64 --LL=2097152,16,64)
+[ "${CACHE_SIM:-0}" = 1 ] && SIM=(--cache-sim=yes --I1=32768,8,64 --D1=49152,12,64 --LL="${L2:-2097152,16,64}")
 for t in valgrind callgrind_annotate h2load nginx python3; do
   command -v "$t" >/dev/null || { echo "needs $t (apt-get install valgrind nghttp2-client nginx)" >&2; exit 1; }
 done
@@ -80,14 +81,14 @@ instructions() {
 }
 
 printf "%-12s %-8s %14s %14s %12s" mode path "Ir(N1=$N1)" "Ir(N2=$N2)" "Ir/request"
-[ "${CACHE_SIM:-0}" = 1 ] && printf " %14s %14s" "L1d miss/req" "L2 miss/req"
+[ "${CACHE_SIM:-0}" = 1 ] && printf " %14s %14s %14s" "L1d miss/req" "L2 miss/req" "L1i miss/req"
 printf "\n"
 for mode in $MODES; do
-  read -r a a1 a2 <<<"$(instructions "$mode" "$N1")"
-  read -r b b1 b2 <<<"$(instructions "$mode" "$N2")"
+  read -r a a1 a2 a3 <<<"$(instructions "$mode" "$N1")"
+  read -r b b1 b2 b3 <<<"$(instructions "$mode" "$N2")"
   printf "%-12s %-8s %14s %14s %12s" "$mode" "$URL_PATH" "$a" "$b" "$(( (b - a) / (N2 - N1) ))"
   if [ "${CACHE_SIM:-0}" = 1 ]; then
-    printf " %14s %14s" "$(( (b1 - a1) / (N2 - N1) ))" "$(( (b2 - a2) / (N2 - N1) ))"
+    printf " %14s %14s %14s" "$(( (b1 - a1) / (N2 - N1) ))" "$(( (b2 - a2) / (N2 - N1) ))" "$(( (b3 - a3) / (N2 - N1) ))"
   fi
   printf "\n"
 done

@@ -23,10 +23,11 @@ N1="${N1:-1000}"
 N2="${N2:-5000}"
 C="${C:-10}"
 # CACHE_SIM=1: callgrind also simulates this machine's data caches per core (48 KiB L1d,
-# 2 MiB L2) and reports their misses per request: state per connection that no longer fits
-# shows there, not in Ir.
+# 2 MiB L2; L2=524288,8,64 for a 512 KiB one, as `lscpu` shows on some of these machines)
+# and reports their misses per request: state per connection that no longer fits shows
+# there, not in Ir.
 SIM=()
-[ "${CACHE_SIM:-0}" = 1 ] && SIM=(--cache-sim=yes --I1=32768,8,64 --D1=49152,12,64 --LL=2097152,16,64)
+[ "${CACHE_SIM:-0}" = 1 ] && SIM=(--cache-sim=yes --I1=32768,8,64 --D1=49152,12,64 --LL="${L2:-2097152,16,64}")
 for t in valgrind callgrind_annotate h2load nginx redis-server redis-cli; do
   command -v "$t" >/dev/null || { echo "needs $t (apt-get install valgrind nghttp2-client nginx redis-server)" >&2; exit 1; }
 done
@@ -75,16 +76,16 @@ instructions() {
 }
 
 printf "%-8s %14s %14s %12s" "proxy" "Ir(N1=$N1)" "Ir(N2=$N2)" "Ir/request"
-[ "${CACHE_SIM:-0}" = 1 ] && printf " %13s %12s" "L1d miss/req" "L2 miss/req"
+[ "${CACHE_SIM:-0}" = 1 ] && printf " %13s %12s %13s" "L1d miss/req" "L2 miss/req" "L1i miss/req"
 printf "   (C=%s connections)\n" "$C"
 declare -A PER
 for proxy in ${PROXIES:-pier nginx}; do
-  read -r a a1 a2 <<<"$(instructions "$proxy" "$N1")"
-  read -r b b1 b2 <<<"$(instructions "$proxy" "$N2")"
+  read -r a a1 a2 a3 <<<"$(instructions "$proxy" "$N1")"
+  read -r b b1 b2 b3 <<<"$(instructions "$proxy" "$N2")"
   PER[$proxy]=$(( (b - a) / (N2 - N1) ))
   printf "%-8s %14s %14s %12s" "$proxy" "$a" "$b" "${PER[$proxy]}"
   if [ "${CACHE_SIM:-0}" = 1 ]; then
-    printf " %13s %12s" "$(( (b1 - a1) / (N2 - N1) ))" "$(( (b2 - a2) / (N2 - N1) ))"
+    printf " %13s %12s %13s" "$(( (b1 - a1) / (N2 - N1) ))" "$(( (b2 - a2) / (N2 - N1) ))" "$(( (b3 - a3) / (N2 - N1) ))"
   fi
   printf "\n"
 done

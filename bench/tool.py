@@ -651,8 +651,8 @@ def pier_config(a):
 
 
 def cg_totals(paths):
-    """Totals of callgrind output files, summed: (Ir, L1d misses, LL misses); the misses are
-    0 unless callgrind ran with --cache-sim=yes."""
+    """Totals of callgrind output files, summed: (Ir, L1d misses, LL data misses, L1i misses);
+    the misses are 0 unless callgrind ran with --cache-sim=yes."""
     tot = {}
     for path in paths:
         ev = None
@@ -664,7 +664,7 @@ def cg_totals(paths):
                     tot[k] = tot.get(k, 0) + int(v)
     d1 = tot.get("D1mr", 0) + tot.get("D1mw", 0)
     ll = tot.get("DLmr", 0) + tot.get("DLmw", 0)
-    return tot.get("Ir", 0), d1, ll
+    return tot.get("Ir", 0), d1, ll, tot.get("I1mr", 0)
 
 
 def main():
@@ -706,7 +706,7 @@ def main():
     rs.add_argument("--tls", choices=("1.3", "1.2"), default="1.3")
     rs.add_argument("--full", action="store_true", help="never offer a session (control)")
     rs.add_argument("--path", default="/hello")
-    g = sp.add_parser("cg-totals", help="Ir, L1d and LL data misses of callgrind files")
+    g = sp.add_parser("cg-totals", help="Ir, L1d and LL data misses, L1i misses of callgrind files")
     g.add_argument("files", nargs="+")
     p = sp.add_parser("pier-config")
     p.add_argument("src")

@@ -8,7 +8,7 @@ use std::rc::{Rc, Weak};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use mlua::{Function, Lua};
 use pier_shdict::Registry;
 
@@ -477,7 +477,7 @@ fn take_flow(phase: Phase, view: &mut dyn HttpView, ctx: &mut RequestCtx) -> Flo
     Flow::Respond {
         status,
         headers,
-        body: Bytes::from(std::mem::take(&mut ctx.body)),
+        body: std::mem::take(&mut ctx.body),
     }
 }
 

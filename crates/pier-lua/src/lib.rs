@@ -67,7 +67,9 @@ pub enum Flow {
     Respond {
         status: u16,
         headers: Vec<(Vec<u8>, Vec<u8>)>,
-        body: bytes::Bytes,
+        /// A `Vec`, not `Bytes`: it becomes the local response's body as it
+        /// is (a `Bytes` made of a `Vec` with spare room allocates).
+        body: Vec<u8>,
     },
 }
 

@@ -219,7 +219,7 @@ fn hook_error(e: pier_lua::LuaError) -> Error {
 fn lua_response(
     status: u16,
     headers: Vec<(Vec<u8>, Vec<u8>)>,
-    body: bytes::Bytes,
+    body: Vec<u8>,
     pending: &Headers,
 ) -> LocalResponse {
     let mut all: Vec<(Vec<u8>, Vec<u8>)> = pending
@@ -230,7 +230,7 @@ fn lua_response(
     LocalResponse {
         status,
         headers: all,
-        body: body.to_vec(),
+        body,
         reason: "",
         kind: None,
     }
