@@ -16,6 +16,9 @@
 #   bash bench/instructions.sh                 # pier, pier-noanalytics, nginx; N1=2000 N2=12000 C=10
 #   PROXIES=pier PATHS=/4k.bin bash bench/instructions.sh
 #   PROXIES="pier-lua nginx-lua" bash bench/instructions.sh   # bench/run.sh's Lua access hook
+#   COUNT=syscalls PROXIES="pier-lua nginx-lua" bash bench/instructions.sh
+#       system calls per request by kind instead (strace -f -c, same harness). strace slows
+#       the proxy, so this counts kinds of calls, not time.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BENCH="$ROOT/bench"
@@ -25,8 +28,14 @@ N2="${N2:-12000}"
 C="${C:-10}"
 PROXIES="${PROXIES:-pier pier-noanalytics nginx}"
 PATHS="${PATHS:-/hello}"
-for t in valgrind callgrind_annotate h2load nginx; do
-  command -v "$t" >/dev/null || { echo "needs $t (apt-get install valgrind nghttp2-client nginx)" >&2; exit 1; }
+COUNT="${COUNT:-instructions}"   # instructions (callgrind) or syscalls (strace)
+case "$COUNT" in
+  instructions) TOOLS="valgrind callgrind_annotate" ;;
+  syscalls) TOOLS="strace" ;;
+  *) echo "COUNT is instructions or syscalls" >&2; exit 1 ;;
+esac
+for t in $TOOLS h2load nginx; do
+  command -v "$t" >/dev/null || { echo "needs $t (apt-get install valgrind strace nghttp2-client nginx)" >&2; exit 1; }
 done
 [ -x "$PIER_BIN" ] || { echo "no $PIER_BIN: cargo build --profile dist -p pier" >&2; exit 1; }
 RUN="$(mktemp -d /tmp/pier-instr.XXXXXX)"
@@ -42,8 +51,9 @@ nginx -p "$RUN/origin/" -c nginx.conf -e "$RUN/origin/logs/error.log" >/dev/null
 PIDS+=($!)
 python3 "$BENCH/tool.py" wait-port "$ORIGIN_PORT" 10
 
-# instructions PROXY PATH N: total Ir of one run of PROXY serving N requests for PATH
-instructions() {
+# counted PROXY PATH N: one run of PROXY serving N requests for PATH; prints its total Ir
+# (COUNT=instructions) or the path of its strace summary (COUNT=syscalls)
+counted() {
   local proxy="$1" path="$2" n="$3" p; p="$(port)"
   local dir="$RUN/$proxy-$n${path//\//_}"; mkdir -p "$dir/logs/tmp"
   local cmd
@@ -67,19 +77,34 @@ instructions() {
       cmd=(nginx -p "$dir/" -c nginx.conf -e "$dir/logs/error.log") ;;
     *) echo "unknown proxy $proxy" >&2; exit 1 ;;
   esac
-  valgrind --tool=callgrind --callgrind-out-file="$dir/cg.out" "${cmd[@]}" >"$dir/proxy.log" 2>&1 &
+  if [ "$COUNT" = syscalls ]; then
+    strace -f -c -U calls,name -o "$dir/strace.out" "${cmd[@]}" >"$dir/proxy.log" 2>&1 &
+  else
+    valgrind --tool=callgrind --callgrind-out-file="$dir/cg.out" "${cmd[@]}" >"$dir/proxy.log" 2>&1 &
+  fi
   local vp=$!
   python3 "$BENCH/tool.py" wait-port "$p" 120 --pid "$vp"
   h2load --h1 -n "$n" -c "$C" -t 1 "http://127.0.0.1:$p$path" >"$dir/h2load.log" 2>&1
   grep -q "succeeded, 0 failed" "$dir/h2load.log" || grep "requests:" "$dir/h2load.log" >&2
-  kill -TERM "$vp"; wait "$vp" || true
-  { callgrind_annotate "$dir"/cg.out* 2>/dev/null || true; } | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }'
+  if [ "$COUNT" = syscalls ]; then
+    # The proxy is strace's child; strace writes its summary when it exits.
+    pkill -TERM -P "$vp"; wait "$vp" || true
+    echo "$dir/strace.out"
+  else
+    kill -TERM "$vp"; wait "$vp" || true
+    { callgrind_annotate "$dir"/cg.out* 2>/dev/null || true; } | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }'
+  fi
 }
 
-printf "%-18s %-8s %14s %14s %12s\n" proxy path "Ir(N1=$N1)" "Ir(N2=$N2)" "Ir/request"
+[ "$COUNT" = instructions ] && printf "%-18s %-8s %14s %14s %12s\n" proxy path "Ir(N1=$N1)" "Ir(N2=$N2)" "Ir/request"
 for path in $PATHS; do
   for proxy in $PROXIES; do
-    a="$(instructions "$proxy" "$path" "$N1")"; b="$(instructions "$proxy" "$path" "$N2")"
-    printf "%-18s %-8s %14s %14s %12s\n" "$proxy" "$path" "$a" "$b" "$(( (b - a) / (N2 - N1) ))"
+    a="$(counted "$proxy" "$path" "$N1")"; b="$(counted "$proxy" "$path" "$N2")"
+    if [ "$COUNT" = syscalls ]; then
+      echo "== $proxy $path: system calls per request (C=$C)"
+      python3 "$BENCH/tool.py" syscalls "$a" "$b" $((N2 - N1))
+    else
+      printf "%-18s %-8s %14s %14s %12s\n" "$proxy" "$path" "$a" "$b" "$(( (b - a) / (N2 - N1) ))"
+    fi
   done
 done

@@ -14,6 +14,10 @@
 #   CACHE_SIM=1 C=500 N1=2000 N2=8000 bash bench/redis_instructions.sh
 #                                                    # and simulated L1d/L2 data misses per request
 #   KEEP=1 ...                                       # keep the callgrind files
+#   COUNT=syscalls C=500 N1=2000 N2=8000 bash bench/redis_instructions.sh
+#                                                    # system calls per request by kind instead
+#       (strace -f -c). strace slows the proxy, which changes what waits on what (how often a
+#       connect finds the pool empty), so this counts kinds of calls, not time.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BENCH="$ROOT/bench"
@@ -28,8 +32,14 @@ C="${C:-10}"
 # there, not in Ir.
 SIM=()
 [ "${CACHE_SIM:-0}" = 1 ] && SIM=(--cache-sim=yes --I1=32768,8,64 --D1=49152,12,64 --LL="${L2:-2097152,16,64}")
-for t in valgrind callgrind_annotate h2load nginx redis-server redis-cli; do
-  command -v "$t" >/dev/null || { echo "needs $t (apt-get install valgrind nghttp2-client nginx redis-server)" >&2; exit 1; }
+COUNT="${COUNT:-instructions}"   # instructions (callgrind) or syscalls (strace)
+case "$COUNT" in
+  instructions) TOOLS="valgrind callgrind_annotate" ;;
+  syscalls) TOOLS="strace" ;;
+  *) echo "COUNT is instructions or syscalls" >&2; exit 1 ;;
+esac
+for t in $TOOLS h2load nginx redis-server redis-cli; do
+  command -v "$t" >/dev/null || { echo "needs $t (apt-get install valgrind strace nghttp2-client nginx redis-server)" >&2; exit 1; }
 done
 [ -x "$PIER_BIN" ] || { echo "no $PIER_BIN: cargo build --profile dist -p pier" >&2; exit 1; }
 [ -f "$PIER_LUA_LIBS/nginx/redis.lua" ] || { echo "no lua-resty-redis in $PIER_LUA_LIBS (run bench/redis_incr.sh once, or .ci/run)" >&2; exit 1; }
@@ -48,8 +58,9 @@ python3 "$BENCH/tool.py" wait-port "$REDIS_PORT" 10
 sed -e "s/@REDIS@/$REDIS_PORT/g" "$BENCH/peers/redis/incr.lua" >"$RUN/incr.lua"
 chmod 644 "$RUN/incr.lua"
 
-# instructions PROXY N: total Ir of one run serving N requests
-instructions() {
+# counted PROXY N: one run serving N requests; prints its callgrind totals (COUNT=instructions)
+# or the path of its strace summary (COUNT=syscalls)
+counted() {
   local proxy="$1" n="$2" p; p="$(port)"
   local dir="$RUN/$proxy-$n"; mkdir -p "$dir/logs/tmp"; chmod -R 755 "$dir"
   local t=(-e "s/@PORT@/$p/g" -e "s|@LUALIBS@|$PIER_LUA_LIBS|g" -e "s|@HOOK@|$RUN/incr.lua|g")
@@ -62,7 +73,11 @@ instructions() {
       "$BENCH/peers/redis/nginx.conf" >"$dir/nginx.conf"
     cmd=(nginx -p "$dir/" -c nginx.conf -e "$dir/logs/error.log")
   fi
-  valgrind --tool=callgrind "${SIM[@]}" --callgrind-out-file="$dir/cg.out" "${cmd[@]}" >"$dir/proxy.log" 2>&1 &
+  if [ "$COUNT" = syscalls ]; then
+    strace -f -c -U calls,name -o "$dir/strace.out" "${cmd[@]}" >"$dir/proxy.log" 2>&1 &
+  else
+    valgrind --tool=callgrind "${SIM[@]}" --callgrind-out-file="$dir/cg.out" "${cmd[@]}" >"$dir/proxy.log" 2>&1 &
+  fi
   local vp=$!
   python3 "$BENCH/tool.py" wait-port "$p" 120 --pid "$vp"
   redis-cli -p "$REDIS_PORT" SET hits 0 >/dev/null
@@ -70,18 +85,33 @@ instructions() {
   grep -q "succeeded, 0 failed" "$dir/h2load.log" || grep "requests:" "$dir/h2load.log" >&2
   local hits; hits="$(redis-cli -p "$REDIS_PORT" GET hits)"
   [ "$hits" = "$n" ] || echo "$proxy: redis counted $hits INCRs for $n requests" >&2
+  if [ "$COUNT" = syscalls ]; then
+    # The proxy is strace's child; strace writes its summary when it exits.
+    pkill -TERM -P "$vp"; wait "$vp" || true
+    echo "$dir/strace.out"
+    return
+  fi
   kill -TERM "$vp"; wait "$vp" || true
-  # "Ir D1miss L2miss" (the misses are 0 without CACHE_SIM=1).
+  # "Ir D1miss L2miss L1imiss" (the misses are 0 without CACHE_SIM=1).
   python3 "$BENCH/tool.py" cg-totals "$dir"/cg.out*
 }
+
+if [ "$COUNT" = syscalls ]; then
+  for proxy in ${PROXIES:-pier nginx}; do
+    a="$(counted "$proxy" "$N1")"; b="$(counted "$proxy" "$N2")"
+    echo "== $proxy: system calls per request (C=$C)"
+    python3 "$BENCH/tool.py" syscalls "$a" "$b" $((N2 - N1))
+  done
+  exit 0
+fi
 
 printf "%-8s %14s %14s %12s" "proxy" "Ir(N1=$N1)" "Ir(N2=$N2)" "Ir/request"
 [ "${CACHE_SIM:-0}" = 1 ] && printf " %13s %12s %13s" "L1d miss/req" "L2 miss/req" "L1i miss/req"
 printf "   (C=%s connections)\n" "$C"
 declare -A PER
 for proxy in ${PROXIES:-pier nginx}; do
-  read -r a a1 a2 a3 <<<"$(instructions "$proxy" "$N1")"
-  read -r b b1 b2 b3 <<<"$(instructions "$proxy" "$N2")"
+  read -r a a1 a2 a3 <<<"$(counted "$proxy" "$N1")"
+  read -r b b1 b2 b3 <<<"$(counted "$proxy" "$N2")"
   PER[$proxy]=$(( (b - a) / (N2 - N1) ))
   printf "%-8s %14s %14s %12s" "$proxy" "$a" "$b" "${PER[$proxy]}"
   if [ "${CACHE_SIM:-0}" = 1 ]; then

@@ -667,6 +667,26 @@ def cg_totals(paths):
     return tot.get("Ir", 0), d1, ll, tot.get("I1mr", 0)
 
 
+def strace_calls(path):
+    """{syscall: calls} from an `strace -c -U calls,name` summary file."""
+    calls = {}
+    for line in open(path, errors="replace"):
+        f = line.split()
+        if len(f) == 2 and f[0].isdigit() and f[1] != "total":
+            calls[f[1]] = calls.get(f[1], 0) + int(f[0])
+    return calls
+
+
+def syscalls_per_request(a_path, b_path, n):
+    """Lines "name per-request" of the calls run B made beyond run A (n more requests), the
+    kinds at 0.005 or more a request, and their total."""
+    a, b = strace_calls(a_path), strace_calls(b_path)
+    per = {k: (b.get(k, 0) - a.get(k, 0)) / n for k in set(a) | set(b)}
+    out = [f"  {k:<20} {v:8.3f}" for k, v in sorted(per.items()) if v >= 0.005]
+    out.append(f"  {'total':<20} {sum(per.values()):8.3f}")
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     sp = ap.add_subparsers(dest="cmd", required=True)
@@ -708,6 +728,10 @@ def main():
     rs.add_argument("--path", default="/hello")
     g = sp.add_parser("cg-totals", help="Ir, L1d and LL data misses, L1i misses of callgrind files")
     g.add_argument("files", nargs="+")
+    sc = sp.add_parser("syscalls", help="system calls per request from two strace -c summaries")
+    sc.add_argument("a")
+    sc.add_argument("b")
+    sc.add_argument("n", type=int, help="requests run B served beyond run A")
     p = sp.add_parser("pier-config")
     p.add_argument("src")
     p.add_argument("dst")
@@ -736,6 +760,8 @@ def main():
         return resume(a)
     elif a.cmd == "cg-totals":
         print(*cg_totals(a.files))
+    elif a.cmd == "syscalls":
+        print(syscalls_per_request(a.a, a.b, a.n))
     elif a.cmd == "pier-config":
         return pier_config(a)
     return 0
