@@ -52,9 +52,9 @@ def main():
       "the end, or errors)")
     w("")
     w("| conns | proxy | req/s | p50 ms | p99 ms | proxy CPU s | **req/CPU-s** | user µs/req "
-      "| sys µs/req | redis CPU s | redis conns | per 1k req | TCP segs/req | INCRs − reqs "
+      "| sys µs/req | faults/req | switches/req | redis CPU s | redis conns | per 1k req | TCP segs/req | INCRs − reqs "
       "| errors |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     conns_list = sorted({r["conns"] for r in load})
     seen = {r["proxy"] for r in load}
     proxies = [p for p in ORDER if p in seen] + sorted(seen - set(ORDER))
@@ -81,6 +81,8 @@ def main():
               f"| **{kcell([r.get('req_per_cpu_s') for r in rs])}** "
               f"| {cell([r.get('user_us_per_req') for r in rs], '{:.1f}')} "
               f"| {cell([r.get('sys_us_per_req') for r in rs], '{:.1f}')} "
+              f"| {cell([r.get('minflt_per_req') for r in rs], '{:.3f}')} "
+              f"| {cell([r.get('ctxsw_per_req') for r in rs], '{:.3f}')} "
               f"| {cell([r.get('redis_cpu_s') for r in rs], '{:.2f}')} "
               f"| {cell([r.get('redis_conns_opened') for r in rs], '{:.0f}')} "
               f"| {cell(per_req('redis_conns_opened', 1000), '{:.0f}')} "

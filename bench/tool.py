@@ -210,6 +210,26 @@ def stat_split(pid):
     return uticks / CLK_TCK, sticks / CLK_TCK, rss, pss, n
 
 
+def faults_switches(pid):
+    """(minor page faults, context switches) so far, summed over the process tree and
+    every thread: page faults are kernel time a proxy causes by touching fresh memory,
+    context switches the times it slept (or was preempted) between events."""
+    flt = sw = 0
+    for p in tree(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                s = f.read()
+            flt += int(s[s.rindex(")") + 2 :].split()[7])  # minflt (field 10)
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/status") as f:
+                    for line in f:
+                        if line.startswith(("voluntary_ctxt", "nonvoluntary_ctxt")):
+                            sw += int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+    return flt, sw
+
+
 def stat(pid):
     """(cpu_seconds, rss_kib, pss_kib, nprocs): stat_split with user + sys CPU added up."""
     user, sys_, rss, pss, n = stat_split(pid)
@@ -268,6 +288,7 @@ def measure(a):
     wrk.append(f"{SCHEME}://127.0.0.1:{a.port}{a.path}")
     acc0 = origin_accepts(a.origin_port)
     user0, sys0, _, _, _ = stat_split(a.pid)
+    flt0, sw0 = faults_switches(a.pid)
     ocpu0, _, _, _ = stat(a.origin_pid)
     busy0 = busy_seconds()
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -276,6 +297,7 @@ def measure(a):
     p = subprocess.run(wrk, capture_output=True, text=True, timeout=a.duration + 60)
     wall = time.monotonic() - t0
     user1, sys1, rss, pss, nproc = stat_split(a.pid)
+    flt1, sw1 = faults_switches(a.pid)
     ocpu1, _, _, _ = stat(a.origin_pid)
     busy1 = busy_seconds()
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -296,6 +318,8 @@ def measure(a):
         # Per request, in microseconds (CPU time is counted in 1/CLK_TCK ticks).
         "user_us_per_req": (user * 1e6 / reqs) if reqs else None,
         "sys_us_per_req": (sys_ * 1e6 / reqs) if reqs else None,
+        "minflt_per_req": ((flt1 - flt0) / reqs) if reqs else None,
+        "ctxsw_per_req": ((sw1 - sw0) / reqs) if reqs else None,
         # -1: the second stub_status query's own connection.
         "upstream_conns": acc1 - acc0 - 1,
         "origin_cpu_s": round(ocpu1 - ocpu0, 3),
