@@ -46,6 +46,11 @@ n="$(find "$PROF/raw" -name '*.profraw' | wc -l)"
 log "merged $n profiles into $PROF/pier.profdata"
 
 log "profile-guided build (target/pgo-use)"
+# `-C no-vectorize-slp` for the binary's crate only, which is where fat LTO optimises the
+# whole program: with the profile's inlining, LLVM 22 (rustc 1.95) had spent 28 minutes of
+# that link in the SLP vectoriser (`getScalarsVectorizationLegality`, perf) when stopped,
+# and an earlier try ran 45 minutes unfinished; without SLP the link takes about 11 minutes
+# (BENCHMARKS.md, stop 29).
 (cd "$ROOT" && RUSTFLAGS="-Cprofile-use=$PROF/pier.profdata" \
-  cargo build -q --profile dist -p pier --target-dir target/pgo-use)
+  cargo rustc -q --profile dist -p pier --bin pier --target-dir target/pgo-use -- -C no-vectorize-slp)
 log "done: $ROOT/target/pgo-use/dist/pier"
