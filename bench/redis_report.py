@@ -48,6 +48,8 @@ def main():
       "connections redis-server accepted during the run, and per 1,000 requests; *TCP segs/req* "
       "= TCP segments the machine received (all loopback) per request: 4 when every request "
       "reuses a pooled redis connection, about 7 more for each one opened and closed; "
+      "*faults/req*, *switches/req* = the proxy's minor page faults and context switches "
+      "(all its threads) per request; "
       "*INCRs − reqs* = INCRs redis counted minus requests wrk completed (requests cut off at "
       "the end, or errors)")
     w("")
