@@ -9,7 +9,8 @@
 #
 # Steps: an instrumented `dist` build (target/pgo-gen), a training run of that binary through
 # bench/run.sh's own workloads (plain proxy and the Lua access hook, /hello and /4k.bin, 50 and
-# 500 connections; a short bench/redis_incr.sh run for the cosocket path unless NO_REDIS=1),
+# 500 connections; a short bench/redis_incr.sh run for the cosocket path unless NO_REDIS=1;
+# bench/cache.sh's hits and stored misses unless NO_CACHE=1),
 # `llvm-profdata merge`, then a `dist` build that uses the profile (target/pgo-use).
 # Needs rustup's `llvm-tools` component (its llvm-profdata matches rustc's LLVM).
 # The normal builds are untouched: separate target directories, RUSTFLAGS only here.
@@ -39,6 +40,14 @@ if [ "${NO_REDIS:-0}" != 1 ] && command -v redis-server >/dev/null; then
   log "training: bench/redis_incr.sh (cosockets)"
   PIER_BIN="$ROOT/target/pgo-gen/dist/pier" SKIP_BUILD=1 PROXIES=pier-redis REPS=1 DURATION="$TRAIN_DURATION" \
     OUT_DIR="$PROF/out-redis" bash "$ROOT/bench/redis_incr.sh" >"$PROF/train-redis.log" 2>&1 || log "redis training failed (see $PROF/train-redis.log); going on"
+fi
+if [ "${NO_CACHE:-0}" != 1 ]; then
+  # The cache's hit and miss paths: without them in the profile, LLVM lays out and optimises
+  # the whole cache as cold code in the build that is meant to be deployed.
+  log "training: bench/cache.sh hits (/hello, /4k.bin, /1m.bin) and stored misses"
+  PIER_BIN="$ROOT/target/pgo-gen/dist/pier" SKIP_BUILD=1 PARTS=hits,miss PROXIES=pier MISS_PROXIES=pier \
+    REPS=1 DURATION="$TRAIN_DURATION" OUT_DIR="$PROF/out-cache" bash "$ROOT/bench/cache.sh" \
+    >"$PROF/train-cache.log" 2>&1 || log "cache training failed (see $PROF/train-cache.log); going on"
 fi
 n="$(find "$PROF/raw" -name '*.profraw' | wc -l)"
 [ "$n" -gt 0 ] || { log "no .profraw written (did Pier exit cleanly?)"; exit 1; }
