@@ -40,6 +40,14 @@ pub struct Config {
     /// `[http] upgrade`: lower-cased protocol tokens a client may switch to
     /// with `Upgrade` (default `["websocket"]`); never contains "h2c".
     pub upgrade: Vec<String>,
+    /// `[http] escaped_slashes`: an encoded `/` (`%2F`) or `\` (`%5C`) in
+    /// a path is refused (default), decoded, or kept as it is.
+    pub escaped_slashes: EscapedSlashes,
+    /// `[http] merge_slashes` (default true): `//a` is `/a`.
+    pub merge_slashes: bool,
+    /// `[http] allow_trace` (default false): TRACE goes upstream instead
+    /// of a 405 (it echoes the request, credentials included).
+    pub allow_trace: bool,
     /// `[http2]`.
     pub http2: Http2,
     /// `[cache.NAME]` zones.
@@ -291,6 +299,18 @@ pub struct Listener {
     /// `h2c = "only"`: and HTTP/1 is not (a connection that does not open
     /// with the HTTP/2 preface is closed).
     pub h2c_only: bool,
+    /// `trusted_proxies`: clients whose Forwarded / X-Forwarded-* headers
+    /// are passed on (extended); from anyone else they are replaced.
+    pub trusted_proxies: Vec<Cidr>,
+}
+
+/// `[http] escaped_slashes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EscapedSlashes {
+    #[default]
+    Reject,
+    Decode,
+    Keep,
 }
 
 impl Listener {
@@ -302,6 +322,7 @@ impl Listener {
             redirect_https: None,
             h2c: false,
             h2c_only: false,
+            trusted_proxies: Vec::new(),
         }
     }
 }

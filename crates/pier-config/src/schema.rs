@@ -99,6 +99,11 @@ pub struct TimeoutsSection {
 pub struct HttpSection {
     /// Protocols a client may switch to with `Upgrade` (e.g. "websocket").
     pub upgrade: Option<Vec<Spanned<String>>>,
+    /// `"reject"`, `"decode"` or `"keep"`: an encoded slash in a path.
+    pub escaped_slashes: Option<Spanned<String>>,
+    pub merge_slashes: Option<bool>,
+    /// Methods refused with 405 unless a route allows them (CONNECT, TRACE).
+    pub allow_trace: Option<bool>,
 }
 
 /// `[http2]`: SETTINGS and defences of HTTP/2 connections.
@@ -149,6 +154,8 @@ pub struct ListenerEntry {
     /// instead of it (`"only"`).
     pub h2c: Option<H2cValue>,
     pub tls: Option<ListenerTlsSection>,
+    /// CIDRs whose Forwarded / X-Forwarded-* headers are kept.
+    pub trusted_proxies: Option<Vec<Spanned<String>>>,
 }
 
 /// A listener's `h2c`: `true`, `false` or `"only"`.

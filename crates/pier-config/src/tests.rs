@@ -2219,7 +2219,7 @@ fn upgrade_and_tunnel_errors() {
     one_error(
         &format!("{BASE}[http]\nupgrades = []\n"),
         "9:1",
-        "unknown field `upgrades`, expected `upgrade`",
+        "unknown field `upgrades`, expected one of `upgrade`",
     );
     one_error(
         &format!("{BASE}[timeouts]\ntunnel_idle = \"0s\"\n"),

@@ -275,7 +275,24 @@ pub(crate) fn validate(
     let access_log = access_log(&mut c, file.log.and_then(|l| l.access));
     let limits = limits(&mut c, file.limits.unwrap_or_default());
     let timeouts = timeouts(&mut c, file.timeouts.unwrap_or_default());
-    let upgrade = upgrade(&mut c, file.http.unwrap_or_default().upgrade);
+    let http = file.http.unwrap_or_default();
+    let escaped_slashes = match http.escaped_slashes.as_ref().map(|s| s.get_ref().as_str()) {
+        None | Some("reject") => EscapedSlashes::Reject,
+        Some("decode") => EscapedSlashes::Decode,
+        Some("keep") => EscapedSlashes::Keep,
+        Some(other) => {
+            c.err(
+                http.escaped_slashes.as_ref().and_then(sp),
+                format!(
+                    "`escaped_slashes` = {other:?}: expected \"reject\", \"decode\" or \"keep\""
+                ),
+            );
+            EscapedSlashes::Reject
+        }
+    };
+    let merge_slashes = http.merge_slashes.unwrap_or(true);
+    let allow_trace = http.allow_trace.unwrap_or(false);
+    let upgrade = upgrade(&mut c, http.upgrade);
     let http2 = http2(&mut c, file.http2.unwrap_or_default());
     let lua = lua_config(&mut c, file.lua.unwrap_or_default(), base);
 
@@ -336,6 +353,13 @@ pub(crate) fn validate(
                     "`h2c` is for cleartext listeners; a TLS listener offers HTTP/2 with `alpn = [\"h2\", \"http/1.1\"]`",
                 );
             }
+            let mut trusted_proxies = Vec::new();
+            for v in l.trusted_proxies.iter().flatten() {
+                match Cidr::parse(v.get_ref()) {
+                    Ok(cidr) => trusted_proxies.push(cidr),
+                    Err(e) => c.err(sp(v), format!("`trusted_proxies`: {e}")),
+                }
+            }
             listeners.push(Listener {
                 name,
                 addr,
@@ -343,6 +367,7 @@ pub(crate) fn validate(
                 redirect_https,
                 h2c,
                 h2c_only,
+                trusted_proxies,
             });
         }
     }
@@ -456,6 +481,9 @@ pub(crate) fn validate(
         lua,
         rate_limits,
         upgrade,
+        escaped_slashes,
+        merge_slashes,
+        allow_trace,
         http2,
         caches,
         resolver,

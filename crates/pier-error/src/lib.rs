@@ -25,6 +25,14 @@ pub enum Kind {
     InvalidRequestLine,
     InvalidHeader,
     InvalidHost,
+    /// `Connection` names a header the proxy decides itself (framing,
+    /// Host, a pseudo-header): a smuggling attempt (docs/security.md).
+    ConnectionNamesFraming,
+    /// A path that is not a safe origin-form path once normalised (a
+    /// dot-segment above the root, an encoded slash where refused).
+    InvalidPath,
+    /// CONNECT, TRACE, or a method a route does not allow.
+    MethodNotAllowed,
     ConflictingLength,
     InvalidContentLength,
     UnsupportedTransferEncoding,
@@ -57,10 +65,13 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 26] = [
+    pub const ALL: [Kind; 29] = [
         Kind::InvalidRequestLine,
         Kind::InvalidHeader,
         Kind::InvalidHost,
+        Kind::ConnectionNamesFraming,
+        Kind::InvalidPath,
+        Kind::MethodNotAllowed,
         Kind::ConflictingLength,
         Kind::InvalidContentLength,
         Kind::UnsupportedTransferEncoding,
@@ -92,9 +103,12 @@ impl Kind {
             Kind::InvalidRequestLine
             | Kind::InvalidHeader
             | Kind::InvalidHost
+            | Kind::ConnectionNamesFraming
+            | Kind::InvalidPath
             | Kind::ConflictingLength
             | Kind::InvalidContentLength
             | Kind::BadChunk => 400,
+            Kind::MethodNotAllowed => 405,
             Kind::UnsupportedTransferEncoding => 501,
             Kind::HeaderTimeout | Kind::BodyTimeout => 408,
             Kind::BodyTooLarge => 413,
@@ -123,6 +137,9 @@ impl Kind {
             Kind::InvalidRequestLine => "invalid-request-line",
             Kind::InvalidHeader => "invalid-header",
             Kind::InvalidHost => "invalid-host",
+            Kind::ConnectionNamesFraming => "connection-names-framing",
+            Kind::InvalidPath => "invalid-path",
+            Kind::MethodNotAllowed => "method-not-allowed",
             Kind::ConflictingLength => "conflicting-length",
             Kind::InvalidContentLength => "invalid-content-length",
             Kind::UnsupportedTransferEncoding => "unsupported-transfer-encoding",
@@ -154,6 +171,9 @@ impl Kind {
             Kind::InvalidRequestLine
             | Kind::InvalidHeader
             | Kind::InvalidHost
+            | Kind::ConnectionNamesFraming
+            | Kind::InvalidPath
+            | Kind::MethodNotAllowed
             | Kind::ConflictingLength
             | Kind::InvalidContentLength
             | Kind::UnsupportedTransferEncoding

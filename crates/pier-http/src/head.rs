@@ -284,6 +284,9 @@ impl RequestHead {
                 return Err(Kind::InvalidHost);
             }
         }
+        if h.has_known(CONNECTION) {
+            connection_names_nothing_decided_here(h)?;
+        }
         let cl = content_length(h, true)?;
         if h.has_known(TRANSFER_ENCODING) {
             if cl.is_some() {
@@ -303,6 +306,26 @@ impl RequestHead {
             Some(n) => BodyLen::Length(n),
         })
     }
+}
+
+/// A `Connection` header may make hop-by-hop only what is the client's to
+/// drop. Framing (Content-Length, Transfer-Encoding), Host and
+/// pseudo-headers are decided by the proxy, once: a proxy that strips a
+/// listed Content-Length forwards the body unframed, and the origin reads
+/// it as a second request (docs/security.md, "Smuggling").
+fn connection_names_nothing_decided_here(h: &Headers) -> Result<(), Kind> {
+    for v in h.get_all_known(CONNECTION) {
+        for t in v.split(|&b| b == b',') {
+            let t = trim(t);
+            if t.first() == Some(&b':') {
+                return Err(Kind::ConnectionNamesFraming);
+            }
+            if matches!(lookup(t), CONTENT_LENGTH | TRANSFER_ENCODING | HOST) {
+                return Err(Kind::ConnectionNamesFraming);
+            }
+        }
+    }
+    Ok(())
 }
 
 fn uri_or_line(buf: &[u8], limits: &HeadLimits) -> Kind {
@@ -496,14 +519,26 @@ impl ResponseHead {
     }
 }
 
-/// Always hop-by-hop, besides `Connection` and what it names.
-pub const HOP_BY_HOP: [Known; 5] = [
+/// The one table of always-hop-by-hop fields (RFC 9110 §7.6.1, and the
+/// obsolete ones peers still send), besides what `Connection` names. Every
+/// writer, both directions and every protocol, skips these.
+pub const HOP_BY_HOP: [Known; 6] = [
+    CONNECTION,
     KEEP_ALIVE,
     PROXY_CONNECTION,
     TE,
     UPGRADE,
     PROXY_AUTHENTICATE,
 ];
+
+/// `k` is in [`HOP_BY_HOP`].
+#[inline]
+pub fn hop_by_hop(k: Known) -> bool {
+    matches!(
+        k,
+        CONNECTION | KEEP_ALIVE | PROXY_CONNECTION | TE | UPGRADE | PROXY_AUTHENTICATE
+    )
+}
 
 /// Remove hop-by-hop headers (RFC 9110 §7.6.1): the fixed list plus every
 /// header named in `Connection`. `Transfer-Encoding` is left to the caller
@@ -525,7 +560,9 @@ pub fn remove_hop_by_hop(h: &mut Headers) {
         }
         for &(off, len) in &named[..n] {
             match lookup(&h.arena()[off as usize..(off + len) as usize]) {
-                HOST => {}
+                // Never dropped by a peer's say-so: the codec states framing
+                // itself, and Host is the request's authority.
+                HOST | CONTENT_LENGTH | TRANSFER_ENCODING => {}
                 UNKNOWN => h.remove_arena_name(off as usize, len as usize),
                 k => {
                     h.remove_known(k);
@@ -534,16 +571,11 @@ pub fn remove_hop_by_hop(h: &mut Headers) {
         }
         h.remove_known(CONNECTION);
     }
-    for k in [
-        KEEP_ALIVE,
-        PROXY_CONNECTION,
-        TE,
-        TRAILER,
-        UPGRADE,
-        PROXY_AUTHENTICATE,
-    ] {
+    for k in HOP_BY_HOP {
         h.remove_known(k);
     }
+    // A stored or rebuilt message announces no trailers of its own.
+    h.remove_known(TRAILER);
 }
 
 #[cfg(test)]
@@ -590,6 +622,11 @@ mod tests {
             ("GET / HTTP/1.1\r\nHost: x\r\nBad Name: a\r\n\r\n", Kind::InvalidHeader),
             ("GET / HTTP/1.1\r\nHost: x\r\nX: a\0b\r\n\r\n", Kind::InvalidHeader),
             ("GET / HTTP/1.1\r\nHost: x\r\nX: a\rb\r\n\r\n", Kind::InvalidHeader),
+            ("POST /x HTTP/1.1\r\nHost: a\r\nConnection: content-length\r\nContent-Length: 3\r\n\r\n", Kind::ConnectionNamesFraming),
+            ("POST /x HTTP/1.1\r\nHost: a\r\nConnection: keep-alive, Content-Length\r\n\r\n", Kind::ConnectionNamesFraming),
+            ("POST /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\nConnection: transfer-encoding\r\n\r\n", Kind::ConnectionNamesFraming),
+            ("GET /x HTTP/1.1\r\nHost: a\r\nConnection: host\r\n\r\n", Kind::ConnectionNamesFraming),
+            ("GET /x HTTP/1.1\r\nHost: a\r\nConnection: :authority\r\n\r\n", Kind::ConnectionNamesFraming),
         ];
         for (s, k) in bad {
             assert_eq!(req(s).err(), Some(k), "{s:?}");
@@ -651,10 +688,31 @@ mod tests {
 
     #[test]
     fn hop_by_hop() {
-        let (_, mut h) = req("GET / HTTP/1.1\r\nHost: x\r\nConnection: keep-alive, X-Secret, host, Upgrade\r\nX-Secret: 1\r\nx-secret: 2\r\nKeep-Alive: 5\r\nTE: trailers\r\nX-Ok: 1\r\n\r\n").unwrap().unwrap();
+        let (_, mut h) = req("GET / HTTP/1.1\r\nHost: x\r\nConnection: keep-alive, X-Secret, Upgrade\r\nX-Secret: 1\r\nx-secret: 2\r\nKeep-Alive: 5\r\nTE: trailers\r\nX-Ok: 1\r\n\r\n").unwrap().unwrap();
         remove_hop_by_hop(&mut h.headers);
         let names: Vec<_> = h.headers.iter().map(|(n, _)| n.to_vec()).collect();
         assert_eq!(names, vec![b"Host".to_vec(), b"X-Ok".to_vec()]);
+        // What a peer may not drop (a response's Connection is not refused
+        // as a request's is): framing and Host stay.
+        let mut h = Headers::new();
+        h.append(
+            b"Connection",
+            b"host, content-length, Transfer-Encoding, x-a",
+        );
+        h.append(b"Host", b"x");
+        h.append(b"Content-Length", b"3");
+        h.append(b"Transfer-Encoding", b"chunked");
+        h.append(b"X-A", b"1");
+        remove_hop_by_hop(&mut h);
+        let names: Vec<_> = h.iter().map(|(n, _)| n.to_vec()).collect();
+        assert_eq!(
+            names,
+            vec![
+                b"Host".to_vec(),
+                b"Content-Length".to_vec(),
+                b"Transfer-Encoding".to_vec()
+            ]
+        );
     }
 
     #[test]

@@ -254,6 +254,19 @@ impl Headers {
         }
     }
 
+    /// Rewrite the first value of a well-known header in place: `f` gets
+    /// its bytes and returns the new length (at most the old one).
+    pub fn rewrite_known_value(&mut self, k: Known, f: impl FnOnce(&mut [u8]) -> usize) {
+        let i = self.slots[k as usize];
+        if i == NONE {
+            return;
+        }
+        let e = self.entries[i as usize];
+        let (off, len) = (e.val_off as usize, e.val_len as usize);
+        let n = f(&mut self.arena[off..off + len]).min(len);
+        self.entries[i as usize].val_len = n as u32;
+    }
+
     /// Append a header (keeps existing ones of the same name).
     pub fn append(&mut self, name: &[u8], value: &[u8]) {
         let name_off = self.arena.len();

@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub mod body;
+pub mod canon;
 pub mod chunked;
 pub mod date;
 pub mod head;
@@ -14,6 +15,9 @@ pub mod known;
 pub mod write;
 
 pub use body::BodyDecoder;
+pub use canon::{EscapedSlashes, PathPolicy};
 pub use chunked::ChunkedScanner;
-pub use head::{remove_hop_by_hop, BodyLen, HeadLimits, Method, RequestHead, ResponseHead};
+pub use head::{
+    hop_by_hop, remove_hop_by_hop, BodyLen, HeadLimits, Method, RequestHead, ResponseHead,
+};
 pub use headers::Headers;

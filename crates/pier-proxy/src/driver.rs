@@ -25,7 +25,7 @@ use pier_clock::timeout;
 use pier_config::HostHeader;
 use pier_core::{PeerKey, Stream};
 use pier_error::{Error, Kind};
-use pier_http::known::{self, Known};
+use pier_http::known;
 use pier_http::{write, BodyLen, ResponseHead};
 use pier_log::metrics::GaugeGuard;
 use std::cell::RefCell;
@@ -778,7 +778,7 @@ async fn read_head<S: Stream>(
             if sess.req.headers.capacity_bytes() == 0 {
                 sess.req = pool.borrow_mut().take_head();
             }
-            if let Some(n) = sess.req.parse(rbuf, &state.head_limits)? {
+            if let Some(n) = state.parse_request(&mut sess.req, rbuf)? {
                 rbuf.advance(n);
                 return Ok(true);
             }
@@ -836,8 +836,26 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
     sess.client_keep = client_keep;
     build_upstream_request(state, sess);
 
-    // Route (on the request as it will go: an absolute-form target's
-    // authority is its host).
+    // CONNECT would make Pier a tunnel to anywhere, and TRACE echoes the
+    // request (credentials included) to whoever can make a browser send it.
+    let m = sess.req.method_kind();
+    if m == pier_http::Method::Connect || (m == pier_http::Method::Trace && !state.cfg.allow_trace)
+    {
+        return local_fail(
+            w,
+            state,
+            down,
+            b,
+            sess,
+            ctx,
+            Kind::MethodNotAllowed,
+            body_pending,
+        )
+        .await
+            && client_keep;
+    }
+
+    // Route, on the request's one authority and canonical path.
     sess.step = Step::Route;
     if let Some(r) = sess
         .conn
@@ -1406,28 +1424,10 @@ pub(crate) fn local_error(kind: Kind) -> LocalResponse {
 
 // === one attempt against one origin ===
 
-/// Request headers Pier writes itself or never forwards.
-pub(crate) fn skip_request_header(k: Known) -> bool {
-    matches!(
-        k,
-        known::CONNECTION
-            | known::KEEP_ALIVE
-            | known::PROXY_CONNECTION
-            | known::TE
-            | known::UPGRADE
-            | known::X_FORWARDED_FOR
-            | known::X_FORWARDED_PROTO
-            | known::X_FORWARDED_HOST
-    )
-}
-
 /// `redirect_https`: the same URL over https (nginx's
 /// `return 301 https://$host$request_uri`). Not a hot path.
 fn https_redirect(sess: &Session, r: pier_config::HttpsRedirect) -> LocalResponse {
-    let (authority, target) = match sess.req.absolute_form() {
-        Some((a, t)) => (a, t),
-        None => (sess.req.host().unwrap_or(b""), sess.req.uri()),
-    };
+    let (authority, target) = (sess.req.host().unwrap_or(b""), sess.req.uri());
     // The host without its port ([v6] kept whole).
     let host = match authority.iter().rposition(|&c| c == b':') {
         Some(i) if !authority[i..].contains(&b']') => &authority[..i],
@@ -1477,7 +1477,7 @@ async fn attempt_h2<P: Phases, D: Downstream>(
     w.shared.metrics.pool(reused);
     sess.step = Step::Send;
     let req = crate::upstream_h2::request(state, sess, key.addr, tls.is_some())?;
-    let body = sess.req.body_len();
+    let body = crate::forward::body(sess);
     let head_only = sess.up_req.method_kind() == pier_http::Method::Head;
     let (fut, send) = send_request(&lease, req, body == BodyLen::None, t.upstream_response).await?;
     let wait = crate::grpc::timeout(&sess.req, t.upstream_response);
@@ -1714,7 +1714,7 @@ async fn attempt_once<P: Phases, D: Downstream>(
     // The upstream request head, from the upstream request value.
     sess.step = Step::Send;
     write_upstream_head(&mut b.head, state, sess, addr);
-    let body = sess.req.body_len();
+    let body = crate::forward::body(sess);
     let method = sess.up_req.method_kind();
     let (ur, mut uw) = up.split();
     if uw.write_all(&b.head).await.is_err() {
@@ -1880,6 +1880,17 @@ async fn exchange_with<
 ) -> Result<Relayed, Error> {
     let mut body_in = 0u64;
     let relayed = match body_snk {
+        None if Bsrc::WATCHES_GONE => {
+            // A client that closes its connection cancels the request: the
+            // origin connection is dropped with this future (a cache fill
+            // goes on detached, `TeeSource::finish_detached`).
+            let relay = relay(w, state, src, &mut snk, resp, sess, ctx, inflight);
+            tokio::select! {
+                biased;
+                r = relay => r,
+                _ = after_a_moment(body_src.client_gone()) => Err(Error::answered(Kind::ClientClosed)),
+            }
+        }
         None => relay(w, state, src, &mut snk, resp, sess, ctx, inflight).await,
         Some(body_snk) => {
             let pump = pump(&mut body_src, body_snk, &mut body_in);
@@ -1914,6 +1925,17 @@ async fn exchange_with<
     relayed
 }
 
+/// How long an origin may take before the driver starts watching for the
+/// client to go away: answers within it pay a timer, not a read on the
+/// client's socket (a system call) or the HTTP/2 stream lock.
+const CLIENT_GONE_AFTER: Duration = Duration::from_millis(50);
+
+/// `watch`, after [`CLIENT_GONE_AFTER`].
+async fn after_a_moment(watch: impl Future<Output = ()>) {
+    tokio::time::sleep_until(pier_clock::tokio_deadline(CLIENT_GONE_AFTER)).await;
+    watch.await
+}
+
 /// The request body from the client to the origin, piece by piece;
 /// `read` counts its bytes.
 async fn pump<Src: RequestSource, Snk: RequestSink>(
@@ -1944,7 +1966,15 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
     inflight: &mut Option<pier_lb::ActiveGuard>,
 ) -> Result<Relayed, Error> {
     loop {
-        src.read_head(resp).await?;
+        if Snk::WATCHES_GONE {
+            tokio::select! {
+                biased;
+                r = src.read_head(resp) => r?,
+                _ = after_a_moment(snk.client_gone()) => return Err(Error::answered(Kind::ClientClosed)),
+            }
+        } else {
+            src.read_head(resp).await?;
+        }
         if (100..200).contains(&resp.status) && resp.status != 101 {
             // 100 Continue, 103 Early Hints.
             snk.write_interim(resp).await?;
@@ -2096,26 +2126,15 @@ fn tunnel_idle(state: &State) -> Duration {
     state.cfg.timeouts.tunnel_idle
 }
 
-/// Build `sess.up_req` from the request as received: hop-by-hop headers go,
-/// an absolute-form target becomes origin-form with its authority as Host
-/// (RFC 9112 §3.2.2), and whether an Upgrade goes through is decided.
+/// Build `sess.up_req` from the request as received (already canonical:
+/// origin-form, one authority; `State::parse_request`): the headers
+/// `Connection` names go (RFC 9110 §7.6.1), and whether an Upgrade goes
+/// through is decided. The rest of the upstream policy is `forward`'s.
 fn build_upstream_request(state: &State, sess: &mut Session) {
     sess.upgrade = upgrade_allowed(state, &sess.req);
     let up = &mut sess.up_req;
     if up.headers.has_known(known::CONNECTION) {
-        // Headers named in Connection are hop-by-hop too (RFC 9110 §7.6.1).
         pier_http::remove_hop_by_hop(&mut up.headers);
-    }
-    if let Some((authority, rest)) = sess.req.absolute_form() {
-        up.headers.insert(b"Host", authority);
-        if rest.is_empty() || rest[0] != b'/' {
-            let mut target = Vec::with_capacity(rest.len() + 1);
-            target.push(b'/');
-            target.extend_from_slice(rest);
-            up.set_uri(&target);
-        } else {
-            up.set_uri(rest);
-        }
     }
 }
 
@@ -2207,12 +2226,22 @@ fn write_upstream_head(out: &mut Vec<u8>, state: &State, sess: &Session, addr: S
         sess.route.map(|r| &state.routes[r].host_header),
         Some(HostHeader::Upstream)
     );
-    if host_is_peer {
-        write::request_head(out, req, req.uri(), |k| {
-            k == known::HOST || skip_request_header(k)
-        });
-    } else {
-        write::request_head(out, req, req.uri(), skip_request_header);
+    let trusted = crate::forward::trusted(state, sess);
+    write::request_line(out, req.method(), req.uri());
+    for (k, n, v) in req.headers.iter_known() {
+        if crate::forward::keep_field(k, n, trusted) && !(host_is_peer && k == known::HOST) {
+            write::header(out, n, v);
+        }
+    }
+    // Framing from the body that is sent, never from what was received.
+    match crate::forward::body(sess) {
+        BodyLen::Length(n) => write::header_u64(out, b"Content-Length", n),
+        BodyLen::Chunked => out.extend_from_slice(b"Transfer-Encoding: chunked\r\n"),
+        BodyLen::None | BodyLen::UntilClose => {
+            if crate::forward::says_empty(sess) {
+                out.extend_from_slice(b"Content-Length: 0\r\n");
+            }
+        }
     }
     if host_is_peer || !req.headers.has_known(known::HOST) {
         // `host_header = "upstream"`, or as nginx does when the client gave
@@ -2232,19 +2261,15 @@ fn write_upstream_head(out: &mut Vec<u8>, state: &State, sess: &Session, addr: S
         }
         out.extend_from_slice(b"\r\n");
     }
-    // X-Forwarded-For: append the client to whatever the client sent.
     out.extend_from_slice(b"X-Forwarded-For: ");
-    for v in req.headers.get_all_known(known::X_FORWARDED_FOR) {
-        out.extend_from_slice(v);
-        out.extend_from_slice(b", ");
-    }
-    out.extend_from_slice(sess.client_ip.as_bytes());
-    out.extend_from_slice(b"\r\nX-Forwarded-Proto: ");
-    out.extend_from_slice(sess.scheme().as_bytes());
+    crate::forward::x_forwarded_for(out, sess, trusted);
     out.extend_from_slice(b"\r\n");
-    // The host the client asked for (an absolute-form target's authority).
-    let asked = sess.req.absolute_form().map(|(a, _)| a).or(sess.req.host());
-    if let Some(h) = asked {
+    write::header(
+        out,
+        b"X-Forwarded-Proto",
+        crate::forward::x_forwarded_proto(sess, trusted),
+    );
+    if let Some(h) = crate::forward::x_forwarded_host(sess, trusted) {
         write::header(out, b"X-Forwarded-Host", h);
     }
     if sess.upgrade {

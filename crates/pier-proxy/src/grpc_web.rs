@@ -234,6 +234,10 @@ impl<S: ResponseSink> ResponseSink for WebSink<S> {
     fn bytes_sent(&self) -> u64 {
         self.inner.bytes_sent()
     }
+    const WATCHES_GONE: bool = S::WATCHES_GONE;
+    async fn client_gone(&mut self) {
+        self.inner.client_gone().await
+    }
 }
 
 #[cfg(test)]

@@ -274,15 +274,7 @@ fn feed_chunked(
 
 /// Response headers Pier writes itself or never forwards.
 pub(crate) fn skip_response_header(k: Known) -> bool {
-    matches!(
-        k,
-        known::CONNECTION
-            | known::KEEP_ALIVE
-            | known::PROXY_CONNECTION
-            | known::TE
-            | known::UPGRADE
-            | known::PROXY_AUTHENTICATE
-    )
+    pier_http::hop_by_hop(k)
 }
 
 // === client side ===
@@ -417,6 +409,21 @@ impl<R: AsyncRead + Unpin> RequestSource for H1RequestSource<'_, R> {
     }
     fn trailers(&self) -> Option<&Headers> {
         (!self.trailers.is_empty()).then_some(&self.trailers)
+    }
+    const WATCHES_GONE: bool = true;
+    /// A bodiless request's connection, read while the origin is waited
+    /// on: EOF (or an error) means the client went away. Bytes mean it
+    /// pipelined its next request: kept in the buffer for it, and the
+    /// client is alive.
+    async fn client_gone(&mut self) {
+        if self.framing != BodyLen::None {
+            return std::future::pending().await;
+        }
+        self.buf.reserve(1024);
+        match self.r.read_buf(self.buf).await {
+            Ok(0) | Err(_) => {}
+            Ok(_) => std::future::pending().await,
+        }
     }
 }
 

@@ -222,14 +222,19 @@ fn to_head(
         .unwrap_or("/");
     text.extend_from_slice(if pq.is_empty() { b"/" } else { pq.as_bytes() });
     text.extend_from_slice(b" HTTP/1.1\r\n");
-    // :authority is the Host (RFC 9113 §8.3.1); a Host field, if both came,
-    // must agree, and the parser refuses two.
-    if let Some(a) = parts.uri.authority() {
-        if !parts.headers.contains_key(http::header::HOST) {
-            text.extend_from_slice(b"host: ");
-            text.extend_from_slice(a.as_str().as_bytes());
-            text.extend_from_slice(b"\r\n");
+    // :authority is the Host (RFC 9113 §8.3.1): a Host field that names
+    // another is refused (two authorities are two parsers' views), and
+    // the parser refuses two Host fields.
+    let authority = parts.uri.authority();
+    if let Some(a) = authority {
+        for h in parts.headers.get_all(http::header::HOST) {
+            if !h.as_bytes().eq_ignore_ascii_case(a.as_str().as_bytes()) {
+                return Err(Kind::InvalidHost);
+            }
         }
+        text.extend_from_slice(b"host: ");
+        text.extend_from_slice(a.as_str().as_bytes());
+        text.extend_from_slice(b"\r\n");
     }
     let mut cookies: Vec<&[u8]> = Vec::new();
     for (k, v) in &parts.headers {
@@ -238,7 +243,10 @@ fn to_head(
             cookies.push(v.as_bytes());
             continue;
         }
-        if k == http::header::TE || k == http::header::TRANSFER_ENCODING {
+        if k == http::header::TE
+            || k == http::header::TRANSFER_ENCODING
+            || (k == http::header::HOST && authority.is_some())
+        {
             continue;
         }
         text.extend_from_slice(k.as_str().as_bytes());
@@ -261,7 +269,7 @@ fn to_head(
         text.extend_from_slice(b"transfer-encoding: chunked\r\n");
     }
     text.extend_from_slice(b"\r\n");
-    match head.parse(&text, &state.head_limits)? {
+    match state.parse_request(head, &text)? {
         Some(_) => Ok(()),
         None => Err(Kind::InvalidHeader),
     }
@@ -402,17 +410,17 @@ impl RequestSource for &mut H2Rx {
 /// when there were any.
 pub(crate) fn http_fields(
     headers: &Headers,
-    skip: impl Fn(Known) -> bool,
+    skip: impl Fn(Known, &[u8]) -> bool,
     out: &mut http::HeaderMap,
 ) -> bool {
     let total: usize = headers
         .iter_known()
-        .filter(|(k, _, _)| !skip(*k))
+        .filter(|(k, n, _)| !skip(*k, n))
         .map(|(_, _, v)| v.len())
         .sum();
     let mut all = Vec::with_capacity(total);
-    for (k, _, v) in headers.iter_known() {
-        if !skip(k) {
+    for (k, n, v) in headers.iter_known() {
+        if !skip(k, n) {
             all.extend_from_slice(v);
         }
     }
@@ -420,7 +428,7 @@ pub(crate) fn http_fields(
     let mut at = 0;
     let mut all_taken = true;
     for (k, name, value) in headers.iter_known() {
-        if skip(k) {
+        if skip(k, name) {
             continue;
         }
         let v = all.slice(at..at + value.len());
@@ -457,7 +465,11 @@ impl H2Tx {
         *r.status_mut() =
             http::StatusCode::from_u16(head.status).unwrap_or(http::StatusCode::BAD_GATEWAY);
         // A field HTTP/2 cannot carry is left out (as before).
-        let _ = http_fields(&head.headers, skip_h2_response_header, r.headers_mut());
+        let _ = http_fields(
+            &head.headers,
+            |k, _| skip_h2_response_header(k),
+            r.headers_mut(),
+        );
         r
     }
 
@@ -589,5 +601,15 @@ impl ResponseSink for &mut H2Tx {
 
     fn bytes_sent(&self) -> u64 {
         self.sent
+    }
+    const WATCHES_GONE: bool = true;
+    /// The stream reset by the client, or its connection gone (h2 resets
+    /// every open stream then). Before the head only: afterwards the
+    /// stream's send side has one waiter, the body's writes, which fail.
+    async fn client_gone(&mut self) {
+        if self.head_sent {
+            return std::future::pending().await;
+        }
+        std::future::poll_fn(|cx| self.respond.poll_reset(cx).map(|_| ())).await
     }
 }

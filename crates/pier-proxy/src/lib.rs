@@ -14,6 +14,7 @@ pub mod compress;
 mod cors;
 pub mod dns;
 pub mod driver;
+mod forward;
 pub mod grpc;
 pub mod grpc_web;
 pub mod h1;

@@ -43,6 +43,15 @@ pub trait RequestSource {
     async fn read_body(&mut self) -> Result<Option<&[u8]>, Error>;
     /// Trailer fields, once the body ended (where the protocol has them).
     fn trailers(&self) -> Option<&Headers>;
+    /// Whether [`client_gone`](Self::client_gone) can tell (the driver pays
+    /// for a watch only then).
+    const WATCHES_GONE: bool = false;
+    /// Resolves when the client is known gone (its connection closed) while
+    /// a bodiless request waits on the origin; never where the source can't
+    /// tell, or while a body is still to be read (its reads tell then).
+    async fn client_gone(&mut self) {
+        std::future::pending::<()>().await
+    }
 }
 
 /// Where the request goes: the upstream connection's writer.
@@ -134,6 +143,14 @@ pub trait ResponseSink {
     fn keep_alive(&self) -> bool;
     /// Bytes written to the client so far (access log).
     fn bytes_sent(&self) -> u64;
+    /// Whether [`client_gone`](Self::client_gone) can tell.
+    const WATCHES_GONE: bool = false;
+    /// Resolves when the client is known gone (HTTP/2: the stream reset,
+    /// or the connection closed) before the response head went; never
+    /// where the sink can't tell.
+    async fn client_gone(&mut self) {
+        std::future::pending::<()>().await
+    }
 }
 
 /// What the downstream needs to know of the request it serves.

@@ -235,4 +235,11 @@ impl<S: RequestSource> RequestSource for BodyIn<S> {
             BodyIn::Buffered { body, .. } => body.trailers.get(),
         }
     }
+    const WATCHES_GONE: bool = S::WATCHES_GONE;
+    async fn client_gone(&mut self) {
+        match self {
+            BodyIn::Client(s) => s.client_gone().await,
+            BodyIn::Buffered { .. } => std::future::pending().await,
+        }
+    }
 }

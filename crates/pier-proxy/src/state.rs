@@ -321,6 +321,33 @@ impl State {
         })
     }
 
+    /// How request paths are made canonical (`[http]`).
+    pub fn path_policy(&self) -> pier_http::PathPolicy {
+        pier_http::PathPolicy {
+            escaped_slashes: match self.cfg.escaped_slashes {
+                pier_config::EscapedSlashes::Reject => pier_http::EscapedSlashes::Reject,
+                pier_config::EscapedSlashes::Decode => pier_http::EscapedSlashes::Decode,
+                pier_config::EscapedSlashes::Keep => pier_http::EscapedSlashes::Keep,
+            },
+            merge_slashes: self.cfg.merge_slashes,
+        }
+    }
+
+    /// A client's request head, parsed and made canonical: the one place
+    /// every downstream protocol gets a request's authority, target and
+    /// framing from (pier_http::canon; docs/security.md).
+    pub fn parse_request(
+        &self,
+        head: &mut pier_http::RequestHead,
+        buf: &[u8],
+    ) -> Result<Option<usize>, pier_error::Kind> {
+        let n = head.parse(buf, &self.head_limits)?;
+        if n.is_some() {
+            head.canonicalize(&self.path_policy())?;
+        }
+        Ok(n)
+    }
+
     /// First route (in file order) whose host and path match.
     pub fn match_route(&self, host: Option<&[u8]>, path: &[u8]) -> Option<usize> {
         let host = host.map(strip_port);

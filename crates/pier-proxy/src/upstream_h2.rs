@@ -491,38 +491,40 @@ pub(crate) fn request(
     let h = r.headers_mut();
     // A field the `http` crate refuses fails the request, as it did when
     // fields were converted one by one (pier-http's parser lets few by).
-    if !crate::http2::http_fields(&req.headers, skip_up, h) {
+    let trusted = crate::forward::trusted(state, sess);
+    // Host is the :authority above.
+    if !crate::http2::http_fields(
+        &req.headers,
+        |k, n| k == known::HOST || !crate::forward::keep_field(k, n, trusted),
+        h,
+    ) {
         return Err(bad(()));
     }
     if req.headers.has_token(known::TE, b"trailers") {
         h.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
     }
-    let mut xff = Vec::new();
-    for v in req.headers.get_all_known(known::X_FORWARDED_FOR) {
-        xff.extend_from_slice(v);
-        xff.extend_from_slice(b", ");
+    // Framing from the body that is sent (crate::forward).
+    if let pier_http::BodyLen::Length(n) = crate::forward::body(sess) {
+        h.insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(n));
     }
-    xff.extend_from_slice(sess.client_ip.as_bytes());
+    let mut xff = Vec::new();
+    crate::forward::x_forwarded_for(&mut xff, sess, trusted);
     h.insert(
         "x-forwarded-for",
         http::HeaderValue::from_bytes(&xff).map_err(bad)?,
     );
     h.insert(
         "x-forwarded-proto",
-        http::HeaderValue::from_static(sess.scheme()),
+        http::HeaderValue::from_bytes(crate::forward::x_forwarded_proto(sess, trusted))
+            .map_err(bad)?,
     );
-    if let Some(a) = sess.req.absolute_form().map(|(a, _)| a).or(sess.req.host()) {
+    if let Some(a) = crate::forward::x_forwarded_host(sess, trusted) {
         h.insert(
             "x-forwarded-host",
             http::HeaderValue::from_bytes(a).map_err(bad)?,
         );
     }
     Ok(r)
-}
-
-/// Request fields that do not go upstream over HTTP/2.
-fn skip_up(k: known::Known) -> bool {
-    crate::driver::skip_request_header(k) || k == known::HOST || k == known::TRANSFER_ENCODING
 }
 
 /// `n` in decimal, without a formatter.

@@ -266,7 +266,8 @@ fn absolute_form_goes_upstream_in_origin_form_with_its_authority() {
         let (status, _, body) = response(&mut c, &mut buf).await.expect("response");
         assert_eq!(status, 200);
         assert!(body.starts_with("GET /p?a=b HTTP/1.1\r\n"), "{body}");
-        assert!(body.contains("Host: Other.Test:8080\r\n"), "{body}");
+        // One authority, canonical: lower-cased (docs/security.md).
+        assert!(body.contains("Host: other.test:8080\r\n"), "{body}");
         assert!(!body.contains("ignored.test\r\n"), "{body}");
         // No path at all: "/".
         c.write_all(b"GET http://o.test HTTP/1.1\r\nHost: o.test\r\n\r\n")

@@ -1,0 +1,157 @@
+//! What the upstream request carries that the client did not decide: the
+//! one policy both upstream codecs (HTTP/1 `driver::write_upstream_head`,
+//! HTTP/2 `upstream_h2::request`) read, so that no protocol has a list of
+//! its own (docs/security.md).
+//!
+//! - Hop-by-hop fields (`pier_http::HOP_BY_HOP`, and what `Connection`
+//!   names, dropped when the upstream request is built) never go.
+//! - Framing (`Content-Length`, `Transfer-Encoding`) never goes as received
+//!   or as a hook set it: the codec states it from the body it sends
+//!   ([`body`]). A request whose `Connection` names a framing field was
+//!   refused when parsed.
+//! - Forwarding fields that origins trust (`Forwarded`, `X-Forwarded-*`,
+//!   `X-Real-IP`, `X-Original-URL`, `X-Rewrite-URL`) go only from a client
+//!   in the listener's `trusted_proxies`; from anyone else Pier's own
+//!   `X-Forwarded-For/-Proto/-Host` replace them.
+
+use crate::session::Session;
+use crate::state::State;
+use pier_http::known::{self, Known};
+use pier_http::BodyLen;
+
+/// Well-known request fields no upstream request copies from the received
+/// one: hop-by-hop, framing, and the forwarding fields Pier writes.
+#[inline]
+pub(crate) fn skip_known(k: Known) -> bool {
+    pier_http::hop_by_hop(k)
+        || matches!(
+            k,
+            known::CONTENT_LENGTH
+                | known::TRANSFER_ENCODING
+                | known::X_FORWARDED_FOR
+                | known::X_FORWARDED_PROTO
+                | known::X_FORWARDED_HOST
+        )
+}
+
+/// Forwarding fields without a slot, compared by name: dropped unless the
+/// client is a trusted proxy. Checked only for unknown names, by length
+/// first (most names cost one compare of their length).
+pub(crate) fn forwarding_name(name: &[u8]) -> bool {
+    const NAMES: [&[u8]; 9] = [
+        b"forwarded",
+        b"x-real-ip",
+        b"x-forwarded-port",
+        b"x-forwarded-prefix",
+        b"x-forwarded-server",
+        b"x-forwarded-ssl",
+        b"x-forwarded-scheme",
+        b"x-original-url",
+        b"x-rewrite-url",
+    ];
+    matches!(name.len(), 9 | 13 | 14 | 15 | 16 | 18)
+        && NAMES
+            .iter()
+            .any(|n| n.len() == name.len() && n.eq_ignore_ascii_case(name))
+}
+
+/// Whether a received field goes upstream as it is (`trusted`: the client
+/// is one of the listener's `trusted_proxies`).
+#[inline]
+pub(crate) fn keep_field(k: Known, name: &[u8], trusted: bool) -> bool {
+    if k != known::UNKNOWN {
+        return !skip_known(k);
+    }
+    trusted || !forwarding_name(name)
+}
+
+/// The client is one of its listener's `trusted_proxies`.
+pub(crate) fn trusted(state: &State, sess: &Session) -> bool {
+    sess.conn
+        .listener
+        .and_then(|i| state.cfg.listeners.get(i))
+        .is_some_and(|l| {
+            !l.trusted_proxies.is_empty()
+                && pier_config::denied(&l.trusted_proxies, pier_config::normalize(sess.client.ip()))
+        })
+}
+
+/// The body as it goes upstream, which its framing describes: the
+/// client's, except a gRPC-web text body, which is decoded on the way (so
+/// of another length: chunked).
+pub(crate) fn body(sess: &Session) -> BodyLen {
+    match (sess.req.body_len(), sess.grpc_web) {
+        (BodyLen::Length(_), Some(crate::grpc_web::Form::Text)) => BodyLen::Chunked,
+        (b, _) => b,
+    }
+}
+
+/// A bodiless request still says `Content-Length: 0` when the client sent
+/// one or its method gives a body meaning (RFC 9110 §8.6): origins answer
+/// 411 to a POST without it.
+pub(crate) fn says_empty(sess: &Session) -> bool {
+    sess.req.headers.has_known(known::CONTENT_LENGTH)
+        || matches!(
+            sess.up_req.method_kind(),
+            pier_http::Method::Post | pier_http::Method::Put | pier_http::Method::Patch
+        )
+}
+
+/// `X-Forwarded-For`: the client, after what a trusted proxy sent.
+pub(crate) fn x_forwarded_for(out: &mut Vec<u8>, sess: &Session, trusted: bool) {
+    if trusted {
+        for v in sess.req.headers.get_all_known(known::X_FORWARDED_FOR) {
+            out.extend_from_slice(v);
+            out.extend_from_slice(b", ");
+        }
+    }
+    out.extend_from_slice(sess.client_ip.as_bytes());
+}
+
+/// `X-Forwarded-Proto`: a trusted proxy's, else the connection's scheme.
+pub(crate) fn x_forwarded_proto(sess: &Session, trusted: bool) -> &[u8] {
+    match sess.req.headers.get_known(known::X_FORWARDED_PROTO) {
+        Some(v) if trusted => v,
+        _ => sess.scheme().as_bytes(),
+    }
+}
+
+/// `X-Forwarded-Host`: a trusted proxy's, else the request's one authority.
+pub(crate) fn x_forwarded_host(sess: &Session, trusted: bool) -> Option<&[u8]> {
+    match sess.req.headers.get_known(known::X_FORWARDED_HOST) {
+        Some(v) if trusted => Some(v),
+        _ => sess.req.host(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forwarding_names_are_found_in_any_case_and_nothing_else_is() {
+        for n in [
+            "Forwarded",
+            "X-Real-IP",
+            "x-forwarded-port",
+            "X-Forwarded-Prefix",
+            "X-Original-URL",
+            "X-REWRITE-URL",
+        ] {
+            assert!(forwarding_name(n.as_bytes()), "{n}");
+        }
+        for n in ["forwardex", "x-forwarded-portx", "accept", "x-request-id"] {
+            assert!(!forwarding_name(n.as_bytes()), "{n}");
+        }
+        assert!(!keep_field(known::CONTENT_LENGTH, b"content-length", true));
+        assert!(!keep_field(
+            known::TRANSFER_ENCODING,
+            b"transfer-encoding",
+            true
+        ));
+        assert!(!keep_field(known::CONNECTION, b"connection", true));
+        assert!(keep_field(known::UNKNOWN, b"forwarded", true));
+        assert!(!keep_field(known::UNKNOWN, b"forwarded", false));
+        assert!(keep_field(known::COOKIE, b"cookie", false));
+    }
+}
