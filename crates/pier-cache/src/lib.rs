@@ -109,7 +109,7 @@ pub fn vary_matches(vary: &[(Vec<u8>, Option<Vec<u8>>)], req: &Headers) -> bool 
         }
         match (got, want) {
             (None, None) => true,
-            (Some(g), Some(w)) => g.trim_ascii() == &w[..],
+            (Some(g), Some(w)) => list_eq(g, w, name == b"accept-language"),
             _ => false,
         }
     })
@@ -188,12 +188,43 @@ fn to_mapped(obj: &mut Object) -> bool {
 }
 
 /// A request field's value as Vary records it (`vary_matches` compares
-/// the same way): trimmed; Accept-Encoding as its bucket.
+/// the same way): as a list, its members trimmed (`1,2` is ` 1, 2 `, RFC
+/// 9110 §5.6.1); Accept-Encoding as its bucket.
 fn normalize(name: &[u8], v: Option<&[u8]>) -> Option<Vec<u8>> {
     if name == b"accept-encoding" {
         return Some(encoding_bucket(v).to_vec());
     }
-    Some(v?.trim_ascii().to_vec())
+    let mut out = Vec::with_capacity(v?.len());
+    for (i, item) in list_items(v?).enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(item);
+    }
+    if name == b"accept-language" {
+        out.make_ascii_lowercase();
+    }
+    Some(out)
+}
+
+/// Two field values as the same list (members compared without case when
+/// `ci`: language tags are case-insensitive, RFC 4647 §2).
+fn list_eq(a: &[u8], b: &[u8], ci: bool) -> bool {
+    let (mut x, mut y) = (list_items(a), list_items(b));
+    loop {
+        match (x.next(), y.next()) {
+            (None, None) => return true,
+            (Some(p), Some(q)) if p == q || (ci && p.eq_ignore_ascii_case(q)) => {}
+            _ => return false,
+        }
+    }
+}
+
+/// A field value's list members, trimmed, empty ones left out.
+fn list_items(v: &[u8]) -> impl Iterator<Item = &[u8]> {
+    v.split(|&c| c == b',')
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty())
 }
 
 /// The request values for a response's Vary fields.
@@ -730,5 +761,21 @@ mod tests {
         );
         assert_eq!(z.lookup(b"e", &with("identity")).unwrap().body.len(), 30);
         assert!(z.lookup(b"e", &with("br")).is_none());
+        // Other fields compare as lists: spaces around members do not count.
+        z.insert(b"s".to_vec(), obj(10, vary_of(&resp, &req("1,2"))));
+        assert!(z.lookup(b"s", &req(" 1, 2 ")).is_some());
+        assert!(z.lookup(b"s", &req("1,,2")).is_some());
+        assert!(z.lookup(b"s", &req("1 2")).is_none());
+        assert!(z.lookup(b"s", &req("2,1")).is_none());
+        let mut al = Headers::default();
+        al.append(b"vary", b"Accept-Language");
+        let lang = |v: &str| {
+            let mut h = Headers::default();
+            h.append(b"accept-language", v.as_bytes());
+            h
+        };
+        z.insert(b"l".to_vec(), obj(10, vary_of(&al, &lang("en, DE"))));
+        assert!(z.lookup(b"l", &lang("eN ,de")).is_some());
+        assert!(z.lookup(b"l", &lang("de, en")).is_none(), "order is kept");
     }
 }

@@ -432,11 +432,49 @@ pub fn http_date(v: &[u8]) -> Option<u64> {
 }
 
 fn parse_http_date(v: &[u8]) -> Option<u64> {
-    let s = std::str::from_utf8(v).ok()?;
-    let t = httpdate::parse_http_date(s.trim()).ok()?;
+    let s = std::str::from_utf8(v).ok()?.trim();
+    let t = match httpdate::parse_http_date(s) {
+        Ok(t) => t,
+        // RFC 9111 §4.2: a cache matches day, month and zone names without
+        // case (`THU`, `AUG`, `gmt`): recased, then parsed again.
+        Err(_) if s.len() <= 64 && s.bytes().any(|c| c.is_ascii_alphabetic()) => {
+            httpdate::parse_http_date(&recase(s)).ok()?
+        }
+        Err(_) => return None,
+    };
     t.duration_since(std::time::UNIX_EPOCH)
         .ok()
         .map(|d| d.as_secs())
+}
+
+/// A date's names as HTTP-date spells them: `Thu`, `Aug`, `GMT`.
+fn recase(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        if word.eq_ignore_ascii_case("gmt") {
+            out.push_str("GMT");
+        } else {
+            for (i, c) in word.chars().enumerate() {
+                out.push(if i == 0 {
+                    c.to_ascii_uppercase()
+                } else {
+                    c.to_ascii_lowercase()
+                });
+            }
+        }
+        word.clear();
+    };
+    for c in s.chars() {
+        if c.is_ascii_alphabetic() {
+            word.push(c);
+        } else {
+            flush(&mut word, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut word, &mut out);
+    out
 }
 
 /// Every value of a field that is not one of `pier_http::known`'s (those
@@ -944,6 +982,21 @@ mod tests {
         assert!(!usable_on_error(10, 11, &none, &none, 0));
         let mr = CacheControl::parse(&h(&[("cache-control", "max-age=10, must-revalidate")]));
         assert!(!usable_on_error(10, 11, &mr, &none, 1000));
+    }
+
+    #[test]
+    fn dates_without_case() {
+        let want = http_date(b"Thu, 18 Aug 2050 02:01:18 GMT");
+        assert!(want.is_some());
+        for v in [
+            "THU, 18 Aug 2050 02:01:18 GMT",
+            "Thu, 18 AUG 2050 02:01:18 GMT",
+            "Thu, 18 Aug 2050 02:01:18 gMT",
+        ] {
+            assert_eq!(http_date(v.as_bytes()), want, "{v}");
+        }
+        assert_eq!(http_date(b"Thu, 18 Aug 2050 02:01:18 AEST"), None);
+        assert_eq!(http_date(b"0"), None);
     }
 
     #[test]
