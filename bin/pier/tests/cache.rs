@@ -1227,6 +1227,35 @@ fn a_304_that_makes_the_object_unstorable_is_not_stored() {
         Some("pier; fwd=stale; fwd-status=304")
     );
     assert_eq!(o.requests(), 3);
+    drop(c);
+    drop(pier);
+    o.stop();
+
+    // The stored response's `public` does not make the 304's cookie
+    // everyone's.
+    let o = Script::start(|_, _, n| {
+        match n {
+        1 => Answer::Send(
+            "HTTP/1.1 200 OK\r\nCache-Control: public, max-age=0\r\nETag: \"e1\"\r\nContent-Length: 6"
+                .into(),
+            vec![(Duration::ZERO, b"shared".to_vec())],
+        ),
+        _ => Answer::Send(
+            "HTTP/1.1 304 Not Modified\r\nETag: \"e1\"\r\nSet-Cookie: sid=VICTIM".into(),
+            vec![],
+        ),
+    }
+    });
+    let pier = common::pier(&cache_config(o.addr, ""));
+    let mut c = RawConn::connect(pier.listener("main"));
+    c.get("/p").unwrap();
+    let r = c.get("/p").unwrap();
+    assert_eq!(r.header("set-cookie"), Some("sid=VICTIM"));
+    let r = c
+        .request("GET", "/p", &[("Cache-Control", "max-stale")], b"")
+        .unwrap();
+    assert_eq!(r.header("set-cookie"), None, "{r:?}");
+    assert_eq!(o.requests(), 2);
 }
 
 /// RFC 9213 end to end: `Pier-Cache-Control` is Pier's policy (over

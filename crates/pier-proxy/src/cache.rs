@@ -915,7 +915,13 @@ impl<S: ResponseSource> TeeSource<S> {
             now,
             &f.policy,
         );
-        let storable = lifetime.is_ok();
+        // A cookie set by the 304 answers this request: the stored
+        // response's `public` does not make it everyone's (only the 304's
+        // own, or the route's `set_cookie = "store"`, does).
+        let own_cookie = head.headers.has_known(known::SET_COOKIE)
+            && !f.policy.store_set_cookie
+            && !CacheControl::parse(&head.headers).public;
+        let storable = lifetime.is_ok() && !own_cookie;
         let lifetime = lifetime.unwrap_or(0);
         if synthetic_lm {
             headers.append(b"Last-Modified", stale.last_modified());
