@@ -1114,4 +1114,25 @@ mod tests {
         assert_eq!((cc.max_age, cc.stale_if_error), (Some(60), Some(30)));
         assert!(!response_cc(&h(&[("cache-control", "max-age=5")])).targeted);
     }
+
+    /// Hostile field values never panic the parsers.
+    #[test]
+    fn hostile_fields_never_panic() {
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let alphabet = b"max-age=0123456789,;\"\\()?:*-. \tABCxyz&=";
+        for _ in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let n = (x % 40) as usize;
+            let v: Vec<u8> = (0..n)
+                .map(|i| alphabet[((x >> (i % 60)) as usize + i) % alphabet.len()])
+                .collect();
+            let v = String::from_utf8_lossy(&v).to_string();
+            let _ = response_cc(&h(&[("cdn-cache-control", &v)]));
+            let _ = age_field(&h(&[("age", &v)]));
+            let _ = http_date(v.as_bytes());
+            let _ = CacheControl::parse(&h(&[("cache-control", &v)]));
+        }
+    }
 }
