@@ -109,6 +109,8 @@ struct Index {
     full_until: u64,
     /// Bytes held by queued writes.
     queued_bytes: usize,
+    /// Variants kept per key (0: the default); a lookup reads them in turn.
+    max_variants: usize,
 }
 
 impl Index {
@@ -134,6 +136,23 @@ impl Index {
 
     fn add(&mut self, id: u64, meta: FileMeta) {
         self.remove(id);
+        let max = match self.max_variants {
+            0 => crate::memory::DEFAULT_MAX_VARIANTS,
+            n => n,
+        };
+        // Full: the oldest variants of the key make room.
+        loop {
+            let oldest = match self.by_key.get(&meta.key_hash) {
+                Some(ids) if ids.len() >= max => ids[0],
+                _ => break,
+            };
+            if !self.remove(oldest) {
+                // Not a file (cannot happen): forget it rather than loop.
+                if let Some(ids) = self.by_key.get_mut(&meta.key_hash) {
+                    ids.retain(|&i| i != oldest);
+                }
+            }
+        }
         self.bytes += meta.size;
         self.clock.push_back((id, meta.gen));
         self.by_key.entry(meta.key_hash).or_default().push(id);
@@ -377,6 +396,11 @@ impl Disk {
         ids.len()
     }
 
+    /// Bound the variants kept per key (the oldest go as new ones land).
+    pub fn set_max_variants(&self, n: usize) {
+        self.shared.index.lock().max_variants = n;
+    }
+
     fn publish(&self, ix: &Index) {
         let st = &self.shared.stats.disk;
         st.objects.store(ix.files.len() as u64, Relaxed);
@@ -511,6 +535,16 @@ fn decode_meta(meta: &[u8]) -> Option<(Box<[u8]>, Object)> {
     let status = r.u16()?;
     let (lifetime, request_time, response_time, date, age_header) =
         (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+    // Nothing Pier writes is outside these (a status it stores, times and
+    // lifetimes capped at 2^40 s): anything else is a tampered file.
+    let sane = |t: u64| t <= 1 << 40;
+    if !(100..=599).contains(&status)
+        || ![lifetime, request_time, response_time, date, age_header]
+            .into_iter()
+            .all(sane)
+    {
+        return None;
+    }
     let flags = r.u8()?;
     if flags > 3 {
         return None;
@@ -531,6 +565,14 @@ fn decode_meta(meta: &[u8]) -> Option<(Box<[u8]>, Object)> {
     let mut headers = Headers::default();
     for _ in 0..nh {
         let (k, v) = (r.bytes()?, r.bytes()?);
+        // What a client will be sent: a tampered file must not split a
+        // response or overflow a field's bookkeeping.
+        let name_ok = !k.is_empty()
+            && k.len() <= usize::from(u16::MAX)
+            && k.iter().all(|&c| c.is_ascii_graphic() && c != b':');
+        if !name_ok || v.iter().any(|&c| matches!(c, b'\r' | b'\n' | 0)) {
+            return None;
+        }
         headers.append(k, v);
     }
     if !r.0.is_empty() {
@@ -545,7 +587,7 @@ fn decode_meta(meta: &[u8]) -> Option<(Box<[u8]>, Object)> {
         headers.append(b"Last-Modified", last_modified);
         synthetic_lm = true;
     }
-    let cc = crate::policy::CacheControl::parse(&headers);
+    let cc = crate::policy::response_cc(&headers);
     Some((
         key,
         Object {
@@ -563,6 +605,12 @@ fn decode_meta(meta: &[u8]) -> Option<(Box<[u8]>, Object)> {
             synthetic_lm,
         },
     ))
+}
+
+/// The length a file with this prefix must have; None when the lengths a
+/// tampered or torn prefix claims overflow (the file is then corrupt).
+fn file_len(ml: usize, bl: u64) -> Option<u64> {
+    u64::try_from(PREFIX.checked_add(ml)?).ok()?.checked_add(bl)
 }
 
 /// Prefix fields: (meta length, body length, meta CRC, body CRC).
@@ -699,7 +747,7 @@ fn scan(s: &Shared) {
                 let mut p = [0u8; PREFIX];
                 file.read_exact(&mut p).ok()?;
                 let (ml, bl, mc, _) = parse_prefix(&p)?;
-                if len != (PREFIX + ml) as u64 + bl {
+                if file_len(ml, bl) != Some(len) {
                     return None;
                 }
                 let mut meta = vec![0; ml];
@@ -797,18 +845,19 @@ fn drop_file(s: &Shared, id: u64, gen: u64) {
 /// A whole file, checked; the body shares the read buffer.
 fn decode_file(data: Vec<u8>) -> Option<(Box<[u8]>, Object)> {
     let (ml, bl, mc, bc) = parse_prefix(&data)?;
-    if data.len() as u64 != (PREFIX + ml) as u64 + bl {
+    if file_len(ml, bl) != u64::try_from(data.len()).ok() {
         return None;
     }
-    let meta = &data[PREFIX..PREFIX + ml];
-    if crc32fast::hash(meta) != mc || crc32fast::hash(&data[PREFIX + ml..]) != bc {
+    // In bounds: the length check above holds.
+    let start = PREFIX.checked_add(ml)?;
+    let meta = data.get(PREFIX..start)?;
+    if crc32fast::hash(meta) != mc || crc32fast::hash(data.get(start..)?) != bc {
         return None;
     }
     let (key, mut obj) = decode_meta(meta)?;
-    let start = PREFIX + ml;
     obj.body = if bl == 0 {
         Bytes::new()
-    } else if start * 8 > data.len() {
+    } else if start.saturating_mul(8) > data.len() {
         // A small body: copied, so the meta is not kept alive with it.
         Bytes::copy_from_slice(&data[start..])
     } else {
@@ -1032,5 +1081,125 @@ mod tests {
         let (_, back) = decode_meta(&encode_meta(b"k", &o)).expect("a new meta reads");
         assert!(back.synthetic_lm);
         assert_eq!(back.headers.get_all(b"last-modified").count(), 1);
+    }
+
+    /// Issue 31, item 11: a prefix whose lengths overflow (a tampered file)
+    /// is a corrupt file — a miss, counted — at the startup scan and when a
+    /// reader meets it, and no I/O thread dies of it.
+    #[tokio::test(flavor = "current_thread")]
+    async fn lengths_that_overflow_are_corrupt_files_not_dead_threads() {
+        let d = TempDir::new("overflow");
+        let h = Headers::default();
+        let keys: [&[u8]; 4] = [b"a", b"b", b"c", b"d"];
+        let z = Zone::open("t", 1 << 20, 1 << 19, Some(cfg(&d.0, 1 << 20, 0))).unwrap();
+        wait("scan", || z.disk_ready());
+        for k in keys {
+            z.insert(k.to_vec(), obj(b"body", 600));
+        }
+        wait("writes", || z.stats.disk.writes.load(Relaxed) == 4);
+        drop(z);
+        let path = |k: &[u8]| {
+            let id = file_id(k, &[]);
+            files(&d.0)
+                .into_iter()
+                .find(|p| {
+                    p.file_name()
+                        .unwrap()
+                        .to_str()
+                        .unwrap()
+                        .starts_with(&format!("{id:016x}."))
+                })
+                .unwrap()
+        };
+        // The body length field, near u64::MAX: PREFIX + meta + it wraps.
+        let tamper = |p: &Path| {
+            let mut data = std::fs::read(p).unwrap();
+            data[12..20].copy_from_slice(&(u64::MAX - 3).to_le_bytes());
+            std::fs::write(p, data).unwrap();
+        };
+        let (pa, pb, pc) = (path(b"a"), path(b"b"), path(b"c"));
+        tamper(&pa);
+        let z = Zone::open("t", 1 << 20, 1 << 19, Some(cfg(&d.0, 1 << 20, 0))).unwrap();
+        wait("scan", || z.disk_ready());
+        assert_eq!(z.stats.disk.corrupt.load(Relaxed), 1, "found by the scan");
+        assert_eq!(z.tiers().1.unwrap().0, 3);
+        // Tampered after the scan: found by the readers (two threads, so
+        // two such files would have killed both).
+        tamper(&pb);
+        tamper(&pc);
+        assert!(z.get(b"b", &h).await.is_none());
+        assert!(z.get(b"c", &h).await.is_none());
+        assert_eq!(z.stats.disk.corrupt.load(Relaxed), 3);
+        let o = z.get(b"d", &h).await.expect("the readers still read");
+        assert_eq!(&o.body[..], b"body");
+        // A meta that claims an impossible status or time is corrupt too.
+        let mut o = obj(b"x", 60);
+        o.age_header = u64::MAX;
+        assert!(decode_meta(&encode_meta(b"k", &o)).is_none());
+        o.age_header = 0;
+        o.status = 0;
+        assert!(decode_meta(&encode_meta(b"k", &o)).is_none());
+    }
+
+    /// Variants per key are bounded on disk as in memory: the oldest goes.
+    #[tokio::test(flavor = "current_thread")]
+    async fn variants_per_key_are_bounded_on_disk() {
+        let d = TempDir::new("variants");
+        let z = Zone::open("t", 1 << 20, 1 << 19, Some(cfg(&d.0, 1 << 20, 0))).unwrap();
+        z.set_max_variants(2);
+        wait("scan", || z.disk_ready());
+        for v in [&b"1"[..], b"2", b"3"] {
+            let mut o = obj(v, 600);
+            o.vary = vec![(b"x-v".to_vec(), Some(v.to_vec()))];
+            z.insert(b"k".to_vec(), o);
+        }
+        wait("writes", || z.stats.disk.writes.load(Relaxed) == 3);
+        assert_eq!(z.tiers().1.unwrap().0, 2);
+        assert_eq!(z.tiers().0 .0, 2, "memory holds two as well");
+        wait("unlink", || files(&d.0).len() == 2);
+    }
+
+    /// Hostile bytes never panic the decoders: random files, and valid
+    /// files with a byte of the meta changed (checksums made to match, so
+    /// the meta's own parsing is what meets them).
+    #[test]
+    fn hostile_files_never_panic() {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..5_000 {
+            let n = (next() % 200) as usize;
+            let mut data: Vec<u8> = (0..n).map(|_| next() as u8).collect();
+            if n >= PREFIX && next() % 2 == 0 {
+                data[..8].copy_from_slice(MAGIC);
+            }
+            let _ = decode_file(data);
+        }
+        let mut o = obj(b"body", 60);
+        o.vary = vec![(b"accept-encoding".to_vec(), Some(b"gzip".to_vec()))];
+        let meta = encode_meta(b"key", &o);
+        for _ in 0..20_000 {
+            let mut m = meta.clone();
+            let i = (next() as usize) % m.len();
+            m[i] = next() as u8;
+            let mut f = Vec::new();
+            f.extend_from_slice(MAGIC);
+            f.extend_from_slice(&(m.len() as u32).to_le_bytes());
+            f.extend_from_slice(&4u64.to_le_bytes());
+            f.extend_from_slice(&crc32fast::hash(&m).to_le_bytes());
+            f.extend_from_slice(&crc32fast::hash(b"body").to_le_bytes());
+            f.extend_from_slice(&m);
+            f.extend_from_slice(b"body");
+            if let Some((_, back)) = decode_file(f) {
+                assert!(back
+                    .headers
+                    .iter()
+                    .all(|(k, v)| !k.is_empty() && !v.contains(&b'\n')));
+            }
+        }
     }
 }

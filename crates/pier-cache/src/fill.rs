@@ -40,6 +40,11 @@ pub struct FillHead {
     pub headers: Headers,
     /// The origin's Content-Length, when it sent one.
     pub length: Option<u64>,
+    /// The leader's request values of the fields the response's Vary
+    /// names (`vary_of`): a follower streams the fill only when its own
+    /// request selects the response under that Vary (RFC 9111 §4.1). The
+    /// stored object takes them over.
+    pub vary: crate::VaryValues,
 }
 
 #[derive(Default)]
@@ -315,6 +320,7 @@ mod tests {
             status: 200,
             headers: Headers::default(),
             length: None,
+            vary: Vec::new(),
         });
         for p in [&b"ab"[..], b"cd", b"e"] {
             assert!(f.push(p));
@@ -330,6 +336,7 @@ mod tests {
             status: 200,
             headers: Headers::default(),
             length: Some(3),
+            vary: Vec::new(),
         });
         let HeadWait::Head(h) = one.wait_head(Duration::from_secs(5)).await else {
             panic!("head")
@@ -347,6 +354,7 @@ mod tests {
             status: 200,
             headers: Headers::default(),
             length: None,
+            vary: Vec::new(),
         });
         assert!(solo.push(b"xyz"));
         assert_eq!(&solo.finish().0[..], b"xyz");

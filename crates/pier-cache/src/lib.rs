@@ -25,6 +25,7 @@ pub use counter::Counter;
 use disk::Disk;
 pub use disk::{DiskConfig, DiskStats};
 pub use mapped::MappedBody;
+pub use memory::DEFAULT_MAX_VARIANTS;
 use memory::{Memory, Slot};
 use parking_lot::Mutex;
 use pier_http::Headers;
@@ -89,9 +90,81 @@ impl Object {
     }
     /// Does this variant answer a request with these headers?
     pub fn matches(&self, req: &Headers) -> bool {
-        self.vary
-            .iter()
-            .all(|(name, want)| normalize(name, req.get(name)) == *want)
+        vary_matches(&self.vary, req)
+    }
+}
+
+/// The request's values of the fields a response's Vary names, as `vary_of`
+/// records them (lower-cased names; `None`: the field was absent).
+pub type VaryValues = Vec<(Vec<u8>, Option<Vec<u8>>)>;
+
+/// Does a request with `req` headers select a response recorded with
+/// `vary` (RFC 9111 §4.1)? Compared in place: this runs for every variant
+/// a lookup scans, under the zone's lock, so it allocates nothing.
+pub fn vary_matches(vary: &[(Vec<u8>, Option<Vec<u8>>)], req: &Headers) -> bool {
+    vary.iter().all(|(name, want)| {
+        let got = req.get(name);
+        if name == b"accept-encoding" {
+            return want.as_deref() == Some(encoding_bucket(got));
+        }
+        match (got, want) {
+            (None, None) => true,
+            (Some(g), Some(w)) => list_eq(g, w, name == b"accept-language"),
+            _ => false,
+        }
+    })
+}
+
+/// `Accept-Encoding` as the cache compares it and as a fill sends it to the
+/// origin: one of three buckets, as Varnish and Fastly normalise it, so that
+/// the hundreds of spellings browsers send make at most three variants.
+/// `br` when brotli is accepted, else `gzip` when gzip is (or `*` is and
+/// gzip is not refused), else `identity` (absent, or nothing known).
+pub fn encoding_bucket(ae: Option<&[u8]>) -> &'static [u8] {
+    let Some(ae) = ae else {
+        return b"identity";
+    };
+    let (mut br, mut gzip, mut star, mut gzip_refused) = (false, false, false, false);
+    for item in ae.split(|&c| c == b',') {
+        let mut parts = item.split(|&c| c == b';');
+        let tok = parts.next().unwrap_or_default().trim_ascii();
+        // A q of 0 (or a malformed q) refuses the coding (RFC 9110 §12.4.2).
+        let ok = parts.all(|p| {
+            let p = p.trim_ascii();
+            !(p.len() >= 2 && p[..2].eq_ignore_ascii_case(b"q=")) || qvalue_positive(&p[2..])
+        });
+        if tok.eq_ignore_ascii_case(b"br") {
+            br |= ok;
+        } else if tok.eq_ignore_ascii_case(b"gzip") || tok.eq_ignore_ascii_case(b"x-gzip") {
+            gzip |= ok;
+            gzip_refused |= !ok;
+        } else if tok == b"*" {
+            star |= ok;
+        }
+    }
+    if br {
+        b"br"
+    } else if gzip || (star && !gzip_refused) {
+        b"gzip"
+    } else {
+        b"identity"
+    }
+}
+
+/// A qvalue (`0`, `0.5`, `1.000`…) that is well formed and above 0.
+fn qvalue_positive(v: &[u8]) -> bool {
+    let v = v.trim_ascii();
+    let (int, frac) = match v.iter().position(|&c| c == b'.') {
+        Some(i) => (&v[..i], &v[i + 1..]),
+        None => (v, &b""[..]),
+    };
+    if frac.len() > 3 || !frac.iter().all(u8::is_ascii_digit) {
+        return false;
+    }
+    match int {
+        b"1" => frac.iter().all(|&d| d == b'0'),
+        b"0" => frac.iter().any(|&d| d != b'0'),
+        _ => false,
     }
 }
 
@@ -114,24 +187,48 @@ fn to_mapped(obj: &mut Object) -> bool {
     }
 }
 
-/// A request field's value as Vary compares it (Accept-Encoding tokens
-/// sorted, case and spaces ignored).
+/// A request field's value as Vary records it (`vary_matches` compares
+/// the same way): as a list, its members trimmed (`1,2` is ` 1, 2 `, RFC
+/// 9110 §5.6.1); Accept-Encoding as its bucket.
 fn normalize(name: &[u8], v: Option<&[u8]>) -> Option<Vec<u8>> {
-    let v = v?;
     if name == b"accept-encoding" {
-        let mut toks: Vec<Vec<u8>> = v
-            .split(|&c| c == b',')
-            .map(|t| t.trim_ascii().to_ascii_lowercase())
-            .filter(|t| !t.is_empty())
-            .collect();
-        toks.sort();
-        return Some(toks.join(&b","[..]));
+        return Some(encoding_bucket(v).to_vec());
     }
-    Some(v.trim_ascii().to_vec())
+    let mut out = Vec::with_capacity(v?.len());
+    for (i, item) in list_items(v?).enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(item);
+    }
+    if name == b"accept-language" {
+        out.make_ascii_lowercase();
+    }
+    Some(out)
+}
+
+/// Two field values as the same list (members compared without case when
+/// `ci`: language tags are case-insensitive, RFC 4647 §2).
+fn list_eq(a: &[u8], b: &[u8], ci: bool) -> bool {
+    let (mut x, mut y) = (list_items(a), list_items(b));
+    loop {
+        match (x.next(), y.next()) {
+            (None, None) => return true,
+            (Some(p), Some(q)) if p == q || (ci && p.eq_ignore_ascii_case(q)) => {}
+            _ => return false,
+        }
+    }
+}
+
+/// A field value's list members, trimmed, empty ones left out.
+fn list_items(v: &[u8]) -> impl Iterator<Item = &[u8]> {
+    v.split(|&c| c == b',')
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty())
 }
 
 /// The request values for a response's Vary fields.
-pub fn vary_of(resp: &Headers, req: &Headers) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+pub fn vary_of(resp: &Headers, req: &Headers) -> VaryValues {
     let mut out = Vec::new();
     for v in resp.get_all_known(pier_http::known::VARY) {
         for name in v.split(|&c| c == b',') {
@@ -452,6 +549,16 @@ impl Zone {
         })
     }
 
+    /// Bound the Vary variants kept per key, in both tiers (the oldest
+    /// goes first); at least 1.
+    pub fn set_max_variants(&self, n: usize) {
+        let n = n.max(1);
+        self.mem.lock().max_variants = n;
+        if let Some(d) = &self.disk {
+            d.set_max_variants(n);
+        }
+    }
+
     /// Keys and bytes in the memory tier now.
     pub fn usage(&self) -> (usize, usize) {
         let (_, keys, bytes) = self.mem.lock().usage();
@@ -595,5 +702,80 @@ mod tests {
         assert!(waiter.await.unwrap());
         assert!(matches!(z.fill(&k, 110), Fill::Pass));
         assert!(matches!(z.fill(&k, 200), Fill::Leader(_)));
+    }
+
+    /// Issue 31, item 11: a key's variants are bounded (the oldest goes),
+    /// and Accept-Encoding is compared as one of three buckets.
+    #[test]
+    fn variants_are_bounded_and_accept_encoding_bucketed() {
+        let z = Zone::new("t", 1 << 20, 1 << 16);
+        let mut resp = Headers::default();
+        resp.append(b"vary", b"X-V");
+        let req = |v: &str| {
+            let mut h = Headers::default();
+            h.append(b"x-v", v.as_bytes());
+            h
+        };
+        for i in 0..100 {
+            z.insert(b"k".to_vec(), obj(10, vary_of(&resp, &req(&i.to_string()))));
+        }
+        assert_eq!(z.tiers().0 .0, DEFAULT_MAX_VARIANTS as u64);
+        assert!(z.lookup(b"k", &req("99")).is_some());
+        assert!(z.lookup(b"k", &req("0")).is_none(), "the oldest went");
+        z.set_max_variants(3);
+        z.insert(b"k".to_vec(), obj(10, vary_of(&resp, &req("new"))));
+        assert_eq!(z.tiers().0 .0, 3);
+        assert!(z.lookup(b"k", &req("new")).is_some());
+        assert!(z.lookup(b"k", &req("98")).is_some());
+        assert!(z.lookup(b"k", &req("97")).is_none());
+
+        let b = |v: Option<&str>| encoding_bucket(v.map(str::as_bytes));
+        assert_eq!(b(None), b"identity");
+        assert_eq!(b(Some("")), b"identity");
+        assert_eq!(b(Some("deflate, compress")), b"identity");
+        assert_eq!(b(Some("gzip")), b"gzip");
+        assert_eq!(b(Some("GZIP;q=0.5, deflate")), b"gzip");
+        assert_eq!(b(Some("gzip, deflate, br, zstd")), b"br");
+        assert_eq!(b(Some("br;q=0, gzip")), b"gzip");
+        assert_eq!(b(Some("br;q=0.000, gzip;q=0")), b"identity");
+        assert_eq!(b(Some("br;q=2")), b"identity", "a malformed q refuses");
+        assert_eq!(b(Some("*")), b"gzip");
+        assert_eq!(b(Some("gzip;q=0, *")), b"identity");
+        // Two spellings of one bucket share a variant.
+        let mut ae = Headers::default();
+        ae.append(b"vary", b"Accept-Encoding");
+        let with = |v: &str| {
+            let mut h = Headers::default();
+            h.append(b"accept-encoding", v.as_bytes());
+            h
+        };
+        z.insert(b"e".to_vec(), obj(10, vary_of(&ae, &with("gzip, deflate"))));
+        z.insert(b"e".to_vec(), obj(20, vary_of(&ae, &with("x-gzip"))));
+        z.insert(b"e".to_vec(), obj(30, vary_of(&ae, &Headers::default())));
+        assert_eq!(
+            z.lookup(b"e", &with("deflate, gzip;q=0.8"))
+                .unwrap()
+                .body
+                .len(),
+            20
+        );
+        assert_eq!(z.lookup(b"e", &with("identity")).unwrap().body.len(), 30);
+        assert!(z.lookup(b"e", &with("br")).is_none());
+        // Other fields compare as lists: spaces around members do not count.
+        z.insert(b"s".to_vec(), obj(10, vary_of(&resp, &req("1,2"))));
+        assert!(z.lookup(b"s", &req(" 1, 2 ")).is_some());
+        assert!(z.lookup(b"s", &req("1,,2")).is_some());
+        assert!(z.lookup(b"s", &req("1 2")).is_none());
+        assert!(z.lookup(b"s", &req("2,1")).is_none());
+        let mut al = Headers::default();
+        al.append(b"vary", b"Accept-Language");
+        let lang = |v: &str| {
+            let mut h = Headers::default();
+            h.append(b"accept-language", v.as_bytes());
+            h
+        };
+        z.insert(b"l".to_vec(), obj(10, vary_of(&al, &lang("en, DE"))));
+        assert!(z.lookup(b"l", &lang("eN ,de")).is_some());
+        assert!(z.lookup(b"l", &lang("de, en")).is_none(), "order is kept");
     }
 }

@@ -62,7 +62,13 @@ pub(crate) struct Memory {
     objects: usize,
     cap: usize,
     next_gen: u64,
+    /// Variants kept per key (`max_variants`): a lookup scans them under
+    /// the zone's lock, so a key cannot grow without bound.
+    pub max_variants: usize,
 }
+
+/// Variants per key unless the zone says otherwise (`max_variants`).
+pub const DEFAULT_MAX_VARIANTS: usize = 32;
 
 /// What an insert pushed out: counted by the zone, and dropped by it
 /// after the zone's lock is released (freeing an object touches memory
@@ -88,6 +94,7 @@ impl Memory {
             objects: 0,
             cap,
             next_gen: 1,
+            max_variants: DEFAULT_MAX_VARIANTS,
         }
     }
 
@@ -126,9 +133,14 @@ impl Memory {
             None => false,
         };
         if existing {
+            let max_variants = self.max_variants.max(1);
             if let Some(e) = self.map.get_mut(&h) {
                 let before = e.slots.len();
                 e.slots.retain(|s| s.obj.vary != slot.obj.vary);
+                // Full: the oldest variant makes room for the new one.
+                while e.slots.len() >= max_variants {
+                    e.slots.remove(0);
+                }
                 let removed = before - e.slots.len();
                 e.slots.push(slot);
                 let old = e.bytes;

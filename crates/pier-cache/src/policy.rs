@@ -22,6 +22,9 @@ pub struct CacheControl {
     pub max_stale: Option<u64>,
     pub stale_while_revalidate: Option<u64>,
     pub stale_if_error: Option<u64>,
+    /// Read from an RFC 9213 targeted field (`targeted`): the response's
+    /// Cache-Control, Expires and Surrogate-Control do not count.
+    pub targeted: bool,
 }
 
 fn seconds(v: &str) -> Option<u64> {
@@ -138,26 +141,273 @@ impl Surrogate {
     }
 }
 
-/// The `Age` header's value (RFC 9111 §5.1): one field line of digits
-/// only. Anything else (a list, a sign, a fraction, a parameter) makes the
-/// response count as very old, i.e. stale: safer than guessing.
+/// The `Age` header's value as RFC 9111 §5.1 reads it: a list (one line
+/// with commas, or several lines) counts by its first member; a value that
+/// is not a non-negative integer (`abc`, `-1`, `1.5`) is ignored (0). A
+/// parameter after the number (`7200;x=y`) is dropped and the number kept:
+/// a response is then taken as older rather than younger. Past 2^40 it is
+/// 2^40 (§1.2.2: "a very long time").
 pub fn age_field(h: &Headers) -> u64 {
-    let mut it = h.get_all_known(known::AGE);
-    let Some(v) = it.next() else {
+    let Some(v) = h.get_known(known::AGE) else {
         return 0;
     };
-    if it.next().is_some() {
-        return u64::MAX >> 2;
+    let first = v.split(|&c| c == b',').next().unwrap_or_default();
+    let n = first.split(|&c| c == b';').next().unwrap_or_default();
+    let n = n.trim_ascii();
+    if n.is_empty() || !n.iter().all(u8::is_ascii_digit) {
+        return 0;
     }
-    let v = v.trim_ascii();
-    if v.is_empty() || !v.iter().all(u8::is_ascii_digit) {
-        return u64::MAX >> 2;
+    seconds_of(n).unwrap_or(0)
+}
+
+/// The RFC 9213 targeted fields Pier obeys, most specific first: its own
+/// (`Pier-Cache-Control`, removed from what clients get) and the one for
+/// every CDN (`CDN-Cache-Control`, passed on for caches further down).
+pub const TARGETED: [&[u8]; 2] = [b"pier-cache-control", b"cdn-cache-control"];
+
+/// The caching policy of a response: the first valid, non-empty targeted
+/// field (RFC 9213 §2.2), with `targeted` set (Cache-Control, Expires and
+/// Surrogate-Control are then ignored), else its Cache-Control.
+pub fn response_cc(h: &Headers) -> CacheControl {
+    targeted(h).unwrap_or_else(|| CacheControl::parse(h))
+}
+
+/// The first of `TARGETED` that the response carries as a valid, non-empty
+/// Structured Fields dictionary (RFC 8941; lines joined by commas), as
+/// directives. One that does not parse is ignored, as if absent (RFC 9213
+/// §2.1); within one that does, a directive whose value has the wrong type
+/// is ignored.
+pub fn targeted(h: &Headers) -> Option<CacheControl> {
+    if !h.iter_known().any(|(k, _, _)| k == known::UNKNOWN) {
+        return None;
     }
-    std::str::from_utf8(v)
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .unwrap_or(u64::MAX >> 2)
-        .min(1 << 40)
+    for name in TARGETED {
+        if field(h, name).is_none() {
+            continue;
+        }
+        let mut joined = Vec::new();
+        for v in fields(h, name) {
+            if !joined.is_empty() {
+                joined.extend_from_slice(b", ");
+            }
+            joined.extend_from_slice(v);
+        }
+        let Some(dict) = sf::dictionary(&joined) else {
+            continue;
+        };
+        if dict.is_empty() {
+            continue;
+        }
+        let mut c = CacheControl {
+            targeted: true,
+            ..CacheControl::default()
+        };
+        for (k, item) in dict {
+            let flag = !matches!(item, sf::Item::Bool(false) | sf::Item::Int(_));
+            let secs = match item {
+                sf::Item::Int(n) if n >= 0 => Some((n as u64).min(1 << 40)),
+                _ => None,
+            };
+            match k {
+                b"max-age" => c.max_age = secs.or(c.max_age),
+                b"s-maxage" => c.s_maxage = secs.or(c.s_maxage),
+                b"stale-while-revalidate" => {
+                    c.stale_while_revalidate = secs.or(c.stale_while_revalidate)
+                }
+                b"stale-if-error" => c.stale_if_error = secs.or(c.stale_if_error),
+                b"no-store" => c.no_store |= flag,
+                b"no-cache" => c.no_cache |= flag,
+                b"private" => c.private |= flag,
+                b"public" => c.public |= flag,
+                b"must-revalidate" => c.must_revalidate |= flag,
+                b"proxy-revalidate" => c.proxy_revalidate |= flag,
+                b"immutable" => c.immutable |= flag,
+                _ => {}
+            }
+        }
+        return Some(c);
+    }
+    None
+}
+
+/// Just enough of RFC 8941 to tell a valid dictionary from an invalid one
+/// and to read its members' integers and booleans.
+mod sf {
+    pub enum Item {
+        Int(i64),
+        Bool(bool),
+        /// A decimal, string, token, byte sequence or inner list.
+        Other,
+    }
+
+    struct P<'a>(&'a [u8]);
+
+    impl<'a> P<'a> {
+        fn peek(&self) -> Option<u8> {
+            self.0.first().copied()
+        }
+        fn bump(&mut self) {
+            self.0 = &self.0[1.min(self.0.len())..];
+        }
+        fn eat(&mut self, c: u8) -> bool {
+            let hit = self.peek() == Some(c);
+            if hit {
+                self.bump();
+            }
+            hit
+        }
+        fn skip(&mut self, ows: bool) {
+            while let Some(c) = self.peek() {
+                if c == b' ' || (ows && c == b'\t') {
+                    self.bump();
+                } else {
+                    break;
+                }
+            }
+        }
+        fn take_while(&mut self, f: impl Fn(u8) -> bool) -> &'a [u8] {
+            let n = self.0.iter().position(|&c| !f(c)).unwrap_or(self.0.len());
+            let (a, b) = self.0.split_at(n);
+            self.0 = b;
+            a
+        }
+        fn key(&mut self) -> Option<&'a [u8]> {
+            if !matches!(self.peek(), Some(b'a'..=b'z' | b'*')) {
+                return None;
+            }
+            Some(
+                self.take_while(
+                    |c| matches!(c, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'.' | b'*'),
+                ),
+            )
+        }
+        fn params(&mut self) -> Option<()> {
+            while self.eat(b';') {
+                self.skip(false);
+                self.key()?;
+                if self.eat(b'=') {
+                    self.bare()?;
+                }
+            }
+            Some(())
+        }
+        fn bare(&mut self) -> Option<Item> {
+            match self.peek()? {
+                b'-' | b'0'..=b'9' => self.number(),
+                b'"' => {
+                    self.bump();
+                    loop {
+                        match self.peek()? {
+                            b'\\' => {
+                                self.bump();
+                                if !matches!(self.peek()?, b'"' | b'\\') {
+                                    return None;
+                                }
+                                self.bump();
+                            }
+                            b'"' => {
+                                self.bump();
+                                return Some(Item::Other);
+                            }
+                            0x20..=0x7e => self.bump(),
+                            _ => return None,
+                        }
+                    }
+                }
+                b':' => {
+                    self.bump();
+                    self.take_while(|c| {
+                        c.is_ascii_alphanumeric() || matches!(c, b'+' | b'/' | b'=')
+                    });
+                    self.eat(b':').then_some(Item::Other)
+                }
+                b'?' => {
+                    self.bump();
+                    let b = match self.peek()? {
+                        b'0' => false,
+                        b'1' => true,
+                        _ => return None,
+                    };
+                    self.bump();
+                    Some(Item::Bool(b))
+                }
+                c if c.is_ascii_alphabetic() || c == b'*' => {
+                    self.take_while(|c| {
+                        c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~:/".contains(&c)
+                    });
+                    Some(Item::Other)
+                }
+                _ => None,
+            }
+        }
+        fn number(&mut self) -> Option<Item> {
+            let neg = self.eat(b'-');
+            let int = self.take_while(|c| c.is_ascii_digit());
+            if int.is_empty() {
+                return None;
+            }
+            if self.eat(b'.') {
+                let frac = self.take_while(|c| c.is_ascii_digit());
+                return (int.len() <= 12 && (1..=3).contains(&frac.len())).then_some(Item::Other);
+            }
+            if int.len() > 15 {
+                return None;
+            }
+            // At most 15 digits: fits.
+            let n = int.iter().fold(0i64, |n, &d| n * 10 + i64::from(d - b'0'));
+            Some(Item::Int(if neg { -n } else { n }))
+        }
+        fn member(&mut self) -> Option<Item> {
+            if self.eat(b'(') {
+                loop {
+                    self.skip(false);
+                    if self.eat(b')') {
+                        break;
+                    }
+                    self.bare()?;
+                    self.params()?;
+                    if !matches!(self.peek()?, b' ' | b')') {
+                        return None;
+                    }
+                }
+                self.params()?;
+                return Some(Item::Other);
+            }
+            let item = self.bare()?;
+            self.params()?;
+            Some(item)
+        }
+    }
+
+    /// The members of a dictionary field value (a later duplicate key
+    /// wins); None when it is not valid.
+    pub fn dictionary(v: &[u8]) -> Option<Vec<(&[u8], Item)>> {
+        let mut p = P(v);
+        let mut out: Vec<(&[u8], Item)> = Vec::new();
+        p.skip(false);
+        while p.peek().is_some() {
+            let k = p.key()?;
+            let item = if p.eat(b'=') {
+                p.member()?
+            } else {
+                p.params()?;
+                Item::Bool(true)
+            };
+            out.retain(|(o, _)| *o != k);
+            out.push((k, item));
+            p.skip(true);
+            if p.peek().is_none() {
+                break;
+            }
+            if !p.eat(b',') {
+                return None;
+            }
+            p.skip(true);
+            // A trailing comma is an error.
+            p.peek()?;
+        }
+        Some(out)
+    }
 }
 
 /// An HTTP date as Unix seconds.
@@ -182,11 +432,49 @@ pub fn http_date(v: &[u8]) -> Option<u64> {
 }
 
 fn parse_http_date(v: &[u8]) -> Option<u64> {
-    let s = std::str::from_utf8(v).ok()?;
-    let t = httpdate::parse_http_date(s.trim()).ok()?;
+    let s = std::str::from_utf8(v).ok()?.trim();
+    let t = match httpdate::parse_http_date(s) {
+        Ok(t) => t,
+        // RFC 9111 §4.2: a cache matches day, month and zone names without
+        // case (`THU`, `AUG`, `gmt`): recased, then parsed again.
+        Err(_) if s.len() <= 64 && s.bytes().any(|c| c.is_ascii_alphabetic()) => {
+            httpdate::parse_http_date(&recase(s)).ok()?
+        }
+        Err(_) => return None,
+    };
     t.duration_since(std::time::UNIX_EPOCH)
         .ok()
         .map(|d| d.as_secs())
+}
+
+/// A date's names as HTTP-date spells them: `Thu`, `Aug`, `GMT`.
+fn recase(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        if word.eq_ignore_ascii_case("gmt") {
+            out.push_str("GMT");
+        } else {
+            for (i, c) in word.chars().enumerate() {
+                out.push(if i == 0 {
+                    c.to_ascii_uppercase()
+                } else {
+                    c.to_ascii_lowercase()
+                });
+            }
+        }
+        word.clear();
+    };
+    for c in s.chars() {
+        if c.is_ascii_alphabetic() {
+            word.push(c);
+        } else {
+            flush(&mut word, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut word, &mut out);
+    out
 }
 
 /// Every value of a field that is not one of `pier_http::known`'s (those
@@ -292,7 +580,7 @@ pub fn storable(
     now: u64,
     policy: &StorePolicy,
 ) -> Result<u64, NotStored> {
-    let cc = CacheControl::parse(resp);
+    let cc = response_cc(resp);
     storable_with(
         req_method_get_or_head,
         req_cc,
@@ -333,8 +621,13 @@ pub fn storable_with(
         return Err(NotStored::NoStore);
     }
     // Surrogate-Control (Edge Architecture 1.0, RFC 9213's forerunner) is
-    // addressed to this cache and takes precedence over Cache-Control.
-    let sc = Surrogate::parse(resp);
+    // addressed to this cache and takes precedence over Cache-Control; a
+    // targeted field (RFC 9213, `cc.targeted`) over both.
+    let sc = if cc.targeted {
+        Surrogate::default()
+    } else {
+        Surrogate::parse(resp)
+    };
     if sc.no_store {
         return Err(NotStored::NoStore);
     }
@@ -372,7 +665,7 @@ pub fn storable_with(
     if let Some(s) = cc.s_maxage.or(cc.max_age) {
         return Ok(s);
     }
-    if let Some(exp) = resp.get_known(known::EXPIRES) {
+    if let Some(exp) = resp.get_known(known::EXPIRES).filter(|_| !cc.targeted) {
         // An invalid Expires (e.g. "0") means already expired.
         let date = resp
             .get_known(known::DATE)
@@ -411,7 +704,9 @@ pub fn current_age(
     let apparent = response_time.saturating_sub(date);
     let response_delay = response_time.saturating_sub(request_time);
     let corrected = age_header.saturating_add(response_delay);
-    apparent.max(corrected) + now.saturating_sub(response_time)
+    apparent
+        .max(corrected)
+        .saturating_add(now.saturating_sub(response_time))
 }
 
 /// How a stored response may serve a request.
@@ -661,10 +956,24 @@ mod tests {
         };
         assert_eq!(age(&[]), 0);
         assert_eq!(age(&["30"]), 30);
-        for bad in ["abc", "-1", "1.0", "1,2", "1;a=b", ""] {
-            assert!(age(&[bad]) > 1 << 30, "{bad}");
+        // RFC 9111 §5.1: the first member of a list; an invalid value is
+        // ignored; a parameter is dropped, the number kept.
+        for (v, want) in [
+            (&["abc"][..], 0),
+            (&["-7200"], 0),
+            (&["7200.0"], 0),
+            (&[""], 0),
+            (&["7200, 0"], 7200),
+            (&["0, 7200"], 0),
+            (&["0,7200"], 0),
+            (&["7200", "0"], 7200),
+            (&["0", "7200"], 0),
+            (&["3600", "3600"], 3600),
+            (&["7200;foo=bar"], 7200),
+            (&["99999999999999999999999"], 1 << 40),
+        ] {
+            assert_eq!(age(v), want, "{v:?}");
         }
-        assert!(age(&["0", "0"]) > 1 << 30);
         let none = CacheControl::default();
         let sie = CacheControl::parse(&h(&[("cache-control", "max-age=10, stale-if-error=60")]));
         assert!(usable_on_error(10, 60, &sie, &none, 0));
@@ -673,6 +982,21 @@ mod tests {
         assert!(!usable_on_error(10, 11, &none, &none, 0));
         let mr = CacheControl::parse(&h(&[("cache-control", "max-age=10, must-revalidate")]));
         assert!(!usable_on_error(10, 11, &mr, &none, 1000));
+    }
+
+    #[test]
+    fn dates_without_case() {
+        let want = http_date(b"Thu, 18 Aug 2050 02:01:18 GMT");
+        assert!(want.is_some());
+        for v in [
+            "THU, 18 Aug 2050 02:01:18 GMT",
+            "Thu, 18 AUG 2050 02:01:18 GMT",
+            "Thu, 18 Aug 2050 02:01:18 gMT",
+        ] {
+            assert_eq!(http_date(v.as_bytes()), want, "{v}");
+        }
+        assert_eq!(http_date(b"Thu, 18 Aug 2050 02:01:18 AEST"), None);
+        assert_eq!(http_date(b"0"), None);
     }
 
     #[test]
@@ -695,5 +1019,120 @@ mod tests {
         assert!(etag_matches(b"\"a\", W/\"b\"", b"\"b\""));
         assert!(etag_matches(b"*", b"\"x\""));
         assert!(!etag_matches(b"\"a\"", b"\"b\""));
+    }
+
+    /// RFC 9213: the first valid, non-empty targeted field is the policy
+    /// (Cache-Control, Expires, Surrogate-Control ignored); one that is not
+    /// a valid Structured Fields dictionary is ignored as if absent.
+    #[test]
+    fn targeted_cache_control() {
+        let t = |pairs: &[(&str, &str)]| store(pairs, 200);
+        assert_eq!(t(&[("cdn-cache-control", "max-age=3600")]), Ok(3600));
+        assert_eq!(
+            t(&[
+                ("cache-control", "max-age=1"),
+                ("cdn-cache-control", "max-age=3600")
+            ]),
+            Ok(3600)
+        );
+        assert_eq!(
+            t(&[
+                ("cache-control", "no-store"),
+                ("cdn-cache-control", "max-age=60")
+            ]),
+            Ok(60)
+        );
+        assert_eq!(
+            t(&[
+                ("cache-control", "max-age=60"),
+                ("cdn-cache-control", "no-store")
+            ]),
+            Err(NotStored::NoStore)
+        );
+        assert_eq!(
+            t(&[
+                ("cache-control", "max-age=60"),
+                ("cdn-cache-control", "private")
+            ]),
+            Err(NotStored::Private)
+        );
+        assert_eq!(
+            t(&[
+                ("cdn-cache-control", "max-age=0"),
+                ("expires", "Sun, 06 Nov 2094 08:49:37 GMT")
+            ]),
+            Ok(0)
+        );
+        assert_eq!(
+            t(&[("cdn-cache-control", "max-age=99999999999")]),
+            Ok(99_999_999_999)
+        );
+        assert_eq!(
+            t(&[("cdn-cache-control", "foobar, max-age=3600")]),
+            Ok(3600)
+        );
+        // Pier's own field first; then the CDN one.
+        assert_eq!(
+            t(&[
+                ("cdn-cache-control", "max-age=10"),
+                ("pier-cache-control", "max-age=20")
+            ]),
+            Ok(20)
+        );
+        // Not a valid dictionary: ignored, Cache-Control applies.
+        for bad in [
+            "max-age =100",
+            "max-age= 100",
+            "max-age=10000, &&&&&",
+            "MaX-aGe=3600",
+            "max-age=1,",
+            "",
+        ] {
+            assert_eq!(
+                t(&[("cache-control", "max-age=5"), ("cdn-cache-control", bad)]),
+                Ok(5),
+                "{bad}"
+            );
+        }
+        // Valid, but max-age of the wrong type is ignored: no freshness.
+        assert_eq!(
+            t(&[
+                ("cache-control", "no-store"),
+                ("cdn-cache-control", "max-age=\"10000\"")
+            ]),
+            Err(NotStored::NoFreshness)
+        );
+        // Two lines are one dictionary; parameters, strings, inner lists parse.
+        let cc = response_cc(&h(&[
+            ("cdn-cache-control", "max-age=60;a=1, x=(1 \"s\" tok);b"),
+            (
+                "cdn-cache-control",
+                "must-revalidate, stale-if-error=30, no-cache=?0",
+            ),
+        ]));
+        assert!(cc.targeted && cc.must_revalidate && !cc.no_cache);
+        assert_eq!((cc.max_age, cc.stale_if_error), (Some(60), Some(30)));
+        assert!(!response_cc(&h(&[("cache-control", "max-age=5")])).targeted);
+    }
+
+    /// Hostile field values never panic the parsers.
+    #[test]
+    fn hostile_fields_never_panic() {
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let alphabet = b"max-age=0123456789,;\"\\()?:*-. \tABCxyz&=";
+        for _ in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let n = (x % 40) as usize;
+            let v: Vec<u8> = (0..n)
+                .map(|i| alphabet[((x >> (i % 60)) as usize + i) % alphabet.len()])
+                .collect();
+            let v = String::from_utf8_lossy(&v).to_string();
+            let _ = response_cc(&h(&[("cdn-cache-control", &v)]));
+            let _ = age_field(&h(&[("age", &v)]));
+            let _ = http_date(v.as_bytes());
+            let _ = CacheControl::parse(&h(&[("cache-control", &v)]));
+        }
     }
 }

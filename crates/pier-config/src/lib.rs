@@ -208,6 +208,7 @@ impl Config {
             name: "quick".into(),
             memory: bytes,
             max_object: (bytes / 8).min(64 << 20),
+            max_variants: 32,
             disk: disk.map(|(dir, max_bytes)| CacheDisk {
                 dir,
                 max_bytes,

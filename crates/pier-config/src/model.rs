@@ -142,6 +142,8 @@ pub struct CacheZone {
     pub name: String,
     pub memory: usize,
     pub max_object: usize,
+    /// `max_variants`: Vary variants kept per key (the oldest goes).
+    pub max_variants: usize,
     /// `disk_dir` and its settings: a disk tier behind the memory tier.
     pub disk: Option<CacheDisk>,
 }

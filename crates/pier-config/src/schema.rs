@@ -275,6 +275,8 @@ pub struct RouteCacheSection {
 pub struct CacheZoneSection {
     pub memory: Spanned<SizeValue>,
     pub max_object: Option<Spanned<SizeValue>>,
+    /// Vary variants kept per key.
+    pub max_variants: Option<Spanned<i64>>,
     /// A disk tier in this directory (created if missing).
     pub disk_dir: Option<Spanned<String>>,
     /// The disk tier's bytes.

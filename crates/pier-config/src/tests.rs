@@ -2597,6 +2597,25 @@ fn cache_zone_disk_tier_keys() {
     assert!(errs.iter().any(|e| e.contains("disk_min_ttl")), "{errs:?}");
 }
 
+/// `max_variants`: Vary variants per key, 32 unless set, 1 to 1024.
+#[test]
+fn cache_zone_max_variants() {
+    let base = "[[listener]]\nlisten = \"127.0.0.1:8080\"\n[[route]]\nupstream = \"u\"\n[upstream.u]\nservers = [\"127.0.0.1:1\"]\n";
+    let c = ok(&format!(
+        "{base}[cache.a]\nmemory = \"1m\"\n[cache.b]\nmemory = \"1m\"\nmax_variants = 4\n"
+    ));
+    assert_eq!(
+        (c.caches[0].max_variants, c.caches[1].max_variants),
+        (32, 4)
+    );
+    for bad in ["0", "1025"] {
+        let errs = errors(&format!(
+            "{base}[cache.a]\nmemory = \"1m\"\nmax_variants = {bad}\n"
+        ));
+        assert!(errs.iter().any(|e| e.contains("max_variants")), "{errs:?}");
+    }
+}
+
 #[test]
 fn max_buffered_body_bytes() {
     assert_eq!(ok(BASE).limits.max_buffered_body_bytes, 1024 * 1024);

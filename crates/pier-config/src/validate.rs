@@ -414,6 +414,7 @@ pub(crate) fn validate(
             name: name.clone(),
             memory,
             max_object,
+            max_variants: c.int(&z.max_variants, "max_variants", 32, 1, 1024) as usize,
             disk,
         });
     }

@@ -222,6 +222,14 @@ pub async fn lookup(
             Fill::Follower(buf) if !waited => {
                 waited = true;
                 match buf.wait_head(rc.lock_timeout).await {
+                    // The fill's response does not answer this request
+                    // (RFC 9111 §4.1: another variant): its own request
+                    // to the origin, which stores its own variant.
+                    HeadWait::Head(head)
+                        if !pier_cache::vary_matches(&head.vary, &sess.req.headers) =>
+                    {
+                        break (None, stale);
+                    }
                     // Readers follow the writer: the body as it arrives.
                     HeadWait::Head(head) if plain && !refresh => {
                         zone.stats.coalesced.add(1);
@@ -277,6 +285,17 @@ pub async fn lookup(
     let up = &mut sess.up_req.headers;
     up.remove_known(known::IF_NONE_MATCH);
     up.remove_known(known::IF_MODIFIED_SINCE);
+    // The origin sees the client's Accept-Encoding as its bucket (the
+    // value Vary compares: `encoding_bucket`), so what it sends for one
+    // spelling is right for every client that shares the variant.
+    let ae = up.get_known(known::ACCEPT_ENCODING);
+    match pier_cache::encoding_bucket(ae) {
+        b"identity" => {
+            up.remove_known(known::ACCEPT_ENCODING);
+        }
+        b if ae != Some(b) => up.insert(b"Accept-Encoding", b),
+        _ => {}
+    }
     // Origins may address Surrogate-Control directives to Pier.
     up.append(b"Surrogate-Capability", b"pier=\"Surrogate/1.0\"");
     if let Some(o) = &stale {
@@ -757,6 +776,7 @@ impl<S> TeeSource<S> {
 fn store(
     status: u16,
     headers: Headers,
+    vary: pier_cache::VaryValues,
     cc: CacheControl,
     body: bytes::Bytes,
     fill: &mut CacheFill,
@@ -779,7 +799,6 @@ fn store(
         .and_then(policy::http_date)
         .unwrap_or(now);
     let age_header = policy::age_field(&headers);
-    let vary = pier_cache::vary_of(&headers, &fill.req_headers);
     let obj = Object {
         status,
         cc,
@@ -864,8 +883,10 @@ impl<S: ResponseSource> TeeSource<S> {
         while let Ok(Some(_)) = self.read_body().await {}
     }
 
-    /// The stored object, refreshed by a 304's fields.
-    fn revalidated(&self, stale: &Object, head: &ResponseHead, now: u64) -> Object {
+    /// The stored object, refreshed by a 304's fields, and whether the
+    /// result may be stored (RFC 9111 §3 applied to the merged fields: a
+    /// 304 that adds one client's Set-Cookie, or `no-store`, may not).
+    fn revalidated(&self, stale: &Object, head: &ResponseHead, now: u64) -> (Object, bool) {
         let f = &self.fill;
         let mut headers = Headers::default();
         // A synthetic Last-Modified stays Pier's unless the origin now sends
@@ -893,14 +914,21 @@ impl<S: ResponseSource> TeeSource<S> {
             &headers,
             now,
             &f.policy,
-        )
-        .unwrap_or(0);
+        );
+        // A cookie set by the 304 answers this request: the stored
+        // response's `public` does not make it everyone's (only the 304's
+        // own, or the route's `set_cookie = "store"`, does).
+        let own_cookie = head.headers.has_known(known::SET_COOKIE)
+            && !f.policy.store_set_cookie
+            && !CacheControl::parse(&head.headers).public;
+        let storable = lifetime.is_ok() && !own_cookie;
+        let lifetime = lifetime.unwrap_or(0);
         if synthetic_lm {
             headers.append(b"Last-Modified", stale.last_modified());
         }
-        Object {
+        let obj = Object {
             status: stale.status,
-            cc: CacheControl::parse(&headers),
+            cc: policy::response_cc(&headers),
             headers,
             body: stale.body.clone(),
             mapped: stale.mapped.clone(),
@@ -911,7 +939,8 @@ impl<S: ResponseSource> TeeSource<S> {
             age_header: 0,
             vary: stale.vary.clone(),
             synthetic_lm,
-        }
+        };
+        (obj, storable)
     }
 }
 
@@ -949,8 +978,13 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
                 // Revalidated: the stored object, its fields updated.
                 f.zone.stats.revalidated.add(1);
                 self.result = Some(CacheResult::Revalidated);
-                let obj = self.revalidated(&stale, head, now);
-                self.fill.zone.insert(self.fill.key.clone(), obj.clone());
+                let (obj, storable) = self.revalidated(&stale, head, now);
+                if storable {
+                    self.fill.zone.insert(self.fill.key.clone(), obj.clone());
+                }
+                // Else the 304 made it unstorable (a Set-Cookie, `private`,
+                // `no-store`…): the merged response answers this client
+                // only, and the stored object stays as it was.
                 // Followers find the refreshed object when they look again.
                 self.buf.pass();
                 let mut src = Stored::answer(
@@ -971,7 +1005,7 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
             }
         }
         let f = &self.fill;
-        self.cc = CacheControl::parse(&head.headers);
+        self.cc = policy::response_cc(&head.headers);
         match policy::storable_with(
             true,
             &f.req_cc,
@@ -1027,11 +1061,17 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
             self.published = true;
             match (&mut self.head, &self.body) {
                 // The fields move to the followers; `finish` gives them back.
-                (Some((status, h)), Some(_)) => self.buf.publish_head(FillHead {
-                    status: *status,
-                    headers: std::mem::take(h),
-                    length: self.length,
-                }),
+                (Some((status, h)), Some(_)) => {
+                    // Which requests this response answers: followers check
+                    // theirs against it, and the stored object keeps it.
+                    let vary = pier_cache::vary_of(h, &self.fill.req_headers);
+                    self.buf.publish_head(FillHead {
+                        status: *status,
+                        headers: std::mem::take(h),
+                        length: self.length,
+                        vary,
+                    })
+                }
                 _ => self.buf.pass(),
             }
         }
@@ -1056,6 +1096,7 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
                         store(
                             status,
                             head.headers,
+                            head.vary,
                             cc,
                             body,
                             &mut self.fill,
@@ -1184,10 +1225,14 @@ pub async fn stale_on_error(
 /// After the response head of a request on a cached route (the driver's
 /// cache-store step): an unsafe method answered with success (2xx/3xx)
 /// drops what is stored for its URL and for the same-origin URLs in
-/// `Location` and `Content-Location` (RFC 9111 §4.4); `Surrogate-Control`,
-/// addressed to Pier, is not passed on.
+/// `Location` and `Content-Location` (RFC 9111 §4.4); `Surrogate-Control`
+/// and `Pier-Cache-Control`, addressed to Pier, are not passed on (the
+/// stored object keeps the latter: it is its policy).
 pub fn after_response(state: &State, sess: &Session, resp: &mut ResponseHead) {
     resp.headers.remove_known(known::SURROGATE_CONTROL);
+    if policy::field(&resp.headers, policy::TARGETED[0]).is_some() {
+        resp.headers.remove(policy::TARGETED[0]);
+    }
     let method = sess.req.method_kind();
     if matches!(method, Method::Get | Method::Head | Method::Options)
         || !(200..400).contains(&resp.status)

@@ -258,6 +258,7 @@ impl State {
                             queue: d.queue,
                         }),
                     )
+                    .inspect(|zone| zone.set_max_variants(z.max_variants))
                     .map_err(|e| {
                         let dir = z.disk.as_ref().map(|d| d.dir.display().to_string());
                         format!(
