@@ -414,6 +414,22 @@ fn forwarding_headers_from_a_client_are_replaced_unless_it_is_a_trusted_proxy() 
         head.contains("\r\nforwarded: for=6.6.6.6;host=evil\r\n"),
         "{head}"
     );
+    drop(p);
+
+    // `[http] forwarded`: Pier's own RFC 7239 field, after a trusted proxy's.
+    let p = pier(&cfg.replace("[[listener]]", "[http]\nforwarded = true\n\n[[listener]]"));
+    let mut c = RawConn::connect(p.listener("main"));
+    let r = c
+        .request("GET", "/headers", CLIENT_FORWARDING, b"")
+        .unwrap();
+    let head = r.body_str().to_ascii_lowercase();
+    assert!(
+        head.contains(
+            "\r\nforwarded: for=6.6.6.6;host=evil, for=127.0.0.1;proto=http;host=\"pier.test\"\r\n"
+        ),
+        "{head}"
+    );
+    assert_eq!(head.matches("\r\nforwarded:").count(), 1, "{head}");
 }
 
 // === 11. CONNECT and TRACE ===

@@ -284,6 +284,7 @@ impl Config {
             escaped_slashes: EscapedSlashes::Reject,
             merge_slashes: true,
             allow_trace: false,
+            forwarded: false,
             http2: Http2::default(),
             caches: Vec::new(),
             resolver: Resolver::default(),

@@ -48,6 +48,9 @@ pub struct Config {
     /// `[http] allow_trace` (default false): TRACE goes upstream instead
     /// of a 405 (it echoes the request, credentials included).
     pub allow_trace: bool,
+    /// `[http] forwarded` (default false): an RFC 7239 `Forwarded` field
+    /// (`for`, `proto`, `host`) goes upstream beside `X-Forwarded-*`.
+    pub forwarded: bool,
     /// `[http2]`.
     pub http2: Http2,
     /// `[cache.NAME]` zones.

@@ -104,6 +104,8 @@ pub struct HttpSection {
     pub merge_slashes: Option<bool>,
     /// Methods refused with 405 unless a route allows them (CONNECT, TRACE).
     pub allow_trace: Option<bool>,
+    /// Write an RFC 7239 `Forwarded` field upstream.
+    pub forwarded: Option<bool>,
 }
 
 /// `[http2]`: SETTINGS and defences of HTTP/2 connections.

@@ -292,6 +292,7 @@ pub(crate) fn validate(
     };
     let merge_slashes = http.merge_slashes.unwrap_or(true);
     let allow_trace = http.allow_trace.unwrap_or(false);
+    let forwarded = http.forwarded.unwrap_or(false);
     let upgrade = upgrade(&mut c, http.upgrade);
     let http2 = http2(&mut c, file.http2.unwrap_or_default());
     let lua = lua_config(&mut c, file.lua.unwrap_or_default(), base);
@@ -485,6 +486,7 @@ pub(crate) fn validate(
         escaped_slashes,
         merge_slashes,
         allow_trace,
+        forwarded,
         http2,
         caches,
         resolver,

@@ -2229,7 +2229,9 @@ fn write_upstream_head(out: &mut Vec<u8>, state: &State, sess: &Session, addr: S
     let trusted = crate::forward::trusted(state, sess);
     write::request_line(out, req.method(), req.uri());
     for (k, n, v) in req.headers.iter_known() {
-        if crate::forward::keep_field(k, n, trusted) && !(host_is_peer && k == known::HOST) {
+        if crate::forward::keep_field(k, n, trusted, state.cfg.forwarded)
+            && !(host_is_peer && k == known::HOST)
+        {
             write::header(out, n, v);
         }
     }
@@ -2271,6 +2273,11 @@ fn write_upstream_head(out: &mut Vec<u8>, state: &State, sess: &Session, addr: S
     );
     if let Some(h) = crate::forward::x_forwarded_host(sess, trusted) {
         write::header(out, b"X-Forwarded-Host", h);
+    }
+    if state.cfg.forwarded {
+        out.extend_from_slice(b"Forwarded: ");
+        crate::forward::forwarded(out, sess, trusted);
+        out.extend_from_slice(b"\r\n");
     }
     if sess.upgrade {
         if let Some(u) = sess.req.headers.get_known(known::UPGRADE) {

@@ -56,13 +56,17 @@ pub(crate) fn forwarding_name(name: &[u8]) -> bool {
 }
 
 /// Whether a received field goes upstream as it is (`trusted`: the client
-/// is one of the listener's `trusted_proxies`).
+/// is one of the listener's `trusted_proxies`; `ours`: Pier writes a
+/// `Forwarded` of its own, which carries a trusted proxy's elements).
 #[inline]
-pub(crate) fn keep_field(k: Known, name: &[u8], trusted: bool) -> bool {
+pub(crate) fn keep_field(k: Known, name: &[u8], trusted: bool, ours: bool) -> bool {
     if k != known::UNKNOWN {
         return !skip_known(k);
     }
-    trusted || !forwarding_name(name)
+    if !forwarding_name(name) {
+        return true;
+    }
+    trusted && !(ours && name.eq_ignore_ascii_case(b"forwarded"))
 }
 
 /// The client is one of its listener's `trusted_proxies`.
@@ -108,6 +112,34 @@ pub(crate) fn x_forwarded_for(out: &mut Vec<u8>, sess: &Session, trusted: bool) 
     out.extend_from_slice(sess.client_ip.as_bytes());
 }
 
+/// `Forwarded` (RFC 7239, `[http] forwarded`): a trusted proxy's elements,
+/// then this hop's `for`, `proto` and `host` (an IPv6 `for` and any `host`
+/// quoted, as §6 wants for anything but a token).
+pub(crate) fn forwarded(out: &mut Vec<u8>, sess: &Session, trusted: bool) {
+    if trusted {
+        for v in sess.req.headers.get_all(b"forwarded") {
+            out.extend_from_slice(v);
+            out.extend_from_slice(b", ");
+        }
+    }
+    out.extend_from_slice(b"for=");
+    if sess.client.is_ipv6() {
+        out.extend_from_slice(b"\"[");
+        out.extend_from_slice(sess.client_ip.as_bytes());
+        out.extend_from_slice(b"]\"");
+    } else {
+        out.extend_from_slice(sess.client_ip.as_bytes());
+    }
+    out.extend_from_slice(b";proto=");
+    out.extend_from_slice(sess.scheme().as_bytes());
+    if let Some(h) = sess.req.host() {
+        // A canonical authority holds no quote or backslash to escape.
+        out.extend_from_slice(b";host=\"");
+        out.extend_from_slice(h);
+        out.push(b'"');
+    }
+}
+
 /// `X-Forwarded-Proto`: a trusted proxy's, else the connection's scheme.
 pub(crate) fn x_forwarded_proto(sess: &Session, trusted: bool) -> &[u8] {
     match sess.req.headers.get_known(known::X_FORWARDED_PROTO) {
@@ -143,15 +175,23 @@ mod tests {
         for n in ["forwardex", "x-forwarded-portx", "accept", "x-request-id"] {
             assert!(!forwarding_name(n.as_bytes()), "{n}");
         }
-        assert!(!keep_field(known::CONTENT_LENGTH, b"content-length", true));
+        assert!(!keep_field(
+            known::CONTENT_LENGTH,
+            b"content-length",
+            true,
+            false
+        ));
         assert!(!keep_field(
             known::TRANSFER_ENCODING,
             b"transfer-encoding",
-            true
+            true,
+            false
         ));
-        assert!(!keep_field(known::CONNECTION, b"connection", true));
-        assert!(keep_field(known::UNKNOWN, b"forwarded", true));
-        assert!(!keep_field(known::UNKNOWN, b"forwarded", false));
-        assert!(keep_field(known::COOKIE, b"cookie", false));
+        assert!(!keep_field(known::CONNECTION, b"connection", true, false));
+        assert!(keep_field(known::UNKNOWN, b"forwarded", true, false));
+        assert!(!keep_field(known::UNKNOWN, b"Forwarded", true, true));
+        assert!(keep_field(known::UNKNOWN, b"x-real-ip", true, true));
+        assert!(!keep_field(known::UNKNOWN, b"forwarded", false, false));
+        assert!(keep_field(known::COOKIE, b"cookie", false, false));
     }
 }

@@ -495,7 +495,7 @@ pub(crate) fn request(
     // Host is the :authority above.
     if !crate::http2::http_fields(
         &req.headers,
-        |k, n| k == known::HOST || !crate::forward::keep_field(k, n, trusted),
+        |k, n| k == known::HOST || !crate::forward::keep_field(k, n, trusted, state.cfg.forwarded),
         h,
     ) {
         return Err(bad(()));
@@ -523,6 +523,11 @@ pub(crate) fn request(
             "x-forwarded-host",
             http::HeaderValue::from_bytes(a).map_err(bad)?,
         );
+    }
+    if state.cfg.forwarded {
+        let mut f = Vec::with_capacity(64);
+        crate::forward::forwarded(&mut f, sess, trusted);
+        h.insert("forwarded", http::HeaderValue::from_bytes(&f).map_err(bad)?);
     }
     Ok(r)
 }
