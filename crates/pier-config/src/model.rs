@@ -360,9 +360,12 @@ pub struct ListenerTls {
     pub client_ca: Option<PathBuf>,
     pub client_auth: ClientAuth,
     pub handshake_timeout: Duration,
-    /// Handshakes in progress at once, all workers together; more wait
-    /// closed (the connection is dropped and counted).
+    /// Handshakes in progress at once, all workers together, counted from
+    /// a complete ClientHello; more are closed (dropped and counted).
     pub max_handshakes: usize,
+    /// Connections still waiting for their ClientHello, all workers
+    /// together; past it the oldest is closed for the new one.
+    pub max_pending_hellos: usize,
 }
 
 impl ListenerTls {
@@ -379,6 +382,7 @@ impl ListenerTls {
             client_auth: ClientAuth::Off,
             handshake_timeout: Duration::from_secs(10),
             max_handshakes: 1024,
+            max_pending_hellos: 4096,
         }
     }
 }
@@ -669,6 +673,9 @@ pub struct Timeouts {
     /// Idle timeout of an upgraded connection (e.g. WebSocket): closed
     /// after this long with no byte in either direction.
     pub tunnel_idle: Duration,
+    /// How long an HTTP/2 connection is kept after its GOAWAY once no
+    /// stream is open (the client may never acknowledge the PING).
+    pub client_goaway: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -92,6 +92,7 @@ pub struct TimeoutsSection {
     pub upstream_response: Option<Spanned<String>>,
     pub upstream_idle: Option<Spanned<String>>,
     pub tunnel_idle: Option<Spanned<String>>,
+    pub client_goaway: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -176,6 +177,7 @@ pub struct ListenerTlsSection {
     pub client_auth: Option<Spanned<String>>,
     pub handshake_timeout: Option<Spanned<String>>,
     pub max_handshakes: Option<Spanned<i64>>,
+    pub max_pending_hellos: Option<Spanned<i64>>,
 }
 
 /// `{ cert = "a.pem", key = "a.key" }`.

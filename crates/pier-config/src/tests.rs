@@ -2312,7 +2312,7 @@ fn listener_tls_defaults_and_certificates() {
     assert_eq!((t.session_cache, t.session_tickets), (20_000, true));
     assert_eq!(t.client_auth, ClientAuth::Off);
     assert_eq!(t.handshake_timeout, Duration::from_secs(10));
-    assert_eq!(t.max_handshakes, 1024);
+    assert_eq!((t.max_handshakes, t.max_pending_hellos), (1024, 4096));
     assert!(c.upstreams["app"].tls.is_none());
     // A client CA alone means "required".
     let c = ok(&tls_file("cert = \"a\"\nkey = \"b\"\nclient_ca = \"ca.pem\"\nmin_version = \"1.3\"\nunknown_sni = \"refuse\"", ""));

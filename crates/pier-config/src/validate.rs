@@ -61,6 +61,7 @@ impl Default for Timeouts {
             upstream_response: Duration::from_secs(60),
             upstream_idle: Duration::from_secs(60),
             tunnel_idle: Duration::from_secs(300),
+            client_goaway: Duration::from_secs(5),
         }
     }
 }
@@ -745,6 +746,7 @@ fn timeouts(c: &mut Check, t: TimeoutsSection) -> Timeouts {
         ),
         upstream_idle: c.duration(&t.upstream_idle, "upstream_idle", d.upstream_idle),
         tunnel_idle: c.duration(&t.tunnel_idle, "tunnel_idle", d.tunnel_idle),
+        client_goaway: c.duration(&t.client_goaway, "client_goaway", d.client_goaway),
     }
 }
 
@@ -1422,6 +1424,13 @@ fn listener_tls(c: &mut Check, name: &str, t: &ListenerTlsSection, base: &Path) 
             Duration::from_secs(10),
         ),
         max_handshakes: c.int(&t.max_handshakes, "max_handshakes", 1024, 1, 1_000_000) as usize,
+        max_pending_hellos: c.int(
+            &t.max_pending_hellos,
+            "max_pending_hellos",
+            4096,
+            1,
+            10_000_000,
+        ) as usize,
     }
 }
 
