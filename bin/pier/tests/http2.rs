@@ -1050,9 +1050,10 @@ fn zero_window_dribble_keeps_memory_bounded() {
 
 /// Issue 31 (item 11): on an h2c listener, a connection that has sent part
 /// of the preface used to be peeked at every 2 ms until the rest came;
-/// now it waits for the socket's readiness. 200 of them cost next to no
-/// CPU over 2 s (they cost about half a core before), and each is served
-/// once the rest arrives.
+/// now it waits for the socket's readiness. 600 of them cost no CPU over
+/// 2 s (measured: 0 ticks; before, 200 of them cost 25 ticks, 1/8 of a
+/// core, and it grows with their number), and each is served once the
+/// rest arrives.
 #[test]
 fn a_partial_preface_waits_without_spinning() {
     use std::io::{Read, Write};
@@ -1063,7 +1064,7 @@ fn a_partial_preface_waits_without_spinning() {
         "[timeouts]\nclient_header = \"60s\"\n",
     ));
     let addr = pier.listener("clear");
-    let mut partial: Vec<std::net::TcpStream> = (0..200)
+    let mut partial: Vec<std::net::TcpStream> = (0..600)
         .map(|_| {
             let mut s = std::net::TcpStream::connect(addr).unwrap();
             s.write_all(b"PRI * HTTP/2").unwrap();
@@ -1072,7 +1073,7 @@ fn a_partial_preface_waits_without_spinning() {
         .collect();
     assert!(wait_until(Duration::from_secs(10), || pier
         .metric_value("pier_active_connections")
-        == Some(200.0)));
+        == Some(600.0)));
     let cpu = || {
         // utime + stime, in clock ticks (fields 14 and 15 after the name).
         let stat = std::fs::read_to_string(format!("/proc/{}/stat", pier.pid())).unwrap();
@@ -1089,9 +1090,10 @@ fn a_partial_preface_waits_without_spinning() {
     // The measurement window (nothing is waited for).
     std::thread::sleep(Duration::from_secs(2));
     let ticks = cpu() - before;
+    eprintln!("partial prefaces: {ticks} ticks of CPU in 2 s");
     assert!(
         ticks < 20,
-        "{ticks} ticks (1/100 s) of CPU in 2 s for 200 waiting prefaces"
+        "{ticks} ticks (1/100 s) of CPU in 2 s for 600 waiting prefaces"
     );
     // The rest of the preface, and a request: answered over HTTP/2.
     for s in partial.iter_mut().take(3) {
