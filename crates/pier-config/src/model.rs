@@ -48,14 +48,50 @@ pub struct Config {
     pub resolver: Resolver,
 }
 
-/// Credentials the admin endpoint asks for (it shows client addresses).
+/// Credentials the admin endpoint asks for (it shows client addresses),
+/// always in the `Authorization` header: never a cookie or a query string,
+/// which a link or a form on another site could send.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct AdminAuth {
-    /// `Authorization: Bearer TOKEN` (or `?token=TOKEN`, for a browser's
-    /// EventSource, which cannot set headers).
+    /// `Authorization: Bearer TOKEN`.
     pub token: Option<String>,
     /// `Authorization: Basic` user and password.
     pub basic: Option<(String, String)>,
+    /// Host names (lower case) the admin endpoint answers to, besides IP
+    /// literals and, on loopback, `localhost` (DNS rebinding).
+    pub hosts: Vec<String>,
+}
+
+impl AdminAuth {
+    pub fn any(&self) -> bool {
+        self.token.is_some() || self.basic.is_some()
+    }
+}
+
+/// What a `[admin] token` (or `pier proxy --admin-token`) must look like:
+/// it goes in a header, compared as bytes.
+pub fn check_admin_token(t: &str) -> Result<(), String> {
+    if t.len() < 8 {
+        Err("must be at least 8 characters".into())
+    } else if !t
+        .bytes()
+        .all(|b| b.is_ascii_graphic() && !matches!(b, b';' | b',' | b'"' | b'\\'))
+    {
+        Err("must be visible ASCII without spaces, quotes, backslashes, ';' or ','".into())
+    } else {
+        Ok(())
+    }
+}
+
+/// An admin endpoint reachable from other machines must ask for
+/// credentials: it shows client addresses and can purge the cache.
+pub fn check_admin_exposure(addr: std::net::SocketAddr, auth: &AdminAuth) -> Result<(), String> {
+    if addr.ip().is_loopback() || auth.any() {
+        return Ok(());
+    }
+    Err(format!(
+        "the admin endpoint on {addr} is not on a loopback address: set `[admin] token` (or `user` and `password`), or listen on 127.0.0.1"
+    ))
 }
 
 /// `[analytics]`: per-minute rollups of every request, kept on disk.

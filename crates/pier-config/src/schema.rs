@@ -36,6 +36,7 @@ pub struct AdminSection {
     pub token: Option<Spanned<String>>,
     pub user: Option<Spanned<String>>,
     pub password: Option<Spanned<String>>,
+    pub hosts: Option<Vec<Spanned<String>>>,
 }
 
 /// `[analytics]`: the built-in traffic analytics.

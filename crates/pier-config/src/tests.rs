@@ -2512,6 +2512,28 @@ fn analytics_and_admin_credentials() {
         "9:10",
         "go together",
     );
+    // Issue 31: an admin endpoint off loopback must ask for credentials;
+    // the error names the key.
+    one_error(
+        &format!("{BASE}[admin]\nlisten = \"0.0.0.0:9901\"\n"),
+        "9:10",
+        "set `[admin] token`",
+    );
+    one_error(
+        &format!("{BASE}[admin]\nlisten = \"[::]:9901\"\n"),
+        "9:10",
+        "not on a loopback address",
+    );
+    let c = ok(&format!(
+        "{BASE}[admin]\nlisten = \"0.0.0.0:9901\"\ntoken = \"s3cret-token\"\nhosts = [\"Admin.Example.\"]\n"
+    ));
+    assert_eq!(c.admin_auth.hosts, vec!["admin.example".to_string()]);
+    ok(&format!("{BASE}[admin]\nlisten = \"[::1]:0\"\n"));
+    one_error(
+        &format!("{BASE}[admin]\nlisten = \"127.0.0.1:0\"\nhosts = [\"a.example:80\"]\n"),
+        "10:10",
+        "`hosts` lists host names",
+    );
     one_error(
         &format!("{BASE}[analytics]\nmax_keys = 0\n"),
         "9:12",
