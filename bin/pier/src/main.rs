@@ -49,6 +49,11 @@ enum Cmd {
         /// Admin listener (metrics, health), e.g. 127.0.0.1:9901.
         #[arg(long)]
         admin: Option<String>,
+        /// The admin endpoint's bearer token (`[admin] token`): needed to
+        /// purge the cache, and to listen off loopback. PIER_ADMIN_TOKEN in
+        /// the environment does the same without showing it in `ps`.
+        #[arg(long, requires = "admin")]
+        admin_token: Option<String>,
         /// Serve HTTPS on --listen with this certificate chain (PEM).
         #[arg(long, requires = "tls_key")]
         tls_cert: Option<PathBuf>,
@@ -95,9 +100,14 @@ enum Cmd {
         /// Consumer group; aggregators in one group share the partitions.
         #[arg(long, default_value = "pier-aggregate")]
         group: String,
-        /// PostgreSQL connection string or URL (the hll extension installed).
+        /// PostgreSQL connection string or URL (the hll extension installed),
+        /// without a password: every local user can read a command line.
+        /// The password comes from --postgres-password-file or PGPASSWORD.
         #[arg(long, required = true)]
         postgres: String,
+        /// A file holding the PostgreSQL password (its first line).
+        #[arg(long)]
+        postgres_password_file: Option<PathBuf>,
         /// How often rollups are merged into PostgreSQL.
         #[arg(long, default_value = "5s")]
         flush: String,
@@ -128,9 +138,29 @@ fn main() -> ExitCode {
             topic,
             group,
             postgres,
+            postgres_password_file,
             flush,
             max_keys,
         } => {
+            match pier_kafka::aggregate::has_password(&postgres) {
+                Ok(false) => {}
+                Ok(true) => return usage_error(
+                    "--postgres: no password on the command line (every local user can read it): give it in PGPASSWORD or --postgres-password-file",
+                ),
+                Err(e) => return usage_error(&format!("--postgres: {e}")),
+            }
+            let password = match &postgres_password_file {
+                Some(f) => match std::fs::read_to_string(f) {
+                    Ok(t) => Some(t.lines().next().unwrap_or("").to_string()),
+                    Err(e) => {
+                        return usage_error(&format!(
+                            "--postgres-password-file {}: {e}",
+                            f.display()
+                        ))
+                    }
+                },
+                None => std::env::var("PGPASSWORD").ok().filter(|p| !p.is_empty()),
+            };
             let flush = match pier_kafka::parse_duration(&flush) {
                 Ok(d) => d,
                 Err(e) => return usage_error(&format!("--flush: {e}")),
@@ -140,6 +170,7 @@ fn main() -> ExitCode {
                 topic,
                 group,
                 postgres,
+                password,
                 flush,
                 max_keys,
             };
@@ -223,6 +254,7 @@ fn main() -> ExitCode {
             listen,
             to,
             admin,
+            admin_token,
             tls_cert,
             tls_key,
             h2c,
@@ -284,6 +316,24 @@ fn main() -> ExitCode {
                 Ok(mut cfg) => {
                     if let Err(e) = cfg.enable_quick_http2(h2c, grpc_web) {
                         return usage_error(&e);
+                    }
+                    let token = admin_token.or_else(|| {
+                        std::env::var("PIER_ADMIN_TOKEN")
+                            .ok()
+                            .filter(|t| !t.is_empty())
+                    });
+                    if let Some(t) = token {
+                        if let Err(e) = pier_config::check_admin_token(&t) {
+                            return usage_error(&format!("--admin-token {e}"));
+                        }
+                        cfg.admin_auth.token = Some(t);
+                    }
+                    if let Some(a) = cfg.admin {
+                        if pier_config::check_admin_exposure(a, &cfg.admin_auth).is_err() {
+                            return usage_error(&format!(
+                                "--admin {a} is not a loopback address: give --admin-token (or PIER_ADMIN_TOKEN), or listen on 127.0.0.1"
+                            ));
+                        }
                     }
                     if let Some(bytes) = cache {
                         cfg.enable_quick_cache(

@@ -72,7 +72,10 @@ fn now_s() -> u64 {
 /// An admin request with optional extra headers; the raw response.
 fn admin_get(p: &PierProcess, path: &str, headers: &[(&str, &str)]) -> Response {
     let mut c = RawConn::connect(p.admin());
-    c.request("GET", path, headers, b"")
+    let host = p.admin().to_string();
+    let mut h = vec![("host", host.as_str())];
+    h.extend_from_slice(headers);
+    c.request("GET", path, &h, b"")
         .unwrap_or_else(|e| panic!("admin GET {path}: {e}"))
 }
 
@@ -283,7 +286,9 @@ fn bad_parameters_get_400_with_a_reason() {
 fn admin_credentials_are_required_but_not_for_healthz() {
     let (_origin, _dir, p) = start("token = \"tok-0123456789\"\nuser = \"ops\"\npassword = \"pw\"");
     assert_eq!(admin_get(&p, "/healthz", &[]).status, 200);
-    for path in ["/metrics", "/api/analytics", "/dashboard", "/api/status"] {
+    // The dashboard page holds no data (its requests carry the credentials).
+    assert_eq!(admin_get(&p, "/dashboard", &[]).status, 200);
+    for path in ["/metrics", "/api/analytics", "/api/status"] {
         let r = admin_get(&p, path, &[]);
         assert_eq!(r.status, 401, "{path}");
         assert_eq!(
@@ -312,18 +317,21 @@ fn admin_credentials_are_required_but_not_for_healthz() {
             "{path} with a wrong password"
         );
     }
-    // A browser: ?token= once sets a cookie the page's own requests carry.
+    // Issue 31: never from a query string or a cookie, which a link or a
+    // form on another site could make a browser send.
     let r = admin_get(&p, "/dashboard?token=tok-0123456789", &[]);
-    assert_eq!(r.status, 200);
-    let cookie = r.header("set-cookie").expect("cookie").to_string();
-    assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"));
-    let pair = cookie.split(';').next().unwrap();
+    assert_eq!(r.header("set-cookie"), None);
     assert_eq!(
-        admin_get(&p, "/api/analytics", &[("cookie", pair)]).status,
-        200
+        admin_get(&p, "/api/analytics?token=tok-0123456789", &[]).status,
+        401
     );
     assert_eq!(
-        admin_get(&p, "/api/analytics", &[("cookie", "pier_admin_token=nope")]).status,
+        admin_get(
+            &p,
+            "/api/analytics",
+            &[("cookie", "pier_admin_token=tok-0123456789")]
+        )
+        .status,
         401
     );
 }
@@ -336,7 +344,7 @@ fn live_stream_sends_history_then_seconds() {
     send_traffic(&p, 20, &mut sent);
     wait_requests(&p, 20, &[]);
     let mut c = RawConn::connect(p.admin());
-    c.send(b"GET /api/analytics/live HTTP/1.1\r\nhost: x\r\n\r\n");
+    c.send(b"GET /api/analytics/live HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n");
     c.set_timeout(Duration::from_secs(10));
     let mut got = String::new();
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -544,8 +552,10 @@ fn dashboard_shows_the_api_figures_and_updates_live() {
     let now = now_s();
     let window = format!("from={}&to={}&step=minute", now - 1800, now + 60);
     let api = json(&admin_get(&p, &format!("/api/analytics?{window}"), &auth));
+    // The token in the fragment, which never leaves the browser; the page
+    // sends it in the Authorization header.
     let url = format!(
-        "http://{}/dashboard?token=dash-token-123&{window}",
+        "http://{}/dashboard?{window}#token=dash-token-123",
         p.admin()
     );
 
@@ -650,7 +660,7 @@ fn kafka_down_costs_requests_nothing() {
 fn admin_answers_pipelined_requests() {
     let (_origin, _dir, p) = start("");
     let mut c = RawConn::connect(p.admin());
-    c.send(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\nGET /api/status HTTP/1.1\r\nhost: x\r\n\r\n");
+    c.send(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\nGET /api/status HTTP/1.1\r\nhost: localhost\r\n\r\n");
     let a = c.read_response().expect("first answer");
     assert_eq!((a.status, a.body_str().as_str()), (200, "ok\n"));
     let b = c.read_response().expect("second answer");

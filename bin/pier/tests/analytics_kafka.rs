@@ -502,6 +502,31 @@ fn aggregator_crash_restart_and_two_in_a_group_are_exact() {
     assert_eq!(hll_text(&day), hll);
 }
 
+/// Issue 31: a password on the command line is readable by every local
+/// user (`ps`, /proc); it goes in PGPASSWORD or --postgres-password-file.
+#[test]
+fn aggregator_refuses_a_password_on_the_command_line() {
+    for pg in [
+        "postgresql://agg:s3cret@127.0.0.1:1/pier",
+        "host=127.0.0.1 port=1 user=agg password=s3cret",
+    ] {
+        let out = common::run_with_timeout(
+            std::process::Command::new(env!("CARGO_BIN_EXE_pier")).args([
+                "aggregate",
+                "--kafka",
+                "127.0.0.1:1",
+                "--postgres",
+                pg,
+            ]),
+            std::time::Duration::from_secs(30),
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{pg}: {err}");
+        assert!(err.contains("PGPASSWORD"), "{pg}: {err}");
+        assert!(!err.contains("s3cret"), "the password echoed: {err}");
+    }
+}
+
 #[test]
 fn aggregator_rejects_bad_arguments() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_pier"))
@@ -582,7 +607,7 @@ servers = ["{}"]
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let r = common::RawConn::connect(p.admin())
-                .request("GET", "/api/analytics", &[], b"")
+                .request("GET", "/api/analytics", &[("host", "127.0.0.1")], b"")
                 .unwrap();
             let v: common::serde_json::Value = common::serde_json::from_slice(&r.body).unwrap();
             if v["total"]["requests"] == n {

@@ -465,8 +465,10 @@ zone = "main"
 
     let mut admin = RawConn::connect(pier.admin());
     let auth = ("Authorization", "Bearer purge-token-1");
+    // The admin endpoint answers a Host naming it (issue 31).
+    let host = ("Host", "127.0.0.1");
     let purge = |admin: &mut RawConn, q: &str, body: &[u8]| {
-        let mut h = vec![auth];
+        let mut h = vec![auth, host];
         if !body.is_empty() {
             h.push(("Content-Type", "application/json"));
         }
@@ -479,13 +481,13 @@ zone = "main"
     };
     // Without credentials: refused, nothing purged.
     let r = admin
-        .request("POST", "/api/cache/purge?prefix=http://", &[], b"")
+        .request("POST", "/api/cache/purge?prefix=http://", &[host], b"")
         .unwrap();
     assert_eq!(r.status, 401);
     assert!(is_hit(&mut c, "/page/a"));
     // GET is not a purge.
     let r = admin
-        .request("GET", "/api/cache/purge?tag=pages", &[auth], b"")
+        .request("GET", "/api/cache/purge?tag=pages", &[auth, host], b"")
         .unwrap();
     assert_eq!(r.status, 405);
     // By URL.
@@ -505,11 +507,11 @@ zone = "main"
     assert!(!is_hit(&mut c, "/count/2"));
     // Bad requests answer 400 with a reason.
     let r = admin
-        .request("POST", "/api/cache/purge?url=ftp://x/", &[auth], b"")
+        .request("POST", "/api/cache/purge?url=ftp://x/", &[auth, host], b"")
         .unwrap();
     assert_eq!(r.status, 400);
     let r = admin
-        .request("POST", "/api/cache/purge", &[auth], b"{\"nope\": 1}")
+        .request("POST", "/api/cache/purge", &[auth, host], b"{\"nope\": 1}")
         .unwrap();
     assert_eq!(r.status, 400);
     // The admin connection still works after bodies (pipelining kept).
@@ -532,11 +534,17 @@ cookies = ["ab"]
 query = "sort"
 query_exclude = ["utm_source"]
 "#;
-    let pier = pier(&config(
-        o.addr,
-        "[cache.main]\nmemory = \"16m\"\nmax_object = \"1m\"",
-        route,
-    ));
+    let pier = pier(
+        &config(
+            o.addr,
+            "[cache.main]\nmemory = \"16m\"\nmax_object = \"1m\"",
+            route,
+        )
+        .replace(
+            "[admin]\nlisten = \"127.0.0.1:0\"",
+            "[admin]\nlisten = \"127.0.0.1:0\"\ntoken = \"purge-token-2\"",
+        ),
+    );
     let mut c = RawConn::connect(pier.listener("main"));
     let body = |c: &mut RawConn, p: &str, h: &[(&str, &str)]| {
         String::from_utf8(c.request("GET", p, h, b"").unwrap().body).unwrap()
@@ -573,7 +581,10 @@ query_exclude = ["utm_source"]
         .request(
             "POST",
             "/api/cache/purge",
-            &[],
+            &[
+                ("Host", "127.0.0.1"),
+                ("Authorization", "Bearer purge-token-2"),
+            ],
             br#"{"url": "http://pier.test/count/k?b=2&a=1"}"#,
         )
         .unwrap();

@@ -59,14 +59,50 @@ pub struct Config {
     pub resolver: Resolver,
 }
 
-/// Credentials the admin endpoint asks for (it shows client addresses).
+/// Credentials the admin endpoint asks for (it shows client addresses),
+/// always in the `Authorization` header: never a cookie or a query string,
+/// which a link or a form on another site could send.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct AdminAuth {
-    /// `Authorization: Bearer TOKEN` (or `?token=TOKEN`, for a browser's
-    /// EventSource, which cannot set headers).
+    /// `Authorization: Bearer TOKEN`.
     pub token: Option<String>,
     /// `Authorization: Basic` user and password.
     pub basic: Option<(String, String)>,
+    /// Host names (lower case) the admin endpoint answers to, besides IP
+    /// literals and, on loopback, `localhost` (DNS rebinding).
+    pub hosts: Vec<String>,
+}
+
+impl AdminAuth {
+    pub fn any(&self) -> bool {
+        self.token.is_some() || self.basic.is_some()
+    }
+}
+
+/// What a `[admin] token` (or `pier proxy --admin-token`) must look like:
+/// it goes in a header, compared as bytes.
+pub fn check_admin_token(t: &str) -> Result<(), String> {
+    if t.len() < 8 {
+        Err("must be at least 8 characters".into())
+    } else if !t
+        .bytes()
+        .all(|b| b.is_ascii_graphic() && !matches!(b, b';' | b',' | b'"' | b'\\'))
+    {
+        Err("must be visible ASCII without spaces, quotes, backslashes, ';' or ','".into())
+    } else {
+        Ok(())
+    }
+}
+
+/// An admin endpoint reachable from other machines must ask for
+/// credentials: it shows client addresses and can purge the cache.
+pub fn check_admin_exposure(addr: std::net::SocketAddr, auth: &AdminAuth) -> Result<(), String> {
+    if addr.ip().is_loopback() || auth.any() {
+        return Ok(());
+    }
+    Err(format!(
+        "the admin endpoint on {addr} is not on a loopback address: set `[admin] token` (or `user` and `password`), or listen on 127.0.0.1"
+    ))
 }
 
 /// `[analytics]`: per-minute rollups of every request, kept on disk.
@@ -386,9 +422,12 @@ pub struct ListenerTls {
     pub client_ca: Option<PathBuf>,
     pub client_auth: ClientAuth,
     pub handshake_timeout: Duration,
-    /// Handshakes in progress at once, all workers together; more wait
-    /// closed (the connection is dropped and counted).
+    /// Handshakes in progress at once, all workers together, counted from
+    /// a complete ClientHello; more are closed (dropped and counted).
     pub max_handshakes: usize,
+    /// Connections still waiting for their ClientHello, all workers
+    /// together; past it the oldest is closed for the new one.
+    pub max_pending_hellos: usize,
 }
 
 impl ListenerTls {
@@ -405,6 +444,7 @@ impl ListenerTls {
             client_auth: ClientAuth::Off,
             handshake_timeout: Duration::from_secs(10),
             max_handshakes: 1024,
+            max_pending_hellos: 4096,
         }
     }
 }
@@ -695,6 +735,9 @@ pub struct Timeouts {
     /// Idle timeout of an upgraded connection (e.g. WebSocket): closed
     /// after this long with no byte in either direction.
     pub tunnel_idle: Duration,
+    /// How long an HTTP/2 connection is kept after its GOAWAY once no
+    /// stream is open (the client may never acknowledge the PING).
+    pub client_goaway: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

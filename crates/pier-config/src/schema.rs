@@ -36,6 +36,7 @@ pub struct AdminSection {
     pub token: Option<Spanned<String>>,
     pub user: Option<Spanned<String>>,
     pub password: Option<Spanned<String>>,
+    pub hosts: Option<Vec<Spanned<String>>>,
 }
 
 /// `[analytics]`: the built-in traffic analytics.
@@ -92,6 +93,7 @@ pub struct TimeoutsSection {
     pub upstream_response: Option<Spanned<String>>,
     pub upstream_idle: Option<Spanned<String>>,
     pub tunnel_idle: Option<Spanned<String>>,
+    pub client_goaway: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -185,6 +187,7 @@ pub struct ListenerTlsSection {
     pub client_auth: Option<Spanned<String>>,
     pub handshake_timeout: Option<Spanned<String>>,
     pub max_handshakes: Option<Spanned<i64>>,
+    pub max_pending_hellos: Option<Spanned<i64>>,
 }
 
 /// `{ cert = "a.pem", key = "a.key" }`.

@@ -2312,7 +2312,7 @@ fn listener_tls_defaults_and_certificates() {
     assert_eq!((t.session_cache, t.session_tickets), (20_000, true));
     assert_eq!(t.client_auth, ClientAuth::Off);
     assert_eq!(t.handshake_timeout, Duration::from_secs(10));
-    assert_eq!(t.max_handshakes, 1024);
+    assert_eq!((t.max_handshakes, t.max_pending_hellos), (1024, 4096));
     assert!(c.upstreams["app"].tls.is_none());
     // A client CA alone means "required".
     let c = ok(&tls_file("cert = \"a\"\nkey = \"b\"\nclient_ca = \"ca.pem\"\nmin_version = \"1.3\"\nunknown_sni = \"refuse\"", ""));
@@ -2511,6 +2511,28 @@ fn analytics_and_admin_credentials() {
         &format!("{BASE}[admin]\nlisten = \"127.0.0.1:0\"\nuser = \"ops\"\n"),
         "9:10",
         "go together",
+    );
+    // Issue 31: an admin endpoint off loopback must ask for credentials;
+    // the error names the key.
+    one_error(
+        &format!("{BASE}[admin]\nlisten = \"0.0.0.0:9901\"\n"),
+        "9:10",
+        "set `[admin] token`",
+    );
+    one_error(
+        &format!("{BASE}[admin]\nlisten = \"[::]:9901\"\n"),
+        "9:10",
+        "not on a loopback address",
+    );
+    let c = ok(&format!(
+        "{BASE}[admin]\nlisten = \"0.0.0.0:9901\"\ntoken = \"s3cret-token\"\nhosts = [\"Admin.Example.\"]\n"
+    ));
+    assert_eq!(c.admin_auth.hosts, vec!["admin.example".to_string()]);
+    ok(&format!("{BASE}[admin]\nlisten = \"[::1]:0\"\n"));
+    one_error(
+        &format!("{BASE}[admin]\nlisten = \"127.0.0.1:0\"\nhosts = [\"a.example:80\"]\n"),
+        "10:10",
+        "`hosts` lists host names",
     );
     one_error(
         &format!("{BASE}[analytics]\nmax_keys = 0\n"),

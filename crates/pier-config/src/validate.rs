@@ -61,6 +61,7 @@ impl Default for Timeouts {
             upstream_response: Duration::from_secs(60),
             upstream_idle: Duration::from_secs(60),
             tunnel_idle: Duration::from_secs(300),
+            client_goaway: Duration::from_secs(5),
         }
     }
 }
@@ -263,6 +264,9 @@ pub(crate) fn validate(
     let admin = file.admin.and_then(|a| {
         admin_auth = admin_auth_of(&mut c, &a);
         let addr = c.listen_addr(&a.listen, "listen")?;
+        if let Err(e) = check_admin_exposure(addr, &admin_auth) {
+            c.err(sp(&a.listen), e);
+        }
         bound.add(&mut c, addr, "the admin endpoint", sp(&a.listen));
         Some(addr)
     });
@@ -499,18 +503,24 @@ fn admin_auth_of(c: &mut Check, a: &AdminSection) -> AdminAuth {
     let text = |v: &Option<Spanned<String>>| v.as_ref().map(|v| v.get_ref().clone());
     let token = text(&a.token);
     if let Some(t) = &a.token {
-        if t.get_ref().len() < 8 {
-            c.err(sp(t), "`token` must be at least 8 characters");
-        } else if !t
-            .get_ref()
-            .bytes()
-            .all(|b| b.is_ascii_graphic() && !matches!(b, b';' | b',' | b'"' | b'\\'))
+        if let Err(e) = check_admin_token(t.get_ref()) {
+            c.err(sp(t), format!("`token` {e}"));
+        }
+    }
+    let mut hosts = Vec::new();
+    for h in a.hosts.iter().flatten() {
+        let name = h.get_ref().trim_end_matches('.').to_ascii_lowercase();
+        if name.is_empty()
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
         {
-            // It goes in a header and a cookie.
             c.err(
-                sp(t),
-                "`token` must be visible ASCII without spaces, quotes, backslashes, ';' or ','",
+                sp(h),
+                "`hosts` lists host names (letters, digits, '-' and '.'), without a port",
             );
+        } else {
+            hosts.push(name);
         }
     }
     let basic = match (text(&a.user), text(&a.password)) {
@@ -529,7 +539,11 @@ fn admin_auth_of(c: &mut Check, a: &AdminSection) -> AdminAuth {
             None
         }
     };
-    AdminAuth { token, basic }
+    AdminAuth {
+        token,
+        basic,
+        hosts,
+    }
 }
 
 fn analytics(c: &mut Check, a: AnalyticsSection, base: &Path) -> Analytics {
@@ -776,6 +790,7 @@ fn timeouts(c: &mut Check, t: TimeoutsSection) -> Timeouts {
         ),
         upstream_idle: c.duration(&t.upstream_idle, "upstream_idle", d.upstream_idle),
         tunnel_idle: c.duration(&t.tunnel_idle, "tunnel_idle", d.tunnel_idle),
+        client_goaway: c.duration(&t.client_goaway, "client_goaway", d.client_goaway),
     }
 }
 
@@ -1453,6 +1468,13 @@ fn listener_tls(c: &mut Check, name: &str, t: &ListenerTlsSection, base: &Path) 
             Duration::from_secs(10),
         ),
         max_handshakes: c.int(&t.max_handshakes, "max_handshakes", 1024, 1, 1_000_000) as usize,
+        max_pending_hellos: c.int(
+            &t.max_pending_hellos,
+            "max_pending_hellos",
+            4096,
+            1,
+            10_000_000,
+        ) as usize,
     }
 }
 

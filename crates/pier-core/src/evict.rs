@@ -59,6 +59,9 @@ struct Entry {
     since_ms: u64,
     /// Evicted once the clock reaches it (`NO_DEADLINE`: never).
     deadline_ms: u64,
+    /// What kind of wait (0: a request head; a TLS listener's ClientHello
+    /// waits use their own, so one listener's flood evicts its own first).
+    tag: u32,
     mark: Mark,
     waker: Option<Waker>,
 }
@@ -94,7 +97,7 @@ impl Default for Sweeper {
 }
 
 impl Registry {
-    fn enter(&mut self, now_ms: u64, deadline_ms: u64) -> usize {
+    fn enter(&mut self, now_ms: u64, deadline_ms: u64, tag: u32) -> usize {
         self.waiting += 1;
         if deadline_ms < self.sweeper.planned_ms {
             self.sweeper.planned_ms = deadline_ms;
@@ -106,6 +109,7 @@ impl Registry {
         let e = Entry {
             since_ms: now_ms,
             deadline_ms,
+            tag,
             mark: Mark::Waiting,
             waker: None,
         };
@@ -134,11 +138,25 @@ impl Registry {
     /// Evict the connection that has waited longest, if it has waited at
     /// least `min_age_ms`. Returns whether one was evicted.
     pub fn evict_oldest(&mut self, now_ms: u64, min_age_ms: u64) -> bool {
+        self.evict_oldest_where(now_ms, min_age_ms, |_| true)
+    }
+
+    /// As `evict_oldest`, among the entries with this tag only.
+    pub fn evict_oldest_tagged(&mut self, tag: u32, now_ms: u64, min_age_ms: u64) -> bool {
+        self.evict_oldest_where(now_ms, min_age_ms, |t| t == tag)
+    }
+
+    fn evict_oldest_where(
+        &mut self,
+        now_ms: u64,
+        min_age_ms: u64,
+        pick: impl Fn(u32) -> bool,
+    ) -> bool {
         let oldest = self
             .entries
             .iter()
             .enumerate()
-            .filter(|(_, e)| e.mark == Mark::Waiting)
+            .filter(|(_, e)| e.mark == Mark::Waiting && pick(e.tag))
             .map(|(i, e)| (e.since_ms, i))
             .min();
         match oldest {
@@ -213,14 +231,20 @@ pub struct Waiting<'a> {
 
 impl<'a> Waiting<'a> {
     pub fn enter(reg: &'a RefCell<Registry>, now_ms: u64) -> Self {
-        let i = reg.borrow_mut().enter(now_ms, NO_DEADLINE);
+        let i = reg.borrow_mut().enter(now_ms, NO_DEADLINE, 0);
+        Waiting { reg, i }
+    }
+
+    /// As `enter`, with a tag that [`Registry::evict_oldest_tagged`] picks.
+    pub fn enter_tagged(reg: &'a RefCell<Registry>, now_ms: u64, tag: u32) -> Self {
+        let i = reg.borrow_mut().enter(now_ms, NO_DEADLINE, tag);
         Waiting { reg, i }
     }
 
     /// As `enter`, and evicted by the sweeper at `deadline_ms` (the caller
     /// starts one when `Registry::claim_sweeper` says so).
     pub fn enter_until(reg: &'a RefCell<Registry>, now_ms: u64, deadline_ms: u64) -> Self {
-        let i = reg.borrow_mut().enter(now_ms, deadline_ms);
+        let i = reg.borrow_mut().enter(now_ms, deadline_ms, 0);
         Waiting { reg, i }
     }
 
@@ -329,6 +353,23 @@ mod tests {
         // Freed entries are reused.
         let _we = Waiting::enter(&reg, 5000);
         assert_eq!(reg.borrow().entries.len(), 3, "no growth past the peak");
+    }
+
+    #[test]
+    fn tagged_eviction_picks_only_its_tag() {
+        let reg = RefCell::new(Registry::default());
+        let head = Waiting::enter(&reg, 0);
+        let a = Waiting::enter_tagged(&reg, 100, 7);
+        let b = Waiting::enter_tagged(&reg, 50, 7);
+        let other = Waiting::enter_tagged(&reg, 10, 8);
+        assert!(reg.borrow_mut().evict_oldest_tagged(7, 1000, MIN_AGE_MS));
+        assert!(b.is_evicted() && !a.is_evicted() && !head.is_evicted() && !other.is_evicted());
+        assert!(reg.borrow_mut().evict_oldest_tagged(7, 1000, MIN_AGE_MS));
+        assert!(!reg.borrow_mut().evict_oldest_tagged(7, 1000, MIN_AGE_MS));
+        assert!(!reg.borrow_mut().evict_oldest_tagged(9, 1000, MIN_AGE_MS));
+        // The untagged eviction still takes the oldest of all.
+        assert!(reg.borrow_mut().evict_oldest(1000, MIN_AGE_MS));
+        assert!(head.is_evicted() && !other.is_evicted());
     }
 
     #[tokio::test]

@@ -164,6 +164,7 @@ fn main() {
                 topic: topic.clone(),
                 group: "bench".into(),
                 postgres: url.clone(),
+                password: None,
                 flush: flush_d,
                 max_keys: 10_000,
             };

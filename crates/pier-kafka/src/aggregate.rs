@@ -30,11 +30,37 @@ pub struct AggregateConfig {
     pub group: String,
     /// libpq-style connection string or `postgresql://` URL.
     pub postgres: String,
+    /// The password, when not in `postgres` (kept off the command line:
+    /// `pier aggregate` reads it from PGPASSWORD or a file).
+    pub password: Option<String>,
     /// How often the rollups of the events read so far are merged into
     /// PostgreSQL (the lag from event to row is about this).
     pub flush: Duration,
     /// (host, route) keys kept per minute; past it events count in `(other)`.
     pub max_keys: usize,
+}
+
+impl AggregateConfig {
+    /// The connection settings: `postgres` parsed, `password` added.
+    pub fn pg_config(&self) -> Result<postgres::Config, String> {
+        let mut c: postgres::Config = self
+            .postgres
+            .parse()
+            .map_err(|e| format!("postgres connection string: {e}"))?;
+        if let Some(p) = &self.password {
+            c.password(p);
+        }
+        Ok(c)
+    }
+}
+
+/// Whether a connection string carries a password (which, given on the
+/// command line, every local user can read in `ps` or /proc).
+pub fn has_password(postgres: &str) -> Result<bool, String> {
+    let c: postgres::Config = postgres
+        .parse()
+        .map_err(|e| format!("postgres connection string: {e}"))?;
+    Ok(c.get_password().is_some())
 }
 
 impl Default for AggregateConfig {
@@ -44,6 +70,7 @@ impl Default for AggregateConfig {
             topic: "pier-events".into(),
             group: "pier-aggregate".into(),
             postgres: "host=127.0.0.1 user=postgres".into(),
+            password: None,
             flush: Duration::from_secs(5),
             max_keys: 10_000,
         }
@@ -192,7 +219,10 @@ impl State {
             self.pg = None;
         }
         if self.pg.is_none() {
-            let c = postgres::Client::connect(&self.cfg.postgres, postgres::NoTls)
+            let c = self
+                .cfg
+                .pg_config()?
+                .connect(postgres::NoTls)
                 .map_err(|e| format!("postgres: {e}"))?;
             self.pg = Some(c);
         }
@@ -385,7 +415,10 @@ pub fn run(cfg: &AggregateConfig, stop: &AtomicBool) -> Result<(), String> {
     if cfg.brokers.is_empty() || cfg.topic.is_empty() || cfg.group.is_empty() {
         return Err("pier aggregate: --kafka, --topic and --group must not be empty".into());
     }
-    let mut pg = postgres::Client::connect(&cfg.postgres, postgres::NoTls)
+    let mut pg = cfg
+        .pg_config()
+        .map_err(|e| format!("pier aggregate: {e}"))?
+        .connect(postgres::NoTls)
         .map_err(|e| format!("pier aggregate: postgres: {e}"))?;
     let citus = pg::ensure_schema(&mut pg).map_err(|e| format!("pier aggregate: schema: {e}"))?;
     tracing::info!(
@@ -490,6 +523,23 @@ pub fn stop_on_signals() -> Result<Arc<AtomicBool>, String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_password_comes_from_beside_the_connection_string() {
+        use super::*;
+        assert_eq!(has_password("host=db user=agg"), Ok(false));
+        assert_eq!(has_password("host=db user=agg password=s3cret"), Ok(true));
+        assert_eq!(has_password("postgresql://agg:s3cret@db/pier"), Ok(true));
+        assert_eq!(has_password("postgresql://agg@db/pier"), Ok(false));
+        let cfg = AggregateConfig {
+            postgres: "postgresql://agg@db/pier".into(),
+            password: Some("from-env".into()),
+            ..Default::default()
+        };
+        let c = cfg.pg_config().unwrap();
+        assert_eq!(c.get_password(), Some(&b"from-env"[..]));
+        assert_eq!(c.get_user(), Some("agg"));
+    }
+
     use super::*;
 
     #[test]

@@ -49,8 +49,13 @@ struct Shard {
     retries: AtomicU64,
     refused_connections: AtomicU64,
     evicted_connections: AtomicU64,
+    goaway_timeouts: AtomicU64,
+    admin_refused: [AtomicU64; ADMIN_REFUSALS.len()],
     log_dropped: AtomicU64,
 }
+
+/// Why the admin endpoint refused a request (`pier_admin_refused_total`).
+pub const ADMIN_REFUSALS: [&str; 4] = ["unauthorized", "no_credentials", "host", "cross_site"];
 
 impl Shard {
     fn new() -> Self {
@@ -68,6 +73,8 @@ impl Shard {
             retries: AtomicU64::new(0),
             refused_connections: AtomicU64::new(0),
             evicted_connections: AtomicU64::new(0),
+            goaway_timeouts: AtomicU64::new(0),
+            admin_refused: Default::default(),
             log_dropped: AtomicU64::new(0),
         }
     }
@@ -217,6 +224,16 @@ impl Metrics {
     pub fn evicted_connection(&self) {
         self.shard().evicted_connections.fetch_add(1, Relaxed);
     }
+    /// An HTTP/2 connection closed `client_goaway` after its GOAWAY.
+    pub fn goaway_timeout(&self) {
+        self.shard().goaway_timeouts.fetch_add(1, Relaxed);
+    }
+    /// An admin request refused; `reason` is one of [`ADMIN_REFUSALS`].
+    pub fn admin_refused(&self, reason: &str) {
+        if let Some(i) = ADMIN_REFUSALS.iter().position(|r| *r == reason) {
+            self.shard().admin_refused[i].fetch_add(1, Relaxed);
+        }
+    }
     pub fn log_dropped(&self, n: u64) {
         self.shard().log_dropped.fetch_add(n, Relaxed);
     }
@@ -336,6 +353,20 @@ impl Metrics {
             "# TYPE pier_evicted_connections_total counter\npier_evicted_connections_total {}",
             sum!(self, evicted_connections)
         );
+        let _ = writeln!(
+            out,
+            "# TYPE pier_http2_goaway_timeouts_total counter\npier_http2_goaway_timeouts_total {}",
+            sum!(self, goaway_timeouts)
+        );
+        let _ = writeln!(out, "# TYPE pier_admin_refused_total counter");
+        for (i, r) in ADMIN_REFUSALS.iter().enumerate() {
+            let n: u64 = self
+                .shards
+                .iter()
+                .map(|s| s.admin_refused[i].load(Relaxed))
+                .sum();
+            let _ = writeln!(out, "pier_admin_refused_total{{reason=\"{r}\"}} {n}");
+        }
         let _ = writeln!(
             out,
             "# TYPE pier_access_log_dropped_total counter\npier_access_log_dropped_total {}",

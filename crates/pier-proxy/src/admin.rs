@@ -5,9 +5,20 @@
 //! pier-http's codec, the one HTTP/1 parser in the tree: a handful of GET
 //! endpoints and one event stream don't call for a server crate.
 //!
-//! It shows client addresses, so it binds to loopback by default and, when
-//! `[admin]` sets `token` or `user`/`password`, every endpoint but
-//! `/healthz` asks for them.
+//! It shows client addresses and can purge the cache, so (issue 31):
+//! - credentials (`[admin] token` or `user`/`password`) travel only in the
+//!   `Authorization` header, never a cookie or a query string that a link
+//!   or a form on another site could make a browser send;
+//! - when set, every endpoint but `/healthz` and the (data-less)
+//!   `/dashboard` page asks for them; without them, only loopback
+//!   listeners start (pier-config), and read-only endpoints answer there as
+//!   nginx's `stub_status` does;
+//! - mutating endpoints (`/api/cache/purge`) always need credentials, and
+//!   refuse what a page on another site can send without a CORS preflight:
+//!   a cross-site `Origin` or `Sec-Fetch-Site`, a form's content types;
+//! - the `Host` header must name this listener (an IP literal of it,
+//!   `localhost` on loopback, or `[admin] hosts`), so a DNS-rebound name
+//!   reads nothing.
 
 use crate::Shared;
 use std::fmt::Write as _;
@@ -20,11 +31,11 @@ const DASHBOARD: &str = include_str!("dashboard.html");
 /// Live streams open at once (each costs a task and a JSON a second).
 const MAX_STREAMS: usize = 32;
 static STREAMS: AtomicUsize = AtomicUsize::new(0);
-/// The cookie a `?token=` visit sets, so that the page's own requests
-/// (fetch, EventSource) carry the token.
-const COOKIE: &str = "pier_admin_token";
 
 pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
+    let Ok(local) = listener.local_addr() else {
+        return;
+    };
     loop {
         let Ok((mut s, _)) = listener.accept().await else {
             continue;
@@ -44,7 +55,7 @@ pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
                                 let _ = s.write_all(b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").await;
                                 return;
                             };
-                            let r = handle(&req, &body, &shared).await;
+                            let r = handle(&req, &body, &shared, local).await;
                             if let Answer::Stream = r.body {
                                 stream_live(s, shared).await;
                                 return;
@@ -172,39 +183,15 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// Whether the request carries the credentials `[admin]` asks for (any one
-/// of them): a bearer token, the token cookie, `?token=`, or basic.
-fn authorized(
-    req: &pier_http::RequestHead,
-    qs: &[(String, String)],
-    auth: &pier_config::AdminAuth,
-) -> bool {
-    if auth.token.is_none() && auth.basic.is_none() {
-        return true;
-    }
+/// of them), in its `Authorization` header: a bearer token or basic.
+fn authorized(req: &pier_http::RequestHead, auth: &pier_config::AdminAuth) -> bool {
     let header = req.headers.get(b"authorization").unwrap_or(b"");
     if let Some(t) = &auth.token {
-        let t = t.as_bytes();
-        if header.len() > 7 && header[..7].eq_ignore_ascii_case(b"bearer ") && same(&header[7..], t)
+        if header.len() > 7
+            && header[..7].eq_ignore_ascii_case(b"bearer ")
+            && same(&header[7..], t.as_bytes())
         {
             return true;
-        }
-        if qs
-            .iter()
-            .any(|(k, v)| k == "token" && same(v.as_bytes(), t))
-        {
-            return true;
-        }
-        for c in req.headers.get_all(b"cookie") {
-            for kv in c.split(|&b| b == b';') {
-                let kv = kv.trim_ascii();
-                if kv.len() > COOKIE.len() + 1
-                    && kv.starts_with(COOKIE.as_bytes())
-                    && kv[COOKIE.len()] == b'='
-                    && same(&kv[COOKIE.len() + 1..], t)
-                {
-                    return true;
-                }
-            }
         }
     }
     if let Some((user, pass)) = &auth.basic {
@@ -217,6 +204,88 @@ fn authorized(
                 if same(&d, want.as_bytes()) {
                     return true;
                 }
+            }
+        }
+    }
+    false
+}
+
+/// Whether `Host` names this listener rather than some name that happens to
+/// resolve to it (DNS rebinding: a page on evil.example whose name is
+/// re-pointed at 127.0.0.1 would read the answers as same-origin). An IP
+/// literal of the listener (any, when it listens on all addresses; any
+/// loopback one, when it is on loopback) passes, `localhost` on a loopback
+/// listener, and the names in `[admin] hosts`; no `Host` at all (HTTP/1.0
+/// tools) too, since a browser always sends one. The port is not compared:
+/// an IP literal cannot be rebound, whatever the port.
+fn host_ok(req: &pier_http::RequestHead, local: std::net::SocketAddr, hosts: &[String]) -> bool {
+    let Some(h) = req.headers.get(b"host") else {
+        return true;
+    };
+    let Ok(h) = std::str::from_utf8(h) else {
+        return false;
+    };
+    let h = h.trim();
+    let port_ok = |p: &str| p.is_empty() || (p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()));
+    let ip_ok = |ip: std::net::IpAddr| {
+        let l = local.ip();
+        ip == l || l.is_unspecified() || (ip.is_loopback() && l.is_loopback())
+    };
+    if let Some(rest) = h.strip_prefix('[') {
+        let Some((ip, tail)) = rest.split_once(']') else {
+            return false;
+        };
+        let port = match tail.strip_prefix(':') {
+            Some(p) => p,
+            None if tail.is_empty() => "",
+            None => return false,
+        };
+        return port_ok(port)
+            && ip
+                .parse::<std::net::Ipv6Addr>()
+                .is_ok_and(|ip| ip_ok(ip.into()));
+    }
+    let (name, port) = h.rsplit_once(':').unwrap_or((h, ""));
+    if !port_ok(port) {
+        return false;
+    }
+    if let Ok(ip) = name.parse::<std::net::Ipv4Addr>() {
+        return ip_ok(ip.into());
+    }
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    (name == "localhost" && local.ip().is_loopback()) || hosts.contains(&name)
+}
+
+/// Why a state-changing request must be refused though its credentials
+/// are good: what a page on another site can make a browser send without
+/// a CORS preflight (a browser sends remembered basic credentials along).
+/// A cross-site `Origin` or `Sec-Fetch-Site`, or a form's content type.
+fn cross_site(req: &pier_http::RequestHead) -> bool {
+    let h = |n: &[u8]| req.headers.get(n).map(|v| v.trim_ascii());
+    if let Some(site) = h(b"sec-fetch-site") {
+        if !site.eq_ignore_ascii_case(b"same-origin") && !site.eq_ignore_ascii_case(b"none") {
+            return true;
+        }
+    }
+    if let Some(origin) = h(b"origin") {
+        // Same origin: `scheme://` then the Host this request came with.
+        let host = h(b"host").unwrap_or(b"");
+        let rest = origin
+            .strip_prefix(b"http://")
+            .or_else(|| origin.strip_prefix(b"https://"));
+        if host.is_empty() || !rest.is_some_and(|r| r.eq_ignore_ascii_case(host)) {
+            return true;
+        }
+    }
+    if let Some(ct) = h(b"content-type") {
+        let ct = ct.split(|&b| b == b';').next().unwrap_or(b"").trim_ascii();
+        for form in [
+            &b"application/x-www-form-urlencoded"[..],
+            b"multipart/form-data",
+            b"text/plain",
+        ] {
+            if ct.eq_ignore_ascii_case(form) {
+                return true;
             }
         }
     }
@@ -361,9 +430,20 @@ fn purge(method: &[u8], qs: &[(String, String)], body: &[u8], state: &crate::Sta
     )
 }
 
-async fn handle(req: &pier_http::RequestHead, body: &[u8], shared: &Arc<Shared>) -> Reply {
+/// Endpoints that change state (they answer only with credentials).
+fn mutating(path: &str) -> bool {
+    path == "/api/cache/purge"
+}
+
+async fn handle(
+    req: &pier_http::RequestHead,
+    body: &[u8],
+    shared: &Arc<Shared>,
+    local: std::net::SocketAddr,
+) -> Reply {
     let path = String::from_utf8_lossy(req.path()).into_owned();
     let qs = params(req.query().unwrap_or(b""));
+    // Health checkers send whatever Host, and learn nothing but "draining".
     if path == "/healthz" {
         return if shared.draining() {
             reply("503 Service Unavailable", "text/plain", "draining\n".into())
@@ -373,13 +453,40 @@ async fn handle(req: &pier_http::RequestHead, body: &[u8], shared: &Arc<Shared>)
     }
     let state = shared.state.load();
     let auth = &state.cfg.admin_auth;
-    if !authorized(req, &qs, auth) {
-        let mut r = reply("401 Unauthorized", "text/plain", "unauthorized\n".into());
+    let refuse = |reason: &str, status, text: &str| {
+        shared.metrics.admin_refused(reason);
+        reply(status, "text/plain", format!("{text}\n"))
+    };
+    if !host_ok(req, local, &auth.hosts) {
+        return refuse(
+            "host",
+            "421 Misdirected Request",
+            "the Host header does not name this admin endpoint (add it to [admin] hosts)",
+        );
+    }
+    // The page itself holds no data: its requests carry the credentials.
+    let public = matches!(path.as_str(), "/dashboard" | "/dashboard/");
+    if mutating(&path) && !auth.any() {
+        return refuse(
+            "no_credentials",
+            "403 Forbidden",
+            "set [admin] token (or pier proxy --admin-token) to use this endpoint",
+        );
+    }
+    if auth.any() && !public && !authorized(req, auth) {
+        let mut r = refuse("unauthorized", "401 Unauthorized", "unauthorized");
         if auth.basic.is_some() {
             r.extra
                 .push_str("WWW-Authenticate: Basic realm=\"pier admin\"\r\n");
         }
         return r;
+    }
+    if mutating(&path) && cross_site(req) {
+        return refuse(
+            "cross_site",
+            "403 Forbidden",
+            "refused: a cross-site request or a form's content type (send JSON, or no body)",
+        );
     }
     match path.as_str() {
         "/metrics" => reply(
@@ -389,13 +496,10 @@ async fn handle(req: &pier_http::RequestHead, body: &[u8], shared: &Arc<Shared>)
         ),
         "/dashboard" | "/dashboard/" => {
             let mut r = reply("200 OK", "text/html; charset=utf-8", DASHBOARD.into());
-            if let Some(t) = qs.iter().find(|(k, _)| k == "token").map(|(_, v)| v) {
-                // Authorized above, so the token is the right one.
-                let _ = write!(
-                    r.extra,
-                    "Set-Cookie: {COOKIE}={t}; Path=/; HttpOnly; SameSite=Strict\r\n"
-                );
-            }
+            // Not to be framed by another site (clickjacking).
+            r.extra.push_str(
+                "X-Frame-Options: DENY\r\nContent-Security-Policy: frame-ancestors 'none'\r\n",
+            );
             r
         }
         "/api/status" => reply("200 OK", "application/json", status_json(shared)),

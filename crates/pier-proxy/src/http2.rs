@@ -14,7 +14,7 @@ use crate::protocol::{BodySize, Downstream, DownstreamOpts, RequestSource, Respo
 use crate::session::{ConnInfo, Session};
 use crate::Worker;
 use bytes::Bytes;
-use pier_core::Stream;
+use pier_core::{evict, Stream};
 use pier_error::{Error, Kind};
 use pier_http::known::{self, Known};
 use pier_http::{BodyLen, Headers, RequestHead, ResponseHead};
@@ -45,10 +45,19 @@ pub async fn serve_h2<P: Phases, S: Stream>(
         .max_concurrent_reset_streams(c.max_concurrent_reset_streams)
         .max_pending_accept_reset_streams(c.max_pending_accept_reset_streams)
         .max_local_error_reset_streams(Some(c.max_local_error_reset_streams));
-    let handshake = tokio::time::timeout(state.cfg.timeouts.client_header, b.handshake(stream));
-    let mut h2c: h2::server::Connection<S, Bytes> = match handshake.await {
-        Ok(Ok(c)) => c,
-        _ => return,
+    // The preface and SETTINGS within `client_header`, evictable meanwhile
+    // as a connection waiting for a head is.
+    let handshake = {
+        let waiting = evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
+        tokio::select! {
+            r = tokio::time::timeout(state.cfg.timeouts.client_header, b.handshake(stream)) => {
+                r.ok().and_then(|r| r.ok())
+            }
+            _ = waiting.evicted() => None,
+        }
+    };
+    let Some(mut h2c): Option<h2::server::Connection<S, Bytes>> = handshake else {
+        return;
     };
     let conn = Arc::new(ConnInfo { h2: true, ..conn });
     let mut drain = w.shared.drain_rx();
@@ -59,13 +68,26 @@ pub async fn serve_h2<P: Phases, S: Stream>(
     let open = std::rc::Rc::new(std::cell::Cell::new(0usize));
     let ended = std::rc::Rc::new(tokio::sync::Notify::new());
     let idle = state.cfg.timeouts.client_idle;
+    // After GOAWAY the client is owed nothing but its open streams: once
+    // none is left it has `client_goaway` more, whether or not it ever
+    // acknowledges the GOAWAY's PING (h2 waits for that ACK unbounded).
+    let goaway = state.cfg.timeouts.client_goaway;
+    let mut goaway_at: Option<tokio::time::Instant> = None;
+    // Registered while no stream is open: evictable when the worker is
+    // full, oldest first, as an idle HTTP/1 connection is (evict.rs).
+    let mut waiting: Option<evict::Waiting<'_>> = None;
     loop {
-        let quiet = open.get() == 0 && !draining;
+        let none_open = open.get() == 0;
+        if none_open != waiting.is_some() {
+            waiting = none_open.then(|| evict::Waiting::enter(&w.waiting, pier_lb::recent_ms()));
+        }
+        let quiet = none_open && !draining;
         let next = tokio::select! {
             r = h2c.accept() => r,
             _ = drain.changed(), if !draining => {
                 // GOAWAY; open streams finish, then `accept` returns None.
                 draining = true;
+                goaway_at = Some(tokio::time::Instant::now());
                 h2c.graceful_shutdown();
                 continue;
             }
@@ -73,11 +95,32 @@ pub async fn serve_h2<P: Phases, S: Stream>(
             // Sleep reads the clock when built (once per stream otherwise).
             _ = async { tokio::time::sleep(idle).await }, if quiet => {
                 draining = true;
+                goaway_at = Some(tokio::time::Instant::now());
                 h2c.graceful_shutdown();
                 continue;
             }
+            _ = async {
+                let at = goaway_at.unwrap_or_else(tokio::time::Instant::now);
+                tokio::time::sleep_until(at + goaway).await
+            }, if draining && none_open => {
+                w.shared.metrics.goaway_timeout();
+                tracing::debug!(%client, "http2 connection: closed {goaway:?} after GOAWAY");
+                break;
+            }
+            _ = evicted(waiting.as_ref()) => {
+                // Room for a new connection, or a drain: say GOAWAY (one
+                // poll writes it if the socket takes it, waiting for no
+                // one) and close.
+                h2c.abrupt_shutdown(h2::Reason::NO_ERROR);
+                let _ = poll_fn(|cx| {
+                    let _ = h2c.poll_accept(cx);
+                    std::task::Poll::Ready(())
+                })
+                .await;
+                break;
+            }
             // A stream ended: look again whether the connection is idle.
-            _ = ended.notified(), if !quiet => continue,
+            _ = ended.notified(), if !none_open => continue,
         };
         match next {
             Some(Ok((req, respond))) => {
@@ -95,6 +138,15 @@ pub async fn serve_h2<P: Phases, S: Stream>(
             }
             None => break,
         }
+    }
+}
+
+/// Resolves when the connection registered as `w` is evicted (never when
+/// it is not registered).
+async fn evicted(w: Option<&evict::Waiting<'_>>) {
+    match w {
+        Some(w) => w.evicted().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -126,22 +178,39 @@ impl Drop for StreamGuard {
 
 /// On an `h2c` listener: does the client open with the HTTP/2 preface
 /// ("PRI * HTTP/2.0")? Peeked, so an HTTP/1 client loses nothing. Waits at
-/// most `client_header` for the first bytes.
+/// most `client_header` for the first bytes, woken by the socket's
+/// readiness only (a preface arriving in pieces costs one wake-up a piece).
 pub async fn prior_knowledge(tcp: &tokio::net::TcpStream, shared: &crate::Shared) -> bool {
+    use std::io::ErrorKind::WouldBlock;
     const PRI: &[u8] = b"PRI * HTTP/2.0";
     let limit = shared.state.load().cfg.timeouts.client_header;
+    // A second handle on the socket for a plain peek inside `try_io`
+    // (tokio's own peek is async only).
+    let Ok(fd) = std::os::fd::AsFd::as_fd(tcp).try_clone_to_owned() else {
+        return false;
+    };
+    let dup = std::net::TcpStream::from(fd);
     let look = async {
         let mut b = [0u8; 14];
         loop {
-            let n = tcp.peek(&mut b).await.unwrap_or(0);
-            if n == 0 || b[..n] != PRI[..n] {
+            if tcp.readable().await.is_err() {
                 return false;
             }
-            if n == PRI.len() {
-                return true;
+            // A prefix of the preface so far: WouldBlock clears the
+            // readiness this peek saw, so `readable` waits for more bytes
+            // rather than returning at once.
+            let peeked = tcp.try_io(tokio::io::Interest::READABLE, || {
+                let n = dup.peek(&mut b)?;
+                if n > 0 && n < PRI.len() && b[..n] == PRI[..n] {
+                    return Err(WouldBlock.into());
+                }
+                Ok(n)
+            });
+            match peeked {
+                Ok(n) => return n == PRI.len() && b[..] == *PRI,
+                Err(e) if e.kind() == WouldBlock => continue,
+                Err(_) => return false,
             }
-            // A prefix of the preface so far: give the rest a moment.
-            tokio::time::sleep(Duration::from_millis(2)).await;
         }
     };
     tokio::time::timeout(limit, look).await.unwrap_or(false)

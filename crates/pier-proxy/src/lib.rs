@@ -358,7 +358,17 @@ impl<P: Phases> Admission for Admit<P> {
             None => {
                 tokio::task::spawn_local(Box::pin(async move {
                     let _slot = slot;
-                    if http2::prior_knowledge(&stream, &w.shared).await {
+                    // Waiting for the first bytes is waiting for a head:
+                    // evictable when the worker is full.
+                    let h2 = {
+                        let waiting = evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
+                        tokio::select! {
+                            h2 = http2::prior_knowledge(&stream, &w.shared) => Some(h2),
+                            _ = waiting.evicted() => None,
+                        }
+                    };
+                    let Some(h2) = h2 else { return };
+                    if h2 {
                         http2::serve_h2(w, stream, peer, local, conn).await
                     } else if h2c_only {
                         // No HTTP/1 here: a connection without the preface
@@ -372,8 +382,33 @@ impl<P: Phases> Admission for Admit<P> {
             Some(t) => {
                 tokio::task::spawn_local(async move {
                     let _slot = slot;
+                    // Until its handshake is done a TLS connection is as
+                    // evictable as one waiting for a head: a silent socket
+                    // holds a connection slot (the oldest such goes first
+                    // when the worker is full), never a handshake slot.
+                    // Its listener's ClientHello waits are bounded too, by
+                    // evicting the oldest of them here.
+                    let tag = listener.map_or(u32::MAX, |i| i as u32 + 1);
+                    if t.hellos_full() {
+                        let now = pier_lb::recent_ms();
+                        let room =
+                            w.waiting
+                                .borrow_mut()
+                                .evict_oldest_tagged(tag, now, evict::MIN_AGE_MS);
+                        if room {
+                            w.shared.metrics.evicted_connection();
+                        } else {
+                            w.shared.metrics.refused_connection();
+                            pier_tls::stats::stats().failure(pier_tls::stats::Failure::Overload);
+                            return;
+                        }
+                    }
+                    let waiting =
+                        evict::Waiting::enter_tagged(&w.waiting, pier_lb::recent_ms(), tag);
                     // Bounded in time and in number, counted (pier-tls).
-                    let Some((stream, info)) = Box::pin(t.accept(stream)).await else {
+                    let accepted = Box::pin(t.accept(stream, waiting.evicted())).await;
+                    drop(waiting);
+                    let Some((stream, info)) = accepted else {
                         return;
                     };
                     drop(t);

@@ -309,8 +309,10 @@ impl PierProcess {
 
     /// `GET /metrics` on the admin listener; panics unless 200.
     pub fn metrics(&self) -> String {
+        // The admin endpoint answers a Host that names it (issue 31).
+        let host = self.admin().to_string();
         let r = RawConn::connect(self.admin())
-            .get("/metrics")
+            .request("GET", "/metrics", &[("host", &host)], b"")
             .unwrap_or_else(|e| panic!("GET /metrics: {e}\n{}", self.logs()));
         assert_eq!(r.status, 200, "GET /metrics: {}", r.body_str());
         r.body_str()

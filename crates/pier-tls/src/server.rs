@@ -99,6 +99,9 @@ pub struct ServerTls {
     handshake_timeout: std::time::Duration,
     max_handshakes: usize,
     in_progress: AtomicUsize,
+    max_pending_hellos: usize,
+    /// Connections waiting for (the rest of) their ClientHello.
+    pending_hellos: AtomicUsize,
 }
 
 impl std::fmt::Debug for ServerTls {
@@ -191,6 +194,8 @@ impl ServerTls {
             handshake_timeout: cfg.handshake_timeout,
             max_handshakes: cfg.max_handshakes,
             in_progress: AtomicUsize::new(0),
+            max_pending_hellos: cfg.max_pending_hellos,
+            pending_hellos: AtomicUsize::new(0),
         })
     }
 
@@ -207,25 +212,33 @@ impl ServerTls {
         &self.config
     }
 
+    /// Whether `max_pending_hellos` connections already wait for their
+    /// ClientHello on this listener: the caller then makes room (evicts the
+    /// oldest of them) or refuses the new one.
+    pub fn hellos_full(&self) -> bool {
+        self.pending_hellos.load(Relaxed) >= self.max_pending_hellos
+    }
+
     /// Run the server handshake on an accepted connection, within
-    /// `handshake_timeout` and `max_handshakes`; every outcome is counted.
-    /// `None`: the connection is done (refused, failed, or plain HTTP, which
-    /// got a 400 as nginx gives).
-    pub async fn accept(&self, tcp: TcpStream) -> Option<Accepted> {
-        // A slot among the handshakes in progress, released on every path.
-        struct Slot<'a>(&'a AtomicUsize);
-        impl Drop for Slot<'_> {
-            fn drop(&mut self) {
-                self.0.fetch_sub(1, Relaxed);
-            }
-        }
-        if self.in_progress.fetch_add(1, Relaxed) >= self.max_handshakes {
-            self.in_progress.fetch_sub(1, Relaxed);
-            stats().failure(Failure::Overload);
-            return None;
-        }
-        let _slot = Slot(&self.in_progress);
-        match tokio::time::timeout(self.handshake_timeout, self.handshake(tcp)).await {
+    /// `handshake_timeout`; every outcome is counted. Waiting for the
+    /// ClientHello costs nothing but a socket, so it holds no handshake
+    /// slot (a silent connection must not lock real clients out): a slot
+    /// among `max_handshakes` is taken once the whole ClientHello is in,
+    /// for the handshake's CPU work. `evicted` resolves when the caller
+    /// wants the connection gone (the worker is full, or this listener has
+    /// `max_pending_hellos` waiting): it is then closed, counted as
+    /// `evicted`. `None`: the connection is done (refused, failed, or plain
+    /// HTTP, which got a 400 as nginx gives).
+    pub async fn accept(
+        &self,
+        tcp: TcpStream,
+        evicted: impl std::future::Future<Output = ()>,
+    ) -> Option<Accepted> {
+        let r = tokio::select! {
+            r = tokio::time::timeout(self.handshake_timeout, self.handshake(tcp)) => r,
+            _ = evicted => Ok(Err(Failure::Evicted)),
+        };
+        match r {
             Err(_) => {
                 stats().failure(Failure::Timeout);
                 None
@@ -241,7 +254,37 @@ impl ServerTls {
         }
     }
 
-    async fn handshake(&self, mut tcp: TcpStream) -> Result<Accepted, Failure> {
+    async fn handshake(&self, tcp: TcpStream) -> Result<Accepted, Failure> {
+        let start = {
+            let _pending = Count::enter(&self.pending_hellos);
+            self.client_hello(tcp).await?
+        };
+        if self.refuse_unknown {
+            if let Some(name) = start.client_hello().server_name() {
+                if self.sni.candidates(name).is_none() {
+                    return Err(Failure::UnknownSni);
+                }
+            }
+        }
+        // A slot among the handshakes in progress, released on every path.
+        let _slot = Count::enter(&self.in_progress);
+        if _slot.before >= self.max_handshakes {
+            return Err(Failure::Overload);
+        }
+        let stream = start
+            .into_stream(self.config.clone())
+            .await
+            .map_err(|e| Failure::of(&e))?;
+        let info = info_of(stream.get_ref().1);
+        Ok((stream, info))
+    }
+
+    /// Read up to the end of the ClientHello (rustls's `Acceptor` buffers
+    /// it, however many records it spans, and does nothing else).
+    async fn client_hello(
+        &self,
+        mut tcp: TcpStream,
+    ) -> Result<tokio_rustls::StartHandshake<TcpStream>, Failure> {
         let mut first = [0u8; 1];
         match tcp.peek(&mut first).await {
             Ok(0) | Err(_) => return Err(Failure::Closed),
@@ -259,22 +302,30 @@ impl ServerTls {
             }
             return Err(Failure::NotTls);
         }
-        let start = LazyConfigAcceptor::new(rustls::server::Acceptor::default(), tcp)
+        LazyConfigAcceptor::new(rustls::server::Acceptor::default(), tcp)
             .await
-            .map_err(|e| Failure::of(&e))?;
-        if self.refuse_unknown {
-            if let Some(name) = start.client_hello().server_name() {
-                if self.sni.candidates(name).is_none() {
-                    return Err(Failure::UnknownSni);
-                }
-            }
-        }
-        let stream = start
-            .into_stream(self.config.clone())
-            .await
-            .map_err(|e| Failure::of(&e))?;
-        let info = info_of(stream.get_ref().1);
-        Ok((stream, info))
+            .map_err(|e| Failure::of(&e))
+    }
+}
+
+/// One in a counter of connections (handshakes in progress, ClientHello
+/// waits), given back however the future holding it ends.
+struct Count<'a> {
+    n: &'a AtomicUsize,
+    /// The count before this one.
+    before: usize,
+}
+
+impl<'a> Count<'a> {
+    fn enter(n: &'a AtomicUsize) -> Self {
+        let before = n.fetch_add(1, Relaxed);
+        Count { n, before }
+    }
+}
+
+impl Drop for Count<'_> {
+    fn drop(&mut self) {
+        self.n.fetch_sub(1, Relaxed);
     }
 }
 

@@ -22,12 +22,16 @@ pub enum Failure {
     Overload,
     /// The client closed or reset before finishing.
     Closed,
+    /// Closed to make room (the worker at `max_connections`, or the
+    /// listener at `max_pending_hellos`) while still waiting for the
+    /// client.
+    Evicted,
     /// Anything else (a malformed message, an internal error).
     Other,
 }
 
 impl Failure {
-    pub const ALL: [Failure; 8] = [
+    pub const ALL: [Failure; 9] = [
         Failure::NoSharedCipher,
         Failure::UnknownSni,
         Failure::BadClientCert,
@@ -35,6 +39,7 @@ impl Failure {
         Failure::Timeout,
         Failure::Overload,
         Failure::Closed,
+        Failure::Evicted,
         Failure::Other,
     ];
     pub fn label(self) -> &'static str {
@@ -46,6 +51,7 @@ impl Failure {
             Failure::Timeout => "timeout",
             Failure::Overload => "overload",
             Failure::Closed => "closed",
+            Failure::Evicted => "evicted",
             Failure::Other => "other",
         }
     }
@@ -77,7 +83,7 @@ const ALPNS: [&str; 3] = ["none", "http/1.1", "h2"];
 pub struct Stats {
     /// [version][alpn][resumed]
     ok: [[[AtomicU64; 2]; 3]; 2],
-    failed: [AtomicU64; 8],
+    failed: [AtomicU64; 9],
     /// Upstream handshakes: [ok, failed, resumed].
     upstream: [AtomicU64; 3],
 }
@@ -91,7 +97,7 @@ const Z32: [[AtomicU64; 2]; 3] = [Z2; 3];
 
 static STATS: Stats = Stats {
     ok: [Z32; 2],
-    failed: [Z; 8],
+    failed: [Z; 9],
     upstream: [Z; 3],
 };
 
