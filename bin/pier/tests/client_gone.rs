@@ -122,7 +122,11 @@ async fn wait_active_async(p: &PierProcess, want: f64, what: &str) {
     while tokio::time::Instant::now() < deadline {
         let admin = p.admin();
         last = tokio::task::spawn_blocking(move || {
-            let r = get(admin, "/metrics");
+            // The admin endpoint answers a Host that names it.
+            let host = admin.to_string();
+            let r = RawConn::connect(admin)
+                .request("GET", "/metrics", &[("host", &host)], b"")
+                .expect("GET /metrics");
             r.body_str()
                 .lines()
                 .find(|l| l.starts_with("pier_active_requests "))
