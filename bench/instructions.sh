@@ -16,6 +16,7 @@
 #   bash bench/instructions.sh                 # pier, pier-noanalytics, nginx; N1=2000 N2=12000 C=10
 #   PROXIES=pier PATHS=/4k.bin bash bench/instructions.sh
 #   PROXIES="pier-lua nginx-lua" bash bench/instructions.sh   # bench/run.sh's Lua access hook
+#   PROXIES=pier-cache PATHS="/hello /4k.bin" bash bench/instructions.sh   # cache hits (bench/cache.sh's config)
 #   COUNT=syscalls PROXIES="pier-lua nginx-lua" bash bench/instructions.sh
 #       system calls per request by kind instead (strace -f -c, same harness). strace slows
 #       the proxy, so this counts kinds of calls, not time.
@@ -50,6 +51,17 @@ sed -e "s/@PORT@/$ORIGIN_PORT/g" "$BENCH/peers/origin/nginx.conf" >"$RUN/origin/
 nginx -p "$RUN/origin/" -c nginx.conf -e "$RUN/origin/logs/error.log" >/dev/null 2>&1 &
 PIDS+=($!)
 python3 "$BENCH/tool.py" wait-port "$ORIGIN_PORT" 10
+# pier-cache: a second origin, bench/cache.sh's (every response cacheable for an hour).
+if [[ " $PROXIES " == *" pier-cache "* ]]; then
+  CACHE_ORIGIN_PORT="$(port)"
+  mkdir -p "$RUN/cache-origin/logs/tmp" "$RUN/cache-origin/html"
+  head -c 4096 /dev/urandom >"$RUN/cache-origin/html/4k.bin"
+  chmod 755 "$RUN"; chmod -R 755 "$RUN/cache-origin"   # nginx workers run as nobody
+  sed -e "s/@PORT@/$CACHE_ORIGIN_PORT/g" "$BENCH/peers/cache/origin.conf" >"$RUN/cache-origin/nginx.conf"
+  nginx -p "$RUN/cache-origin/" -c nginx.conf -e "$RUN/cache-origin/logs/error.log" >/dev/null 2>&1 &
+  PIDS+=($!)
+  python3 "$BENCH/tool.py" wait-port "$CACHE_ORIGIN_PORT" 10
+fi
 
 # counted PROXY PATH N: one run of PROXY serving N requests for PATH; prints its total Ir
 # (COUNT=instructions) or the path of its strace summary (COUNT=syscalls)
@@ -62,6 +74,12 @@ counted() {
       sed -e "s/@PORT@/$p/g" -e "s/@ORIGIN@/$ORIGIN_PORT/g" -e 's/^workers = 2/workers = 1/' \
         "$BENCH/peers/pier/pier.toml" >"$dir/pier.toml"
       [ "$proxy" = pier-noanalytics ] && printf '\n[analytics]\nenabled = false\n' >>"$dir/pier.toml"
+      cmd=("$PIER_BIN" serve -c "$dir/pier.toml") ;;
+    pier-cache)
+      # bench/cache.sh's Pier (1 GiB zone) in front of its origin: every request but the
+      # first is a cache hit.
+      sed -e "s/@PORT@/$p/g" -e "s/@ORIGIN@/$CACHE_ORIGIN_PORT/g" -e 's/^workers = 2/workers = 1/' \
+        "$BENCH/peers/cache/pier.toml" >"$dir/pier.toml"
       cmd=("$PIER_BIN" serve -c "$dir/pier.toml") ;;
     pier-lua)
       # bench/run.sh's Lua access-hook scenario: the example config, one worker.

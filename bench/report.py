@@ -9,9 +9,10 @@ import os
 import statistics
 import sys
 
-ORDER = ["pier", "nginx", "haproxy", "pier-lua", "nginx-lua", "pier-limit", "pier-noanalytics"]
+ORDER = ["pier", "pier-b", "nginx", "haproxy", "pier-lua", "nginx-lua", "pier-limit", "pier-noanalytics"]
 LABEL = {
     "pier": "Pier",
+    "pier-b": "Pier, build B (PIER_BIN_B)",
     "nginx": "nginx",
     "haproxy": "HAProxy",
     "pier-lua": "Pier + Lua hook",

@@ -18,6 +18,7 @@ REPS="${REPS:-3}"                   # repetitions; proxies are interleaved withi
 THREADS="${THREADS:-2}"             # wrk threads
 IDLE_CONNS="${IDLE_CONNS:-10000}"   # idle keep-alive connections for the idle-RSS test (0 = skip)
 PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
+PIER_BIN_B="${PIER_BIN_B:-}"        # a second build: proxy "pier-b" (same config as "pier"), e.g. before/after
 PIER_LUA_CONFIG="${PIER_LUA_CONFIG:-$ROOT/examples/lua-access.toml}"
 SKIP_INSTALL="${SKIP_INSTALL:-0}"   # 1 = never call apt-get
 SKIP_BUILD="${SKIP_BUILD:-0}"       # 1 = use $PIER_BIN as is
@@ -95,6 +96,11 @@ build_pier() {
         SKIPPED+=("pier, pier-lua: no binary at $PIER_BIN")
         drop_proxy pier; drop_proxy pier-lua; drop_proxy pier-limit; drop_proxy pier-noanalytics
         return 0
+    fi
+    if has_proxy pier-b && [ ! -x "$PIER_BIN_B" ]; then
+        log "pier-b: no binary at PIER_BIN_B='$PIER_BIN_B'; skipping it"
+        SKIPPED+=("pier-b: no binary at PIER_BIN_B='$PIER_BIN_B'")
+        drop_proxy pier-b
     fi
     if has_proxy pier-lua && [ ! -f "$PIER_LUA_CONFIG" ]; then
         log "pier-lua: $PIER_LUA_CONFIG does not exist yet (Lua hooks not landed); skipping it"
@@ -202,6 +208,12 @@ start_proxy() {
             template "$(peer_conf pier pier.toml)" "$dir/pier.toml" "$port"
             "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
             ;;
+        pier-b)
+            # The plain Pier config run by a second build (PIER_BIN_B): two builds, one run.
+            rm -rf "$dir"; mkdir -p "$dir"
+            template "$(peer_conf pier pier.toml)" "$dir/pier.toml" "$port"
+            "$PIER_BIN_B" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
+            ;;
         pier-lua)
             rm -rf "$dir"; mkdir -p "$dir"
             python3 "$BENCH_DIR/tool.py" pier-config "$PIER_LUA_CONFIG" "$dir/pier.toml"
@@ -226,7 +238,7 @@ start_proxy() {
             printf '\n[analytics]\nenabled = false\n' >>"$dir/pier.toml"
             "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
             ;;
-        *) die "unknown proxy '$name' (known: pier, nginx, haproxy, pier-lua, nginx-lua, pier-limit, pier-noanalytics)" ;;
+        *) die "unknown proxy '$name' (known: pier, pier-b, nginx, haproxy, pier-lua, nginx-lua, pier-limit, pier-noanalytics)" ;;
     esac
     PROXY_PID=$!
     PIDS+=("$PROXY_PID")
@@ -307,6 +319,7 @@ cat >"$RUN/settings.json" <<EOF
  "nginx": "$(nginx -v 2>&1 | sed 's/.*nginx\///')",
  "haproxy": "$(haproxy -v | head -1 | awk '{print $3}')",
  "pier": "$( [ -x "$PIER_BIN" ] && "$PIER_BIN" --version 2>/dev/null | head -1 || echo n/a)",
+ "pier_b": "$( [ -n "$PIER_BIN_B" ] && [ -x "$PIER_BIN_B" ] && "$PIER_BIN_B" --version 2>/dev/null | head -1 || echo n/a)",
  "pier_commit": "$(cd "$ROOT" && git rev-parse --short HEAD 2>/dev/null || echo none)"}
 EOF
 for s in "${SKIPPED[@]:-}"; do [ -n "$s" ] && echo "$s"; done >"$RUN/skipped.txt" || true
