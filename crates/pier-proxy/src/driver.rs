@@ -2222,6 +2222,9 @@ fn apply_response_rules(state: &State, route: Option<usize>, resp: &mut Response
 fn write_upstream_head(out: &mut Vec<u8>, state: &State, sess: &Session, addr: SocketAddr) {
     let req = &sess.up_req;
     out.clear();
+    // The received head plus what Pier adds (framing, Host, X-Forwarded-*),
+    // at once: growing it as it is written copied it twice a request.
+    out.reserve(req.headers.arena().len() + 192);
     let host_is_peer = matches!(
         sess.route.map(|r| &state.routes[r].host_header),
         Some(HostHeader::Upstream)
