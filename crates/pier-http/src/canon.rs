@@ -63,7 +63,8 @@ impl RequestHead {
         let u = self.uri();
         if u.first() != Some(&b'/') {
             if u == b"*" && self.method_kind() == Method::Options {
-                return Ok(());
+                // No path; the authority is canonical all the same.
+                return self.canonical_host();
             }
             if self.method_kind() == Method::Connect {
                 // Authority-form; the driver answers 405 (no CONNECT proxy).
@@ -401,6 +402,7 @@ mod tests {
         ] {
             assert_eq!(canon(bad).err(), Some(Kind::InvalidRequestLine), "{bad}");
         }
-        assert!(canon("OPTIONS * HTTP/1.1\r\nHost: a\r\n\r\n").is_ok());
+        let h = canon("OPTIONS * HTTP/1.1\r\nHost: A.\r\n\r\n").unwrap();
+        assert_eq!((h.uri(), h.host()), (&b"*"[..], Some(&b"a"[..])));
     }
 }
