@@ -148,7 +148,7 @@ fn host_part(a: &[u8]) -> &[u8] {
 /// userinfo, no second colon) or a bracketed IPv6 literal, and a port of
 /// 1–5 digits up to 65535.
 pub fn valid_authority(a: &[u8]) -> bool {
-    let (host, port) = if a.first() == Some(&b'[') {
+    let port = if a.first() == Some(&b'[') {
         let Some(end) = memchr::memchr(b']', a) else {
             return false;
         };
@@ -160,7 +160,7 @@ pub fn valid_authority(a: &[u8]) -> bool {
         {
             return false;
         }
-        (&a[..=end], &a[end + 1..])
+        &a[end + 1..]
     } else {
         let i = memchr::memchr(b':', a).unwrap_or(a.len());
         let host = &a[..i];
@@ -171,9 +171,8 @@ pub fn valid_authority(a: &[u8]) -> bool {
         {
             return false;
         }
-        (host, &a[i..])
+        &a[i..]
     };
-    let _ = host;
     match port {
         [] => true,
         [b':', digits @ ..] => {

@@ -1245,11 +1245,8 @@ pub fn after_response(state: &State, sess: &Session, resp: &mut ResponseHead) {
     let zone = &state.cache_zones[rc.zone];
     let scheme = sess.scheme();
     let host = sess.req.host().unwrap_or(b"");
-    let target = sess
-        .req
-        .absolute_form()
-        .map(|(_, t)| t)
-        .unwrap_or(sess.req.uri());
+    // Canonical: origin-form, its authority the Host (pier_http::canon).
+    let target = sess.req.uri();
     let spec = rc.key.as_ref();
     let drop_url = |t: &[u8]| {
         let url = crate::cache_key::url_key(scheme, host, t, spec);

@@ -53,11 +53,8 @@ pub fn key_into(
         return;
     }
     let host = sess.req.host().unwrap_or(b"");
-    let target = sess
-        .req
-        .absolute_form()
-        .map(|(_, t)| t)
-        .unwrap_or(sess.req.uri());
+    // Canonical: origin-form, its authority the Host (pier_http::canon).
+    let target = sess.req.uri();
     let spec = state.cfg.routes[route]
         .cache
         .as_ref()

@@ -55,9 +55,6 @@ pub fn to_grpc_request(up: &mut RequestHead, form: Form) {
     up.headers.append(b"content-type", &ct);
     up.headers.remove_known(known::TE);
     up.headers.append(b"te", b"trailers");
-    if form == Form::Text {
-        up.headers.remove_known(known::CONTENT_LENGTH);
-    }
     up.headers.remove(b"x-grpc-web");
 }
 
