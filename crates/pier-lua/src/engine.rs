@@ -35,6 +35,9 @@ pub struct RequestCtx {
     pub(crate) body: Vec<u8>,
     pub(crate) peer: Option<std::net::SocketAddr>,
     pub(crate) retries: Option<u32>,
+    /// The failed attempt the `balancer` hook runs again after (1: connect,
+    /// 2: the origin failed the request; and its status).
+    pub(crate) last_failure: Option<(u8, u16)>,
     /// `pier.resp.set_status` in access/content: the status of a local answer.
     pub(crate) status: Option<u16>,
     /// Set by the runner coroutine when the hook returned (see `Runners`).
@@ -45,6 +48,15 @@ pub struct RequestCtx {
 }
 
 impl RequestCtx {
+    /// Before the `balancer` hook runs again after a failed attempt: what
+    /// `pier.balancer.get_last_failure()` tells it (`connect`: "failed",
+    /// else "next"). A peer it set before is forgotten: it sets one again
+    /// to retry there.
+    pub fn set_last_failure(&mut self, connect: bool, status: u16) {
+        self.last_failure = Some((if connect { 1 } else { 2 }, status));
+        self.peer = None;
+    }
+
     pub fn new() -> Self {
         RequestCtx {
             ctx_ref: -1,
@@ -54,6 +66,7 @@ impl RequestCtx {
             body: Vec::new(),
             peer: None,
             retries: None,
+            last_failure: None,
             status: None,
             done: false,
             id: current::new_owner(),

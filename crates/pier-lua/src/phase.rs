@@ -112,7 +112,9 @@ pub(crate) mod mask {
         Log,
     ]);
     /// Changing the request.
-    pub const REQ_WRITE: u32 = set(&[Access, Content, UpstreamRequest]);
+    /// (The balancer: the request has not gone yet, and a retry after a
+    /// failed attempt may go changed.)
+    pub const REQ_WRITE: u32 = set(&[Access, Content, Balancer, UpstreamRequest]);
     /// Reading the response status and headers (recorded ones before it exists).
     pub const RESP_READ: u32 = set(&[Access, Content, HeaderFilter, BodyFilter, Log]);
     /// Changing the response status and headers.

@@ -188,6 +188,44 @@ impl ConfigPhases {
     }
 }
 
+impl ConfigPhases {
+    /// A failed attempt, for Lua: the route's `balancer` hook runs again
+    /// (as OpenResty's `balancer_by_lua*` does per try), reading the failure
+    /// from `pier.balancer.get_last_failure()`; a peer it sets is a
+    /// `Flow::Retry` there, with the request as it left it. Without one, the
+    /// driver's own policy.
+    async fn balancer_again(
+        &self,
+        st: &State,
+        s: &mut Session,
+        ctx: &mut ConfigCtx,
+        connect: bool,
+        e: &Error,
+    ) -> Result<Flow, Error> {
+        let Some(eng) = self.hook(st, s, ctx, Phase::Balancer)? else {
+            return Ok(Flow::Continue);
+        };
+        let route = s.route.unwrap_or(0);
+        let lctx = ctx.lua.get_or_insert_with(Default::default);
+        lctx.set_last_failure(connect, e.status());
+        let mut v = View {
+            sess: s,
+            resp: None,
+            pending: &mut ctx.pending,
+            cache: &mut ctx.cache,
+            body: &ctx.body,
+        };
+        let c = eng
+            .balancer(route, &mut v, lctx)
+            .await
+            .map_err(hook_error)?;
+        Ok(match c.peer {
+            Some(p) => Flow::Retry { peer: Some(p) },
+            None => Flow::Continue,
+        })
+    }
+}
+
 fn refusal(rule: &LimitRt, kind: Kind, retry_after: u32) -> LocalResponse {
     let mut n = itoa::Buffer::new();
     let mut body = Vec::with_capacity(64);
@@ -315,6 +353,28 @@ impl Phases for ConfigPhases {
             addr: c.peer,
             retries: c.retries,
         })
+    }
+
+    async fn fail_to_connect(
+        &self,
+        st: &State,
+        s: &mut Session,
+        ctx: &mut ConfigCtx,
+        _peer: SocketAddr,
+        e: &Error,
+    ) -> Result<Flow, Error> {
+        self.balancer_again(st, s, ctx, true, e).await
+    }
+
+    async fn error_while_proxy(
+        &self,
+        st: &State,
+        s: &mut Session,
+        ctx: &mut ConfigCtx,
+        _peer: SocketAddr,
+        e: &Error,
+    ) -> Result<Flow, Error> {
+        self.balancer_again(st, s, ctx, false, e).await
     }
 
     fn peer_selected(

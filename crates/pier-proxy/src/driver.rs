@@ -12,21 +12,24 @@
 //! client may be retried on another peer (bounded by the route's retries and
 //! the group's retry budget).
 
-use crate::h1::{H1Downstream, H1RequestSink, H1ResponseSource};
+use crate::forward::Outgoing;
+use crate::h1::{H1Downstream, H1RequestSink};
 use crate::phases::{Flow, LocalResponse, Phases, Step};
 use crate::protocol::{
     BodySize, Downstream, DownstreamOpts, RequestSink, RequestSource, ResponseSink, ResponseSource,
+    UpstreamSession,
 };
 use crate::session::{ConnInfo, Session};
 use crate::state::State;
+use crate::upstream::Upstream;
 use crate::Worker;
 use bytes::{Buf, BytesMut};
 use pier_clock::timeout;
 use pier_config::HostHeader;
-use pier_core::{PeerKey, Stream};
+use pier_core::Stream;
 use pier_error::{Error, Kind};
 use pier_http::known;
-use pier_http::{write, BodyLen, ResponseHead};
+use pier_http::{BodyLen, ResponseHead};
 use pier_log::metrics::GaugeGuard;
 use std::cell::RefCell;
 use std::future::Future;
@@ -35,7 +38,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 
 use crate::h1::READ_CHUNK;
 
@@ -169,12 +172,12 @@ impl BufPool {
     fn take_resp(&mut self) -> ResponseHead {
         self.resps.pop().unwrap_or_default()
     }
-    fn take(&mut self) -> BytesMut {
+    pub(crate) fn take(&mut self) -> BytesMut {
         self.bytes
             .pop()
             .unwrap_or_else(|| BytesMut::with_capacity(READ_CHUNK))
     }
-    fn take_vec(&mut self) -> Vec<u8> {
+    pub(crate) fn take_vec(&mut self) -> Vec<u8> {
         self.vecs.pop().unwrap_or_else(|| Vec::with_capacity(1024))
     }
 }
@@ -934,6 +937,10 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
         Ok(Flow::Respond(r)) => {
             return respond(w, state, down, b, sess, ctx, &r, body_pending).await
         }
+        Ok(Flow::Retry { .. }) => {
+            return local_fail(w, state, down, b, sess, ctx, Kind::HookError, body_pending).await
+                && client_keep
+        }
         Err(e) => {
             return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await
                 && client_keep
@@ -946,6 +953,10 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
         Ok(Flow::Continue) => {}
         Ok(Flow::Respond(r)) => {
             return respond(w, state, down, b, sess, ctx, &r, body_pending).await
+        }
+        Ok(Flow::Retry { .. }) => {
+            return local_fail(w, state, down, b, sess, ctx, Kind::HookError, body_pending).await
+                && client_keep
         }
         Err(e) => {
             return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await
@@ -1018,6 +1029,10 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
         Ok(Flow::Respond(r)) => {
             return respond(w, state, down, b, sess, ctx, &r, body_pending).await
         }
+        Ok(Flow::Retry { .. }) => {
+            return local_fail(w, state, down, b, sess, ctx, Kind::HookError, body_pending).await
+                && client_keep
+        }
         Err(e) => {
             return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await
                 && client_keep
@@ -1031,8 +1046,10 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
     let mut attempt = 0u32;
     let mut stale_retry_used = false;
     let mut last = Kind::NoHealthyUpstream;
+    // A peer a phase chose (the balancer hook, or a `Flow::Retry`).
+    let mut forced = choice.addr;
     loop {
-        let (addr, idx) = match choice.addr {
+        let (addr, idx) = match forced {
             Some(a) => (a, None),
             None => {
                 let key = group.hash_key().and_then(|k| {
@@ -1096,6 +1113,10 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
             Ok(Flow::Respond(r)) => {
                 return respond(w, state, down, b, sess, ctx, &r, body_pending).await
             }
+            Ok(Flow::Retry { .. }) => {
+                return local_fail(w, state, down, b, sess, ctx, Kind::HookError, body_pending)
+                    .await
+            }
             Err(e) => return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await,
         }
         sess.upstream = Some(addr);
@@ -1136,21 +1157,40 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
                     return false;
                 }
                 last = f.kind;
-                let safe = f.may_retry(idempotent);
                 if let Some(i) = idx {
                     if ntried < tried.len() {
                         tried[ntried] = i;
                         ntried += 1;
                     }
                 }
-                if attempt < retries
-                    && safe
-                    && choice.addr.is_none()
-                    && group.try_retry_at(pier_lb::recent_ms())
-                {
-                    attempt += 1;
-                    w.shared.metrics.retry();
-                    continue;
+                // Step::Fail asks the phases: retry (maybe elsewhere, maybe
+                // with the request changed), answer, or the driver's policy.
+                // Boxed: a rare path, kept out of every request's future.
+                let asked = if matches!(f.kind, Kind::UpstreamConnect | Kind::UpstreamTls) {
+                    Box::pin(w.phases.fail_to_connect(state, sess, ctx, addr, &f)).await
+                } else {
+                    Box::pin(w.phases.error_while_proxy(state, sess, ctx, addr, &f)).await
+                };
+                let retry_on = match asked {
+                    Ok(Flow::Continue) => {
+                        (f.may_retry(idempotent) && forced.is_none()).then_some(None)
+                    }
+                    // The phase answers for the method's safety; a body
+                    // already streamed can't be sent again.
+                    Ok(Flow::Retry { peer }) => f.retryable.then_some(peer),
+                    Ok(Flow::Respond(r)) => {
+                        let consumed = f.retryable && !body_pending;
+                        return respond(w, state, down, b, sess, ctx, &r, !consumed).await;
+                    }
+                    Err(e) => return local_fail(w, state, down, b, sess, ctx, e.kind, true).await,
+                };
+                if let Some(peer) = retry_on {
+                    if attempt < retries && group.try_retry_at(pier_lb::recent_ms()) {
+                        attempt += 1;
+                        w.shared.metrics.retry();
+                        forced = peer;
+                        continue;
+                    }
                 }
                 let consumed = f.retryable && !body_pending;
                 return local_fail(w, state, down, b, sess, ctx, f.kind, !consumed).await
@@ -1457,111 +1497,8 @@ fn https_redirect(sess: &Session, r: pier_config::HttpsRedirect) -> LocalRespons
     }
 }
 
-/// One attempt over HTTP/2 to the origin: a stream on a shared connection.
-#[allow(clippy::too_many_arguments)]
-async fn attempt_h2<P: Phases, D: Downstream>(
-    w: &Worker<P>,
-    state: &State,
-    down: &mut D,
-    b: &mut Work,
-    sess: &mut Session,
-    ctx: &mut P::Ctx,
-    key: &PeerKey,
-    tls: Option<&pier_tls::ClientTls>,
-    lease: crate::upstream_h2::Lease,
-    reused: bool,
-    inflight: &mut Option<pier_lb::ActiveGuard>,
-) -> Result<bool, Error> {
-    use crate::upstream_h2::{send_request, H2RequestSink, H2ResponseSource};
-    let t = &state.cfg.timeouts;
-    w.shared.metrics.pool(reused);
-    sess.step = Step::Send;
-    let req = crate::upstream_h2::request(state, sess, key.addr, tls.is_some())?;
-    let body = crate::forward::body(sess);
-    let head_only = sess.up_req.method_kind() == pier_http::Method::Head;
-    let (fut, send) = send_request(&lease, req, body == BodyLen::None, t.upstream_response).await?;
-    let wait = crate::grpc::timeout(&sess.req, t.upstream_response);
-    let mut src = H2ResponseSource::new(fut, wait, head_only);
-    let relayed = if body == BodyLen::None {
-        let none: Option<&mut H2RequestSink> = None;
-        match b.cache.take() {
-            None => {
-                exchange(
-                    w,
-                    state,
-                    down,
-                    &mut src,
-                    none,
-                    &mut b.resp,
-                    sess,
-                    ctx,
-                    inflight,
-                )
-                .await
-            }
-            // A cacheable miss: kept as it streams, stored when complete.
-            // In place, not boxed: the request's future is in its own box
-            // already (`serve_connection`), and a box per miss cost an
-            // allocation and a copy of the whole exchange's state.
-            Some(fill) => {
-                async {
-                    // Compressed before it is stored (`[route.compress]`).
-                    let enc = crate::compress::EncodeSource::new(&mut src, state, sess);
-                    let mut tee = crate::cache::TeeSource::new(enc, fill);
-                    let r = exchange(
-                        w,
-                        state,
-                        down,
-                        &mut tee,
-                        none,
-                        &mut b.resp,
-                        sess,
-                        ctx,
-                        inflight,
-                    )
-                    .await;
-                    // A client gone mid-body does not end the fill for others.
-                    tee.finish_detached().await;
-                    r
-                }
-                .await
-            }
-        }
-    } else {
-        b.cache = None;
-        let mut body_snk = H2RequestSink::new(send, t.upstream_response);
-        let snk = Some(&mut body_snk);
-        exchange(
-            w,
-            state,
-            down,
-            &mut src,
-            snk,
-            &mut b.resp,
-            sess,
-            ctx,
-            inflight,
-        )
-        .await
-    };
-    drop(lease);
-    match relayed? {
-        Relayed::Done(_, client_keep) => Ok(client_keep),
-        // No Upgrade over HTTP/2.
-        Relayed::Upgrade => Err(Error::new(Kind::UpstreamProtocol)),
-    }
-}
-
-/// A failed TLS handshake (as opposed to a refused or timed-out connect).
-fn is_tls_failure(e: &std::io::Error) -> bool {
-    e.get_ref()
-        .is_some_and(|i| i.downcast_ref::<rustls::Error>().is_some())
-        || matches!(
-            e.kind(),
-            std::io::ErrorKind::InvalidData | std::io::ErrorKind::UnexpectedEof
-        )
-}
-
+/// One attempt on `addr`: a session from the connector, then the one
+/// exchange, whatever the upstream protocol. `fresh_only`: not from a pool.
 #[allow(clippy::too_many_arguments)]
 async fn attempt_once<P: Phases, D: Downstream>(
     w: &Worker<P>,
@@ -1574,182 +1511,49 @@ async fn attempt_once<P: Phases, D: Downstream>(
     fresh_only: bool,
     inflight: &mut Option<pier_lb::ActiveGuard>,
 ) -> Result<bool, Error> {
-    let t = &state.cfg.timeouts;
     sess.step = Step::Connect;
-    let tls = sess
-        .route
-        .and_then(|r| state.upstream_tls[state.routes[r].group].as_ref());
-    let group = sess.route.map(|r| &state.groups[state.routes[r].group]);
-    let protocol = group.map(|g| g.config().protocol).unwrap_or_default();
-    let h2 = protocol != pier_config::UpstreamProtocol::Http1;
-    let alpn = if h2 {
-        pier_core::Alpn::H2
-    } else {
-        pier_core::Alpn::Http1
+    let bufs = crate::upstream::H1Bufs {
+        ubuf: &mut b.ubuf,
+        head: &mut b.head,
     };
-    let mut key = match tls {
-        None => PeerKey {
-            alpn,
-            ..PeerKey::plain(addr)
-        },
-        Some(t) => PeerKey {
-            addr,
-            sni: Some(pier_lb::tls_server_name(
-                t.server_name.as_ref(),
-                sess.upstream_host.as_ref(),
-                addr,
-            )),
-            alpn,
-        },
-    };
-    // `auto`: a new connection the server took for HTTP/1.1, or an idle
-    // one to a server known to have done so.
-    let mut probed = None;
-    let mut idle_h1 = None;
-    if h2 {
-        let auto = protocol == pier_config::UpstreamProtocol::Auto;
-        let h1_key = PeerKey {
-            alpn: pier_core::Alpn::Http1,
-            ..key.clone()
-        };
-        // A peer known to have chosen HTTP/1.1 is served from the HTTP/1
-        // pool while it has an idle connection; a new one asks again.
-        if auto && !fresh_only && w.shared.h2pool.chose_h2(&key) == Some(false) {
-            idle_h1 = w.shared.pool.take(&h1_key, w.id);
-        }
-        if idle_h1.is_none() {
-            let max = group.map(|g| g.config().h2_max_streams).unwrap_or(100);
-            // Boxed, as the HTTP/2 exchange below: the HTTP/1 path's future
-            // (every request's) does not carry their state.
-            let leased = Box::pin(w.shared.h2pool.lease(
-                &key,
-                &w.shared.connector,
-                t.upstream_connect,
-                tls.map(|t| &t.config),
-                max,
-                auto,
-            ))
-            .await;
-            match leased {
-                Ok(crate::upstream_h2::Leased::H2(lease, reused)) => {
-                    return boxed_in_place(|| {
-                        attempt_h2(
-                            w, state, down, b, sess, ctx, &key, tls, lease, reused, inflight,
-                        )
-                    })
-                    .await
-                }
-                Ok(crate::upstream_h2::Leased::Http1(c)) => {
-                    if let pier_core::Conn::Tls(t) = &c {
-                        let resumed =
-                            t.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
-                        pier_tls::stats::stats().upstream(true, resumed);
-                    }
-                    probed = Some(c);
-                }
-                Err(e) if tls.is_some() && is_tls_failure(&e) => {
-                    pier_tls::stats::stats().upstream(false, false);
-                    tracing::warn!("upstream TLS (h2) to {addr}: {e}");
-                    return Err(Error::upstream(Kind::UpstreamTls));
-                }
-                Err(e) => {
-                    tracing::debug!("connect (h2) {addr}: {e}");
-                    return Err(Error::upstream(Kind::UpstreamConnect));
-                }
-            }
-        }
-        key = h1_key;
-    }
-    let pooled = if idle_h1.is_some() {
-        idle_h1
-    } else if fresh_only || probed.is_some() {
-        None
-    } else {
-        w.shared.pool.take(&key, w.id)
-    };
-    let reused = pooled.is_some();
-    let mut up = match pooled.or(probed) {
-        Some(s) => s,
-        // Boxed: a new connection (a TLS handshake's state included) is
-        // rare next to pooled ones, and its future is larger than the rest
-        // of the exchange.
-        None => match Box::pin(w.shared.connector.connect(
-            &key,
-            t.upstream_connect,
-            tls.map(|t| &t.config),
-        ))
-        .await
-        {
-            Ok(s) => {
-                if let pier_core::Conn::Tls(c) = &s {
-                    let resumed =
-                        c.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
-                    pier_tls::stats::stats().upstream(true, resumed);
-                }
-                s
-            }
-            Err(e) if tls.is_some() && is_tls_failure(&e) => {
-                // Verification or protocol failure: nothing was sent; 502.
-                pier_tls::stats::stats().upstream(false, false);
-                tracing::warn!("upstream TLS to {addr}: {e}");
-                return Err(Error::upstream(Kind::UpstreamTls));
-            }
-            Err(e) => {
-                // A timeout too: nothing was sent, so any method may go
-                // to another peer, and it is a 502 (docs/config.md).
-                tracing::debug!("connect {addr}: {e}");
-                return Err(Error::upstream(Kind::UpstreamConnect));
-            }
-        },
-    };
-    w.shared.metrics.pool(reused);
-    b.ubuf.clear();
-    if b.ubuf.capacity() == 0 {
-        b.ubuf = w.bufs.borrow_mut().take();
-    }
-    if b.head.capacity() == 0 {
-        b.head = w.bufs.borrow_mut().take_vec();
-    }
-
-    // The upstream request head, from the upstream request value.
-    sess.step = Step::Send;
-    write_upstream_head(&mut b.head, state, sess, addr);
-    let body = crate::forward::body(sess);
-    let method = sess.up_req.method_kind();
-    let (ur, mut uw) = up.split();
-    if uw.write_all(&b.head).await.is_err() {
-        return Err(Error {
-            stale: reused,
-            ..Error::upstream(Kind::UpstreamClosed)
-        });
-    }
-    // A pooled connection that closes before answering died while idle;
-    // retried once on a fresh one, but only when no body was consumed.
-    let mut src = H1ResponseSource::new(
-        ur,
-        &mut b.ubuf,
-        &state.head_limits,
-        method,
-        reused && body == BodyLen::None,
-        t.upstream_response,
-    );
-    let relayed = if body == BodyLen::None {
-        let none: Option<&mut H1RequestSink<tokio::io::Sink>> = None;
-        match b.cache.take() {
-            None => {
-                exchange(
-                    w,
-                    state,
-                    down,
-                    &mut src,
-                    none,
-                    &mut b.resp,
-                    sess,
-                    ctx,
-                    inflight,
-                )
+    let up = crate::upstream::connect(w, state, sess, addr, fresh_only, bufs).await?;
+    let (resp, cache) = (&mut b.resp, &mut b.cache);
+    match up {
+        Upstream::H1(u) => attempt(w, state, down, resp, cache, sess, ctx, addr, u, inflight).await,
+        // Boxed: the HTTP/1 path's future (every request's) does not carry
+        // the HTTP/2 exchange's state.
+        Upstream::H2(u) => {
+            boxed_in_place(|| attempt(w, state, down, resp, cache, sess, ctx, addr, u, inflight))
                 .await
-            }
+        }
+    }
+}
+
+/// The exchange on one upstream session: the request as policy made it
+/// (`forward::Outgoing`), its body streaming while the response is relayed,
+/// a cacheable miss kept as it streams; the session back to its pool, or a
+/// tunnel after a 101.
+#[allow(clippy::too_many_arguments)]
+async fn attempt<P: Phases, D: Downstream, U: UpstreamSession>(
+    w: &Worker<P>,
+    state: &State,
+    down: &mut D,
+    resp: &mut ResponseHead,
+    cache: &mut Option<Box<crate::cache::CacheFill>>,
+    sess: &mut Session,
+    ctx: &mut P::Ctx,
+    addr: SocketAddr,
+    mut up: U,
+    inflight: &mut Option<pier_lb::ActiveGuard>,
+) -> Result<bool, Error> {
+    w.shared.metrics.pool(up.reused());
+    sess.step = Step::Send;
+    let bodiless = crate::forward::body(sess) == BodyLen::None;
+    let (mut src, mut body_snk) = up.send(&Outgoing::new(state, sess, addr)).await?;
+    let relayed = if bodiless {
+        let none: Option<&mut U::Sink<'_>> = None;
+        match cache.take() {
+            None => exchange(w, state, down, &mut src, none, resp, sess, ctx, inflight).await,
             // A cacheable miss: kept as it streams, stored when complete.
             // In place, not boxed: the request's future is in its own box
             // already (`serve_connection`), and a box per miss cost an
@@ -1759,18 +1563,8 @@ async fn attempt_once<P: Phases, D: Downstream>(
                     // Compressed before it is stored (`[route.compress]`).
                     let enc = crate::compress::EncodeSource::new(&mut src, state, sess);
                     let mut tee = crate::cache::TeeSource::new(enc, fill);
-                    let r = exchange(
-                        w,
-                        state,
-                        down,
-                        &mut tee,
-                        none,
-                        &mut b.resp,
-                        sess,
-                        ctx,
-                        inflight,
-                    )
-                    .await;
+                    let r =
+                        exchange(w, state, down, &mut tee, none, resp, sess, ctx, inflight).await;
                     // A client gone mid-body does not end the fill for others.
                     tee.finish_detached().await;
                     r
@@ -1779,40 +1573,23 @@ async fn attempt_once<P: Phases, D: Downstream>(
             }
         }
     } else {
-        b.cache = None;
-        let mut body_snk = H1RequestSink::new(&mut uw, body);
+        *cache = None;
         let snk = Some(&mut body_snk);
-        exchange(
-            w,
-            state,
-            down,
-            &mut src,
-            snk,
-            &mut b.resp,
-            sess,
-            ctx,
-            inflight,
-        )
-        .await
+        exchange(w, state, down, &mut src, snk, resp, sess, ctx, inflight).await
     };
     match relayed? {
         Relayed::Done(upstream_reusable, client_keep) => {
-            drop(src);
-            if upstream_reusable {
-                w.shared.pool.put(&key, w.id, up);
-            }
+            drop((src, body_snk));
+            up.release(upstream_reusable);
             Ok(client_keep)
         }
         Relayed::Upgrade => {
-            // The 101 and whatever followed it, then a tunnel both ways
-            // until either side closes or both idle out (WebSocket etc.).
-            let early = src.take_early();
+            // A tunnel both ways until either side closes or both idle out
+            // (WebSocket etc.).
             let m = &w.shared.metrics;
             m.tunnels.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let _tunnel = GaugeGuard::enter(&m.active_tunnels);
-            let sent = down
-                .tunnel(&b.resp, &early, &mut src.r, &mut uw, tunnel_idle(state))
-                .await?;
+            let sent = U::tunnel(src, body_snk, down, resp, tunnel_idle(state)).await?;
             sess.bytes_sent += sent;
             Ok(false)
         }
@@ -2214,81 +1991,6 @@ fn apply_response_rules(state: &State, route: Option<usize>, resp: &mut Response
             resp.headers.append(n.as_bytes(), v.as_bytes());
         }
     }
-}
-
-/// The upstream request head: request line and headers of `sess.up_req`,
-/// X-Forwarded-*, a Host when the client sent none (HTTP/1.0), and the
-/// Upgrade headers when an upgrade was allowed.
-fn write_upstream_head(out: &mut Vec<u8>, state: &State, sess: &Session, addr: SocketAddr) {
-    let req = &sess.up_req;
-    out.clear();
-    // The received head plus what Pier adds (framing, Host, X-Forwarded-*),
-    // at once: growing it as it is written copied it twice a request.
-    out.reserve(req.headers.arena().len() + 192);
-    let host_is_peer = matches!(
-        sess.route.map(|r| &state.routes[r].host_header),
-        Some(HostHeader::Upstream)
-    );
-    let trusted = crate::forward::trusted(state, sess);
-    write::request_line(out, req.method(), req.uri());
-    for (k, n, v) in req.headers.iter_known() {
-        if crate::forward::keep_field(k, n, trusted, state.cfg.forwarded)
-            && !(host_is_peer && k == known::HOST)
-        {
-            write::header(out, n, v);
-        }
-    }
-    // Framing from the body that is sent, never from what was received.
-    match crate::forward::body(sess) {
-        BodyLen::Length(n) => write::header_u64(out, b"Content-Length", n),
-        BodyLen::Chunked => out.extend_from_slice(b"Transfer-Encoding: chunked\r\n"),
-        BodyLen::None | BodyLen::UntilClose => {
-            if crate::forward::says_empty(sess) {
-                out.extend_from_slice(b"Content-Length: 0\r\n");
-            }
-        }
-    }
-    if host_is_peer || !req.headers.has_known(known::HOST) {
-        // `host_header = "upstream"`, or as nginx does when the client gave
-        // none: the server's name (or address) and port.
-        out.extend_from_slice(b"Host: ");
-        match &sess.upstream_host {
-            Some(h) => {
-                out.extend_from_slice(h.as_bytes());
-                out.push(b':');
-                out.extend_from_slice(itoa::Buffer::new().format(addr.port()).as_bytes());
-            }
-            None => {
-                let mut a = [0u8; 64];
-                let n = fmt_addr(&mut a, addr);
-                out.extend_from_slice(&a[..n]);
-            }
-        }
-        out.extend_from_slice(b"\r\n");
-    }
-    out.extend_from_slice(b"X-Forwarded-For: ");
-    crate::forward::x_forwarded_for(out, sess, trusted);
-    out.extend_from_slice(b"\r\n");
-    write::header(
-        out,
-        b"X-Forwarded-Proto",
-        crate::forward::x_forwarded_proto(sess, trusted),
-    );
-    if let Some(h) = crate::forward::x_forwarded_host(sess, trusted) {
-        write::header(out, b"X-Forwarded-Host", h);
-    }
-    if state.cfg.forwarded {
-        out.extend_from_slice(b"Forwarded: ");
-        crate::forward::forwarded(out, sess, trusted);
-        out.extend_from_slice(b"\r\n");
-    }
-    if sess.upgrade {
-        if let Some(u) = sess.req.headers.get_known(known::UPGRADE) {
-            write::header(out, b"Upgrade", u);
-        }
-        out.extend_from_slice(b"Connection: upgrade\r\n");
-    }
-    out.extend_from_slice(b"\r\n");
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! What the upstream request carries that the client did not decide: the
-//! one policy both upstream codecs (HTTP/1 `driver::write_upstream_head`,
-//! HTTP/2 `upstream_h2::request`) read, so that no protocol has a list of
-//! its own (docs/security.md).
+//! one policy, decided once per attempt as an [`Outgoing`], that every
+//! upstream codec (HTTP/1 `h1::H1Upstream`, HTTP/2 `upstream_h2::H2Upstream`)
+//! serialises, so that no protocol has a list of its own (docs/security.md).
 //!
 //! - Hop-by-hop fields (`pier_http::HOP_BY_HOP`, and what `Connection`
 //!   names, dropped when the upstream request is built) never go.
@@ -16,8 +16,131 @@
 
 use crate::session::Session;
 use crate::state::State;
+use pier_config::HostHeader;
 use pier_http::known::{self, Known};
-use pier_http::BodyLen;
+use pier_http::{BodyLen, RequestHead};
+use std::net::SocketAddr;
+
+/// The upstream request as policy decided it, for one attempt to `addr`:
+/// which received fields go, the authority, Pier's forwarding fields and
+/// the body's framing. A codec writes the method, the target, then
+/// [`fields`](Self::fields), the authority (its Host or `:authority`),
+/// [`forwarding`](Self::forwarding) and its own framing from
+/// [`body`](Self::body), and decides nothing itself.
+pub struct Outgoing<'a> {
+    pub state: &'a State,
+    pub sess: &'a Session,
+    pub addr: SocketAddr,
+    trusted: bool,
+    /// `host_header = "upstream"`: the peer's name, not the client's Host.
+    host_is_peer: bool,
+}
+
+impl<'a> Outgoing<'a> {
+    pub fn new(state: &'a State, sess: &'a Session, addr: SocketAddr) -> Self {
+        let host_is_peer = matches!(
+            sess.route.map(|r| &state.routes[r].host_header),
+            Some(HostHeader::Upstream)
+        );
+        Outgoing {
+            state,
+            sess,
+            addr,
+            trusted: trusted(state, sess),
+            host_is_peer,
+        }
+    }
+
+    /// The upstream request value (routed, rewritten, hooks applied).
+    pub fn head(&self) -> &'a RequestHead {
+        &self.sess.up_req
+    }
+
+    /// Whether a received field goes as it is: not hop-by-hop, not framing,
+    /// not a forwarding field from an untrusted client, and not Host (the
+    /// authority is written on its own, [`Self::client_authority`]).
+    #[inline]
+    pub fn keeps(&self, k: Known, name: &[u8]) -> bool {
+        k != known::HOST && keep_field(k, name, self.trusted, self.state.cfg.forwarded)
+    }
+
+    /// The received fields that go, in order.
+    pub fn fields(&self) -> impl Iterator<Item = (Known, &'a [u8], &'a [u8])> + '_ {
+        self.head()
+            .headers
+            .iter_known()
+            .filter(|(k, n, _)| self.keeps(*k, n))
+    }
+
+    /// The authority the request carries when it is the client's (its Host,
+    /// after header rules and hooks); None: the peer's, written by
+    /// [`Self::write_peer_authority`] (`host_header = "upstream"`, or no Host
+    /// from an HTTP/1.0 client, as nginx does).
+    pub fn client_authority(&self) -> Option<&'a [u8]> {
+        if self.host_is_peer {
+            return None;
+        }
+        self.head().host()
+    }
+
+    /// The peer's authority: its configured name and port, or its address.
+    pub fn write_peer_authority(&self, out: &mut Vec<u8>) {
+        match &self.sess.upstream_host {
+            Some(h) => {
+                out.extend_from_slice(h.as_bytes());
+                out.push(b':');
+                out.extend_from_slice(itoa::Buffer::new().format(self.addr.port()).as_bytes());
+            }
+            None => {
+                // A hook's or a literal address: rare, formatted.
+                use std::io::Write;
+                let _ = write!(out, "{}", self.addr);
+            }
+        }
+    }
+
+    /// The body as it goes upstream, which the codec's framing states.
+    pub fn body(&self) -> BodyLen {
+        body(self.sess)
+    }
+
+    /// A bodiless request that still says `Content-Length: 0` ([`says_empty`]).
+    pub fn says_empty(&self) -> bool {
+        says_empty(self.sess)
+    }
+
+    /// The Upgrade to ask for (an allowed one: `driver::upgrade_allowed`).
+    pub fn upgrade(&self) -> Option<&'a [u8]> {
+        if !self.sess.upgrade {
+            return None;
+        }
+        self.sess.req.headers.get_known(known::UPGRADE)
+    }
+
+    /// Pier's forwarding fields into `w`: X-Forwarded-For, -Proto, -Host,
+    /// and with `[http] forwarded` an RFC 7239 Forwarded.
+    pub fn forwarding(&self, w: &mut impl FieldWriter) {
+        let (sess, trusted) = (self.sess, self.trusted);
+        w.composed(b"X-Forwarded-For", |out| {
+            x_forwarded_for(out, sess, trusted)
+        });
+        w.field(b"X-Forwarded-Proto", x_forwarded_proto(sess, trusted));
+        if let Some(h) = x_forwarded_host(sess, trusted) {
+            w.field(b"X-Forwarded-Host", h);
+        }
+        if self.state.cfg.forwarded {
+            w.composed(b"Forwarded", |out| forwarded(out, sess, trusted));
+        }
+    }
+}
+
+/// Where a codec takes the fields Pier writes.
+pub trait FieldWriter {
+    fn field(&mut self, name: &'static [u8], value: &[u8]);
+    /// A field whose value Pier composes: `value` appends it to the buffer
+    /// given (HTTP/1 composes it in the head itself).
+    fn composed(&mut self, name: &'static [u8], value: impl FnOnce(&mut Vec<u8>));
+}
 
 /// Well-known request fields no upstream request copies from the received
 /// one: hop-by-hop, framing, and the forwarding fields Pier writes.

@@ -975,3 +975,134 @@ where
         _ = watchdog => {}
     }
 }
+
+/// An HTTP/1.1 connection to an origin, for one attempt: from the pool or
+/// new (`upstream::connect`), back to the pool when the exchange leaves it
+/// clean. The head and read buffers are the request's own (`driver::Work`).
+pub struct H1Upstream<'b> {
+    pub(crate) conn: pier_core::Conn,
+    pub(crate) key: pier_core::PeerKey,
+    pub(crate) reused: bool,
+    pub(crate) pool: &'b pier_core::Pool,
+    pub(crate) worker: usize,
+    pub(crate) ubuf: &'b mut BytesMut,
+    pub(crate) head: &'b mut Vec<u8>,
+    pub(crate) limits: &'b HeadLimits,
+    pub(crate) timeout: Duration,
+}
+
+impl crate::protocol::UpstreamSession for H1Upstream<'_> {
+    type Source<'a>
+        = H1ResponseSource<'a, <pier_core::Conn as Stream>::Read<'a>>
+    where
+        Self: 'a;
+    type Sink<'a>
+        = H1RequestSink<<pier_core::Conn as Stream>::Write<'a>>
+    where
+        Self: 'a;
+
+    fn reused(&self) -> bool {
+        self.reused
+    }
+
+    async fn send<'a>(
+        &'a mut self,
+        out: &crate::forward::Outgoing<'_>,
+    ) -> Result<(Self::Source<'a>, Self::Sink<'a>), Error> {
+        write_request_head(self.head, out);
+        let body = out.body();
+        let method = out.head().method_kind();
+        let (ur, mut uw) = self.conn.split();
+        if uw.write_all(self.head).await.is_err() {
+            return Err(Error {
+                stale: self.reused,
+                ..Error::upstream(Kind::UpstreamClosed)
+            });
+        }
+        // A pooled connection that closes before answering died while idle;
+        // retried once on a fresh one, but only when no body was consumed.
+        let src = H1ResponseSource::new(
+            ur,
+            self.ubuf,
+            self.limits,
+            method,
+            self.reused && body == BodyLen::None,
+            self.timeout,
+        );
+        Ok((src, H1RequestSink::new(uw, body)))
+    }
+
+    fn release(self, reusable: bool) {
+        if reusable {
+            self.pool.put(&self.key, self.worker, self.conn);
+        }
+    }
+
+    async fn tunnel<'a, D: Downstream>(
+        mut src: Self::Source<'a>,
+        mut snk: Self::Sink<'a>,
+        down: &mut D,
+        head: &ResponseHead,
+        idle: Duration,
+    ) -> Result<u64, Error>
+    where
+        Self: 'a,
+    {
+        // The 101 and whatever followed it, then bytes both ways.
+        let early = src.take_early();
+        down.tunnel(head, &early, &mut src.r, &mut snk.w, idle)
+            .await
+    }
+}
+
+/// The upstream request head as HTTP/1.1 text: what [`Outgoing`] says, and
+/// framing from the body that is sent, never from what was received.
+///
+/// [`Outgoing`]: crate::forward::Outgoing
+pub(crate) fn write_request_head(out: &mut Vec<u8>, o: &crate::forward::Outgoing<'_>) {
+    let req = o.head();
+    out.clear();
+    // The received head plus what Pier adds (framing, Host, X-Forwarded-*),
+    // at once: growing it as it is written copied it twice a request.
+    out.reserve(req.headers.arena().len() + 192);
+    write::request_line(out, req.method(), req.uri());
+    out.extend_from_slice(b"Host: ");
+    match o.client_authority() {
+        Some(h) => out.extend_from_slice(h),
+        None => o.write_peer_authority(out),
+    }
+    out.extend_from_slice(b"\r\n");
+    for (_, n, v) in o.fields() {
+        write::header(out, n, v);
+    }
+    match o.body() {
+        BodyLen::Length(n) => write::header_u64(out, b"Content-Length", n),
+        BodyLen::Chunked => out.extend_from_slice(b"Transfer-Encoding: chunked\r\n"),
+        BodyLen::None | BodyLen::UntilClose => {
+            if o.says_empty() {
+                out.extend_from_slice(b"Content-Length: 0\r\n");
+            }
+        }
+    }
+    o.forwarding(&mut HeadFields(out));
+    if let Some(u) = o.upgrade() {
+        write::header(out, b"Upgrade", u);
+        out.extend_from_slice(b"Connection: upgrade\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Fields written straight into an HTTP/1 head.
+struct HeadFields<'o>(&'o mut Vec<u8>);
+
+impl crate::forward::FieldWriter for HeadFields<'_> {
+    fn field(&mut self, name: &'static [u8], value: &[u8]) {
+        write::header(self.0, name, value);
+    }
+    fn composed(&mut self, name: &'static [u8], value: impl FnOnce(&mut Vec<u8>)) {
+        self.0.extend_from_slice(name);
+        self.0.extend_from_slice(b": ");
+        value(self.0);
+        self.0.extend_from_slice(b"\r\n");
+    }
+}

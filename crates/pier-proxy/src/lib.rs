@@ -14,7 +14,7 @@ pub mod compress;
 mod cors;
 pub mod dns;
 pub mod driver;
-mod forward;
+pub mod forward;
 pub mod grpc;
 pub mod grpc_web;
 pub mod h1;
@@ -24,6 +24,7 @@ pub mod protocol;
 pub mod req_body;
 pub mod session;
 pub mod state;
+pub mod upstream;
 pub mod upstream_h2;
 
 pub use cache_key::CacheCtl;

@@ -33,6 +33,14 @@ pub enum Flow {
     Continue,
     /// Answer now with this response; skip the upstream.
     Respond(LocalResponse),
+    /// After a failed attempt (`fail_to_connect`, `error_while_proxy`
+    /// only): try again, on `peer` (None: the balancer's next pick), with
+    /// the upstream request as the phase left it (`Session::up_req`).
+    /// Within the request's retries and the group's retry budget, and only
+    /// while nothing of the request body is lost (a streamed body that
+    /// went is not replayed). Any other phase answering it fails the
+    /// request (500 hook-error).
+    Retry { peer: Option<SocketAddr> },
 }
 
 /// The steps of a request, in the order the driver takes them (as Varnish's
@@ -163,6 +171,39 @@ pub trait Phases: 'static {
         _s: &mut Session,
         _ctx: &mut Self::Ctx,
         _peer: SocketAddr,
+    ) -> Result<Flow, Error> {
+        Ok(Flow::Continue)
+    }
+
+    /// An attempt on `peer` failed before the request reached it (connect,
+    /// TLS: `e.kind`), and nothing went to the client: `Flow::Retry`,
+    /// `Flow::Respond`, or `Flow::Continue` for the driver's own policy
+    /// (another peer for any method, within the retries). As Pingora's
+    /// `fail_to_connect`; Lua: the `balancer` hook runs again, with
+    /// `pier.balancer.get_last_failure()` saying `"failed"`.
+    async fn fail_to_connect(
+        &self,
+        _st: &State,
+        _s: &mut Session,
+        _ctx: &mut Self::Ctx,
+        _peer: SocketAddr,
+        _e: &Error,
+    ) -> Result<Flow, Error> {
+        Ok(Flow::Continue)
+    }
+
+    /// An attempt on `peer` failed after the request went (the origin
+    /// closed, timed out, answered what can't be relayed) before anything
+    /// went to the client: as `fail_to_connect`, but the driver's own policy
+    /// retries only idempotent requests. As Pingora's `error_while_proxy`;
+    /// Lua: the `balancer` hook again, `get_last_failure()` saying `"next"`.
+    async fn error_while_proxy(
+        &self,
+        _st: &State,
+        _s: &mut Session,
+        _ctx: &mut Self::Ctx,
+        _peer: SocketAddr,
+        _e: &Error,
     ) -> Result<Flow, Error> {
         Ok(Flow::Continue)
     }

@@ -204,3 +204,44 @@ pub trait Downstream {
         idle: Duration,
     ) -> Result<u64, Error>;
 }
+
+/// The origin side of one attempt, whatever its protocol: an HTTP/1
+/// connection (pooled or new) or a stream on a shared HTTP/2 connection.
+/// The connector (`upstream::connect`) makes one for a peer; the driver's
+/// one attempt function drives it and gives it back. A new upstream
+/// protocol is one more implementation.
+pub trait UpstreamSession {
+    type Source<'a>: ResponseSource
+    where
+        Self: 'a;
+    type Sink<'a>: RequestSink
+    where
+        Self: 'a;
+    /// It came from a pool: an idle HTTP/1 connection (which may have died
+    /// while idle), or an HTTP/2 connection already open.
+    fn reused(&self) -> bool;
+    /// Send the request head as policy made it; then the response's source
+    /// and the request body's sink (left unused for a bodiless request).
+    async fn send<'a>(
+        &'a mut self,
+        out: &crate::forward::Outgoing<'_>,
+    ) -> Result<(Self::Source<'a>, Self::Sink<'a>), Error>;
+    /// After the exchange: the connection goes back to its pool when it can
+    /// carry another request (`reusable`: the response was read cleanly).
+    fn release(self, reusable: bool);
+    /// The origin switched protocols (101) for an allowed Upgrade: carry
+    /// bytes both ways through `down` (which sends `head` first). Returns
+    /// the bytes of the head sent. Protocols without upgrades refuse.
+    async fn tunnel<'a, D: Downstream>(
+        _src: Self::Source<'a>,
+        _snk: Self::Sink<'a>,
+        _down: &mut D,
+        _head: &ResponseHead,
+        _idle: Duration,
+    ) -> Result<u64, Error>
+    where
+        Self: 'a,
+    {
+        Err(Error::upstream(Kind::UpstreamProtocol))
+    }
+}

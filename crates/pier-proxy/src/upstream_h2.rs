@@ -6,18 +6,15 @@
 //! send on it through the h2 handle (`SendRequest` is `Send`), so one
 //! connection serves the whole process — the sharing an HTTP/2 origin wants.
 
+use crate::forward::Outgoing;
 use crate::protocol::{BodySize, RequestSink, ResponseSource};
-use crate::session::Session;
-use crate::state::State;
 use bytes::Bytes;
-use pier_config::HostHeader;
 use pier_core::{Connector, PeerKey};
 use pier_error::{Error, Kind};
 use pier_http::known;
 use pier_http::{Headers, ResponseHead};
 use std::collections::HashMap;
 use std::future::poll_fn;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -428,41 +425,58 @@ impl RequestSink for H2RequestSink {
     }
 }
 
-/// The upstream request as an HTTP/2 request: `:authority` from the Host
-/// the engine would send, connection-specific fields dropped, `te:
-/// trailers` kept (gRPC needs it), X-Forwarded-* as over HTTP/1.
-pub(crate) fn request(
-    state: &State,
-    sess: &Session,
-    addr: SocketAddr,
-    tls: bool,
-) -> Result<http::Request<()>, Error> {
-    let req = &sess.up_req;
-    let host_is_peer = matches!(
-        sess.route.map(|r| &state.routes[r].host_header),
-        Some(HostHeader::Upstream)
-    );
+/// A stream on a shared HTTP/2 connection to an origin, for one attempt
+/// (`upstream::connect`); its slot is given back when it is dropped.
+pub struct H2Upstream {
+    pub(crate) lease: Lease,
+    pub(crate) reused: bool,
+    pub(crate) tls: bool,
+    pub(crate) timeout: Duration,
+}
+
+impl crate::protocol::UpstreamSession for H2Upstream {
+    type Source<'a> = H2ResponseSource;
+    type Sink<'a> = H2RequestSink;
+
+    fn reused(&self) -> bool {
+        self.reused
+    }
+
+    async fn send(
+        &mut self,
+        out: &Outgoing<'_>,
+    ) -> Result<(H2ResponseSource, H2RequestSink), Error> {
+        let req = request(out, self.tls)?;
+        let bodiless = out.body() == pier_http::BodyLen::None;
+        let head_only = out.head().method_kind() == pier_http::Method::Head;
+        let (fut, send) = send_request(&self.lease, req, bodiless, self.timeout).await?;
+        // For gRPC, the call's deadline bounds the wait for the head.
+        let wait = crate::grpc::timeout(&out.sess.req, self.timeout);
+        Ok((
+            H2ResponseSource::new(fut, wait, head_only),
+            H2RequestSink::new(send, self.timeout),
+        ))
+    }
+
+    fn release(self, _reusable: bool) {
+        // The connection is shared; this stream's slot goes with the lease.
+    }
+}
+
+/// The upstream request as an HTTP/2 request: what [`Outgoing`] says, with
+/// its authority as `:authority`, `te: trailers` kept (gRPC needs it), and
+/// `content-length` from the body that is sent.
+pub(crate) fn request(o: &Outgoing<'_>, tls: bool) -> Result<http::Request<()>, Error> {
+    let req = o.head();
     fn bad<E>(_: E) -> Error {
         Error::new(Kind::InvalidHeader)
     }
     // Built from parts (no text URI to format and parse again).
-    let authority = match req.host() {
-        Some(h) if !host_is_peer => {
-            http::uri::Authority::from_maybe_shared(Bytes::copy_from_slice(h))
-        }
-        _ => {
+    let authority = match o.client_authority() {
+        Some(h) => http::uri::Authority::from_maybe_shared(Bytes::copy_from_slice(h)),
+        None => {
             let mut a = Vec::with_capacity(48);
-            match &sess.upstream_host {
-                Some(h) => {
-                    a.extend_from_slice(h.as_bytes());
-                    a.push(b':');
-                    push_u16(&mut a, addr.port());
-                }
-                None => {
-                    use std::io::Write;
-                    let _ = write!(a, "{addr}");
-                }
-            }
+            o.write_peer_authority(&mut a);
             http::uri::Authority::from_maybe_shared(Bytes::from(a))
         }
     }
@@ -491,61 +505,46 @@ pub(crate) fn request(
     let h = r.headers_mut();
     // A field the `http` crate refuses fails the request, as it did when
     // fields were converted one by one (pier-http's parser lets few by).
-    let trusted = crate::forward::trusted(state, sess);
-    // Host is the :authority above.
-    if !crate::http2::http_fields(
-        &req.headers,
-        |k, n| k == known::HOST || !crate::forward::keep_field(k, n, trusted, state.cfg.forwarded),
-        h,
-    ) {
+    if !crate::http2::http_fields(&req.headers, |k, n| !o.keeps(k, n), h) {
         return Err(bad(()));
     }
     if req.headers.has_token(known::TE, b"trailers") {
         h.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
     }
-    // Framing from the body that is sent (crate::forward).
-    if let pier_http::BodyLen::Length(n) = crate::forward::body(sess) {
+    if let pier_http::BodyLen::Length(n) = o.body() {
         h.insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(n));
     }
-    let mut xff = Vec::new();
-    crate::forward::x_forwarded_for(&mut xff, sess, trusted);
-    h.insert(
-        "x-forwarded-for",
-        http::HeaderValue::from_bytes(&xff).map_err(bad)?,
-    );
-    h.insert(
-        "x-forwarded-proto",
-        http::HeaderValue::from_bytes(crate::forward::x_forwarded_proto(sess, trusted))
-            .map_err(bad)?,
-    );
-    if let Some(a) = crate::forward::x_forwarded_host(sess, trusted) {
-        h.insert(
-            "x-forwarded-host",
-            http::HeaderValue::from_bytes(a).map_err(bad)?,
-        );
-    }
-    if state.cfg.forwarded {
-        let mut f = Vec::with_capacity(64);
-        crate::forward::forwarded(&mut f, sess, trusted);
-        h.insert("forwarded", http::HeaderValue::from_bytes(&f).map_err(bad)?);
+    let mut fields = MapFields { map: h, ok: true };
+    o.forwarding(&mut fields);
+    if !fields.ok {
+        return Err(bad(()));
     }
     Ok(r)
 }
 
-/// `n` in decimal, without a formatter.
-fn push_u16(out: &mut Vec<u8>, n: u16) {
-    let mut buf = [0u8; 5];
-    let mut i = buf.len();
-    let mut n = n;
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
+/// Pier's fields into an `http` header map.
+struct MapFields<'m> {
+    map: &'m mut http::HeaderMap,
+    ok: bool,
+}
+
+impl crate::forward::FieldWriter for MapFields<'_> {
+    fn field(&mut self, name: &'static [u8], value: &[u8]) {
+        match (
+            http::HeaderName::from_bytes(name),
+            http::HeaderValue::from_bytes(value),
+        ) {
+            (Ok(n), Ok(v)) => {
+                self.map.insert(n, v);
+            }
+            _ => self.ok = false,
         }
     }
-    out.extend_from_slice(&buf[i..]);
+    fn composed(&mut self, name: &'static [u8], value: impl FnOnce(&mut Vec<u8>)) {
+        let mut v = Vec::with_capacity(64);
+        value(&mut v);
+        self.field(name, &v);
+    }
 }
 
 #[cfg(test)]

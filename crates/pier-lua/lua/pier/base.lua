@@ -35,6 +35,7 @@ typedef struct {
   int (*body_set_chunk)(const char *, size_t);
   int (*balancer_set_peer)(const char *, size_t, int);
   int (*balancer_set_retries)(int);
+  int (*balancer_last_failure)(int *);
   int (*shdict_index)(const char *, size_t);
   int (*shdict_get)(int, const char *, size_t, int, char *, size_t, int *, double *, uint32_t *);
   int (*shdict_store)(int, int, const char *, size_t, int, const char *, size_t, double, double, uint32_t);

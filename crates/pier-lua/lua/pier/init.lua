@@ -230,6 +230,14 @@ pier.balancer = {
     local rc = api.balancer_set_retries(tonumber(n) or -1)
     if rc < 0 then fail(rc, "pier.balancer.set_retries") end
   end,
+  -- -> nil on the first attempt; after a failed one (the hook runs again)
+  -- "failed" (connect) or "next" (the origin failed the request), status.
+  get_last_failure = function()
+    local rc = api.balancer_last_failure(int)
+    if rc < 0 then fail(rc, "pier.balancer.get_last_failure") end
+    if rc == 0 then return nil end
+    return rc == 1 and "failed" or "next", int[0]
+  end,
 }
 
 -- body_filter: pier.arg[1] is the chunk (assign to replace), pier.arg[2] eof.

@@ -851,8 +851,9 @@ package.preload["ngx.balancer"] = function()
       pb.set_retries(n)
       return true
     end,
-    -- Pier runs the balancer hook once per request and retries by itself.
-    get_last_failure = function() return nil end,
+    -- The balancer hook runs again after a failed attempt (as OpenResty's
+    -- balancer_by_lua* does): "failed" or "next", and the status.
+    get_last_failure = function() return pb.get_last_failure() end,
     set_timeouts = function()
       return nil, "not supported by Pier: set [upstream] timeouts in the config"
     end,

@@ -337,6 +337,21 @@ pub(super) unsafe extern "C" fn balancer_set_retries(n: c_int) -> c_int {
     })
 }
 
+/// `pier.balancer.get_last_failure()`: 0 on the first attempt, else 1
+/// (`"failed"`: the connect failed) or 2 (`"next"`: the origin failed the
+/// request), with the status the failure stands for in `*status`.
+pub(super) unsafe extern "C" fn balancer_last_failure(status: *mut c_int) -> c_int {
+    with_ctx(mask::BALANCER, |c, _| match c.last_failure {
+        None => 0,
+        Some((state, code)) => {
+            // SAFETY: `status` points at an int the Lua caller allocated
+            // for this call (ffi contract).
+            unsafe { *status = c_int::from(code) };
+            c_int::from(state)
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

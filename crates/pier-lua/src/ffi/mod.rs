@@ -114,6 +114,7 @@ pub(crate) struct PierApi {
     body_set_chunk: unsafe extern "C" fn(*const c_char, usize) -> c_int,
     balancer_set_peer: unsafe extern "C" fn(*const c_char, usize, c_int) -> c_int,
     balancer_set_retries: unsafe extern "C" fn(c_int) -> c_int,
+    balancer_last_failure: unsafe extern "C" fn(*mut c_int) -> c_int,
     // shared dicts
     shdict_index: unsafe extern "C" fn(*const c_char, usize) -> c_int,
     shdict_get: unsafe extern "C" fn(
@@ -202,6 +203,7 @@ static API: PierApi = PierApi {
     body_set_chunk: ctx::body_set_chunk,
     balancer_set_peer: ctx::balancer_set_peer,
     balancer_set_retries: ctx::balancer_set_retries,
+    balancer_last_failure: ctx::balancer_last_failure,
     shdict_index: shdict::index,
     shdict_get: shdict::get,
     shdict_store: shdict::store,
