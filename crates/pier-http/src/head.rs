@@ -256,6 +256,100 @@ impl RequestHead {
         Ok(Some(n))
     }
 
+    /// A request head from the fields a codec other than HTTP/1 decoded
+    /// (HTTP/2, HTTP/3): method, target, authority and fields, as they
+    /// came. The same rules as a parsed HTTP/1.1 head apply, by the same
+    /// functions (limits, field syntax, [`Self::validate`]); nothing is
+    /// turned into HTTP/1 text to be parsed again. The authority becomes
+    /// Host (a Host field naming another is refused: two authorities are
+    /// two parsers' views). Cookie crumbs are joined into one field (RFC
+    /// 9113 §8.2.3, RFC 9114 §4.2.1). `stream_body`: a body follows that no
+    /// field gives a length to (it goes to an HTTP/1 origin chunked).
+    pub fn from_parts<'f>(
+        &mut self,
+        method: &[u8],
+        target: &[u8],
+        authority: Option<&[u8]>,
+        fields: impl Iterator<Item = (&'f [u8], &'f [u8])>,
+        stream_body: bool,
+        limits: &HeadLimits,
+    ) -> Result<(), Kind> {
+        if target.len() > limits.max_uri_bytes {
+            return Err(Kind::UriTooLong);
+        }
+        if method.is_empty() || !method.iter().all(|&b| is_tchar(b)) {
+            return Err(Kind::InvalidRequestLine);
+        }
+        if target.is_empty() || target.iter().any(|&b| b <= b' ' || b == 0x7f) {
+            return Err(Kind::InvalidRequestLine);
+        }
+        self.headers.clear();
+        self.version = 1;
+        let mut size = method.len() + target.len() + 12;
+        let mut count = 0usize;
+        let arena = self.headers.arena_mut();
+        arena.extend_from_slice(method);
+        arena.extend_from_slice(target);
+        self.method = (0, method.len() as u32);
+        self.uri = (method.len() as u32, target.len() as u32);
+        self.method_kind = Some(Method::from_bytes(method));
+        let mut push = |h: &mut Headers, n: &[u8], v: &[u8]| -> Result<(), Kind> {
+            size += n.len() + v.len() + 4;
+            count += 1;
+            if size > limits.max_header_bytes || count > limits.max_headers.min(MAX_HEADERS_HARD) {
+                return Err(Kind::HeadersTooLarge);
+            }
+            if !valid_field_name(n) || !valid_field_value(v) {
+                return Err(Kind::InvalidHeader);
+            }
+            let a = h.arena_mut();
+            let no = a.len();
+            a.extend_from_slice(n);
+            let vo = a.len();
+            a.extend_from_slice(v);
+            h.push_span(no, n.len(), vo, v.len());
+            Ok(())
+        };
+        if let Some(a) = authority {
+            push(&mut self.headers, b"host", a)?;
+        }
+        // Crumbs kept aside (no allocation for a request without).
+        let mut crumbs: Vec<&[u8]> = Vec::new();
+        for (n, v) in fields {
+            match lookup(n) {
+                COOKIE => {
+                    crumbs.push(v);
+                    continue;
+                }
+                HOST if authority.is_some() => {
+                    if !authority.is_some_and(|a| a.eq_ignore_ascii_case(v)) {
+                        return Err(Kind::InvalidHost);
+                    }
+                    continue;
+                }
+                // Connection-specific in HTTP/2 and /3 (RFC 9113 §8.2.2); a
+                // decoder that let it by must not have it frame a body here.
+                TRANSFER_ENCODING => return Err(Kind::InvalidHeader),
+                // Only `te: trailers` is allowed there; it is hop-by-hop.
+                TE => continue,
+                _ => {}
+            }
+            push(&mut self.headers, n, v)?;
+        }
+        if !crumbs.is_empty() {
+            let joined = crumbs.join(&b"; "[..]);
+            push(&mut self.headers, b"cookie", &joined)?;
+        }
+        let body = self.validate()?;
+        self.body = Some(match body {
+            BodyLen::None if stream_body && !self.headers.has_known(CONTENT_LENGTH) => {
+                BodyLen::Chunked
+            }
+            b => b,
+        });
+        Ok(())
+    }
+
     /// Framing and Host checks (RFC 9112 §6.3, the desync lessons).
     fn validate(&self) -> Result<BodyLen, Kind> {
         let h = &self.headers;
@@ -409,6 +503,26 @@ fn transfer_encoding(h: &Headers) -> Option<bool> {
         return None;
     }
     Some(last_chunked)
+}
+
+/// RFC 9110 §5.6.2 `tchar`: what a method or a field name is made of.
+pub fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// A field name: one or more `tchar`s.
+pub fn valid_field_name(n: &[u8]) -> bool {
+    !n.is_empty() && n.iter().all(|&b| is_tchar(b))
+}
+
+/// A field value as a parsed HTTP/1 head admits it (httparse's table):
+/// visible ASCII, space, tab and obs-text; no NUL, CR, LF or other
+/// control, and no leading or trailing whitespace (RFC 9110 §5.5).
+pub fn valid_field_value(v: &[u8]) -> bool {
+    v.iter()
+        .all(|&b| b == b'\t' || (b' '..=b'~').contains(&b) || b >= 0x80)
+        && !matches!(v.first(), Some(b' ' | b'\t'))
+        && !matches!(v.last(), Some(b' ' | b'\t'))
 }
 
 /// A parsed response head.
@@ -580,6 +694,94 @@ pub fn remove_hop_by_hop(h: &mut Headers) {
 
 #[cfg(test)]
 mod tests {
+    fn parts(
+        authority: Option<&str>,
+        fields: &[(&str, &str)],
+        stream: bool,
+    ) -> Result<RequestHead, Kind> {
+        let mut h = RequestHead::default();
+        let f = fields.iter().map(|(n, v)| (n.as_bytes(), v.as_bytes()));
+        h.from_parts(
+            b"POST",
+            b"/p?q",
+            authority.map(str::as_bytes),
+            f,
+            stream,
+            &HeadLimits::default(),
+        )?;
+        Ok(h)
+    }
+
+    #[test]
+    fn a_head_from_parts_is_held_to_the_http1_rules() {
+        let h = parts(
+            Some("a.example"),
+            &[
+                ("cookie", "a=1"),
+                ("x", "y"),
+                ("cookie", "b=2"),
+                ("te", "trailers"),
+            ],
+            true,
+        )
+        .unwrap();
+        assert_eq!((h.method(), h.uri()), (&b"POST"[..], &b"/p?q"[..]));
+        assert_eq!(h.host(), Some(&b"a.example"[..]));
+        assert_eq!(h.headers.get(b"cookie"), Some(&b"a=1; b=2"[..]));
+        assert!(!h.headers.has_known(TE), "hop-by-hop te is not kept");
+        // A body of no stated length streams (chunked to an HTTP/1 origin).
+        assert_eq!(h.body_len(), BodyLen::Chunked);
+        let h = parts(Some("a.example"), &[("content-length", "5")], true).unwrap();
+        assert_eq!(h.body_len(), BodyLen::Length(5));
+        assert_eq!(
+            parts(Some("a.example"), &[], false).unwrap().body_len(),
+            BodyLen::None
+        );
+        // The same Host as the authority is one authority; another is refused.
+        assert!(parts(Some("a.example"), &[("host", "A.example")], false).is_ok());
+        assert_eq!(
+            parts(Some("a.example"), &[("host", "b.example")], false).err(),
+            Some(Kind::InvalidHost)
+        );
+        assert_eq!(parts(None, &[], false).err(), Some(Kind::InvalidHost));
+        for bad in [
+            ("transfer-encoding", "chunked"),
+            ("x", "a\r\nb"),
+            ("x", "nul\0"),
+            ("bad name", "v"),
+            ("content_length", "5"),
+        ] {
+            assert!(parts(Some("a.example"), &[bad], true).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            parts(
+                Some("a.example"),
+                &[("content-length", "1"), ("content-length", "2")],
+                true
+            )
+            .err(),
+            Some(Kind::ConflictingLength)
+        );
+        let many: Vec<(&str, &str)> = (0..600).map(|_| ("x", "y")).collect();
+        assert_eq!(
+            parts(Some("a.example"), &many, false).err(),
+            Some(Kind::HeadersTooLarge)
+        );
+        let mut h = RequestHead::default();
+        let f = std::iter::empty();
+        assert_eq!(
+            h.from_parts(
+                b"GET",
+                b"/a b",
+                Some(b"a"),
+                f,
+                false,
+                &HeadLimits::default()
+            ),
+            Err(Kind::InvalidRequestLine)
+        );
+    }
+
     use super::*;
 
     fn req(s: &str) -> Result<Option<(usize, RequestHead)>, Kind> {

@@ -18,6 +18,7 @@ pub use body::BodyDecoder;
 pub use canon::{EscapedSlashes, PathPolicy};
 pub use chunked::ChunkedScanner;
 pub use head::{
-    hop_by_hop, remove_hop_by_hop, BodyLen, HeadLimits, Method, RequestHead, ResponseHead,
+    hop_by_hop, is_tchar, remove_hop_by_hop, valid_field_name, valid_field_value, BodyLen,
+    HeadLimits, Method, RequestHead, ResponseHead,
 };
 pub use headers::Headers;

@@ -269,79 +269,37 @@ async fn serve_stream<P: Phases>(
     work.release(&mut sess, &w.bufs);
 }
 
-/// The stream's request as an HTTP/1-shaped head, checked by the same
-/// parser (and limits) as HTTP/1: one codec, one set of rules.
+/// The stream's request head, from its pseudo-headers and fields: the
+/// protocol-neutral head, checked by the same rules and limits as HTTP/1's
+/// (`RequestHead::from_parts`), `:authority` as its Host (RFC 9113 §8.3.1).
 fn to_head(
     parts: &http::request::Parts,
     end_stream: bool,
     state: &crate::State,
     head: &mut RequestHead,
 ) -> Result<(), Kind> {
-    let mut text = Vec::with_capacity(256);
     if parts.method == http::Method::CONNECT {
         // Extended CONNECT (WebSocket over HTTP/2) is not carried.
         return Err(Kind::InvalidRequestLine);
     }
-    text.extend_from_slice(parts.method.as_str().as_bytes());
-    text.push(b' ');
     let pq = parts
         .uri
         .path_and_query()
         .map(|p| p.as_str())
         .unwrap_or("/");
-    text.extend_from_slice(if pq.is_empty() { b"/" } else { pq.as_bytes() });
-    text.extend_from_slice(b" HTTP/1.1\r\n");
-    // :authority is the Host (RFC 9113 §8.3.1): a Host field that names
-    // another is refused (two authorities are two parsers' views), and
-    // the parser refuses two Host fields.
-    let authority = parts.uri.authority();
-    if let Some(a) = authority {
-        for h in parts.headers.get_all(http::header::HOST) {
-            if !h.as_bytes().eq_ignore_ascii_case(a.as_str().as_bytes()) {
-                return Err(Kind::InvalidHost);
-            }
-        }
-        text.extend_from_slice(b"host: ");
-        text.extend_from_slice(a.as_str().as_bytes());
-        text.extend_from_slice(b"\r\n");
-    }
-    let mut cookies: Vec<&[u8]> = Vec::new();
-    for (k, v) in &parts.headers {
-        // Cookie crumbs are joined back into one field (RFC 9113 §8.2.3).
-        if k == http::header::COOKIE {
-            cookies.push(v.as_bytes());
-            continue;
-        }
-        if k == http::header::TE
-            || k == http::header::TRANSFER_ENCODING
-            || (k == http::header::HOST && authority.is_some())
-        {
-            continue;
-        }
-        text.extend_from_slice(k.as_str().as_bytes());
-        text.extend_from_slice(b": ");
-        text.extend_from_slice(v.as_bytes());
-        text.extend_from_slice(b"\r\n");
-    }
-    if !cookies.is_empty() {
-        text.extend_from_slice(b"cookie: ");
-        for (i, c) in cookies.iter().enumerate() {
-            if i > 0 {
-                text.extend_from_slice(b"; ");
-            }
-            text.extend_from_slice(c);
-        }
-        text.extend_from_slice(b"\r\n");
-    }
-    // A body of unknown length goes upstream chunked.
-    if !end_stream && !parts.headers.contains_key(http::header::CONTENT_LENGTH) {
-        text.extend_from_slice(b"transfer-encoding: chunked\r\n");
-    }
-    text.extend_from_slice(b"\r\n");
-    match state.parse_request(head, &text)? {
-        Some(_) => Ok(()),
-        None => Err(Kind::InvalidHeader),
-    }
+    let target = if pq.is_empty() { "/" } else { pq };
+    let fields = parts
+        .headers
+        .iter()
+        .map(|(k, v)| (k.as_str().as_bytes(), v.as_bytes()));
+    state.request_from_parts(
+        head,
+        parts.method.as_str().as_bytes(),
+        target.as_bytes(),
+        parts.uri.authority().map(|a| a.as_str().as_bytes()),
+        fields,
+        !end_stream,
+    )
 }
 
 /// One HTTP/2 stream as the driver's downstream: its receiving half (the

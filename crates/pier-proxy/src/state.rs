@@ -349,6 +349,29 @@ impl State {
         Ok(n)
     }
 
+    /// A request head from a codec's decoded fields (HTTP/2, HTTP/3:
+    /// `RequestHead::from_parts`), under the same limits and then the same
+    /// canonical form as [`Self::parse_request`]'s.
+    pub fn request_from_parts<'f>(
+        &self,
+        head: &mut pier_http::RequestHead,
+        method: &[u8],
+        target: &[u8],
+        authority: Option<&[u8]>,
+        fields: impl Iterator<Item = (&'f [u8], &'f [u8])>,
+        stream_body: bool,
+    ) -> Result<(), pier_error::Kind> {
+        head.from_parts(
+            method,
+            target,
+            authority,
+            fields,
+            stream_body,
+            &self.head_limits,
+        )?;
+        head.canonicalize(&self.path_policy())
+    }
+
     /// First route (in file order) whose host and path match.
     pub fn match_route(&self, host: Option<&[u8]>, path: &[u8]) -> Option<usize> {
         let host = host.map(strip_port);
