@@ -163,10 +163,14 @@ fn names_follow_dns_answers_and_keep_the_last_good_set() {
     // addresses, the port comes from the config.
     let first = Origin::start_named("first");
     let port = first.addr().port();
-    let Ok(second) = Origin::start_at("second", SocketAddr::from(([127, 0, 0, 2], port))) else {
-        eprintln!("skipped: cannot bind 127.0.0.2:{port}");
-        return;
-    };
+    let second = Origin::start_at("second", SocketAddr::from(([127, 0, 0, 2], port)))
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot bind 127.0.0.2:{port} ({e}): the test needs a second loopback address \
+                 (Linux routes all of 127.0.0.0/8 to lo; elsewhere add it, e.g. \
+                 `ifconfig lo0 alias 127.0.0.2`)"
+            )
+        });
     let dns = DnsServer::start(Mode::Answer(vec![Ipv4Addr::new(127, 0, 0, 1)]));
     let p = pier(&config(dns.addr, port));
     let wait = Duration::from_secs(15);

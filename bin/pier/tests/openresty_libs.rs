@@ -1,13 +1,12 @@
-//! OpenResty's own Lua libraries, unchanged (Debian's packages, unpacked by .ci/run into
+//! OpenResty's own Lua libraries, unchanged (Debian's packages, unpacked by .ci/install into
 //! `PIER_LUA_LIBS`), running in Pier hooks through the `ngx` global: lua-resty-redis and
 //! lua-resty-memcached against real servers the test starts, lua-resty-dns against a DNS
 //! server in the test (UDP, and TCP after a truncated answer), lua-resty-lrucache (both
 //! implementations), lua-resty-cookie, lua-resty-string's digests and AES, and ngx_lua's
 //! phase rules. Every library is used as its README shows, under concurrency.
 //!
-//! `PIER_LUA_LIBS` unset (a developer machine without the packages): the tests print a
-//! note and pass without running. Set but incomplete, or a server binary missing while it
-//! is set (CI): they fail.
+//! `PIER_LUA_LIBS` unset or incomplete, or a server binary missing: the tests fail and say
+//! what to install (`./test.sh` installs everything and runs them).
 
 mod common;
 
@@ -40,25 +39,27 @@ const LIB_FILES: &[&str] = &[
     "resty/lrucache/pureffi.lua",
 ];
 
-/// The library directory, or `None` (with a note) when `PIER_LUA_LIBS` is unset.
-/// Panics when it is set but lacks a library: CI must not pass on a broken install.
-fn libs() -> Option<PathBuf> {
-    let Some(dir) = std::env::var_os("PIER_LUA_LIBS") else {
-        eprintln!(
-            "note: PIER_LUA_LIBS is unset; skipping (run .ci/run, or unpack Debian's \
-             lua-nginx-* and lua-resty-lrucache packages and point it at usr/share/lua/5.1)"
-        );
-        return None;
-    };
+/// The library directory. Panics, naming the install command, when `PIER_LUA_LIBS` is
+/// unset or lacks a library: a test that passes without running proves nothing.
+fn libs() -> PathBuf {
+    let dir = std::env::var_os("PIER_LUA_LIBS").unwrap_or_else(|| {
+        panic!(
+            "PIER_LUA_LIBS is unset: run ./test.sh (it installs what the tests need), or \
+             `bash .ci/install && source target/test-env.sh` before cargo test; by hand, \
+             unpack Debian's lua-nginx-redis, -memcached, -dns, -cookie, -string and \
+             lua-resty-lrucache and point PIER_LUA_LIBS at their usr/share/lua/5.1"
+        )
+    });
     let dir = PathBuf::from(dir);
     for f in LIB_FILES {
         assert!(
             dir.join(f).is_file(),
-            "PIER_LUA_LIBS={} lacks {f}: the library install is broken",
+            "PIER_LUA_LIBS={} lacks {f}: the library install is broken \
+             (rm -rf target/lualibs, then bash .ci/install)",
             dir.display()
         );
     }
-    Some(dir)
+    dir
 }
 
 /// A server binary (`redis-server`, `memcached`): required when the libraries are.
@@ -68,7 +69,9 @@ fn server_bin(name: &str) -> PathBuf {
         .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")])
         .map(|d| d.join(name))
         .find(|p| p.is_file())
-        .unwrap_or_else(|| panic!("{name} not found (PIER_LUA_LIBS is set: .ci/run installs it)"))
+        .unwrap_or_else(|| {
+            panic!("{name} not found: apt-get install {name} (./test.sh and .ci/install do)")
+        })
 }
 
 /// `[lua]` with the libraries on `package.path`, plus `extra` lines (hooks, dicts).
@@ -395,7 +398,7 @@ ngx.say(n)"#
 
 #[test]
 fn resty_redis_incr_pipeline_transaction_pubsub_and_keepalive() {
-    let Some(libs) = libs() else { return };
+    let libs = libs();
     let redis = redis_server();
     let p = pier(&base_config(
         &lua_top(&libs, ""),
@@ -478,7 +481,7 @@ fn resty_redis_incr_pipeline_transaction_pubsub_and_keepalive() {
 
 #[test]
 fn resty_memcached_set_get_incr_delete_with_keepalive() {
-    let Some(libs) = libs() else { return };
+    let libs = libs();
     let mc = memcached_server();
     let code = format!(
         r#"
@@ -680,7 +683,7 @@ fn dns_server() -> Dns {
 
 #[test]
 fn resty_dns_resolves_over_udp_and_falls_back_to_tcp() {
-    let Some(libs) = libs() else { return };
+    let libs = libs();
     let dns = dns_server();
     let code = format!(
         r#"
@@ -776,7 +779,7 @@ end"#
 
 #[test]
 fn resty_lrucache_both_implementations_per_worker() {
-    let Some(libs) = libs() else { return };
+    let libs = libs();
     let modules = ["resty.lrucache", "resty.lrucache.pureffi"];
     let (init, routes) = lru_routes(&modules);
     let p = pier(&base_config(&lua_top(&libs, &init), &routes));
@@ -842,7 +845,7 @@ fn resty_lrucache_both_implementations_per_worker() {
 
 #[test]
 fn resty_cookie_reads_request_cookies_and_sets_response_cookies() {
-    let Some(libs) = libs() else { return };
+    let libs = libs();
     let o = Origin::start();
     let code = r#"
 local ck = require "nginx.cookie"
@@ -948,7 +951,7 @@ fn hex(b: &[u8]) -> String {
 
 #[test]
 fn resty_string_digests_aes_and_random() {
-    let Some(libs) = libs() else { return };
+    let libs = libs();
     // Digests of the query's `s`, fed in two updates; AES-128-CBC (the library's default,
     // key and IV from EVP_BytesToKey with MD5, 1 round) of `s` and back; random bytes.
     let code = r#"
