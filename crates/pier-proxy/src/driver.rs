@@ -21,7 +21,6 @@ use crate::protocol::{
 };
 use crate::session::{ConnInfo, Session};
 use crate::state::State;
-use crate::upstream::Upstream;
 use crate::Worker;
 use bytes::{Buf, BytesMut};
 use pier_clock::timeout;
@@ -331,9 +330,10 @@ async fn connection_loop<P: Phases, S: Stream>(w: Arc<Worker<P>>, mut stream: S,
         // Boxed: the connection's task stays small while it idles; the
         // request's (larger) state machine, its phase context included,
         // exists only while it runs.
-        let keep =
-            boxed_in_place(|| serve_request(&w, &state, &mut stream, &mut bz, &mut drain, first))
-                .await;
+        let keep = crate::boxed_in_place(|| {
+            serve_request(&w, &state, &mut stream, &mut bz, &mut drain, first)
+        })
+        .await;
         first = false;
         if keep && !bz.b.rbuf.is_empty() {
             // Pipelined bytes: the next head is (partly) here already.
@@ -474,14 +474,6 @@ async fn serve_request<P: Phases, S: Stream>(
     drop(active);
     finish(w, state, sess, sess.route);
     keep && !*drain.borrow()
-}
-
-/// `Box::pin(make())`, with the future written straight into its box: a
-/// future built first and then moved is copied whole (its full size, a few
-/// KB for a request's, not just the arguments it starts with).
-#[inline(always)]
-fn boxed_in_place<F: Future>(make: impl FnOnce() -> F) -> Pin<Box<F>> {
-    Box::into_pin(Box::write(Box::new_uninit(), make()))
 }
 
 /// A request through the steps, a panic in it turned into a 500 (when
@@ -824,7 +816,66 @@ async fn read_head<S: Stream>(
 
 // === one request ===
 
-/// Returns whether the client connection may carry another request.
+/// What a request carries from step to step: the driver's locals, named.
+struct Walk {
+    /// Body bytes the client may still send (the connection closes after
+    /// an answer that leaves them unread).
+    body_pending: bool,
+    route: usize,
+    retries: u32,
+    /// Peers tried (by index in the group), skipped by the next pick.
+    tried: [usize; 16],
+    ntried: usize,
+    attempt: u32,
+    stale_retry_used: bool,
+    /// The error to answer when no peer is left.
+    last: Kind,
+    /// A peer a phase chose (the balancer hook, or a `Flow::Retry`).
+    forced: Option<SocketAddr>,
+    /// The attempt `Step::Fail` decides about: its peer, and how it failed.
+    failed: Option<(SocketAddr, Error)>,
+}
+
+impl Walk {
+    fn tried(&mut self, i: usize) -> bool {
+        if self.ntried < self.tried.len() {
+            self.tried[self.ntried] = i;
+            self.ntried += 1;
+            return true;
+        }
+        false
+    }
+}
+
+/// Where a step leads.
+enum Next {
+    /// On to this step.
+    Go(Step),
+    /// Answer with a Pier-made response (`respond`).
+    Answer(LocalResponse),
+    /// Answer this error (`local_fail`); `true`: close the connection after.
+    Error(Kind, bool),
+    /// The request is over: whether the connection may carry another.
+    Done(bool),
+}
+
+/// A phase's `Flow` where only `Continue` and `Respond` mean anything.
+fn flow(r: Result<Flow, Error>, then: Step, w: &Walk) -> Next {
+    match r {
+        Ok(Flow::Continue) => Next::Go(then),
+        Ok(Flow::Respond(r)) => Next::Answer(r),
+        // `Flow::Retry` answers a failed attempt, and there is none here.
+        Ok(Flow::Retry { .. }) => Next::Error(Kind::HookError, w.body_pending),
+        Err(e) => Next::Error(e.kind, w.body_pending),
+    }
+}
+
+/// One request, from its routing to its answer: a loop over the steps
+/// (`Step`, docs/phases.md box for box), one function a step. The head was
+/// read by the downstream session (`serve_connection`, `serve_h2`:
+/// `Step::ReadHead`); the exchange's steps (`Step::Send` to `Step::Write`)
+/// are `attempt`'s, the request body streaming beside them; logging
+/// follows the request (`finish`).
 pub(crate) async fn handle_request<P: Phases, D: Downstream>(
     w: &Worker<P>,
     state: &Arc<State>,
@@ -833,51 +884,90 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
     sess: &mut Session,
     ctx: &mut P::Ctx,
 ) -> bool {
-    let body = sess.req.body_len();
-    let mut body_pending = body != BodyLen::None;
-    let client_keep = sess.req.keep_alive();
-    sess.client_keep = client_keep;
-    build_upstream_request(state, sess);
+    sess.client_keep = sess.req.keep_alive();
+    let mut walk = Walk {
+        body_pending: sess.req.body_len() != BodyLen::None,
+        route: 0,
+        retries: 0,
+        tried: [0; 16],
+        ntried: 0,
+        attempt: 0,
+        stale_retry_used: false,
+        last: Kind::NoHealthyUpstream,
+        forced: None,
+        failed: None,
+    };
+    let mut step = Step::Route;
+    loop {
+        sess.step = step;
+        let next = match step {
+            Step::Route => route(state, down, sess, &mut walk).await,
+            Step::RequestFilter => request_filter(w, state, down, sess, ctx, &mut walk).await,
+            Step::CacheLookup => cache_lookup(w, state, down, b, sess, ctx, &mut walk).await,
+            Step::UpstreamPeer => upstream_peer(w, state, sess, ctx, &mut walk).await,
+            Step::UpstreamRequestFilter => {
+                apply_request_rules(state, walk.route, &mut sess.up_req);
+                let r = w.phases.upstream_request_filter(state, sess, ctx).await;
+                flow(r, Step::Connect, &walk)
+            }
+            Step::Connect => connect(w, state, down, b, sess, ctx, &mut walk).await,
+            Step::Fail => fail(w, state, sess, ctx, &mut walk).await,
+            // Not steps of this loop: the downstream session's, the
+            // exchange's (`attempt`), and the request's end (`finish`).
+            Step::ReadHead
+            | Step::Send
+            | Step::UpstreamResponseFilter
+            | Step::CacheStore
+            | Step::ResponseFilter
+            | Step::Write
+            | Step::Logging => Next::Error(Kind::Internal, true),
+        };
+        match next {
+            Next::Go(s) => step = s,
+            Next::Answer(r) => {
+                return respond(w, state, down, b, sess, ctx, &r, walk.body_pending).await
+            }
+            Next::Error(k, close) => {
+                return local_fail(w, state, down, b, sess, ctx, k, close).await
+            }
+            Next::Done(keep) => return keep,
+        }
+    }
+}
 
+/// `Step::Route`: the request's one authority and canonical path to a
+/// route; what can be refused before any phase runs is refused here.
+async fn route<D: Downstream>(
+    state: &State,
+    down: &mut D,
+    sess: &mut Session,
+    walk: &mut Walk,
+) -> Next {
+    build_upstream_request(state, sess);
     // CONNECT would make Pier a tunnel to anywhere, and TRACE echoes the
     // request (credentials included) to whoever can make a browser send it.
     let m = sess.req.method_kind();
     if m == pier_http::Method::Connect || (m == pier_http::Method::Trace && !state.cfg.allow_trace)
     {
-        return local_fail(
-            w,
-            state,
-            down,
-            b,
-            sess,
-            ctx,
-            Kind::MethodNotAllowed,
-            body_pending,
-        )
-        .await
-            && client_keep;
+        return Next::Error(Kind::MethodNotAllowed, walk.body_pending);
     }
-
-    // Route, on the request's one authority and canonical path.
-    sess.step = Step::Route;
     if let Some(r) = sess
         .conn
         .listener
         .and_then(|i| state.cfg.listeners.get(i))
         .and_then(|l| l.redirect_https)
     {
-        let resp = https_redirect(sess, r);
-        return respond(w, state, down, b, sess, ctx, &resp, body_pending).await;
+        return Next::Answer(https_redirect(sess, r));
     }
     let Some(route) = state.match_route(sess.up_req.host(), sess.up_req.path()) else {
-        return local_fail(w, state, down, b, sess, ctx, Kind::NoRoute, body_pending).await
-            && client_keep;
+        return Next::Error(Kind::NoRoute, walk.body_pending);
     };
     sess.route = Some(route);
+    walk.route = route;
     let rc = &state.cfg.routes[route];
     if let Some(cors) = &rc.cors {
         if let Some(r) = crate::cors::preflight(cors, &sess.req) {
-            return respond(w, state, down, b, sess, ctx, &r, body_pending).await;
+            return Next::Answer(r);
         }
     }
     if rc.grpc_web {
@@ -886,15 +976,14 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
             crate::grpc_web::to_grpc_request(&mut sess.up_req, form);
         }
     }
-
     // Body bound known up front.
+    let body = sess.req.body_len();
     let max_body = state.cfg.limits.max_body_bytes;
     if let BodyLen::Length(n) = body {
         if max_body > 0 && n > max_body {
-            return local_fail(w, state, down, b, sess, ctx, Kind::BodyTooLarge, true).await;
+            return Next::Error(Kind::BodyTooLarge, true);
         }
     }
-
     // A chunked body's framing is vetted before its head goes anywhere: the
     // bytes already read, and at least the first size line (unless the client
     // waits for 100-continue). A bad chunk later in a streamed body cuts the
@@ -906,20 +995,29 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
             .await
         {
             Ok(()) => {}
-            Err(Kind::ClientClosed) => return false,
-            Err(k) => return local_fail(w, state, down, b, sess, ctx, k, true).await,
+            Err(Kind::ClientClosed) => return Next::Done(false),
+            Err(k) => return Next::Error(k, true),
         }
     }
+    Next::Go(Step::RequestFilter)
+}
 
-    // request_filter (Lua access/content, limits).
-    sess.step = Step::RequestFilter;
+/// `Step::RequestFilter`: limits, Lua access/content.
+async fn request_filter<P: Phases, D: Downstream>(
+    w: &Worker<P>,
+    state: &State,
+    down: &mut D,
+    sess: &mut Session,
+    ctx: &mut P::Ctx,
+    walk: &mut Walk,
+) -> Next {
     // A phase may read the body in full first (Lua `ngx.req.read_body`):
     // that path is boxed, keeping this future small.
-    let filtered = if body_pending && w.phases.req_body(state, sess, ctx).is_some() {
-        let o = down_opts(state, sess, client_keep);
+    let filtered = if walk.body_pending && w.phases.req_body(state, sess, ctx).is_some() {
+        let o = down_opts(state, sess, sess.client_keep);
         let r = crate::req_body::request_filter(&w.phases, state, sess, ctx, down, &o);
         let r = Box::pin(r).await;
-        body_pending = !w
+        walk.body_pending = !w
             .phases
             .req_body(state, sess, ctx)
             .is_some_and(|b| b.is_read());
@@ -927,277 +1025,242 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
     } else {
         Ok(w.phases.request_filter(state, sess, ctx).await)
     };
-    let filtered = match filtered {
-        Ok(r) => r,
-        Err(Kind::ClientClosed) => return false,
-        Err(k) => return local_fail(w, state, down, b, sess, ctx, k, true).await,
-    };
     match filtered {
-        Ok(Flow::Continue) => {}
-        Ok(Flow::Respond(r)) => {
-            return respond(w, state, down, b, sess, ctx, &r, body_pending).await
-        }
-        Ok(Flow::Retry { .. }) => {
-            return local_fail(w, state, down, b, sess, ctx, Kind::HookError, body_pending).await
-                && client_keep
-        }
-        Err(e) => {
-            return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await
-                && client_keep
-        }
+        Ok(r) => flow(r, Step::CacheLookup, walk),
+        Err(Kind::ClientClosed) => Next::Done(false),
+        Err(k) => Next::Error(k, true),
     }
+}
 
-    // cache_lookup: a hit answers here (no-op until the cache lands).
-    sess.step = Step::CacheLookup;
+/// `Step::CacheLookup`: the phases' lookup, then the route's cache; a hit
+/// answers here (through the same relay as a proxied response).
+async fn cache_lookup<P: Phases, D: Downstream>(
+    w: &Worker<P>,
+    state: &Arc<State>,
+    down: &mut D,
+    b: &mut Work,
+    sess: &mut Session,
+    ctx: &mut P::Ctx,
+    walk: &mut Walk,
+) -> Next {
     match w.phases.cache_lookup(state, sess, ctx).await {
         Ok(Flow::Continue) => {}
-        Ok(Flow::Respond(r)) => {
-            return respond(w, state, down, b, sess, ctx, &r, body_pending).await
-        }
-        Ok(Flow::Retry { .. }) => {
-            return local_fail(w, state, down, b, sess, ctx, Kind::HookError, body_pending).await
-                && client_keep
-        }
-        Err(e) => {
-            return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await
-                && client_keep
-        }
+        r => return flow(r, Step::UpstreamPeer, walk),
     }
     b.cache = None;
+    let route = walk.route;
     // A phase may bypass the cache or set the key (Lua `pier.cache`).
     let bypass = w.phases.cache_ctl(ctx).is_some_and(|c| c.bypass);
-    if state.cfg.routes[route].cache.is_some() && !bypass {
-        let ctl = w.phases.cache_ctl(ctx).map(|c| &*c);
-        match crate::cache::lookup(state, sess, route, ctl).await {
-            crate::cache::Lookup::Hit(mut src) => {
-                if let Some((req, guard)) = crate::cache::refresh_request(state, &mut src, sess) {
-                    spawn_refresh(w, state, sess, req, guard);
-                }
-                sess.step = Step::Write;
-                let none: Option<&mut H1RequestSink<tokio::io::Sink>> = None;
-                let r = exchange(
-                    w,
-                    state,
-                    down,
-                    &mut src,
-                    none,
-                    &mut b.resp,
-                    sess,
-                    ctx,
-                    &mut None,
-                )
-                .await;
-                return match r {
-                    Ok(Relayed::Done(_, keep)) => keep && !body_pending && client_keep,
-                    _ => false,
-                };
-            }
-            crate::cache::Lookup::NotCached => {
-                return local_fail(
-                    w,
-                    state,
-                    down,
-                    b,
-                    sess,
-                    ctx,
-                    Kind::UpstreamTimeout,
-                    body_pending,
-                )
-                .await
-                    && client_keep
-            }
-            crate::cache::Lookup::Miss(fill) => b.cache = fill,
-        }
+    if state.cfg.routes[route].cache.is_none() || bypass {
+        return Next::Go(Step::UpstreamPeer);
     }
-
-    let group = state.groups[state.routes[route].group].clone();
-    let now_ms = pier_lb::recent_ms();
-    group.on_request_at(now_ms);
-
-    sess.step = Step::UpstreamPeer;
-    let choice = match w.phases.upstream_peer(state, sess, ctx).await {
-        Ok(c) => c,
-        Err(e) => {
-            return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await
-                && client_keep
-        }
-    };
-    sess.step = Step::UpstreamRequestFilter;
-    apply_request_rules(state, route, &mut sess.up_req);
-    match w.phases.upstream_request_filter(state, sess, ctx).await {
-        Ok(Flow::Continue) => {}
-        Ok(Flow::Respond(r)) => {
-            return respond(w, state, down, b, sess, ctx, &r, body_pending).await
-        }
-        Ok(Flow::Retry { .. }) => {
-            return local_fail(w, state, down, b, sess, ctx, Kind::HookError, body_pending).await
-                && client_keep
-        }
-        Err(e) => {
-            return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await
-                && client_keep
-        }
-    }
-
-    let retries = choice.retries.unwrap_or_else(|| group.retries());
-    let idempotent = sess.req.method_kind().idempotent();
-    let mut tried = [0usize; 16];
-    let mut ntried = 0;
-    let mut attempt = 0u32;
-    let mut stale_retry_used = false;
-    let mut last = Kind::NoHealthyUpstream;
-    // A peer a phase chose (the balancer hook, or a `Flow::Retry`).
-    let mut forced = choice.addr;
-    loop {
-        let (addr, idx) = match forced {
-            Some(a) => (a, None),
-            None => {
-                let key = group.hash_key().and_then(|k| {
-                    pier_lb::extract_hash_key(
-                        k,
-                        |name| sess.up_req.headers.get(name.as_bytes()),
-                        sess.client_ip.as_bytes(),
-                        sess.up_req.path(),
-                    )
-                });
-                match group.select_at(key, &tried[..ntried], now_ms) {
-                    Some(i) => (group.peers()[i].addr, Some(i)),
-                    None => {
-                        if last == Kind::NoHealthyUpstream && group.at_capacity(&tried[..ntried]) {
-                            last = Kind::UpstreamLimited;
-                        }
-                        return local_fail(w, state, down, b, sess, ctx, last, body_pending).await
-                            && client_keep;
-                    }
-                }
+    let ctl = w.phases.cache_ctl(ctx).map(|c| &*c);
+    match crate::cache::lookup(state, sess, route, ctl).await {
+        crate::cache::Lookup::Hit(mut src) => {
+            if let Some((req, guard)) = crate::cache::refresh_request(state, &mut src, sess) {
+                spawn_refresh(w, state, sess, req, guard);
             }
-        };
-        if pier_config::denied(&state.cfg.deny_origins, addr.ip()) {
-            return local_fail(
+            sess.step = Step::Write;
+            let none: Option<&mut H1RequestSink<tokio::io::Sink>> = None;
+            let r = exchange(
                 w,
                 state,
                 down,
-                b,
+                &mut src,
+                none,
+                &mut b.resp,
                 sess,
                 ctx,
-                Kind::OriginDenied,
-                body_pending,
+                &mut None,
             )
-            .await
-                && client_keep;
+            .await;
+            Next::Done(match r {
+                Ok(Relayed::Done(_, keep)) => keep && !walk.body_pending && sess.client_keep,
+                _ => false,
+            })
         }
-        // In flight on the server until its response is read (dropped then,
-        // before the last write to the client, so that a client that got its
-        // response finds the server free). Taken atomically against the
-        // server's caps (`max_connections_per_server`, and Pingora-style
-        // origin protection `max_inflight_per_server`): a full server is
-        // skipped like a tried one; 503 upstream-limited only when all are.
-        let max_inflight = group.config().max_inflight_per_server as usize;
-        let mut inflight = match idx {
-            Some(i) => match group.try_begin(i, max_inflight) {
-                Some(g) => Some(g),
-                None => {
-                    last = Kind::UpstreamLimited;
-                    if ntried < tried.len() {
-                        tried[ntried] = i;
-                        ntried += 1;
-                        continue;
-                    }
-                    return local_fail(w, state, down, b, sess, ctx, last, body_pending).await;
-                }
-            },
-            None => None,
-        };
-        match w.phases.peer_selected(state, sess, ctx, addr) {
-            Ok(Flow::Continue) => {}
-            Ok(Flow::Respond(r)) => {
-                return respond(w, state, down, b, sess, ctx, &r, body_pending).await
-            }
-            Ok(Flow::Retry { .. }) => {
-                return local_fail(w, state, down, b, sess, ctx, Kind::HookError, body_pending)
-                    .await
-            }
-            Err(e) => return local_fail(w, state, down, b, sess, ctx, e.kind, body_pending).await,
-        }
-        sess.upstream = Some(addr);
-        // An Arc clone only for servers given by name.
-        sess.upstream_host = idx.and_then(|i| group.peers()[i].host.clone());
-        let res = attempt_once(
-            w,
-            state,
-            down,
-            b,
-            sess,
-            ctx,
-            addr,
-            stale_retry_used,
-            &mut inflight,
-        )
-        .await;
-        drop(inflight);
-        match res {
-            Ok(keep) => {
-                if let Some(i) = idx {
-                    group.report(i, true, pier_lb::recent_ms());
-                }
-                return keep && client_keep;
-            }
-            Err(f) => {
-                sess.step = Step::Fail;
-                if f.stale && !stale_retry_used && f.retryable {
-                    // The pooled connection had died while idle: not the
-                    // origin's fault and not a retry in the budget's sense.
-                    stale_retry_used = true;
-                    continue;
-                }
-                if let (Some(i), true) = (idx, f.blames_upstream()) {
-                    group.report(i, false, pier_lb::recent_ms());
-                }
-                if f.answered {
-                    return false;
-                }
-                last = f.kind;
-                if let Some(i) = idx {
-                    if ntried < tried.len() {
-                        tried[ntried] = i;
-                        ntried += 1;
-                    }
-                }
-                // Step::Fail asks the phases: retry (maybe elsewhere, maybe
-                // with the request changed), answer, or the driver's policy.
-                // Boxed: a rare path, kept out of every request's future.
-                let asked = if matches!(f.kind, Kind::UpstreamConnect | Kind::UpstreamTls) {
-                    Box::pin(w.phases.fail_to_connect(state, sess, ctx, addr, &f)).await
-                } else {
-                    Box::pin(w.phases.error_while_proxy(state, sess, ctx, addr, &f)).await
-                };
-                let retry_on = match asked {
-                    Ok(Flow::Continue) => {
-                        (f.may_retry(idempotent) && forced.is_none()).then_some(None)
-                    }
-                    // The phase answers for the method's safety; a body
-                    // already streamed can't be sent again.
-                    Ok(Flow::Retry { peer }) => f.retryable.then_some(peer),
-                    Ok(Flow::Respond(r)) => {
-                        let consumed = f.retryable && !body_pending;
-                        return respond(w, state, down, b, sess, ctx, &r, !consumed).await;
-                    }
-                    Err(e) => return local_fail(w, state, down, b, sess, ctx, e.kind, true).await,
-                };
-                if let Some(peer) = retry_on {
-                    if attempt < retries && group.try_retry_at(pier_lb::recent_ms()) {
-                        attempt += 1;
-                        w.shared.metrics.retry();
-                        forced = peer;
-                        continue;
-                    }
-                }
-                let consumed = f.retryable && !body_pending;
-                return local_fail(w, state, down, b, sess, ctx, f.kind, !consumed).await
-                    && client_keep;
-            }
+        crate::cache::Lookup::NotCached => Next::Error(Kind::UpstreamTimeout, walk.body_pending),
+        crate::cache::Lookup::Miss(fill) => {
+            b.cache = fill;
+            Next::Go(Step::UpstreamPeer)
         }
     }
+}
+
+/// `Step::UpstreamPeer`: the balancer (or a hook) may choose the peer and
+/// the retries.
+async fn upstream_peer<P: Phases>(
+    w: &Worker<P>,
+    state: &State,
+    sess: &mut Session,
+    ctx: &mut P::Ctx,
+    walk: &mut Walk,
+) -> Next {
+    let group = &state.groups[state.routes[walk.route].group];
+    group.on_request_at(pier_lb::recent_ms());
+    match w.phases.upstream_peer(state, sess, ctx).await {
+        Ok(c) => {
+            walk.forced = c.addr;
+            walk.retries = c.retries.unwrap_or_else(|| group.retries());
+            Next::Go(Step::UpstreamRequestFilter)
+        }
+        Err(e) => Next::Error(e.kind, walk.body_pending),
+    }
+}
+
+/// `Step::Connect`: a peer (the forced one, else the balancer's pick past
+/// the tried ones, within the servers' in-flight caps), then one attempt
+/// on it. A failure goes to `Step::Fail`.
+async fn connect<P: Phases, D: Downstream>(
+    w: &Worker<P>,
+    state: &State,
+    down: &mut D,
+    b: &mut Work,
+    sess: &mut Session,
+    ctx: &mut P::Ctx,
+    walk: &mut Walk,
+) -> Next {
+    let group = &state.groups[state.routes[walk.route].group];
+    let (addr, idx) = match walk.forced {
+        Some(a) => (a, None),
+        None => {
+            let key = group.hash_key().and_then(|k| {
+                pier_lb::extract_hash_key(
+                    k,
+                    |name| sess.up_req.headers.get(name.as_bytes()),
+                    sess.client_ip.as_bytes(),
+                    sess.up_req.path(),
+                )
+            });
+            let tried = &walk.tried[..walk.ntried];
+            match group.select_at(key, tried, pier_lb::recent_ms()) {
+                Some(i) => (group.peers()[i].addr, Some(i)),
+                None => {
+                    if walk.last == Kind::NoHealthyUpstream && group.at_capacity(tried) {
+                        walk.last = Kind::UpstreamLimited;
+                    }
+                    return Next::Error(walk.last, walk.body_pending);
+                }
+            }
+        }
+    };
+    if pier_config::denied(&state.cfg.deny_origins, addr.ip()) {
+        return Next::Error(Kind::OriginDenied, walk.body_pending);
+    }
+    // In flight on the server until its response is read (dropped then,
+    // before the last write to the client, so that a client that got its
+    // response finds the server free). Taken atomically against the
+    // server's caps (`max_connections_per_server`, and Pingora-style
+    // origin protection `max_inflight_per_server`): a full server is
+    // skipped like a tried one; 503 upstream-limited only when all are.
+    let max_inflight = group.config().max_inflight_per_server as usize;
+    let mut inflight = match idx {
+        Some(i) => match group.try_begin(i, max_inflight) {
+            Some(g) => Some(g),
+            None => {
+                walk.last = Kind::UpstreamLimited;
+                if walk.tried(i) {
+                    return Next::Go(Step::Connect);
+                }
+                return Next::Error(walk.last, walk.body_pending);
+            }
+        },
+        None => None,
+    };
+    match w.phases.peer_selected(state, sess, ctx, addr) {
+        Ok(Flow::Continue) => {}
+        r => return flow(r, Step::Connect, walk),
+    }
+    sess.upstream = Some(addr);
+    // An Arc clone only for servers given by name.
+    sess.upstream_host = idx.and_then(|i| group.peers()[i].host.clone());
+    let res = attempt_once(
+        w,
+        state,
+        down,
+        b,
+        sess,
+        ctx,
+        addr,
+        walk.stale_retry_used,
+        &mut inflight,
+    )
+    .await;
+    drop(inflight);
+    match res {
+        Ok(keep) => {
+            if let Some(i) = idx {
+                group.report(i, true, pier_lb::recent_ms());
+            }
+            Next::Done(keep && sess.client_keep)
+        }
+        Err(f) => {
+            if f.stale && !walk.stale_retry_used && f.retryable {
+                // The pooled connection had died while idle: not the
+                // origin's fault and not a retry in the budget's sense.
+                walk.stale_retry_used = true;
+                return Next::Go(Step::Connect);
+            }
+            if let (Some(i), true) = (idx, f.blames_upstream()) {
+                group.report(i, false, pier_lb::recent_ms());
+            }
+            if f.answered {
+                return Next::Done(false);
+            }
+            if let Some(i) = idx {
+                walk.tried(i);
+            }
+            walk.failed = Some((addr, f));
+            Next::Go(Step::Fail)
+        }
+    }
+}
+
+/// `Step::Fail`: a failed attempt, nothing sent to the client. The phases
+/// decide (`fail_to_connect`, `error_while_proxy`): retry, maybe on another
+/// peer, maybe with the request changed; answer; or the driver's policy.
+async fn fail<P: Phases>(
+    w: &Worker<P>,
+    state: &State,
+    sess: &mut Session,
+    ctx: &mut P::Ctx,
+    walk: &mut Walk,
+) -> Next {
+    let Some((addr, f)) = walk.failed.take() else {
+        return Next::Error(Kind::Internal, true);
+    };
+    walk.last = f.kind;
+    // Boxed: a rare path, kept out of every request's future.
+    let asked = if matches!(f.kind, Kind::UpstreamConnect | Kind::UpstreamTls) {
+        Box::pin(w.phases.fail_to_connect(state, sess, ctx, addr, &f)).await
+    } else {
+        Box::pin(w.phases.error_while_proxy(state, sess, ctx, addr, &f)).await
+    };
+    // An answer now closes the connection unless the client's body was
+    // all read (or there was none).
+    let close = !f.retryable || walk.body_pending;
+    let idempotent = sess.req.method_kind().idempotent();
+    let retry_on = match asked {
+        Ok(Flow::Continue) => (f.may_retry(idempotent) && walk.forced.is_none()).then_some(None),
+        // The phase answers for the method's safety; a body already
+        // streamed can't be sent again.
+        Ok(Flow::Retry { peer }) => f.retryable.then_some(peer),
+        Ok(Flow::Respond(r)) => {
+            walk.body_pending = close;
+            return Next::Answer(r);
+        }
+        Err(e) => return Next::Error(e.kind, true),
+    };
+    let group = &state.groups[state.routes[walk.route].group];
+    if let Some(peer) = retry_on {
+        if walk.attempt < walk.retries && group.try_retry_at(pier_lb::recent_ms()) {
+            walk.attempt += 1;
+            w.shared.metrics.retry();
+            walk.forced = peer;
+            return Next::Go(Step::Connect);
+        }
+    }
+    Next::Error(f.kind, close)
 }
 
 /// Answer with a Pier-made response (see `respond_inner`). Boxed, so its
@@ -1214,7 +1277,7 @@ async fn respond<P: Phases, D: Downstream>(
     r: &LocalResponse,
     body_pending: bool,
 ) -> bool {
-    boxed_in_place(|| respond_inner(w, state, down, b, sess, ctx, r, body_pending)).await
+    crate::boxed_in_place(|| respond_inner(w, state, down, b, sess, ctx, r, body_pending)).await
 }
 
 /// Answer with a response a phase made; counted by its kind (or as a hook answer).
@@ -1252,7 +1315,7 @@ async fn local_fail<P: Phases, D: Downstream>(
     kind: Kind,
     close: bool,
 ) -> bool {
-    boxed_in_place(|| local_fail_inner(w, state, down, b, sess, ctx, kind, close)).await
+    crate::boxed_in_place(|| local_fail_inner(w, state, down, b, sess, ctx, kind, close)).await
 }
 
 /// Answer with an error; `close` when the connection can't continue (e.g.
@@ -1517,15 +1580,42 @@ async fn attempt_once<P: Phases, D: Downstream>(
         head: &mut b.head,
     };
     let up = crate::upstream::connect(w, state, sess, addr, fresh_only, bufs).await?;
-    let (resp, cache) = (&mut b.resp, &mut b.cache);
-    match up {
-        Upstream::H1(u) => attempt(w, state, down, resp, cache, sess, ctx, addr, u, inflight).await,
-        // Boxed: the HTTP/1 path's future (every request's) does not carry
-        // the HTTP/2 exchange's state.
-        Upstream::H2(u) => {
-            boxed_in_place(|| attempt(w, state, down, resp, cache, sess, ctx, addr, u, inflight))
-                .await
-        }
+    let attempt = Attempt {
+        w,
+        state,
+        down,
+        resp: &mut b.resp,
+        cache: &mut b.cache,
+        sess,
+        ctx,
+        addr,
+        inflight,
+    };
+    up.run(attempt).await
+}
+
+/// One attempt's arguments, for `attempt` on whichever session the
+/// connector made (`upstream::OnSession`).
+struct Attempt<'x, P: Phases, D> {
+    w: &'x Worker<P>,
+    state: &'x State,
+    down: &'x mut D,
+    resp: &'x mut ResponseHead,
+    cache: &'x mut Option<Box<crate::cache::CacheFill>>,
+    sess: &'x mut Session,
+    ctx: &'x mut P::Ctx,
+    addr: SocketAddr,
+    inflight: &'x mut Option<pier_lb::ActiveGuard>,
+}
+
+impl<P: Phases, D: Downstream> crate::upstream::OnSession for Attempt<'_, P, D> {
+    type Out = Result<bool, Error>;
+    async fn run<U: UpstreamSession>(self, up: U) -> Result<bool, Error> {
+        let a = self;
+        attempt(
+            a.w, a.state, a.down, a.resp, a.cache, a.sess, a.ctx, a.addr, up, a.inflight,
+        )
+        .await
     }
 }
 

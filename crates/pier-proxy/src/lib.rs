@@ -439,3 +439,13 @@ impl Drop for ActiveConnection {
         self.0.metrics.active_connections.fetch_sub(1, Relaxed);
     }
 }
+
+/// `Box::pin(make())`, with the future written straight into its box: a
+/// future built first and then moved is copied whole (its full size, a few
+/// KB for a request's, not just the arguments it starts with).
+#[inline(always)]
+pub(crate) fn boxed_in_place<F: std::future::Future>(
+    make: impl FnOnce() -> F,
+) -> std::pin::Pin<Box<F>> {
+    Box::into_pin(Box::write(Box::new_uninit(), make()))
+}

@@ -72,10 +72,52 @@ pub enum Step {
     ResponseFilter,
     /// The body, through `Phases::body_filter`, to the client.
     Write,
+    /// An attempt failed: the phases decide (`fail_to_connect`,
+    /// `error_while_proxy`): retry (another peer, a fresh connection, the
+    /// request changed) or answer.
+    Fail,
     /// `Phases::logging`, metrics and the access log.
     Logging,
-    /// An attempt failed: retry (another peer, a fresh connection) or answer.
-    Fail,
+}
+
+impl Step {
+    /// Every step, in the enum's (and docs/phases.md's) order.
+    pub const ALL: [Step; 14] = [
+        Step::ReadHead,
+        Step::Route,
+        Step::RequestFilter,
+        Step::CacheLookup,
+        Step::UpstreamPeer,
+        Step::UpstreamRequestFilter,
+        Step::Connect,
+        Step::Send,
+        Step::UpstreamResponseFilter,
+        Step::CacheStore,
+        Step::ResponseFilter,
+        Step::Write,
+        Step::Fail,
+        Step::Logging,
+    ];
+
+    /// The variant's name (logs, the chart).
+    pub fn name(self) -> &'static str {
+        match self {
+            Step::ReadHead => "ReadHead",
+            Step::Route => "Route",
+            Step::RequestFilter => "RequestFilter",
+            Step::CacheLookup => "CacheLookup",
+            Step::UpstreamPeer => "UpstreamPeer",
+            Step::UpstreamRequestFilter => "UpstreamRequestFilter",
+            Step::Connect => "Connect",
+            Step::Send => "Send",
+            Step::UpstreamResponseFilter => "UpstreamResponseFilter",
+            Step::CacheStore => "CacheStore",
+            Step::ResponseFilter => "ResponseFilter",
+            Step::Write => "Write",
+            Step::Fail => "Fail",
+            Step::Logging => "Logging",
+        }
+    }
 }
 
 /// Upstream choice a `upstream_peer` hook may make.
@@ -280,4 +322,45 @@ pub struct NoPhases;
 
 impl Phases for NoPhases {
     type Ctx = ();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Step;
+
+    /// docs/phases.md's chart names every step, in the enum's order: the
+    /// first mention of each `Step::X` in the chart comes after the one
+    /// before it, and the chart names no step the enum lacks.
+    #[test]
+    fn the_chart_lists_the_steps_in_order() {
+        let doc = include_str!("../../../docs/phases.md");
+        let chart = doc
+            .split("```")
+            .nth(1)
+            .expect("docs/phases.md has its chart");
+        let mut at = 0;
+        for s in Step::ALL {
+            let needle = format!("Step::{}", s.name());
+            let i = chart[at..]
+                .find(&needle)
+                .unwrap_or_else(|| panic!("the chart lacks {needle} after the step before it"));
+            at += i + needle.len();
+        }
+        let named: Vec<&str> = Step::ALL.iter().map(|s| s.name()).collect();
+        for part in chart.split("Step::").skip(1) {
+            let name: String = part
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric())
+                .collect();
+            assert!(
+                named.contains(&name.as_str()),
+                "the chart names Step::{name}"
+            );
+        }
+        // `ALL` is the enum: `name` is an exhaustive match, and each variant once.
+        let mut dedup = named.clone();
+        dedup.sort();
+        dedup.dedup();
+        assert_eq!(dedup.len(), Step::ALL.len());
+    }
 }

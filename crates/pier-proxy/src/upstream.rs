@@ -5,6 +5,7 @@
 //! an [`UpstreamSession`](crate::protocol::UpstreamSession).
 
 use crate::h1::H1Upstream;
+use crate::protocol::UpstreamSession;
 use crate::session::Session;
 use crate::state::State;
 use crate::upstream_h2::{H2Upstream, Leased};
@@ -15,10 +16,30 @@ use pier_core::{Alpn, PeerKey};
 use pier_error::{Error, Kind};
 use std::net::SocketAddr;
 
-/// An upstream session, by protocol.
+/// An upstream session, by protocol: the one place that knows them (a new
+/// protocol is a variant here and an `UpstreamSession`, not a driver edit).
 pub enum Upstream<'b> {
     H1(H1Upstream<'b>),
     H2(H2Upstream),
+}
+
+/// What runs on a session, whatever its protocol (the driver's attempt).
+pub trait OnSession {
+    type Out;
+    #[allow(async_fn_in_trait)]
+    async fn run<U: UpstreamSession>(self, up: U) -> Self::Out;
+}
+
+impl Upstream<'_> {
+    /// Run `f` on this session.
+    pub async fn run<F: OnSession>(self, f: F) -> F::Out {
+        match self {
+            Upstream::H1(u) => f.run(u).await,
+            // Boxed: the HTTP/1 path's future (every request's) does not
+            // carry the HTTP/2 exchange's state.
+            Upstream::H2(u) => crate::boxed_in_place(|| f.run(u)).await,
+        }
+    }
 }
 
 /// The request's buffers an HTTP/1 session reads and writes through.
