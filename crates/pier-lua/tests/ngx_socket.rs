@@ -670,6 +670,13 @@ fn connect_and_handshake_edges() {
         local t = th.spawn(function() return s:connect("127.0.0.1", {full}) end)
         local ok2, err2 = s:connect("127.0.0.1", {port})
         assert(ok2 == nil and err2 == "socket busy connecting", tostring(err2))
+        -- as ngx_lua answers them, the connect going on
+        assert(select(2, s:send("x")) == "socket busy connecting")
+        assert(select(2, s:send({{ "x", true }})) == "socket busy connecting")
+        assert(select(2, s:receive()) == "socket busy connecting")
+        assert(select(2, s:close()) == "socket busy connecting")
+        assert(select(2, s:setkeepalive()) == "socket busy connecting")
+        assert(select(2, s:sslhandshake()) == "socket busy connecting")
         local _, r, rerr = th.wait(t)
         assert(r == nil and rerr == "timeout", tostring(rerr))
         assert(select(2, s:send("x")) == "closed")

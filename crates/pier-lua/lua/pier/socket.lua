@@ -51,6 +51,7 @@ local PENDING = native.poll_pending
 
 local AGAIN, E_TIMEOUT, E_CLOSED, E_IO, E_BADSOCK, E_BADREQ, E_BUSY, E_TOOLARGE, E_NEED, E_RAISE =
   -11, -20, -21, -22, -23, -24, -25, -26, -27, -28
+local E_CONNECTING = -29
 local E_PHASE, E_INVAL, E_DURATION = -2, -3, -9
 local LINE, ALL, SIZE, ANY, UNTIL, UNTIL_INCL = 0, 1, 2, 3, 4, 5
 local APPEND, RETRY, BOUNDED = 1, 2, 4
@@ -78,6 +79,7 @@ end
 local function errtext(id, rc)
   if rc == E_TIMEOUT then return "timeout" end
   if rc == E_CLOSED then return "closed" end
+  if rc == E_CONNECTING then return "socket busy connecting" end
   if rc == E_IO or rc == E_RAISE then
     local n = C_errmsg(id, ebuf, 256)
     if n >= 0 then return ffi_string(ebuf, n < 256 and n or 256) end
@@ -363,7 +365,8 @@ end
 function Sock.close(self)
   local rc = C_close(self.id)
   if rc == 1 then return 1 end
-  if rc == E_CLOSED then return nil, "closed" end
+  local err = errtext(self.id, rc)
+  if err then return nil, err end
   raise(rc, "close")
 end
 

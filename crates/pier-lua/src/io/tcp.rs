@@ -85,6 +85,10 @@ const E_TOOLARGE: c_int = -26;
 const E_NEED: c_int = -27;
 /// A bad argument: its text from `errmsg`, raised.
 const E_RAISE: c_int = -28;
+/// Another coroutine is connecting this socket (ngx_lua's "socket busy
+/// connecting", which its send, receive*, close, setkeepalive and
+/// sslhandshake answer too).
+const E_CONNECTING: c_int = -29;
 
 // === connections ===
 
@@ -457,6 +461,9 @@ fn write_some(
 impl TcpSock {
     /// `data` appended to the send buffer (a table's piece).
     fn append(&mut self, data: &[u8]) -> c_int {
+        if self.op.connect.is_some() {
+            return E_CONNECTING;
+        }
         if self.op.writing {
             return E_BUSY;
         }
@@ -471,6 +478,10 @@ impl TcpSock {
     /// A send of `data` (after what was appended), started or continued.
     fn send(&mut self, cx: &mut Context<'_>, data: &[u8], flags: c_int) -> c_int {
         if flags & RETRY == 0 {
+            if self.op.connect.is_some() {
+                self.end_send();
+                return E_CONNECTING;
+            }
             if self.op.writing {
                 return E_BUSY;
             }
@@ -589,6 +600,9 @@ impl TcpSock {
     /// Puts the connection in its pool (`setkeepalive`); the socket is
     /// then closed. Errors as ngx_lua words them.
     fn keepalive(&mut self, idle: Duration, size: usize) -> c_int {
+        if self.op.connect.is_some() {
+            return E_CONNECTING;
+        }
         if self.busy() {
             return E_BUSY;
         }
@@ -619,8 +633,12 @@ impl TcpSock {
         1
     }
 
-    /// `close()`: 1, or [`E_CLOSED`] when there was no connection.
+    /// `close()`: 1, or [`E_CLOSED`] when there was no connection (a
+    /// connect under way is not cut short: [`E_CONNECTING`]).
     fn close(&mut self) -> c_int {
+        if self.op.connect.is_some() {
+            return E_CONNECTING;
+        }
         let open = self.conn.is_some();
         self.close_conn();
         if open {

@@ -9,7 +9,8 @@ use std::task::{Context, Poll};
 
 use bytes::{Buf, BufMut};
 
-use super::{io_err, TcpSock, AGAIN, E_BUSY, E_CLOSED, E_IO, E_NEED, E_TIMEOUT, E_TOOLARGE};
+use super::{io_err, TcpSock, AGAIN, E_BUSY, E_CLOSED, E_CONNECTING, E_IO, E_NEED};
+use super::{E_TIMEOUT, E_TOOLARGE};
 use crate::ffi::put;
 
 /// `recv` modes.
@@ -269,6 +270,9 @@ impl TcpSock {
             return code;
         }
         if !retry {
+            if self.op.connect.is_some() {
+                return E_CONNECTING;
+            }
             if self.op.reading {
                 return E_BUSY;
             }

@@ -12,7 +12,7 @@ use std::task::{Context, Poll};
 use tokio::net::{TcpStream, UnixStream};
 use tokio_rustls::Connect;
 
-use super::{Conn, TcpSock, AGAIN, E_BUSY, E_CLOSED, E_TIMEOUT};
+use super::{Conn, TcpSock, AGAIN, E_BUSY, E_CLOSED, E_CONNECTING, E_TIMEOUT};
 
 /// A handshake under way, holding the connection.
 pub(super) enum Handshake {
@@ -33,6 +33,9 @@ impl TcpSock {
         retry: bool,
     ) -> c_int {
         if !retry {
+            if self.op.connect.is_some() {
+                return E_CONNECTING;
+            }
             if self.busy() {
                 return E_BUSY;
             }
