@@ -57,7 +57,7 @@ impl Current {
 thread_local! {
     static CURRENT: Cell<Current> = const { Cell::new(Current::NONE) };
     /// The waker of the task polling a hook's coroutine, while it polls it:
-    /// the cosocket fast path (`io/tcp/fast.rs`) registers it with the
+    /// the cosockets (`io/tcp.rs`) register it with the
     /// connection and the socket's timer before asking Lua to yield.
     static WAKER: RefCell<Option<Waker>> = const { RefCell::new(None) };
     static NEXT_OWNER: Cell<u64> = const { Cell::new(1) };

@@ -642,6 +642,70 @@ fn a_connect_times_out_and_gives_its_pool_place_back() {
     assert_eq!(accepts_reach(&counts, 1), 1);
 }
 
+/// The rarer steps of the one polled connect and handshake (until issue 32
+/// a second implementation, on mlua async functions): a pool name over
+/// 1024 bytes raised; a connect while another light thread's is under way
+/// ("socket busy connecting"), that one then timing out; a TLS handshake
+/// the peer never answers timing out, its connection closed; and a name
+/// connect through a pool of its own, reused.
+#[test]
+fn connect_and_handshake_edges() {
+    let full = TcpListener::bind("127.0.0.1:0").unwrap();
+    rustix::net::listen(&full, 1).unwrap();
+    let full_addr = full.local_addr().unwrap();
+    let _queued: Vec<std::net::TcpStream> = (0..2)
+        .map(|_| std::net::TcpStream::connect_timeout(&full_addr, Duration::from_secs(5)).unwrap())
+        .collect();
+    // Accepted by the kernel, never answered.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let (port, counts) = tcp_server();
+    let e = engine_for(&format!(
+        r#"
+        local th = require "pier.ngx_thread"
+        local s = socket.tcp()
+        local ok, err = pcall(s.connect, s, "127.0.0.1", {port}, {{ pool = string.rep("p", 1025) }})
+        assert(not ok and tostring(err):find("bad pool name (longer than 1024 bytes)", 1, true), tostring(err))
+
+        s:settimeouts(100, 1000, 1000)
+        local t = th.spawn(function() return s:connect("127.0.0.1", {full}) end)
+        local ok2, err2 = s:connect("127.0.0.1", {port})
+        assert(ok2 == nil and err2 == "socket busy connecting", tostring(err2))
+        -- as ngx_lua answers them, the connect going on
+        assert(select(2, s:send("x")) == "socket busy connecting")
+        assert(select(2, s:send({{ "x", true }})) == "socket busy connecting")
+        assert(select(2, s:receive()) == "socket busy connecting")
+        assert(select(2, s:close()) == "socket busy connecting")
+        assert(select(2, s:setkeepalive()) == "socket busy connecting")
+        assert(select(2, s:sslhandshake()) == "socket busy connecting")
+        local _, r, rerr = th.wait(t)
+        assert(r == nil and rerr == "timeout", tostring(rerr))
+        assert(select(2, s:send("x")) == "closed")
+
+        assert(s:connect("127.0.0.1", {silent}) == 1)
+        local sess, herr = s:sslhandshake(false, "localhost", false)
+        assert(sess == nil and herr == "timeout", tostring(herr))
+        assert(select(2, s:send("x")) == "closed")
+
+        for i = 1, 2 do
+          local n = socket.tcp()
+          assert(n:connect("localhost", {port}, {{ pool = "by-name", pool_size = 1 }}))
+          assert(n:getreusedtimes() == i - 1)
+          assert(n:send("ECHO n\n") and n:receive() == "n")
+          assert(n:setkeepalive())
+        end
+        pier.exit(204)
+        "#,
+        full = full_addr.port(),
+        silent = silent.local_addr().unwrap().port(),
+    ));
+    let flow = run(step(&e, "")).unwrap();
+    assert!(
+        matches!(flow, Flow::Respond { status: 204, .. }),
+        "{flow:?}"
+    );
+    assert_eq!(accepts_reach(&counts, 1), 1);
+}
+
 #[test]
 fn unix_stream_sockets_and_their_pool() {
     let path = sock_path("stream");

@@ -5,17 +5,16 @@
 -- slot (a stale handle then fails); past a request's first few sockets, and
 -- in timers, an ffi.gc anchor frees it too when the object is collected.
 --
--- The hot methods call Rust without mlua's machinery (src/io/tcp/fast.rs):
--- getreusedtimes and connect (from a pool, or a new connection to an
--- address) through the FFI (their call sites get compiled); send,
--- receive*, settimeout(s), setkeepalive (called right after the reply's
--- receive) and the anchor's finalizer as classic C functions (their call
--- sites run interpreted, next to the yield, where an FFI call costs far
--- more). A call that would block returns AGAIN, and the wrapper yields
--- mlua's pending marker (through ngx.thread's scheduler, so light threads
--- run meanwhile) until the connection or its deadline wakes the hook, then
--- calls again. Connecting to a name or a unix socket, or queueing in a
--- pool's backlog, TLS and options go through the async natives.
+-- Every method calls Rust without mlua's machinery (src/io/tcp.rs, one
+-- polled implementation): connect, sslhandshake, getreusedtimes, close and
+-- options through the FFI (their call sites get compiled); send, receive*,
+-- settimeout(s), setkeepalive (called right after the reply's receive) and
+-- the anchor's finalizer as classic C functions (their call sites run
+-- interpreted, next to the yield, where an FFI call costs far more). A
+-- call that would block returns AGAIN, and the wrapper yields mlua's
+-- pending marker (through ngx.thread's scheduler, so light threads run
+-- meanwhile) until the connection or its deadline wakes the hook, then
+-- calls again.
 local ffi = require "ffi"
 local base = require "pier.base"
 
@@ -25,9 +24,6 @@ local native = base.native
 local n_free = native.tcp_free_c
 local L_recv, L_send, L_settimeouts = native.tcp_recv_c, native.tcp_send_c, native.tcp_settimeouts_c
 local L_keepalive = native.tcp_setkeepalive_c
-local n_connect = native.tcp_connect
-local n_settimeouts, n_close = native.tcp_settimeouts, native.tcp_close
-local n_ssl, n_setoption, n_getoption = native.tcp_sslhandshake, native.tcp_setoption, native.tcp_getoption
 
 ffi.cdef [[
 typedef struct {
@@ -37,21 +33,25 @@ typedef struct {
   int (*errmsg)(double, char *, size_t);
   int (*setkeepalive)(double, double, double);
   int (*reused)(double);
-  int (*connect_pooled)(double, const char *, size_t, int, const char *, size_t);
-  int (*connect_new)(double, const char *, size_t, int, const char *, size_t, int, int, int);
+  int (*connect)(double, const char *, size_t, int, const char *, size_t, int, int, int);
+  int (*sslhandshake)(double, const char *, size_t, int, int);
+  int (*close)(double);
+  int (*setoption)(double, int, double);
+  int (*getoption)(double, int);
 } pier_sock_api_t;
 ]]
 local S = ffi.cast("const pier_sock_api_t*", native.sock_api_addr)
-local C_new, C_errmsg, C_reused, C_pooled, C_connect =
-  S.new, S.errmsg, S.reused, S.connect_pooled, S.connect_new
+local C_new, C_errmsg, C_reused, C_connect = S.new, S.errmsg, S.reused, S.connect
+local C_ssl, C_close, C_setoption, C_getoption = S.sslhandshake, S.close, S.setoption, S.getoption
 
 -- Waits for the hook's task to be woken (the pending marker, through the
 -- light-thread scheduler's yield).
 local wait = native.ngx_thread._yield
 local PENDING = native.poll_pending
 
-local AGAIN, E_TIMEOUT, E_CLOSED, E_IO, E_BADSOCK, E_BADREQ, E_BUSY, E_TOOLARGE, E_NEED =
-  -11, -20, -21, -22, -23, -24, -25, -26, -27
+local AGAIN, E_TIMEOUT, E_CLOSED, E_IO, E_BADSOCK, E_BADREQ, E_BUSY, E_TOOLARGE, E_NEED, E_RAISE =
+  -11, -20, -21, -22, -23, -24, -25, -26, -27, -28
+local E_CONNECTING = -29
 local E_PHASE, E_INVAL, E_DURATION = -2, -3, -9
 local LINE, ALL, SIZE, ANY, UNTIL, UNTIL_INCL = 0, 1, 2, 3, 4, 5
 local APPEND, RETRY, BOUNDED = 1, 2, 4
@@ -79,7 +79,8 @@ end
 local function errtext(id, rc)
   if rc == E_TIMEOUT then return "timeout" end
   if rc == E_CLOSED then return "closed" end
-  if rc == E_IO then
+  if rc == E_CONNECTING then return "socket busy connecting" end
+  if rc == E_IO or rc == E_RAISE then
     local n = C_errmsg(id, ebuf, 256)
     if n >= 0 then return ffi_string(ebuf, n < 256 and n or 256) end
   end
@@ -131,24 +132,18 @@ function Sock.connect(self, host, port, opts)
   else
     return nil, "missing the port number"
   end
-  -- An idle connection of an existing pool: no yield, nothing allocated.
+  -- An idle connection of the pool: no yield, nothing allocated. Else a
+  -- new one (or a wait in the pool's backlog), waiting like receive does.
   local id, plen = self.id, pool and #pool or 0
-  local rc = C_pooled(id, host, #host, p, pool, plen)
-  if rc == 1 then return 1 end
-  if rc >= 0 then
-    -- A new connection to an address: opened through the FFI, waiting
-    -- like receive does. Names, unix sockets and backlog queues: the
-    -- async connect (rc 0).
-    rc = C_connect(id, host, #host, p, pool, plen, pool_size, backlog, 0)
-    while rc == AGAIN do
-      wait(PENDING)
-      rc = C_connect(id, host, #host, p, pool, plen, pool_size, backlog, 1)
-    end
-    if rc == 1 then return 1 end
-    if rc == 0 then return n_connect(id, host, p, pool, pool_size, backlog) end
-    if rc == E_TIMEOUT or rc == E_CLOSED or rc == E_IO then return nil, errtext(id, rc) end
+  local rc = C_connect(id, host, #host, p, pool, plen, pool_size, backlog, 0)
+  while rc == AGAIN do
+    wait(PENDING)
+    rc = C_connect(id, host, #host, p, pool, plen, pool_size, backlog, 1)
   end
+  if rc == 1 then return 1 end
+  if rc == E_TIMEOUT or rc == E_CLOSED or rc == E_IO then return nil, errtext(id, rc) end
   if rc == E_BUSY then return nil, "socket busy connecting" end
+  if rc == E_RAISE then error(errtext(id, rc), 2) end
   raise(rc, "connect")
 end
 
@@ -160,10 +155,20 @@ function Sock.sslhandshake(self, reused_session, server_name, ssl_verify, send_s
   if server_name ~= nil and type(server_name) ~= "string" then
     error("bad server_name arg: string expected, got " .. type(server_name), 2)
   end
-  local ok, err = n_ssl(self.id, server_name, ssl_verify and true or false)
-  if not ok then return nil, err end
-  if reused_session == false then return true end
-  return SESSION
+  local id, nlen, verify = self.id, server_name and #server_name or 0, ssl_verify and 1 or 0
+  local rc = C_ssl(id, server_name, nlen, verify, 0)
+  while rc == AGAIN do
+    wait(PENDING)
+    rc = C_ssl(id, server_name, nlen, verify, 1)
+  end
+  if rc == 1 then
+    if reused_session == false then return true end
+    return SESSION
+  end
+  if rc == E_BUSY then return nil, "socket busy" end
+  local err = errtext(id, rc)
+  if err then return nil, err end
+  raise(rc, "sslhandshake")
 end
 
 local null = native.null
@@ -310,18 +315,16 @@ function Sock.receiveuntil(self, pattern, opts)
 end
 
 -- ms; 0 or nil: the default (60 s)
--- The checked native raises the errors (bad duration, bad socket) with
--- their messages.
 function Sock.settimeout(self, ms)
   local t = tonumber(ms) or 0
-  local id = self.id
-  if L_settimeouts(id, t, t, t) ~= 0 then n_settimeouts(id, t, t, t) end
+  local rc = L_settimeouts(self.id, t, t, t)
+  if rc ~= 0 then raise(rc, "settimeout") end
 end
 
 function Sock.settimeouts(self, connect, send, read)
   local c, s, r = tonumber(connect) or 0, tonumber(send) or 0, tonumber(read) or 0
-  local id = self.id
-  if L_settimeouts(id, c, s, r) ~= 0 then n_settimeouts(id, c, s, r) end
+  local rc = L_settimeouts(self.id, c, s, r)
+  if rc ~= 0 then raise(rc, "settimeouts") end
 end
 
 -- idle_ms: nil = 60 s, 0 = no timeout; pool_size: nil = 30 (used when the
@@ -359,7 +362,21 @@ function Sock.getreusedtimes(self)
   raise(rc, "getreusedtimes")
 end
 
-function Sock.close(self) return n_close(self.id) end
+function Sock.close(self)
+  local rc = C_close(self.id)
+  if rc == 1 then return 1 end
+  local err = errtext(self.id, rc)
+  if err then return nil, err end
+  raise(rc, "close")
+end
+
+-- An option call's result: the value, or nil, err.
+local function optresult(id, rc, what)
+  if rc >= 0 then return rc end
+  local err = errtext(id, rc)
+  if err then return nil, err end
+  raise(rc, what)
+end
 
 local OPTIONS = { keepalive = 1, reuseaddr = 2, ["tcp-nodelay"] = 3, sndbuf = 4, rcvbuf = 5 }
 
@@ -371,14 +388,18 @@ function Sock.setoption(self, option, value)
   if value == true then value = 1 elseif value == false then value = 0 end
   local v = tonumber(value)
   if not v then argerr(2, "setoption", "number expected, got " .. type(value)) end
-  return n_setoption(self.id, o, v)
+  local id = self.id
+  local ok, err = optresult(id, C_setoption(id, o, v), "setoption")
+  if ok then return true end
+  return nil, err
 end
 
 function Sock.getoption(self, option)
   if option == nil then return nil, 'missing the "option" argument' end
   local o = OPTIONS[option]
   if not o then return nil, "unsupported option " .. tostring(option) end
-  return n_getoption(self.id, o)
+  local id = self.id
+  return optresult(id, C_getoption(id, o), "getoption")
 end
 
 -- The anchor holds the handle, so one finalizer serves every socket (no
@@ -391,7 +412,7 @@ local FULL = { [-1] = "no request",
 
 -- Added to the handle C_new returns when the object needs an anchor: a
 -- request's first few sockets do not (its end frees them; see
--- UNANCHORED_PER_REQUEST in src/io/tcp.rs), later ones and timers' do.
+-- UNANCHORED_PER_REQUEST in src/io/table.rs), later ones and timers' do.
 local ANCHOR = 2 ^ 52
 local double1 = ffi.typeof("double[1]")
 

@@ -193,7 +193,7 @@ fn push_body(c: &mut RequestCtx, cur: &Current, s: &[u8], nl: bool) -> c_int {
 /// value is of another type (the wrapper then builds the output itself).
 /// A C function because its call site comes right after a cosocket wait,
 /// which ends traces: interpreted, an FFI call costs far more (see
-/// `io/tcp/fast.rs`, "classic C functions"). Raises no Lua error of its
+/// `io/tcp/ffi.rs`, "classic C functions"). Raises no Lua error of its
 /// own; converting a number may fail for memory, and LuaJIT then unwinds
 /// through this frame, which holds nothing to drop at that point.
 pub(crate) unsafe extern "C-unwind" fn l_say(l: *mut mlua::ffi::lua_State) -> c_int {

@@ -17,6 +17,7 @@ mod body;
 mod http;
 mod pool;
 mod sema;
+mod table;
 mod tcp;
 mod udp;
 
@@ -24,7 +25,7 @@ pub(crate) use pool::idle_count;
 pub(crate) use tcp::sock_api_addr;
 /// A request or timer run ended: its cosockets close, its semaphore waits end.
 pub(crate) fn free_owner(owner: u64) {
-    tcp::free_owner(owner);
+    table::free_owner(owner);
     sema::free_owner(owner);
 }
 

@@ -13,7 +13,6 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpStream;
-use tokio::sync::Notify;
 
 use super::tcp::Conn;
 
@@ -97,11 +96,12 @@ pub(crate) struct Spool {
     backlog: Option<usize>,
     /// Connections opened under this pool and still open (in use or idle).
     connections: Cell<usize>,
+    /// Connects in the backlog queue.
     waiting: Cell<usize>,
-    wake: Notify,
     idle: RefCell<VecDeque<SpoolIdle>>,
-    /// Connects waiting (bounded) for a connection to be given back, each
-    /// with its flag (false once it stopped waiting: skipped).
+    /// Connects waiting (bounded) for a connection to be given back or
+    /// closed (queued in the backlog, or deferred: see `tcp/connect.rs`),
+    /// each with its flag (false once it stopped waiting: skipped).
     released: RefCell<VecDeque<(Rc<Cell<bool>>, std::task::Waker)>>,
 }
 
@@ -116,26 +116,59 @@ struct SpoolIdle {
 }
 
 /// A connection counted in its pool's `connections`: dropping it (the
-/// connection closed) frees the place and wakes one queued connect.
+/// connection closed) frees the place and wakes one waiting connect.
 pub(crate) struct Counted(Rc<Spool>);
 
 impl Drop for Counted {
     fn drop(&mut self) {
         let s = &self.0;
         s.connections.set(s.connections.get().saturating_sub(1));
-        if s.waiting.get() > 0 {
-            s.wake.notify_one();
-        }
         s.wake_released();
     }
 }
 
-/// Counts a queued connect while it waits (dropped with its coroutine too).
-struct Waiting<'a>(&'a Spool);
+/// A connect in a pool's backlog queue, counted in its `waiting` while it
+/// lives (however its wait ends: a connection, a timeout, a close).
+pub(crate) struct Queued(Rc<Spool>);
 
-impl Drop for Waiting<'_> {
+impl Drop for Queued {
     fn drop(&mut self) {
-        self.0.waiting.set(self.0.waiting.get() - 1);
+        let s = &self.0;
+        s.waiting.set(s.waiting.get().saturating_sub(1));
+    }
+}
+
+impl Queued {
+    /// Queues a connect that [`Spool::try_acquire`] found no room for;
+    /// `None` when `backlog` connects already wait (ngx_lua's "too many
+    /// waiting connect operations").
+    pub(crate) fn enter(s: &Rc<Spool>) -> Option<Queued> {
+        if s.waiting.get() >= s.backlog.unwrap_or(0) {
+            return None;
+        }
+        s.waiting.set(s.waiting.get() + 1);
+        Some(Queued(s.clone()))
+    }
+
+    /// An idle connection, else room for a new one, if either is there now.
+    pub(crate) fn try_acquire(&self) -> Option<Acquired> {
+        let s = &self.0;
+        if let Some((c, slot, reused)) = s.take_idle() {
+            return Some(Acquired::Reused(c, slot, reused));
+        }
+        (s.connections.get() < s.size).then(|| Acquired::Open(s.count()))
+    }
+
+    /// Wakes `w` when a connection is given back or closed (while `flag`
+    /// holds); a full wait list wakes it at once (it polls again).
+    pub(crate) fn wait(&self, flag: &Rc<Cell<bool>>, w: &std::task::Waker) {
+        if !self.0.wait_release(flag, w) {
+            w.wake_by_ref();
+        }
+    }
+
+    pub(crate) fn spool(&self) -> &Rc<Spool> {
+        &self.0
     }
 }
 
@@ -173,7 +206,6 @@ pub(crate) fn find_or_create(key: &[u8], size: usize, backlog: Option<usize>) ->
             backlog,
             connections: Cell::new(0),
             waiting: Cell::new(0),
-            wake: Notify::new(),
             idle: RefCell::new(VecDeque::new()),
             released: RefCell::new(VecDeque::new()),
         });
@@ -182,16 +214,12 @@ pub(crate) fn find_or_create(key: &[u8], size: usize, backlog: Option<usize>) ->
     })
 }
 
-/// What `acquire` got.
+/// A connect's place in its pool.
 pub(crate) enum Acquired {
     /// An idle connection, with its reuse count before this use.
     Reused(Conn, Counted, u32),
     /// Room for a new connection (counted now).
     Open(Counted),
-    /// `"too many waiting connect operations"`.
-    Full,
-    /// Waited `timeout` in the backlog queue.
-    Timeout,
 }
 
 impl Spool {
@@ -257,8 +285,8 @@ impl Spool {
         self.backlog.is_some()
     }
 
-    /// `acquire` without waiting: an idle connection or a place for a new
-    /// one, else None (the connect queues in the backlog, or is refused).
+    /// An idle connection or a place for a new one, else None (the
+    /// connect queues in the backlog, or is refused: [`Queued::enter`]).
     pub(super) fn try_acquire(self: &Rc<Self>) -> Option<Acquired> {
         if let Some((c, slot, reused)) = self.take_idle() {
             return Some(Acquired::Reused(c, slot, reused));
@@ -271,37 +299,6 @@ impl Spool {
             return Some(Acquired::Open(self.count()));
         }
         None
-    }
-
-    /// ngx_lua's connect on a pool: an idle connection, else a place for
-    /// a new one, queueing (up to `backlog`, for at most `timeout`) when
-    /// the pool has a backlog and `size` connections are open.
-    pub async fn acquire(self: &Rc<Self>, timeout: Duration) -> Acquired {
-        if let Some(a) = self.try_acquire() {
-            return a;
-        }
-        let backlog = self.backlog.unwrap_or(0);
-        if self.waiting.get() >= backlog {
-            return Acquired::Full;
-        }
-        self.waiting.set(self.waiting.get() + 1);
-        // Leaves the queue however this ends (the coroutine may be dropped).
-        let _queued = Waiting(self);
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            if tokio::time::timeout_at(deadline, self.wake.notified())
-                .await
-                .is_err()
-            {
-                return Acquired::Timeout;
-            }
-            if let Some((c, slot, reused)) = self.take_idle() {
-                return Acquired::Reused(c, slot, reused);
-            }
-            if self.connections.get() < self.size {
-                return Acquired::Open(self.count());
-            }
-        }
     }
 
     fn count(self: &Rc<Self>) -> Counted {
@@ -333,9 +330,6 @@ impl Spool {
             evicted
         };
         drop(evicted);
-        if self.waiting.get() > 0 {
-            self.wake.notify_one();
-        }
         self.wake_released();
         start_sweeper();
     }

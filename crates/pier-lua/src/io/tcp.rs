@@ -1,48 +1,94 @@
-//! Cosockets over tokio, as ngx_lua's `ngx.socket.tcp()` has them: calls
-//! yield the hook's coroutine, never the thread; results follow ngx_lua
-//! (`nil, err[, partial]` on failure, its error strings). TCP (host names
+//! Cosockets, as ngx_lua's `ngx.socket.tcp()` has them: calls yield the
+//! hook's coroutine, never the thread; results follow ngx_lua (`nil,
+//! err[, partial]` on failure, its error strings). TCP (host names
 //! resolved), unix sockets, TLS (`sslhandshake`, rustls) and keep-alive
 //! pools with ngx_lua's `pool` / `pool_size` / `backlog` (see `pool.rs`).
-//! `lua/pier/socket.lua` wraps the natives in objects and checks the
-//! arguments.
+//!
+//! One implementation, polled. Every method is a call from Lua (through
+//! the LuaJIT FFI, or a classic C function: see `ffi.rs`) that tries its
+//! operation at once, against the socket's buffer and the connection,
+//! polling with the waker of the task that runs the hook
+//! (`current::with_waker`). When it cannot finish it arms the socket's
+//! deadline and returns [`AGAIN`]; the Lua wrapper (`lua/pier/socket.lua`)
+//! then yields mlua's pending marker, the task sleeps until the connection
+//! or the deadline wakes it, and the wrapper calls again with `retry` set:
+//! the operation goes on where it stopped (its state is [`OpState`]).
+//! Nothing is allocated per call in steady state: results are copied into
+//! the caller's buffer, and each socket's buffers and timer are reused, as
+//! are the sockets themselves (see [`recycle`]). No mlua future, userdata
+//! or result value is made per call (mlua async functions box a future and
+//! build result values on every call: the malloc/free and GC work seen in
+//! profiles; until issue 32 the rarer operations — names, unix sockets,
+//! backlog queues, TLS, options — still took that second path).
+//!
+//! Here: the connection, the socket and its state, `send`, `setkeepalive`,
+//! `close` and options. `connect.rs`: pools, new connections, names and
+//! unix sockets; `recv.rs`: the receive patterns; `tls.rs`: `sslhandshake`;
+//! `ffi.rs`: the C boundary. The socket table (handles, owners) is
+//! `io/table.rs`, shared with UDP.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::IpAddr;
+use std::os::raw::c_int;
 use std::pin::Pin;
 use std::rc::Rc;
-use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use mlua::{IntoLuaMulti, Lua, LuaString, MultiValue, Value};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
+use tokio::time::{Instant, Sleep};
 use tokio_rustls::client::TlsStream;
 
-mod fast;
+mod connect;
+mod ffi;
+mod recv;
+mod tls;
 
-pub(crate) use fast::sock_api_addr;
+pub(super) use connect::resolve;
+pub(crate) use ffi::{register, sock_api_addr};
 
-use super::pool::{self, Acquired, Counted, Spool};
-use super::udp::UdpSock;
-use crate::current;
-use crate::limits::LuaLimits;
+use super::pool::{self, Counted, Spool};
+use super::table::Sock;
 
 /// ngx_lua's `lua_socket_{connect,send,read}_timeout` and
 /// `lua_socket_keepalive_timeout` defaults.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// `lua_socket_pool_size`'s default.
 const DEFAULT_POOL_SIZE: usize = 30;
-/// `fill`'s error when the receive buffer is full: raised as a Lua error.
-const TOO_LARGE: &str = "receive buffer full";
-/// Deepest nesting of tables `send` flattens (a table may contain itself).
-const MAX_SEND_DEPTH: usize = 100;
 /// A `send` buffer above this is released after the send.
 const KEEP_WBUF: usize = 64 << 10;
+/// Receive buffers larger than this are not kept by a recycled socket.
+const KEEP_RBUF: usize = 64 << 10;
+
+// === result codes ===
+//
+// What every operation returns to the Lua wrapper (`lua/pier/socket.lua`
+// has the same table): a count or 1 when done, else one of these.
+
+/// Would block: yield the pending marker, then call again with `retry`.
+pub(crate) const AGAIN: c_int = -11;
+const E_TIMEOUT: c_int = -20;
+const E_CLOSED: c_int = -21;
+/// Another error: its text from `errmsg` (returned as `nil, err`).
+const E_IO: c_int = -22;
+const E_BADSOCK: c_int = -23;
+const E_BADREQ: c_int = -24;
+/// Another coroutine is reading (or writing, or connecting) this socket.
+const E_BUSY: c_int = -25;
+/// The receive buffer or a send reached `[lua] socket_buffer`: raised.
+const E_TOOLARGE: c_int = -26;
+/// The result is larger than the caller's buffer: its size is in `*outlen`.
+const E_NEED: c_int = -27;
+/// A bad argument: its text from `errmsg`, raised.
+const E_RAISE: c_int = -28;
+/// Another coroutine is connecting this socket (ngx_lua's "socket busy
+/// connecting", which its send, receive*, close, setkeepalive and
+/// sslhandshake answer too).
+const E_CONNECTING: c_int = -29;
 
 // === connections ===
 
@@ -159,7 +205,7 @@ pub(crate) struct TcpSock {
     spool: Option<Rc<Spool>>,
     key: Option<Rc<[u8]>>,
     buf: BytesMut,
-    /// `send`'s buffer for tables (reused).
+    /// `send`'s buffer: a table's pieces, or what a send left (reused).
     wbuf: Vec<u8>,
     connect_timeout: Duration,
     send_timeout: Duration,
@@ -171,50 +217,168 @@ pub(crate) struct TcpSock {
     /// the delimiter, or `*a` on an endless stream, cannot grow the buffer
     /// without bound.
     max_buf: usize,
-    /// `[lua] socket_pool_wait` (see `fast::TcpSock::connect_new`).
-    pub(super) pool_wait: std::time::Duration,
-    /// The fast path's operation in progress (`fast.rs`).
-    op: fast::OpState,
+    /// `[lua] socket_pool_wait` (see `connect::TcpSock::defer`).
+    pool_wait: Duration,
+    /// The operation in progress.
+    op: OpState,
 }
 
-type Ret = mlua::Result<MultiValue>;
-
-fn fail(lua: &Lua, err: &str) -> Ret {
-    (Value::Nil, lua.create_string(err)?).into_lua_multi(lua)
+/// The state of the operation in progress, kept across [`AGAIN`]s.
+#[derive(Default)]
+struct OpState {
+    reading: bool,
+    writing: bool,
+    /// Bytes of `buf` already searched for the delimiter.
+    scanned: usize,
+    /// The running operation's timer is armed.
+    armed: bool,
+    /// Taken from this thread's spare timers the first time the socket
+    /// waits; given back when the socket is dropped.
+    sleep: Option<Pin<Box<Sleep>>>,
+    /// A finished receive whose result did not fit the caller's buffer and
+    /// cannot be computed again (an error with partial data): its code.
+    parked: Option<c_int>,
+    /// Result bytes that are not a slice of `buf` (CRs dropped, parked).
+    scratch: Vec<u8>,
+    /// The text of the last [`E_IO`] or [`E_RAISE`].
+    err: Cow<'static, str>,
+    /// Flushed bytes of `wbuf`, and the size of the send in progress.
+    wpos: usize,
+    wtotal: usize,
+    /// A connect under way.
+    connect: Option<connect::Connecting>,
+    /// A TLS handshake under way (the connection is in it).
+    tls: Option<Box<tls::Handshake>>,
+    /// The connection opened inside `connect(2)` and nothing was written
+    /// yet: the poller has not reported it writable, so the first write
+    /// is tried directly (see [`write_some`]).
+    fresh: bool,
+    /// Set while a connect waits for a connection given back to its pool
+    /// (its entries in the pool's wait list are skipped once cleared).
+    release: Option<Rc<std::cell::Cell<bool>>>,
 }
 
-fn ok1(lua: &Lua) -> Ret {
-    1.into_lua_multi(lua)
-}
-
-impl TcpSock {
-    pub fn new(max_buf: usize, pool_wait: std::time::Duration) -> Self {
-        TcpSock {
-            conn: None,
-            slot: None,
-            spool: None,
-            key: None,
-            buf: BytesMut::new(),
-            wbuf: Vec::new(),
-            connect_timeout: DEFAULT_TIMEOUT,
-            send_timeout: DEFAULT_TIMEOUT,
-            read_timeout: DEFAULT_TIMEOUT,
-            reused: 0,
-            peer_ip: None,
-            max_buf,
-            pool_wait,
-            op: fast::OpState::default(),
+impl OpState {
+    /// A connect stops waiting for a connection given back (it got one,
+    /// opens one, gave up, or the socket closed).
+    fn end_wait(&mut self) {
+        if let Some(f) = self.release.take() {
+            f.set(false);
         }
     }
 
-    /// Closes the connection (and frees its pool place).
+    /// The flag of this socket's wait for a connection given back.
+    fn release_flag(&mut self) -> Rc<std::cell::Cell<bool>> {
+        self.release
+            .get_or_insert_with(|| Rc::new(std::cell::Cell::new(true)))
+            .clone()
+    }
+}
+
+thread_local! {
+    /// Spare timers and recycled sockets (bounded): a request that opens a
+    /// socket per request (lua-resty-redis does) allocates none of them.
+    static SPARE_SLEEPS: RefCell<Vec<Pin<Box<Sleep>>>> = const { RefCell::new(Vec::new()) };
+    static SPARE_SOCKS: RefCell<Vec<Rc<RefCell<TcpSock>>>> = const { RefCell::new(Vec::new()) };
+}
+const MAX_SPARE: usize = 256;
+
+impl Drop for OpState {
+    fn drop(&mut self) {
+        if let Some(t) = self.sleep.take() {
+            let _ = SPARE_SLEEPS.try_with(|s| {
+                if let Ok(mut s) = s.try_borrow_mut() {
+                    if s.len() < MAX_SPARE {
+                        s.push(t);
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// A socket for `tcp()`: a recycled one if there is one.
+pub(super) fn new_tcp(max_buf: usize, pool_wait: Duration) -> Rc<RefCell<TcpSock>> {
+    if let Some(s) = SPARE_SOCKS.with_borrow_mut(Vec::pop) {
+        if let Ok(mut t) = s.try_borrow_mut() {
+            t.max_buf = max_buf;
+            t.pool_wait = pool_wait;
+        }
+        return s;
+    }
+    Rc::new(RefCell::new(TcpSock {
+        conn: None,
+        slot: None,
+        spool: None,
+        key: None,
+        buf: BytesMut::new(),
+        wbuf: Vec::new(),
+        connect_timeout: DEFAULT_TIMEOUT,
+        send_timeout: DEFAULT_TIMEOUT,
+        read_timeout: DEFAULT_TIMEOUT,
+        reused: 0,
+        peer_ip: None,
+        max_buf,
+        pool_wait,
+        op: OpState::default(),
+    }))
+}
+
+/// Takes a freed socket back for reuse (its connection, if any, closes).
+pub(super) fn recycle(sock: Sock) {
+    let Sock::Tcp(rc) = sock else {
+        return;
+    };
+    if Rc::strong_count(&rc) != 1 {
+        return;
+    }
+    {
+        let Ok(mut t) = rc.try_borrow_mut() else {
+            return;
+        };
+        t.close_conn();
+        t.spool = None;
+        t.key = None;
+        if t.buf.capacity() > KEEP_RBUF {
+            t.buf = BytesMut::new();
+        }
+        t.wbuf.clear();
+        t.connect_timeout = DEFAULT_TIMEOUT;
+        t.send_timeout = DEFAULT_TIMEOUT;
+        t.read_timeout = DEFAULT_TIMEOUT;
+        t.reused = 0;
+        t.peer_ip = None;
+        let op = &mut t.op;
+        op.reading = false;
+        op.writing = false;
+        op.scanned = 0;
+        op.armed = false;
+        op.parked = None;
+        op.scratch.clear();
+        op.wpos = 0;
+        op.wtotal = 0;
+    }
+    let _ = SPARE_SOCKS.try_with(|s| {
+        if let Ok(mut s) = s.try_borrow_mut() {
+            if s.len() < MAX_SPARE {
+                s.push(rc);
+            }
+        }
+    });
+}
+
+impl TcpSock {
+    /// Closes the connection (and frees its pool place); a connect or
+    /// handshake under way ends too.
     fn close_conn(&mut self) {
+        // Before the pool place is freed: the wake it gives goes to
+        // another waiting connect, not this one.
+        self.op.end_wait();
+        self.op.connect = None;
+        self.op.tls = None;
         self.conn = None;
         self.slot = None;
         self.buf.clear();
-        // A connect under way (`fast::connect_new`) ends too.
-        self.op.connecting = None;
-        self.op.end_deferred();
         self.op.fresh = false;
     }
 
@@ -225,307 +389,234 @@ impl TcpSock {
         self.reused = reused + 1;
         self.spool = Some(spool);
     }
-}
 
-/// A scalar `send` value's bytes.
-pub(super) enum Scalar<'a> {
-    Static(&'static [u8]),
-    Num(&'a [u8]),
-    Lua(LuaString),
-}
+    /// An operation is under way on another light thread.
+    fn busy(&self) -> bool {
+        self.op.reading || self.op.writing || self.op.connect.is_some() || self.op.tls.is_some()
+    }
 
-/// nil, booleans, numbers and `ngx.null` as ngx_lua's `send` writes them;
-/// `None` for other types.
-pub(super) fn scalar<'a>(
-    lua: &Lua,
-    v: &Value,
-    num: &'a mut itoa::Buffer,
-) -> mlua::Result<Option<Scalar<'a>>> {
-    Ok(Some(match v {
-        Value::Nil => Scalar::Static(b"nil"),
-        Value::Boolean(true) => Scalar::Static(b"true"),
-        Value::Boolean(false) => Scalar::Static(b"false"),
-        Value::LightUserData(p) if p.0.is_null() => Scalar::Static(b"null"),
-        Value::Integer(n) => Scalar::Num(num.format(*n).as_bytes()),
-        // Whole numbers without allocating; others as Lua prints them (%.14g).
-        Value::Number(f) if f.fract() == 0.0 && f.abs() < 1e15 && *f != 0.0 => {
-            Scalar::Num(num.format(*f as i64).as_bytes())
-        }
-        Value::Number(_) => match lua.coerce_string(v.clone())? {
-            Some(s) => Scalar::Lua(s),
-            None => return Ok(None),
-        },
-        _ => return Ok(None),
-    }))
-}
+    /// Fails with [`E_IO`] and its text.
+    fn fail(&mut self, err: impl Into<Cow<'static, str>>) -> c_int {
+        self.op.err = err.into();
+        E_IO
+    }
 
-/// Appends `v` (a string, scalar or array of them, nested) to `out`,
-/// at most `max` bytes.
-pub(super) fn flatten(
-    lua: &Lua,
-    v: &Value,
-    out: &mut Vec<u8>,
-    depth: usize,
-    max: usize,
-) -> mlua::Result<()> {
-    let too_big =
-        || mlua::Error::runtime("bad argument #1 to 'send' (data over lua.socket_buffer bytes)");
-    match v {
-        Value::String(s) => {
-            let b = s.as_bytes();
-            if out.len() + b.len() > max {
-                return Err(too_big());
-            }
-            out.extend_from_slice(&b);
-        }
-        Value::Table(t) => {
-            if depth >= MAX_SEND_DEPTH {
-                return Err(mlua::Error::runtime(
-                    "bad argument #1 to 'send' (tables nested too deeply)",
-                ));
-            }
-            let n = t.raw_len();
-            for i in 1..=n {
-                let item: Value = t.raw_get(i)?;
-                if matches!(item, Value::Nil) {
-                    return Err(mlua::Error::runtime(
-                        "bad argument #1 to 'send' (non-array table found)",
-                    ));
-                }
-                flatten(lua, &item, out, depth + 1, max)?;
-            }
-        }
-        _ => {
-            let mut num = itoa::Buffer::new();
-            match scalar(lua, v, &mut num)? {
-                Some(Scalar::Static(b)) | Some(Scalar::Num(b)) => out.extend_from_slice(b),
-                Some(Scalar::Lua(s)) => out.extend_from_slice(&s.as_bytes()),
+    /// Arms the operation's deadline the first time it waits; true once it
+    /// has passed. The timer is registered with `cx` either way.
+    fn timed_out(&mut self, cx: &mut Context<'_>, timeout: Duration) -> bool {
+        let op = &mut self.op;
+        if !op.armed {
+            let deadline = Instant::now() + timeout;
+            match op.sleep.as_mut() {
+                Some(t) => t.as_mut().reset(deadline),
                 None => {
-                    return Err(mlua::Error::runtime(format!(
-                        "bad argument #1 to 'send' (bad data type {} found)",
-                        v.type_name()
-                    )))
+                    op.sleep = Some(match SPARE_SLEEPS.with_borrow_mut(Vec::pop) {
+                        Some(mut t) => {
+                            t.as_mut().reset(deadline);
+                            t
+                        }
+                        None => Box::pin(tokio::time::sleep_until(deadline)),
+                    })
                 }
             }
-            if out.len() > max {
-                return Err(too_big());
-            }
+            op.armed = true;
         }
-    }
-    Ok(())
-}
-
-// === connecting ===
-
-thread_local! {
-    /// The pool key being built (no allocation once pools exist).
-    static KEY: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Where to connect.
-enum Target<'a> {
-    Unix(&'a str),
-    Inet(&'a str, u16),
-}
-
-/// `host` (an address, `[v6]`, or a name looked up) with `port`.
-pub(super) async fn resolve(
-    host: &str,
-    port: u16,
-    deadline: tokio::time::Instant,
-) -> Result<SocketAddr, Cow<'static, str>> {
-    let h = literal(host);
-    if let Ok(ip) = h.parse::<IpAddr>() {
-        return Ok(SocketAddr::new(ip, port));
-    }
-    let found = match tokio::time::timeout_at(deadline, tokio::net::lookup_host((h, port))).await {
-        Err(_) => return Err("timeout".into()),
-        Ok(Ok(mut addrs)) => addrs.next(),
-        Ok(Err(_)) => None,
-    };
-    found.ok_or_else(|| unresolved(host))
-}
-
-async fn open(
-    target: Target<'_>,
-    timeout: Duration,
-) -> Result<(Conn, Option<IpAddr>), Cow<'static, str>> {
-    match target {
-        Target::Unix(path) => {
-            match tokio::time::timeout(timeout, UnixStream::connect(path)).await {
-                Err(_) => Err("timeout".into()),
-                Ok(Err(e)) => Err(io_err(&e)),
-                Ok(Ok(s)) => Ok((Conn::Unix(s), None)),
-            }
-        }
-        Target::Inet(host, port) => {
-            let deadline = tokio::time::Instant::now() + timeout;
-            if literal(host).parse::<IpAddr>().is_ok() {
-                let addr = resolve(host, port, deadline).await?;
-                return connect_addr(addr, deadline).await;
-            }
-            // A name: each address in turn (`localhost` may list ::1 first).
-            let addrs = match tokio::time::timeout_at(
-                deadline,
-                tokio::net::lookup_host((host, port)),
-            )
-            .await
-            {
-                Err(_) => return Err("timeout".into()),
-                Ok(Ok(a)) => a,
-                Ok(Err(_)) => return Err(unresolved(host)),
-            };
-            let mut last = unresolved(host);
-            for addr in addrs {
-                match connect_addr(addr, deadline).await {
-                    Ok(c) => return Ok(c),
-                    Err(e) if e == "timeout" => return Err(e),
-                    Err(e) => last = e,
-                }
-            }
-            Err(last)
+        match op.sleep.as_mut() {
+            Some(t) => std::future::Future::poll(t.as_mut(), cx).is_ready(),
+            None => false,
         }
     }
 }
 
-async fn connect_addr(
-    addr: SocketAddr,
-    deadline: tokio::time::Instant,
-) -> Result<(Conn, Option<IpAddr>), Cow<'static, str>> {
-    match tokio::time::timeout_at(deadline, TcpStream::connect(addr)).await {
-        Err(_) => Err("timeout".into()),
-        Ok(Err(e)) => Err(io_err(&e)),
-        Ok(Ok(s)) => {
-            let _ = s.set_nodelay(true);
-            Ok((Conn::Tcp(s), Some(addr.ip())))
+// === send ===
+
+/// `send` flags: append to the socket's send buffer without I/O, or go on
+/// with a send that returned [`AGAIN`].
+const APPEND: c_int = 1;
+const RETRY: c_int = 2;
+/// The data is a table's content: bounded by `[lua] socket_buffer` as
+/// appended pieces are (a string is sent as it is, whatever its size).
+const BOUNDED: c_int = 4;
+
+/// A write to `c`, the first one of a connection opened inside
+/// `connect(2)` tried directly: tokio writes only once its poller has
+/// reported a socket writable, and waiting for that report puts the
+/// hook at the back of the run queue with its pool place held.
+fn write_some(
+    c: &mut Conn,
+    fresh: &mut bool,
+    cx: &mut Context<'_>,
+    buf: &[u8],
+) -> Poll<io::Result<usize>> {
+    // Cleartext only: a TLS connection's bytes go through its session.
+    if std::mem::take(fresh) && !c.is_tls() {
+        match c.sock_ref().send_with_flags(buf, libc::MSG_NOSIGNAL) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            r => return Poll::Ready(r),
         }
     }
-}
-
-fn unresolved(host: &str) -> Cow<'static, str> {
-    Cow::Owned(format!("{host} could not be resolved (3: Host not found)"))
-}
-
-/// An address literal without IPv6's brackets.
-fn literal(host: &str) -> &str {
-    host.strip_prefix('[')
-        .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host)
+    Pin::new(c).poll_write(cx, buf)
 }
 
 impl TcpSock {
-    /// The pool of a connect: `pool`, else `host:port` (`unix:path` alone),
-    /// found, or made when `pool_size` > 0 (with `backlog` >= 0 if given);
-    /// sets the socket's pool key. Shared by both connect paths.
-    fn pool_for(
-        &mut self,
-        host: &[u8],
-        port: i64,
-        pool_name: Option<&[u8]>,
-        pool_size: i64,
-        backlog: i64,
-    ) -> Result<Option<Rc<Spool>>, String> {
-        KEY.with_borrow_mut(|key| {
-            key.clear();
-            match pool_name {
-                Some(p) => key.extend_from_slice(p),
-                None => {
-                    key.extend_from_slice(host);
-                    if port >= 0 {
-                        key.push(b':');
-                        key.extend_from_slice(itoa::Buffer::new().format(port).as_bytes());
+    /// `data` appended to the send buffer (a table's piece).
+    fn append(&mut self, data: &[u8]) -> c_int {
+        if self.op.connect.is_some() {
+            return E_CONNECTING;
+        }
+        if self.op.writing {
+            return E_BUSY;
+        }
+        if self.wbuf.len() + data.len() > self.max_buf {
+            self.wbuf.clear();
+            return E_TOOLARGE;
+        }
+        self.wbuf.extend_from_slice(data);
+        0
+    }
+
+    /// A send of `data` (after what was appended), started or continued.
+    fn send(&mut self, cx: &mut Context<'_>, data: &[u8], flags: c_int) -> c_int {
+        if flags & RETRY == 0 {
+            if self.op.connect.is_some() {
+                self.end_send();
+                return E_CONNECTING;
+            }
+            if self.op.writing {
+                return E_BUSY;
+            }
+            if flags & BOUNDED != 0 && self.wbuf.len() + data.len() > self.max_buf {
+                self.end_send();
+                return E_TOOLARGE;
+            }
+            if self.conn.is_none() {
+                self.end_send();
+                return E_CLOSED;
+            }
+            self.op.armed = false;
+            self.op.wpos = 0;
+            if self.wbuf.is_empty() && !data.is_empty() {
+                // A string alone: straight from Lua's memory while the
+                // socket takes it.
+                let Some(c) = self.conn.as_mut() else {
+                    return E_CLOSED;
+                };
+                let mut done = 0;
+                while done < data.len() {
+                    match write_some(c, &mut self.op.fresh, cx, &data[done..]) {
+                        Poll::Ready(Ok(0)) => {
+                            self.close_conn();
+                            return self.fail("broken pipe");
+                        }
+                        Poll::Ready(Ok(k)) => done += k,
+                        Poll::Ready(Err(e)) => {
+                            self.close_conn();
+                            return self.fail(io_err(&e));
+                        }
+                        Poll::Pending => break,
                     }
                 }
-            }
-            if key.len() > pool::MAX_KEY {
-                return Err(format!(
-                    "bad pool name (longer than {} bytes)",
-                    pool::MAX_KEY
-                ));
-            }
-            let spool = if pool_size > 0 {
-                let backlog = usize::try_from(backlog).ok();
-                pool::find_or_create(key, pool_size as usize, backlog)
+                self.wbuf.extend_from_slice(&data[done..]);
+                self.op.wpos = 0;
+                self.op.wtotal = data.len();
             } else {
-                pool::find(key)
-            };
-            self.key = Some(match &spool {
-                Some(s) => s.key().clone(),
-                // First use of this key (no pool yet): its own copy.
-                None => Rc::from(&key[..]),
-            });
-            Ok(spool)
-        })
-    }
-
-    /// `connect(host, port|-1, pool, pool_size|0, backlog|-1)`; arguments
-    /// already checked by the Lua side.
-    async fn connect(
-        &mut self,
-        lua: &Lua,
-        host: LuaString,
-        port: i64,
-        pool_name: Option<LuaString>,
-        pool_size: i64,
-        backlog: i64,
-    ) -> Ret {
-        self.close_conn();
-        self.spool = None;
-        let host_b = host.as_bytes();
-        let Ok(host_s) = std::str::from_utf8(&host_b) else {
-            return fail(lua, "failed to parse host name");
-        };
-        let unix = host_s.len() >= 5 && host_s[..5].eq_ignore_ascii_case("unix:");
-        let pool_name = pool_name.as_ref().map(|p| p.as_bytes());
-        let spool = self
-            .pool_for(&host_b, port, pool_name.as_deref(), pool_size, backlog)
-            .map_err(mlua::Error::runtime)?;
-        if let Some(sp) = &spool {
-            match sp.acquire(self.connect_timeout).await {
-                Acquired::Reused(c, slot, reused) => {
-                    self.reuse(c, slot, reused, sp.clone());
-                    return ok1(lua);
+                if self.wbuf.len() + data.len() > self.max_buf {
+                    self.end_send();
+                    return E_TOOLARGE;
                 }
-                Acquired::Open(slot) => self.slot = Some(slot),
-                Acquired::Full => return fail(lua, "too many waiting connect operations"),
-                Acquired::Timeout => return fail(lua, "timeout"),
+                self.wbuf.extend_from_slice(data);
+                self.op.wtotal = self.wbuf.len();
             }
         }
-        let target = if unix {
-            Target::Unix(&host_s[5..])
-        } else {
-            Target::Inet(host_s, port as u16)
-        };
-        match open(target, self.connect_timeout).await {
-            Ok((c, ip)) => {
-                self.conn = Some(c);
-                self.peer_ip = ip;
-                self.reused = 0;
-                self.spool = spool;
-                ok1(lua)
-            }
-            Err(e) => {
-                // Frees the pool place taken for it.
-                self.slot = None;
-                fail(lua, &e)
-            }
+        self.flush_send(cx)
+    }
+
+    /// Writes `wbuf[wpos..]` and flushes; the size of the send when done.
+    fn flush_send(&mut self, cx: &mut Context<'_>) -> c_int {
+        loop {
+            let Some(c) = self.conn.as_mut() else {
+                self.end_send();
+                return E_CLOSED;
+            };
+            let r = if self.op.wpos < self.wbuf.len() {
+                match write_some(c, &mut self.op.fresh, cx, &self.wbuf[self.op.wpos..]) {
+                    Poll::Ready(Ok(0)) => Poll::Ready(Err(Cow::Borrowed("broken pipe"))),
+                    Poll::Ready(Ok(k)) => {
+                        self.op.wpos += k;
+                        continue;
+                    }
+                    Poll::Ready(Err(e)) => Poll::Ready(Err(io_err(&e))),
+                    Poll::Pending => Poll::Pending,
+                }
+            } else {
+                Pin::new(c).poll_flush(cx).map_err(|e| io_err(&e))
+            };
+            return match r {
+                Poll::Ready(Ok(())) => {
+                    let total = self.op.wtotal;
+                    self.end_send();
+                    c_int::try_from(total).unwrap_or(c_int::MAX)
+                }
+                Poll::Ready(Err(e)) => {
+                    self.end_send();
+                    self.close_conn();
+                    self.fail(e)
+                }
+                Poll::Pending => {
+                    if self.timed_out(cx, self.send_timeout) {
+                        // The rest is dropped, the connection kept (ngx_lua).
+                        self.end_send();
+                        return E_TIMEOUT;
+                    }
+                    self.op.writing = true;
+                    AGAIN
+                }
+            };
         }
     }
 
+    fn end_send(&mut self) {
+        self.wbuf.clear();
+        if self.wbuf.capacity() > KEEP_WBUF {
+            self.wbuf = Vec::new();
+        }
+        self.op.wpos = 0;
+        self.op.wtotal = 0;
+        self.op.writing = false;
+        self.op.armed = false;
+    }
+}
+
+// === keep-alive, close, options ===
+
+/// `setoption` / `getoption` names, as the Lua wrapper numbers them.
+const OPT_KEEPALIVE: c_int = 1;
+const OPT_REUSEADDR: c_int = 2;
+const OPT_NODELAY: c_int = 3;
+const OPT_SNDBUF: c_int = 4;
+const OPT_RCVBUF: c_int = 5;
+
+impl TcpSock {
     /// Puts the connection in its pool (`setkeepalive`); the socket is
     /// then closed. Errors as ngx_lua words them.
-    fn keepalive(&mut self, idle: Duration, size: usize) -> Result<(), Cow<'static, str>> {
+    fn keepalive(&mut self, idle: Duration, size: usize) -> c_int {
+        if self.op.connect.is_some() {
+            return E_CONNECTING;
+        }
+        if self.busy() {
+            return E_BUSY;
+        }
         let Some(mut conn) = self.conn.take() else {
-            return Err("closed".into());
+            return E_CLOSED;
         };
         if !self.buf.is_empty() {
             // Unread data: the connection's state is unknown, close it.
             self.close_conn();
-            return Err("unread data in buffer".into());
+            return self.fail("unread data in buffer");
         }
         if !conn.still_open() {
             self.close_conn();
-            return Err("invalid connection".into());
+            return self.fail("invalid connection");
         }
         let spool = match self.spool.take() {
             Some(s) => Some(s),
@@ -539,707 +630,65 @@ impl TcpSock {
             // Too many pools on this thread: the connection just closes.
             None => self.close_conn(),
         }
-        Ok(())
+        1
     }
 
-    async fn sslhandshake(&mut self, lua: &Lua, name: Option<LuaString>, verify: bool) -> Ret {
-        let Some(conn) = self.conn.take() else {
-            return fail(lua, "closed");
-        };
-        if conn.is_tls() {
-            // A pooled connection, already TLS (ngx_lua returns at once).
-            self.conn = Some(conn);
-            return ok1(lua);
+    /// `close()`: 1, or [`E_CLOSED`] when there was no connection (a
+    /// connect under way is not cut short: [`E_CONNECTING`]).
+    fn close(&mut self) -> c_int {
+        if self.op.connect.is_some() {
+            return E_CONNECTING;
         }
-        let name_b = name.as_ref().map(|n| n.as_bytes());
-        let server_name = match name_b.as_deref().filter(|n| !n.is_empty()) {
-            Some(n) => match std::str::from_utf8(n)
-                .ok()
-                .and_then(|n| rustls::pki_types::ServerName::try_from(n.to_owned()).ok())
-            {
-                Some(n) => n,
-                None => {
-                    self.close_conn();
-                    return fail(lua, "bad server name");
-                }
-            },
-            // No SNI (rustls sends none for an address), no name check.
-            None => rustls::pki_types::ServerName::IpAddress(
-                self.peer_ip
-                    .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED))
-                    .into(),
-            ),
-        };
-        let cfg = match tls_config(verify, name_b.as_deref().is_some_and(|n| !n.is_empty())) {
-            Ok(c) => c,
-            Err(e) => {
-                self.close_conn();
-                return fail(lua, e);
-            }
-        };
-        let connector = tokio_rustls::TlsConnector::from(cfg);
-        let t = self.connect_timeout;
-        let r = match conn {
-            Conn::Tcp(s) => tokio::time::timeout(t, connector.connect(server_name, s))
-                .await
-                .map(|r| r.map(|s| Conn::TlsTcp(Box::new(s)))),
-            Conn::Unix(s) => tokio::time::timeout(t, connector.connect(server_name, s))
-                .await
-                .map(|r| r.map(|s| Conn::TlsUnix(Box::new(s)))),
-            // Already TLS (checked above; kept as it is).
-            c @ (Conn::TlsTcp(_) | Conn::TlsUnix(_)) => {
-                self.conn = Some(c);
-                return ok1(lua);
-            }
-        };
-        match r {
-            Ok(Ok(c)) => {
-                self.conn = Some(c);
-                ok1(lua)
-            }
-            Ok(Err(e)) => {
-                self.close_conn();
-                fail(lua, tls_err(&e))
-            }
-            Err(_) => {
-                self.close_conn();
-                fail(lua, "timeout")
-            }
+        let open = self.conn.is_some();
+        self.close_conn();
+        if open {
+            1
+        } else {
+            E_CLOSED
         }
     }
 
-    fn setoption(&mut self, lua: &Lua, opt: u8, val: f64) -> Ret {
+    /// `setoption(opt, val)`: 1, or an error.
+    fn setoption(&mut self, opt: c_int, val: f64) -> c_int {
         let Some(c) = self.conn.as_ref() else {
-            return fail(lua, "closed");
+            return E_CLOSED;
         };
         if !(0.0..=f64::from(i32::MAX)).contains(&val) {
-            return fail(lua, "bad option value");
+            return self.fail("bad option value");
         }
         let s = c.sock_ref();
         let on = val != 0.0;
         let r = match opt {
-            1 => s.set_keepalive(on),
-            2 => s.set_reuse_address(on),
-            3 => s.set_tcp_nodelay(on),
-            4 => s.set_send_buffer_size(val as usize),
-            5 => s.set_recv_buffer_size(val as usize),
-            _ => return fail(lua, "unsupported option"),
+            OPT_KEEPALIVE => s.set_keepalive(on),
+            OPT_REUSEADDR => s.set_reuse_address(on),
+            OPT_NODELAY => s.set_tcp_nodelay(on),
+            OPT_SNDBUF => s.set_send_buffer_size(val as usize),
+            OPT_RCVBUF => s.set_recv_buffer_size(val as usize),
+            _ => return self.fail("unsupported option"),
         };
         match r {
-            Ok(()) => true.into_lua_multi(lua),
-            Err(e) => fail(lua, &io_err(&e)),
+            Ok(()) => 1,
+            Err(e) => self.fail(io_err(&e)),
         }
     }
 
-    fn getoption(&mut self, lua: &Lua, opt: u8) -> Ret {
+    /// `getoption(opt)`: the value (0 or 1 for flags), or an error.
+    fn getoption(&mut self, opt: c_int) -> c_int {
         let Some(c) = self.conn.as_ref() else {
-            return fail(lua, "closed");
+            return E_CLOSED;
         };
         let s = c.sock_ref();
         let r = match opt {
-            1 => s.keepalive().map(i64::from),
-            2 => s.reuse_address().map(i64::from),
-            3 => s.tcp_nodelay().map(i64::from),
-            4 => s.send_buffer_size().map(|n| n as i64),
-            5 => s.recv_buffer_size().map(|n| n as i64),
-            _ => return fail(lua, "unsupported option"),
+            OPT_KEEPALIVE => s.keepalive().map(usize::from),
+            OPT_REUSEADDR => s.reuse_address().map(usize::from),
+            OPT_NODELAY => s.tcp_nodelay().map(usize::from),
+            OPT_SNDBUF => s.send_buffer_size(),
+            OPT_RCVBUF => s.recv_buffer_size(),
+            _ => return self.fail("unsupported option"),
         };
         match r {
-            Ok(v) => v.into_lua_multi(lua),
-            Err(e) => fail(lua, &io_err(&e)),
+            Ok(v) => c_int::try_from(v).unwrap_or(c_int::MAX),
+            Err(e) => self.fail(io_err(&e)),
         }
     }
-}
-
-// === TLS ===
-
-/// The three client configs (`ssl_verify` with a server name, without
-/// one, no verification), built once per process. Sessions are cached by
-/// rustls (in memory, per server name): `reused_session` is not needed.
-fn tls_config(verify: bool, named: bool) -> Result<Arc<rustls::ClientConfig>, &'static str> {
-    static CFG: OnceLock<[Option<Arc<rustls::ClientConfig>>; 3]> = OnceLock::new();
-    let cfgs = CFG.get_or_init(build_tls_configs);
-    let i = match (verify, named) {
-        (true, true) => 0,
-        (true, false) => 1,
-        (false, _) => 2,
-    };
-    cfgs[i]
-        .clone()
-        .ok_or("20: unable to get local issuer certificate")
-}
-
-fn build_tls_configs() -> [Option<Arc<rustls::ClientConfig>>; 3] {
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let builder = || {
-        rustls::ClientConfig::builder_with_provider(provider.clone())
-            .with_safe_default_protocol_versions()
-            .ok()
-    };
-    // The system trust store (`SSL_CERT_FILE` / `SSL_CERT_DIR` override it).
-    let mut roots = rustls::RootCertStore::empty();
-    let (added, _) =
-        roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
-    let roots = Arc::new(roots);
-    let webpki = (added > 0)
-        .then(|| {
-            rustls::client::WebPkiServerVerifier::builder_with_provider(
-                roots.clone(),
-                provider.clone(),
-            )
-            .build()
-            .ok()
-        })
-        .flatten();
-    let named = webpki.as_ref().and_then(|_| {
-        Some(Arc::new(
-            builder()?
-                .with_root_certificates(roots.clone())
-                .with_no_client_auth(),
-        ))
-    });
-    let chain_only = webpki.and_then(|v| {
-        Some(Arc::new(
-            builder()?
-                .dangerous()
-                .with_custom_certificate_verifier(Arc::new(ChainOnly(v)))
-                .with_no_client_auth(),
-        ))
-    });
-    let none = builder().map(|b| {
-        Arc::new(
-            b.dangerous()
-                .with_custom_certificate_verifier(Arc::new(pier_tls::NoVerify(provider.clone())))
-                .with_no_client_auth(),
-        )
-    });
-    [named, chain_only, none]
-}
-
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{CertificateError, DigitallySignedStruct, SignatureScheme};
-
-/// `ssl_verify` without a server name: the chain is verified, not the
-/// name (ngx_lua checks the name only when one is given).
-#[derive(Debug)]
-struct ChainOnly(Arc<rustls::client::WebPkiServerVerifier>);
-
-impl ServerCertVerifier for ChainOnly {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        intermediates: &[CertificateDer<'_>],
-        server_name: &ServerName<'_>,
-        ocsp: &[u8],
-        now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
-        {
-            Err(rustls::Error::InvalidCertificate(
-                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-            )) => Ok(ServerCertVerified::assertion()),
-            r => r,
-        }
-    }
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
-    }
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
-    }
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
-    }
-}
-
-/// A failed handshake as ngx_lua reports it (OpenSSL's verify codes).
-fn tls_err(e: &io::Error) -> &'static str {
-    let Some(re) = e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) else {
-        return "handshake failed";
-    };
-    match re {
-        rustls::Error::InvalidCertificate(c) => match c {
-            CertificateError::UnknownIssuer => "20: unable to get local issuer certificate",
-            CertificateError::Expired | CertificateError::ExpiredContext { .. } => {
-                "10: certificate has expired"
-            }
-            CertificateError::NotValidYet | CertificateError::NotValidYetContext { .. } => {
-                "9: certificate is not yet valid"
-            }
-            CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. } => {
-                "certificate host mismatch"
-            }
-            CertificateError::Revoked => "23: certificate revoked",
-            CertificateError::BadSignature => "7: certificate signature failure",
-            _ => "certificate verify failed",
-        },
-        _ => "handshake failed",
-    }
-}
-
-// === the socket table ===
-//
-// Sockets (TCP and UDP) live in a per-thread slab and Lua holds only a
-// handle: the slot index plus the slot's generation, bumped whenever the
-// slot is freed, so a handle to a freed socket never reaches the socket
-// that reuses its slot (`bad socket`). Each socket records its owner (the
-// request or timer run that created it, see `Current::owner`): another one
-// using it gets `bad request`, as OpenResty answers. A request's sockets
-// are freed when it ends (`RequestCtx` drop), a timer run's when it
-// returns, and (past a request's first `UNANCHORED_PER_REQUEST`) earlier
-// when Lua collects the object (an `ffi.gc` anchor). Lua never holds a
-// pointer to a socket, only this checked handle.
-
-/// Bits of the slot index in a handle: a handle is `gen << INDEX_BITS | index`,
-/// below 2^53 so that Lua's doubles hold it exactly.
-const INDEX_BITS: u32 = 24;
-const GEN_MASK: u32 = (1 << 28) - 1;
-/// No more slots than the index bits can name.
-const MAX_SLOTS: usize = (1 << INDEX_BITS) - 1;
-
-thread_local! {
-    static SOCKS: RefCell<Slab> = RefCell::new(Slab::default());
-}
-
-#[derive(Clone)]
-pub(super) enum Sock {
-    Tcp(Rc<RefCell<TcpSock>>),
-    Udp(Rc<RefCell<UdpSock>>),
-}
-
-struct Slot {
-    gen: u32,
-    owner: u64,
-    sock: Option<Sock>,
-    /// The owner's other live sockets: a doubly linked list through the
-    /// slots ([`NIL`] ends it), so a request's end frees its sockets
-    /// without scanning the slab.
-    prev: u32,
-    next: u32,
-}
-
-/// No slot (list ends).
-const NIL: u32 = u32::MAX;
-
-/// An owner's live sockets: how many, and the first of its list.
-#[derive(Clone, Copy)]
-struct Owned {
-    count: usize,
-    head: u32,
-}
-
-/// Owner ids are a per-thread counter: one multiplication spreads them
-/// (SipHash was a visible part of each request's socket bookkeeping).
-#[derive(Default)]
-struct OwnerHasher(u64);
-
-impl std::hash::Hasher for OwnerHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
-#[derive(Default)]
-struct Slab {
-    slots: Vec<Slot>,
-    free: Vec<usize>,
-    /// Live sockets, and live sockets per owner.
-    live: usize,
-    per_owner: HashMap<u64, Owned, std::hash::BuildHasherDefault<OwnerHasher>>,
-}
-
-fn split(handle: u64) -> (usize, u32) {
-    (
-        (handle & ((1 << INDEX_BITS) - 1)) as usize,
-        (handle >> INDEX_BITS) as u32,
-    )
-}
-
-/// Why a socket could not be created.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Full {
-    Request,
-    Worker,
-}
-
-impl Slab {
-    fn alloc(
-        &mut self,
-        owner: u64,
-        limits: &LuaLimits,
-        make: &dyn Fn(&LuaLimits) -> Sock,
-    ) -> Result<(u64, usize), Full> {
-        if self.live >= limits.max_sockets_per_worker.min(MAX_SLOTS) {
-            return Err(Full::Worker);
-        }
-        let mine = self.per_owner.get(&owner).map_or(0, |o| o.count);
-        if mine >= limits.max_sockets_per_request {
-            return Err(Full::Request);
-        }
-        let sock = Some(make(limits));
-        let i = match self.free.pop() {
-            Some(i) => i,
-            None => {
-                self.slots.push(Slot {
-                    gen: 0,
-                    owner: 0,
-                    sock: None,
-                    prev: NIL,
-                    next: NIL,
-                });
-                self.slots.len() - 1
-            }
-        };
-        // Below MAX_SLOTS < 2^24: fits the list links.
-        let link = i as u32;
-        let owned = self.per_owner.entry(owner).or_insert(Owned {
-            count: 0,
-            head: NIL,
-        });
-        let old_head = owned.head;
-        owned.count += 1;
-        owned.head = link;
-        if old_head != NIL {
-            self.slots[old_head as usize].prev = link;
-        }
-        let slot = &mut self.slots[i];
-        slot.owner = owner;
-        slot.sock = sock;
-        slot.prev = NIL;
-        slot.next = old_head;
-        self.live += 1;
-        Ok((u64::from(slot.gen) << INDEX_BITS | i as u64, mine))
-    }
-
-    /// Frees slot `i` if it holds a socket; its generation moves on. The
-    /// socket is returned, to be dropped after the slab's borrow ends.
-    fn release(&mut self, i: usize) -> Option<Sock> {
-        let slot = self.slots.get_mut(i)?;
-        let sock = slot.sock.take()?;
-        slot.gen = (slot.gen + 1) & GEN_MASK;
-        let owner = std::mem::take(&mut slot.owner);
-        let (prev, next) = (slot.prev, slot.next);
-        slot.prev = NIL;
-        slot.next = NIL;
-        if next != NIL {
-            self.slots[next as usize].prev = prev;
-        }
-        if prev != NIL {
-            self.slots[prev as usize].next = next;
-        }
-        self.live -= 1;
-        if let Some(o) = self.per_owner.get_mut(&owner) {
-            o.count -= 1;
-            if o.count == 0 {
-                self.per_owner.remove(&owner);
-            } else if prev == NIL {
-                o.head = next;
-            }
-        }
-        self.free.push(i);
-        Some(sock)
-    }
-
-    /// Frees the first socket of `owner`'s list, if it has one.
-    fn release_first(&mut self, owner: u64) -> Option<Sock> {
-        if self.live == 0 {
-            // Every request end comes here: no hashing when no socket is alive.
-            return None;
-        }
-        let head = self.per_owner.get(&owner)?.head;
-        self.release(head as usize)
-    }
-}
-
-/// Frees the socket `handle` names, unless its slot has moved on.
-fn free_sock(handle: u64) {
-    let (i, gen) = split(handle);
-    // `try_with`: finalizers may run while the thread is being torn down.
-    // `try_borrow_mut`: never panic in a finalizer (nothing borrows the
-    // slab while Lua runs, so this does not skip in practice).
-    let freed = SOCKS.try_with(|s| {
-        let Ok(mut s) = s.try_borrow_mut() else {
-            return None;
-        };
-        if s.slots.get(i).is_some_and(|slot| slot.gen == gen) {
-            s.release(i)
-        } else {
-            None
-        }
-    });
-    // After the slab's borrow: closing a connection may wake a queued connect.
-    if let Ok(Some(sock)) = freed {
-        fast::recycle(sock);
-    }
-}
-
-/// Frees every socket of `owner` (a request ended, a timer run returned).
-pub(crate) fn free_owner(owner: u64) {
-    // One at a time, each dropped after the slab's borrow ends (closing a
-    // connection may wake a queued connect); nothing is collected in a Vec.
-    loop {
-        // Never panic in a `Drop` (see `free_sock`).
-        let freed = SOCKS.try_with(|s| {
-            let Ok(mut s) = s.try_borrow_mut() else {
-                return None;
-            };
-            s.release_first(owner)
-        });
-        match freed {
-            Ok(Some(sock)) => fast::recycle(sock),
-            _ => break,
-        }
-    }
-}
-
-/// The socket `handle`, if it is still that socket and belongs to the
-/// request (or timer run) now running.
-pub(super) fn lookup(handle: u64) -> mlua::Result<Sock> {
-    lookup_raw(handle).map_err(|bad| match bad {
-        Bad::Request => mlua::Error::runtime("bad request"),
-        Bad::Socket => bad_socket(),
-    })
-}
-
-/// Why a handle does not name a usable socket.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Bad {
-    /// Another request's (or timer run's) socket.
-    Request,
-    /// Freed: collected, closed with its request, or never a socket.
-    Socket,
-}
-
-/// [`lookup`] without building an error (the FFI fast path).
-pub(super) fn lookup_raw(handle: u64) -> Result<Sock, Bad> {
-    let (i, gen) = split(handle);
-    let owner = current::get().owner;
-    SOCKS.with_borrow(|s| match s.slots.get(i) {
-        Some(Slot {
-            gen: g,
-            owner: o,
-            sock: Some(sock),
-            ..
-        }) if *g == gen => {
-            if *o != owner || owner == 0 {
-                Err(Bad::Request)
-            } else {
-                Ok(sock.clone())
-            }
-        }
-        _ => Err(Bad::Socket),
-    })
-}
-
-fn bad_socket() -> mlua::Error {
-    mlua::Error::runtime("bad socket (closed: collected, or its request ended)")
-}
-
-fn sock(handle: u64) -> mlua::Result<Rc<RefCell<TcpSock>>> {
-    match lookup(handle)? {
-        Sock::Tcp(s) => Ok(s),
-        Sock::Udp(_) => Err(bad_socket()),
-    }
-}
-
-/// A new socket for the current request or timer run.
-pub(super) fn new_sock(lua: &Lua, make: &dyn Fn(&LuaLimits) -> Sock) -> mlua::Result<u64> {
-    let cur = current::get();
-    let Some(engine) = cur.engine else {
-        return Err(mlua::Error::runtime("no request"));
-    };
-    // SAFETY: the engine outlives every hook call it runs (see `Current`).
-    let limits = unsafe { engine.as_ref() }.limits;
-    if cur.owner == 0 {
-        return Err(mlua::Error::runtime("no request"));
-    }
-    let mut r = SOCKS.with_borrow_mut(|s| s.alloc(cur.owner, &limits, make));
-    if r.is_err() {
-        // Sockets Lua no longer references may just not be collected yet:
-        // collect (their anchors free them) and try once more.
-        lua.gc_collect()?;
-        r = SOCKS.with_borrow_mut(|s| s.alloc(cur.owner, &limits, make));
-    }
-    r.map(|(h, _)| h).map_err(|full| {
-        mlua::Error::runtime(match full {
-            Full::Request => "too many sockets in this request (lua.max_sockets_per_request)",
-            Full::Worker => "too many sockets in this worker (lua.max_sockets_per_worker)",
-        })
-    })
-}
-
-/// Why [`try_new_tcp`] made no socket.
-pub(super) enum NoSock {
-    NoRequest,
-    Full(Full),
-}
-
-/// A request's first sockets that need no `ffi.gc` anchor: the request's
-/// end frees them. Registering a finalizer and running it when the object
-/// is collected cost about 2k instructions per `ngx.socket.tcp()` (the
-/// finalizer table's insert, the collector's resurrection and its protected
-/// call; callgrind, BENCHMARKS.md stop 27), for a socket that the request's
-/// end frees anyway. Past these, a hook creating sockets in a loop gets
-/// anchored ones that the collector frees, so a request holds at most this
-/// many abandoned sockets beyond what Lua still references. Timer runs (which
-/// may loop for the worker's life) always anchor.
-pub(super) const UNANCHORED_PER_REQUEST: usize = 4;
-
-/// A new TCP socket for the current request or timer run, without the
-/// collection [`new_sock`] tries when full (the FFI caller collects and
-/// asks again); and whether its Lua object needs an anchor
-/// ([`UNANCHORED_PER_REQUEST`]).
-pub(super) fn try_new_tcp() -> Result<(u64, bool), NoSock> {
-    let cur = current::get();
-    let Some(engine) = cur.engine else {
-        return Err(NoSock::NoRequest);
-    };
-    if cur.owner == 0 {
-        return Err(NoSock::NoRequest);
-    }
-    // SAFETY: the engine outlives every hook call it runs (see `Current`).
-    let limits = unsafe { engine.as_ref() }.limits;
-    let (h, before) = SOCKS
-        .with_borrow_mut(|s| {
-            s.alloc(cur.owner, &limits, &|l| {
-                Sock::Tcp(fast::new_tcp(l.socket_buffer, l.socket_pool_wait))
-            })
-        })
-        .map_err(NoSock::Full)?;
-    Ok((h, cur.ctx.is_none() || before >= UNANCHORED_PER_REQUEST))
-}
-
-/// Frees a socket (its Lua object was collected); shared with UDP.
-pub(super) fn free_native(lua: &Lua) -> mlua::Result<mlua::Function> {
-    lua.create_function(|_, id: u64| {
-        free_sock(id);
-        Ok(())
-    })
-}
-
-macro_rules! with_sock {
-    ($id:expr, $s:ident, $body:block) => {{
-        let rc = sock($id)?;
-        let Ok(mut guard) = rc.try_borrow_mut() else {
-            return Err(mlua::Error::runtime("socket busy"));
-        };
-        let $s: &mut TcpSock = &mut guard;
-        $body
-    }};
-}
-
-/// A duration in ms from Lua; 0 means `default`.
-fn ms_or(ms: f64, default: Duration, what: &str) -> mlua::Result<Duration> {
-    let d = crate::limits::lua_ms(ms, what)?;
-    Ok(if d.is_zero() { default } else { d })
-}
-
-/// The socket natives; `lua/pier/socket.lua` wraps them in objects.
-// Holding a socket's `RefCell` across awaits is the point: a socket belongs
-// to one coroutine at a time, and a second user gets "socket busy"
-// (`try_borrow_mut`), never a panic.
-#[allow(clippy::await_holding_refcell_ref)]
-pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
-    natives.set("tcp_free", free_native(lua)?)?;
-    // SAFETY: each is a `lua_CFunction` that reads its arguments with the
-    // C API's checked accessors, pushes only its results and raises no
-    // Lua error (see `fast`'s classic C functions).
-    unsafe {
-        natives.set("tcp_recv_c", lua.create_c_function(fast::l_recv)?)?;
-        natives.set("tcp_send_c", lua.create_c_function(fast::l_send)?)?;
-        natives.set(
-            "tcp_settimeouts_c",
-            lua.create_c_function(fast::l_settimeouts)?,
-        )?;
-        natives.set("tcp_free_c", lua.create_c_function(fast::l_free)?)?;
-        natives.set(
-            "tcp_setkeepalive_c",
-            lua.create_c_function(fast::l_setkeepalive)?,
-        )?;
-    }
-    natives.set(
-        "tcp_connect",
-        lua.create_async_function(
-            |lua,
-             (id, host, port, pool, pool_size, backlog): (
-                u64,
-                LuaString,
-                i64,
-                Option<LuaString>,
-                i64,
-                i64,
-            )| async move {
-                with_sock!(id, this, {
-                    this.connect(&lua, host, port, pool, pool_size, backlog)
-                        .await
-                })
-            },
-        )?,
-    )?;
-    natives.set(
-        "tcp_sslhandshake",
-        lua.create_async_function(
-            |lua, (id, name, verify): (u64, Option<LuaString>, bool)| async move {
-                with_sock!(id, this, { this.sslhandshake(&lua, name, verify).await })
-            },
-        )?,
-    )?;
-    natives.set(
-        "tcp_settimeouts",
-        lua.create_function(|_, (id, c, s, r): (u64, f64, f64, f64)| {
-            with_sock!(id, this, {
-                this.connect_timeout = ms_or(c, DEFAULT_TIMEOUT, "bad timeout")?;
-                this.send_timeout = ms_or(s, DEFAULT_TIMEOUT, "bad timeout")?;
-                this.read_timeout = ms_or(r, DEFAULT_TIMEOUT, "bad timeout")?;
-                Ok(())
-            })
-        })?,
-    )?;
-    natives.set(
-        "tcp_close",
-        lua.create_function(|lua, id: u64| {
-            with_sock!(id, this, {
-                if this.conn.is_none() {
-                    this.close_conn();
-                    return fail(lua, "closed");
-                }
-                this.close_conn();
-                ok1(lua)
-            })
-        })?,
-    )?;
-    natives.set(
-        "tcp_setoption",
-        lua.create_function(|lua, (id, opt, val): (u64, u8, f64)| {
-            with_sock!(id, this, { this.setoption(lua, opt, val) })
-        })?,
-    )?;
-    natives.set(
-        "tcp_getoption",
-        lua.create_function(|lua, (id, opt): (u64, u8)| {
-            with_sock!(id, this, { this.getoption(lua, opt) })
-        })?,
-    )?;
-    Ok(())
 }

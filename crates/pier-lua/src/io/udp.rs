@@ -1,6 +1,6 @@
 //! `ngx.socket.udp()`: connected datagram cosockets (UDP or unix), as
 //! ngx_lua has them. They live in the TCP sockets' slab (same handles,
-//! owners and limits, see `tcp.rs`); `lua/pier/ngx_socket.lua` wraps the
+//! owners and limits, see `table.rs`); `lua/pier/ngx_socket.lua` wraps the
 //! natives in objects.
 
 use std::cell::RefCell;
@@ -11,7 +11,8 @@ use std::time::Duration;
 use mlua::{IntoLuaMulti, Lua, LuaString, MultiValue, Value};
 use tokio::net::{UdpSocket, UnixDatagram};
 
-use super::tcp::{self, io_err, Sock};
+use super::table::{self, Sock};
+use super::tcp::{self, io_err};
 
 /// ngx_lua's `lua_socket_read_timeout` default.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -108,12 +109,12 @@ impl UdpSock {
                 &s
             }
             Value::Table(_) => {
-                tcp::flatten(lua, data, &mut wbuf, 0, self.max_buf)?;
+                flatten(lua, data, &mut wbuf, 0, self.max_buf)?;
                 &wbuf
             }
-            _ => match tcp::scalar(lua, data, &mut num)? {
-                Some(tcp::Scalar::Static(b)) | Some(tcp::Scalar::Num(b)) => b,
-                Some(tcp::Scalar::Lua(v)) => {
+            _ => match scalar(lua, data, &mut num)? {
+                Some(Scalar::Static(b)) | Some(Scalar::Num(b)) => b,
+                Some(Scalar::Lua(v)) => {
                     wbuf.extend_from_slice(&v.as_bytes());
                     &wbuf
                 }
@@ -168,9 +169,92 @@ impl UdpSock {
     }
 }
 
+// === send data ===
+
+/// Deepest nesting of tables `send` flattens (a table may contain itself).
+const MAX_SEND_DEPTH: usize = 100;
+
+/// A scalar `send` value's bytes.
+enum Scalar<'a> {
+    Static(&'static [u8]),
+    Num(&'a [u8]),
+    Lua(LuaString),
+}
+
+/// nil, booleans, numbers and `ngx.null` as ngx_lua's `send` writes them;
+/// `None` for other types.
+fn scalar<'a>(lua: &Lua, v: &Value, num: &'a mut itoa::Buffer) -> mlua::Result<Option<Scalar<'a>>> {
+    Ok(Some(match v {
+        Value::Nil => Scalar::Static(b"nil"),
+        Value::Boolean(true) => Scalar::Static(b"true"),
+        Value::Boolean(false) => Scalar::Static(b"false"),
+        Value::LightUserData(p) if p.0.is_null() => Scalar::Static(b"null"),
+        Value::Integer(n) => Scalar::Num(num.format(*n).as_bytes()),
+        // Whole numbers without allocating; others as Lua prints them (%.14g).
+        Value::Number(f) if f.fract() == 0.0 && f.abs() < 1e15 && *f != 0.0 => {
+            Scalar::Num(num.format(*f as i64).as_bytes())
+        }
+        Value::Number(_) => match lua.coerce_string(v.clone())? {
+            Some(s) => Scalar::Lua(s),
+            None => return Ok(None),
+        },
+        _ => return Ok(None),
+    }))
+}
+
+/// Appends `v` (a string, scalar or array of them, nested) to `out`,
+/// at most `max` bytes.
+fn flatten(lua: &Lua, v: &Value, out: &mut Vec<u8>, depth: usize, max: usize) -> mlua::Result<()> {
+    let too_big =
+        || mlua::Error::runtime("bad argument #1 to 'send' (data over lua.socket_buffer bytes)");
+    match v {
+        Value::String(s) => {
+            let b = s.as_bytes();
+            if out.len() + b.len() > max {
+                return Err(too_big());
+            }
+            out.extend_from_slice(&b);
+        }
+        Value::Table(t) => {
+            if depth >= MAX_SEND_DEPTH {
+                return Err(mlua::Error::runtime(
+                    "bad argument #1 to 'send' (tables nested too deeply)",
+                ));
+            }
+            let n = t.raw_len();
+            for i in 1..=n {
+                let item: Value = t.raw_get(i)?;
+                if matches!(item, Value::Nil) {
+                    return Err(mlua::Error::runtime(
+                        "bad argument #1 to 'send' (non-array table found)",
+                    ));
+                }
+                flatten(lua, &item, out, depth + 1, max)?;
+            }
+        }
+        _ => {
+            let mut num = itoa::Buffer::new();
+            match scalar(lua, v, &mut num)? {
+                Some(Scalar::Static(b)) | Some(Scalar::Num(b)) => out.extend_from_slice(b),
+                Some(Scalar::Lua(s)) => out.extend_from_slice(&s.as_bytes()),
+                None => {
+                    return Err(mlua::Error::runtime(format!(
+                        "bad argument #1 to 'send' (bad data type {} found)",
+                        v.type_name()
+                    )))
+                }
+            }
+            if out.len() > max {
+                return Err(too_big());
+            }
+        }
+    }
+    Ok(())
+}
+
 macro_rules! with_udp {
     ($id:expr, $s:ident, $body:block) => {{
-        let Sock::Udp(rc) = tcp::lookup($id)? else {
+        let Sock::Udp(rc) = table::lookup($id)? else {
             return Err(mlua::Error::runtime(
                 "bad socket (closed: collected, or its request ended)",
             ));
@@ -184,18 +268,20 @@ macro_rules! with_udp {
 }
 
 /// The UDP natives.
-// A socket belongs to one coroutine at a time (see `tcp::register`).
+// Holding a socket's `RefCell` across awaits is the point: a socket belongs
+// to one coroutine at a time, and a second user gets "socket busy"
+// (`try_borrow_mut`), never a panic.
 #[allow(clippy::await_holding_refcell_ref)]
 pub(crate) fn register(lua: &Lua, natives: &mlua::Table) -> mlua::Result<()> {
     natives.set(
         "udp_new",
         lua.create_function(|lua, ()| {
-            tcp::new_sock(lua, &|l| {
+            table::new_sock(lua, &|l| {
                 Sock::Udp(Rc::new(RefCell::new(UdpSock::new(l.socket_buffer))))
             })
         })?,
     )?;
-    natives.set("udp_free", tcp::free_native(lua)?)?;
+    natives.set("udp_free", table::free_native(lua)?)?;
     natives.set(
         "udp_setpeername",
         lua.create_async_function(|lua, (id, host, port): (u64, LuaString, i64)| async move {
