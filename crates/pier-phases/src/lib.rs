@@ -477,14 +477,6 @@ impl Phases for ConfigPhases {
         hooked.then_some(&mut ctx.body)
     }
 
-    fn filters_local(&self, st: &State, s: &Session) -> bool {
-        let (Some(route), Some(_)) = (s.route, &st.scripts) else {
-            return false;
-        };
-        matches!(&*self.engine.borrow(), Some((g, e)) if *g == st.generation
-            && (e.has_hook(route, Phase::HeaderFilter) || e.has_hook(route, Phase::BodyFilter)))
-    }
-
     fn has_body_filter(&self, st: &State, s: &Session) -> bool {
         let (Some(route), Some(_)) = (s.route, &st.scripts) else {
             return false;

@@ -278,38 +278,6 @@ fn set_coding(h: &mut Headers, enc: Option<Coding>) {
     weaken_etag(h);
 }
 
-/// A Pier-made answer (whole body at hand): the compressed body, the head
-/// edited to match; None: sent as it is.
-pub fn local(
-    state: &State,
-    sess: &Session,
-    head: &mut ResponseHead,
-    body: &[u8],
-) -> Option<Vec<u8>> {
-    if body.is_empty() {
-        return None;
-    }
-    let mut codec = plan(state, sess, head, BodySize::Length(body.len() as u64))?;
-    let mut p = BytesMut::new();
-    let mut input = body;
-    let mut out = Vec::new();
-    loop {
-        p.clear();
-        let more = codec.decode_into(&mut input, &mut p).ok()?;
-        codec.encode(&mut p).ok()?;
-        out.extend_from_slice(&p);
-        if !more {
-            break;
-        }
-    }
-    p.clear();
-    codec.decode_finish(&mut p).ok()?;
-    codec.encode(&mut p).ok()?;
-    codec.encode_finish(&mut p).ok()?;
-    out.extend_from_slice(&p);
-    Some(out)
-}
-
 // === coders ===
 
 fn enc_err(e: std::io::Error) -> Error {

@@ -522,7 +522,7 @@ pub(crate) async fn answer_error<P: Phases, D: Downstream>(
     kind: Kind,
 ) {
     let r = local_error(kind);
-    local_head(&mut b.resp, &r);
+    crate::local::local_head(&mut b.resp, &r);
     let _ = write_local(state, down, &mut b.resp, sess, r.reason, &r.body, true).await;
     w.shared.metrics.local_response(kind);
 }
@@ -588,7 +588,7 @@ async fn answer_plain<S: Stream>(
     kind: Kind,
 ) {
     let r = local_error(kind);
-    local_head(&mut b.work.resp, &r);
+    crate::local::local_head(&mut b.work.resp, &r);
     let mut down = H1Downstream {
         stream,
         rbuf: &mut b.rbuf,
@@ -1366,10 +1366,11 @@ async fn local_fail_inner<P: Phases, D: Downstream>(
 }
 
 /// Send a Pier-made response (an error, a limit's refusal, a Lua
-/// `content`/`pier.exit` answer) down the same pipeline as a proxied one:
-/// the route's response rules, its `response_filter` and `body_filter`
-/// when it has any (as OpenResty runs header and body filters on every
-/// response), then the session's writer.
+/// `content`/`pier.exit` answer) down the one response pipeline a proxied
+/// one takes (`relay`, with `local::LocalSource`): the route's response
+/// rules and CORS, its `response_filter` and `body_filter` (as OpenResty
+/// runs header and body filters on every response), compression, then the
+/// session's writer. `close`: the connection closes after it.
 #[allow(clippy::too_many_arguments)]
 async fn send_answer<P: Phases, D: Downstream>(
     w: &Worker<P>,
@@ -1381,62 +1382,51 @@ async fn send_answer<P: Phases, D: Downstream>(
     r: &LocalResponse,
     close: bool,
 ) -> bool {
-    local_head(&mut b.resp, r);
-    let mut filtered_body = None;
-    if sess.route.is_some() {
-        apply_response_rules(state, sess.route, &mut b.resp);
-        crate::cors::apply(state, sess, &mut b.resp);
-        if w.phases.filters_local(state, sess) {
-            // A filter that fails leaves the response as it was (the hook
-            // layer logs its error): an answer is already due.
-            sess.step = Step::ResponseFilter;
-            if w.phases
-                .response_filter(state, sess, &mut b.resp, ctx)
-                .is_err()
-            {
-                local_head(&mut b.resp, r);
-            } else if w.phases.has_body_filter(state, sess) {
-                let mut body = BytesMut::from(&r.body[..]);
-                if w.phases
-                    .body_filter(state, sess, ctx, &mut body, true)
-                    .is_ok()
-                {
-                    filtered_body = Some(body);
-                }
-            }
-        }
-    }
-    let body = filtered_body.as_deref().unwrap_or(&r.body);
-    let compressed = match sess.route {
-        Some(_) => crate::compress::local(state, sess, &mut b.resp, body),
-        None => None,
-    };
-    let body = compressed.as_deref().unwrap_or(body);
-    write_local(state, down, &mut b.resp, sess, r.reason, body, close)
-        .await
-        .is_ok()
-}
-
-/// The head of a Pier-made response.
-fn local_head(head: &mut ResponseHead, r: &LocalResponse) {
-    head.headers.clear();
-    head.version = 1;
-    head.set_status(r.status);
-    head.headers.append(b"Server", b"pier");
-    let mut has_ct = false;
-    for (n, v) in &r.headers {
-        has_ct |= n.eq_ignore_ascii_case(b"content-type");
-        head.headers.append(n, v);
-    }
-    if !has_ct {
-        head.headers.append(b"Content-Type", b"text/plain");
-    }
     if !r.reason.is_empty() {
-        head.headers.append(b"x-pier-reason", r.reason.as_bytes());
+        sess.reason = r.reason;
+    }
+    let mut src = crate::local::LocalSource::new(r, grpc_answer(sess, r.status));
+    let o = down_opts(state, sess, !close);
+    let (body_src, snk) = down.open(&o);
+    // The raw sink even for gRPC-web: the answer is shaped for it already.
+    let body_src = crate::req_body::BodyIn::new(body_src, None, &mut sess.bytes_received);
+    let none: Option<&mut H1RequestSink<tokio::io::Sink>> = None;
+    let r = exchange_with(
+        w,
+        state,
+        body_src,
+        snk,
+        &mut src,
+        none,
+        &mut b.resp,
+        sess,
+        ctx,
+        &mut None,
+    )
+    .await;
+    matches!(r, Ok(Relayed::Done(..)))
+}
+
+/// A gRPC client reads grpc-status, not the HTTP status: Pier's own errors
+/// reach it as trailers-only gRPC answers (logged with the HTTP status
+/// they stand for). The content type to answer with, if so.
+fn grpc_answer(sess: &Session, status: u16) -> Option<&'static [u8]> {
+    if status == 200 {
+        None
+    } else if let Some(form) = sess.grpc_web {
+        Some(match form {
+            crate::grpc_web::Form::Text => b"application/grpc-web-text",
+            crate::grpc_web::Form::Binary => b"application/grpc-web",
+        })
+    } else if crate::grpc::is_grpc(&sess.req) {
+        Some(b"application/grpc")
+    } else {
+        None
     }
 }
 
-/// Write a Pier-made response through the session's writer.
+/// Write a Pier-made response through the session's writer, no phase
+/// seeing it: an error no route sees (a bad head, a panic).
 #[allow(clippy::too_many_arguments)]
 async fn write_local<D: Downstream>(
     state: &State,
@@ -1455,21 +1445,7 @@ async fn write_local<D: Downstream>(
     }
     sess.status = head.status;
     sess.step = Step::Write;
-    // A gRPC client reads grpc-status, not the HTTP status: Pier's own
-    // errors reach it as trailers-only gRPC answers (logged with the HTTP
-    // status they stand for).
-    let grpc_ct: Option<&[u8]> = if head.status == 200 {
-        None
-    } else if let Some(form) = sess.grpc_web {
-        Some(match form {
-            crate::grpc_web::Form::Text => b"application/grpc-web-text",
-            crate::grpc_web::Form::Binary => b"application/grpc-web",
-        })
-    } else if crate::grpc::is_grpc(&sess.req) {
-        Some(b"application/grpc")
-    } else {
-        None
-    };
+    let grpc_ct = grpc_answer(sess, head.status);
     let (body, size) = if let Some(ct) = grpc_ct {
         crate::grpc::shape(head, reason, ct);
         (&[][..], BodySize::None)
@@ -1852,7 +1828,7 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
     if let Some(r) = src.cache_result() {
         sess.cache = r;
     }
-    if w.shared.analytics.is_some() {
+    if Src::FROM_ORIGIN && w.shared.analytics.is_some() {
         // One more clock read, only for the analytics that report it.
         sess.upstream_us = pier_clock::now()
             .saturating_duration_since(sess.started)
@@ -1863,25 +1839,36 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
     if upgrade && !sess.upgrade {
         return Err(Error::upstream(Kind::UpstreamProtocol));
     }
-    sess.step = Step::UpstreamResponseFilter;
-    if let Err(e) = w.phases.upstream_response_filter(state, sess, resp, ctx) {
-        return Err(Error::new(e.kind).retryable(false));
+    if Src::FROM_ORIGIN {
+        sess.step = Step::UpstreamResponseFilter;
+        if let Err(e) = w.phases.upstream_response_filter(state, sess, resp, ctx) {
+            return Err(Error::new(e.kind).retryable(false));
+        }
+        if !upgrade {
+            sess.step = Step::CacheStore;
+            w.phases.cache_store(state, sess, resp, ctx);
+            if sess
+                .route
+                .is_some_and(|r| state.cfg.routes[r].cache.is_some())
+            {
+                crate::cache::after_response(state, sess, resp);
+            }
+        }
     }
     if !upgrade {
-        sess.step = Step::CacheStore;
-        w.phases.cache_store(state, sess, resp, ctx);
-        if sess
-            .route
-            .is_some_and(|r| state.cfg.routes[r].cache.is_some())
-        {
-            crate::cache::after_response(state, sess, resp);
-        }
         apply_response_rules(state, sess.route, resp);
         crate::cors::apply(state, sess, resp);
     }
     sess.step = Step::ResponseFilter;
+    let mut filtered = true;
     if let Err(e) = w.phases.response_filter(state, sess, resp, ctx) {
-        return Err(Error::new(e.kind).retryable(false));
+        if Src::FROM_ORIGIN {
+            return Err(Error::new(e.kind).retryable(false));
+        }
+        // Pier's own answer is due already: a filter that fails leaves it
+        // as it was (the hook layer logged the error), unfiltered.
+        src.read_head(resp).await?;
+        filtered = false;
     }
     if upgrade {
         sess.status = resp.status;
@@ -1896,7 +1883,7 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         pier_http::remove_hop_by_hop(&mut resp.headers);
     }
     let mut size = src.body_size();
-    let lua_filter = size != BodySize::None && w.phases.has_body_filter(state, sess);
+    let lua_filter = filtered && size != BodySize::None && w.phases.has_body_filter(state, sess);
     // Compression (`[route.compress]`): after the Lua body filter, which
     // sees the body decoded.
     let mut codec = crate::compress::plan(state, sess, resp, size);
@@ -1911,9 +1898,14 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         resp.headers.remove_known(known::CONTENT_LENGTH);
         resp.headers.remove_known(known::TRANSFER_ENCODING);
     }
+    // Pier's own answer is at hand whole: filtered in full, then sent with
+    // its length, as it was made.
+    let mut whole = (!Src::FROM_ORIGIN && filtering).then(Vec::new);
     sess.step = Step::Write;
     sess.status = resp.status;
-    snk.write_head(resp, size).await?;
+    if whole.is_none() {
+        snk.write_head(resp, size).await?;
+    }
     let mut piece = filtering.then(BytesMut::new);
     if piece.is_none() {
         // A cached body in a mapping of its own leaves as its pages.
@@ -1951,7 +1943,10 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
                     if let Some(c) = &mut codec {
                         c.encode(p)?;
                     }
-                    snk.write_body(p).await?;
+                    match &mut whole {
+                        Some(all) => all.extend_from_slice(p),
+                        None => snk.write_body(p).await?,
+                    }
                     if !more {
                         break;
                     }
@@ -1973,10 +1968,18 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         if let Some(c) = &mut codec {
             c.encode_finish(p)?;
         }
-        snk.write_body(p).await?;
+        match &mut whole {
+            Some(all) => {
+                all.extend_from_slice(p);
+                snk.write_head(resp, BodySize::Length(all.len() as u64))
+                    .await?;
+                snk.write_body(all).await?;
+            }
+            None => snk.write_body(p).await?,
+        }
     }
     snk.finish(src.trailers()).await?;
-    if sess.grpc_web.is_some() || crate::grpc::is_grpc(&sess.req) {
+    if Src::FROM_ORIGIN && (sess.grpc_web.is_some() || crate::grpc::is_grpc(&sess.req)) {
         // The call's outcome: in the trailers, or in the head of a
         // trailers-only answer.
         let code = src

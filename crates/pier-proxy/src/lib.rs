@@ -19,6 +19,7 @@ pub mod grpc;
 pub mod grpc_web;
 pub mod h1;
 pub mod http2;
+pub mod local;
 pub mod phases;
 pub mod protocol;
 pub mod req_body;

@@ -286,13 +286,6 @@ pub trait Phases: 'static {
         Ok(())
     }
 
-    /// Does this request's route filter responses (head or body)? Then
-    /// responses Pier makes itself for it (hook answers, limits, errors) go
-    /// through `response_filter` and `body_filter` too.
-    fn filters_local(&self, _st: &State, _s: &Session) -> bool {
-        false
-    }
-
     /// Does this request's route filter response bodies? (Then the driver
     /// decodes the body and calls `body_filter` per piece.)
     fn has_body_filter(&self, _st: &State, _s: &Session) -> bool {

@@ -62,8 +62,12 @@ pub trait RequestSink {
     async fn finish(&mut self, trailers: Option<&Headers>) -> Result<(), Error>;
 }
 
-/// The origin's response.
+/// The origin's response (or a cache's, or Pier's own: `local::LocalSource`).
 pub trait ResponseSource {
+    /// The response comes from an origin (or a cache of one): the origin's
+    /// steps run on it (`upstream_response_filter`, the cache store, its
+    /// timing). False for Pier's own answers.
+    const FROM_ORIGIN: bool = true;
     /// The next response head into `head`: interim (1xx) heads come first,
     /// each returned on its own.
     async fn read_head(&mut self, head: &mut ResponseHead) -> Result<(), Error>;
@@ -97,6 +101,7 @@ pub trait ResponseSource {
 
 /// A borrowed source is a source (wrappers such as the cache's tee take one).
 impl<S: ResponseSource> ResponseSource for &mut S {
+    const FROM_ORIGIN: bool = S::FROM_ORIGIN;
     async fn read_head(&mut self, head: &mut ResponseHead) -> Result<(), Error> {
         (**self).read_head(head).await
     }
