@@ -1465,13 +1465,13 @@ async fn write_local<D: Downstream>(
             crate::grpc_web::Form::Text => b"application/grpc-web-text",
             crate::grpc_web::Form::Binary => b"application/grpc-web",
         })
-    } else if crate::grpc::is_grpc(&sess.req) {
+    } else if pier_grpc::is_grpc(&sess.req) {
         Some(b"application/grpc")
     } else {
         None
     };
     let (body, size) = if let Some(ct) = grpc_ct {
-        crate::grpc::shape(head, reason, ct);
+        pier_grpc::shape(head, reason, ct);
         (&[][..], BodySize::None)
     } else {
         (body, BodySize::Length(body.len() as u64))
@@ -1976,7 +1976,7 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         snk.write_body(p).await?;
     }
     snk.finish(src.trailers()).await?;
-    if sess.grpc_web.is_some() || crate::grpc::is_grpc(&sess.req) {
+    if sess.grpc_web.is_some() || pier_grpc::is_grpc(&sess.req) {
         // The call's outcome: in the trailers, or in the head of a
         // trailers-only answer.
         let code = src

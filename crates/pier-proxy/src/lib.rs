@@ -15,7 +15,6 @@ mod cors;
 pub mod dns;
 pub mod driver;
 pub mod forward;
-pub mod grpc;
 pub mod grpc_web;
 pub mod h1;
 pub mod http2;
