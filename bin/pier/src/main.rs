@@ -461,7 +461,7 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
                 return ExitCode::from(1);
             }
         };
-        match pier_proxy::analytics::Hub::start(&state.cfg.analytics, sink) {
+        match pier_analytics::hub::Hub::start(&state.cfg.analytics, sink) {
             Ok(h) => Some(Arc::new(h)),
             Err(e) => {
                 eprintln!("pier: {e}");
@@ -521,10 +521,10 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
 }
 
 /// `[analytics.kafka]`: the Kafka sink the analytics thread also hands
-/// every event to (pier-kafka; pier-proxy knows only its trait).
+/// every event to (pier-kafka; pier-analytics knows only its trait).
 struct KafkaSink(pier_kafka::Sink);
 
-impl pier_proxy::analytics::EventSink for KafkaSink {
+impl pier_analytics::hub::EventSink for KafkaSink {
     fn offer(&self, e: &pier_analytics::EventRef<'_>) {
         self.0.offer(e)
     }
@@ -539,7 +539,7 @@ impl pier_proxy::analytics::EventSink for KafkaSink {
 
 fn kafka_sink(
     a: &pier_config::Analytics,
-) -> Result<Option<Arc<dyn pier_proxy::analytics::EventSink>>, String> {
+) -> Result<Option<Arc<dyn pier_analytics::hub::EventSink>>, String> {
     let Some(k) = &a.kafka else { return Ok(None) };
     let sink = pier_kafka::Sink::start(&pier_kafka::SinkConfig {
         brokers: k.brokers.clone(),

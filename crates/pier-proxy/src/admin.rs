@@ -512,7 +512,7 @@ async fn handle(
                     "{\"error\":\"analytics is off ([analytics] enabled = false)\"}\n".into(),
                 );
             };
-            let q = match crate::analytics::query_of(&qs, wall_s()) {
+            let q = match pier_analytics::hub::query_of(&qs, wall_s()) {
                 Ok(q) => q,
                 Err(e) => {
                     return reply(
@@ -617,7 +617,7 @@ async fn stream_live(mut s: tokio::net::TcpStream, shared: Arc<Shared>) {
     }
 }
 
-fn seconds_json(hub: &crate::analytics::Hub, from: i64, to: i64) -> String {
+fn seconds_json(hub: &pier_analytics::hub::Hub, from: i64, to: i64) -> String {
     let secs = match hub.inner.lock() {
         Ok(g) => g.seconds(from, to),
         Err(_) => Vec::new(),

@@ -676,9 +676,9 @@ pub(crate) fn finish<P: Phases>(
     }
 }
 
-/// The logging step's hand-off to the analytics thread (analytics.rs).
+/// The logging step's hand-off to the analytics thread (pier_analytics::hub).
 fn record_event(
-    a: &crate::analytics::Hub,
+    a: &pier_analytics::hub::Hub,
     state: &State,
     sess: &Session,
     route: Option<usize>,
@@ -695,7 +695,7 @@ fn record_event(
         .conn
         .tls
         .as_deref()
-        .map(|t| crate::analytics::tls_version(t.version))
+        .map(|t| pier_analytics::hub::tls_version(t.version))
         .unwrap_or("");
     let ua = sess
         .req

@@ -7,7 +7,6 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
-pub mod analytics;
 pub mod cache;
 pub mod cache_key;
 pub mod compress;
@@ -59,7 +58,7 @@ pub struct Shared {
     pub access: AccessLog,
     /// Built-in analytics (`[analytics]`); None when off. Set up at start:
     /// a reload keeps it as it is.
-    pub analytics: Option<Arc<analytics::Hub>>,
+    pub analytics: Option<Arc<pier_analytics::hub::Hub>>,
     /// Open connections per client IP (`limits.max_connections_per_ip`).
     pub per_ip: pier_limits::Inflight,
     /// Drain, and the generation just installed (so that workers set up a
