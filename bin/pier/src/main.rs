@@ -597,7 +597,7 @@ async fn control(
     // Host names re-resolved as their TTLs run out; a changed answer swaps
     // a group's peers, whose health checkers are then restarted.
     let (dns_tx, mut dns_rx) = tokio::sync::mpsc::channel(1);
-    tokio::task::spawn_local(pier_proxy::dns::run(shared.clone(), dns_tx));
+    tokio::task::spawn_local(pier_lb::dns::run(shared.clone(), dns_tx));
     let mut generation = 1u64;
     write_ready(&bound, admin_addr, generation);
 
@@ -688,8 +688,8 @@ async fn seed_names(cfg: &mut Config, prev: Option<&State>) -> Result<(), String
     if cfg.upstreams.values().all(|u| u.resolve.is_empty()) {
         return Ok(());
     }
-    let dns = pier_proxy::dns::Dns::new(&cfg.resolver)?;
-    pier_proxy::dns::seed(cfg, prev, &dns).await;
+    let dns = pier_lb::dns::Dns::new(&cfg.resolver)?;
+    pier_lb::dns::seed(cfg, prev.map(|p| &p.cfg), &dns).await;
     Ok(())
 }
 

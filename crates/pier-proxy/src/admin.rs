@@ -710,7 +710,7 @@ pub fn render_metrics(shared: &Shared) -> String {
             g.peers().len()
         );
     }
-    crate::dns::stats().render(&mut out);
+    pier_lb::dns::stats().render(&mut out);
     out.push_str("# TYPE pier_upstream_active_requests gauge\n");
     for g in &state.groups {
         for p in g.peers() {

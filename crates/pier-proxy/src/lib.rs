@@ -11,7 +11,6 @@ pub mod cache;
 pub mod cache_key;
 pub mod compress;
 mod cors;
-pub mod dns;
 pub mod driver;
 pub mod forward;
 pub mod grpc_web;
@@ -120,6 +119,35 @@ impl Shared {
     }
     pub fn draining(&self) -> bool {
         self.lifecycle.draining()
+    }
+}
+
+/// DNS discovery (pier-lb) reads the running config and swaps a group's
+/// servers in, the same generation.
+impl pier_lb::dns::Running for Shared {
+    type State = Arc<State>;
+    fn load(&self) -> Arc<State> {
+        self.state.load_full()
+    }
+    fn config(state: &Arc<State>) -> &pier_config::Config {
+        &state.cfg
+    }
+    fn reloads(&self) -> watch::Receiver<u64> {
+        self.lifecycle.reloads()
+    }
+    fn install_servers(
+        &self,
+        state: &Arc<State>,
+        name: &str,
+        servers: Vec<pier_config::UpstreamServer>,
+    ) -> bool {
+        match state.with_servers(name, servers) {
+            Some(next) => {
+                self.install_peers(next);
+                true
+            }
+            None => false,
+        }
     }
 }
 
