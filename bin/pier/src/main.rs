@@ -588,7 +588,7 @@ async fn control(
         let _ = l.set_nonblocking(true);
         match tokio::net::TcpListener::from_std(l) {
             Ok(l) => {
-                tokio::task::spawn_local(pier_proxy::admin::serve(l, shared.clone()));
+                tokio::task::spawn_local(pier_admin::serve(l, shared.clone()));
             }
             Err(e) => tracing::error!("admin listener: {e}"),
         }

@@ -1,12 +1,11 @@
 //! Pier's request engine: the phase trait and the step enum (`phases`), the
 //! session interfaces (`protocol`) and their HTTP/1 implementation (`h1`),
-//! the driver that takes a request through the steps (`driver`), the
-//! running config (`state`) and the admin endpoints (`admin`). Phase
-//! implementations (the config's limits and Lua hooks: `pier-phases`) plug
-//! in from outside; this crate builds no LuaJIT.
+//! the driver that takes a request through the steps (`driver`) and the
+//! running config (`state`). Phase implementations (the config's limits and
+//! Lua hooks: `pier-phases`) plug in from outside, and the admin listener
+//! (`pier-admin`) reads [`Shared`] from outside; this crate builds no LuaJIT.
 #![forbid(unsafe_code)]
 
-pub mod admin;
 pub mod cache;
 pub mod cache_key;
 pub mod compress;
@@ -149,6 +148,12 @@ impl pier_lb::dns::Running for Shared {
             None => false,
         }
     }
+}
+
+/// Cached body bytes spliced to clients without a copy, process-wide
+/// (`pier_splice_bytes_total`).
+pub fn splice_bytes() -> u64 {
+    h1::SPLICE_BYTES.load(Relaxed)
 }
 
 /// One worker thread's view: shared state plus its own hooks instance
