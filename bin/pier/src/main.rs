@@ -461,7 +461,7 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
                 return ExitCode::from(1);
             }
         };
-        match pier_proxy::analytics::Hub::start(&state.cfg.analytics, sink) {
+        match pier_analytics::hub::Hub::start(&state.cfg.analytics, sink) {
             Ok(h) => Some(Arc::new(h)),
             Err(e) => {
                 eprintln!("pier: {e}");
@@ -521,10 +521,10 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
 }
 
 /// `[analytics.kafka]`: the Kafka sink the analytics thread also hands
-/// every event to (pier-kafka; pier-proxy knows only its trait).
+/// every event to (pier-kafka; pier-analytics knows only its trait).
 struct KafkaSink(pier_kafka::Sink);
 
-impl pier_proxy::analytics::EventSink for KafkaSink {
+impl pier_analytics::hub::EventSink for KafkaSink {
     fn offer(&self, e: &pier_analytics::EventRef<'_>) {
         self.0.offer(e)
     }
@@ -539,7 +539,7 @@ impl pier_proxy::analytics::EventSink for KafkaSink {
 
 fn kafka_sink(
     a: &pier_config::Analytics,
-) -> Result<Option<Arc<dyn pier_proxy::analytics::EventSink>>, String> {
+) -> Result<Option<Arc<dyn pier_analytics::hub::EventSink>>, String> {
     let Some(k) = &a.kafka else { return Ok(None) };
     let sink = pier_kafka::Sink::start(&pier_kafka::SinkConfig {
         brokers: k.brokers.clone(),
@@ -588,7 +588,7 @@ async fn control(
         let _ = l.set_nonblocking(true);
         match tokio::net::TcpListener::from_std(l) {
             Ok(l) => {
-                tokio::task::spawn_local(pier_proxy::admin::serve(l, shared.clone()));
+                tokio::task::spawn_local(pier_admin::serve(l, shared.clone()));
             }
             Err(e) => tracing::error!("admin listener: {e}"),
         }
@@ -597,7 +597,7 @@ async fn control(
     // Host names re-resolved as their TTLs run out; a changed answer swaps
     // a group's peers, whose health checkers are then restarted.
     let (dns_tx, mut dns_rx) = tokio::sync::mpsc::channel(1);
-    tokio::task::spawn_local(pier_proxy::dns::run(shared.clone(), dns_tx));
+    tokio::task::spawn_local(pier_lb::dns::run(shared.clone(), dns_tx));
     let mut generation = 1u64;
     write_ready(&bound, admin_addr, generation);
 
@@ -688,8 +688,8 @@ async fn seed_names(cfg: &mut Config, prev: Option<&State>) -> Result<(), String
     if cfg.upstreams.values().all(|u| u.resolve.is_empty()) {
         return Ok(());
     }
-    let dns = pier_proxy::dns::Dns::new(&cfg.resolver)?;
-    pier_proxy::dns::seed(cfg, prev, &dns).await;
+    let dns = pier_lb::dns::Dns::new(&cfg.resolver)?;
+    pier_lb::dns::seed(cfg, prev.map(|p| &p.cfg), &dns).await;
     Ok(())
 }
 

@@ -1,7 +1,8 @@
-//! Data structures and the embedded store behind Pier's built-in traffic
-//! analytics.
+//! Pier's built-in traffic analytics: the data structures, the embedded
+//! store, and the [`hub`] that takes events from the proxy's logging step
+//! to the one analytics thread.
 //!
-//! The proxy's analytics thread feeds every finished request to an
+//! The analytics thread ([`hub::Hub`]) feeds every finished request to an
 //! [`Aggregator`], which keeps one [`Rollup`] per minute and (host, route).
 //! Closed minutes are written to a [`Store`] (SQLite), which keeps minute, hour
 //! and day rows, and answers [`Query`]s with a [`Report`] for the admin API and
@@ -59,6 +60,7 @@
 
 pub mod agg;
 pub mod hll;
+pub mod hub;
 pub mod sketch;
 pub mod store;
 pub mod topk;

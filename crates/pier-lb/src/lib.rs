@@ -1,4 +1,5 @@
-//! Upstream groups: peer selection, passive and active health, retry budget.
+//! Upstream groups: peer selection, passive and active health, retry budget,
+//! and the discovery of servers given by host name ([`dns`]).
 //!
 //! # Design
 //!
@@ -71,6 +72,7 @@
 #![forbid(unsafe_code)]
 
 mod budget;
+pub mod dns;
 mod group;
 mod health;
 mod key;

@@ -179,7 +179,7 @@ fn route_compress<'a>(state: &'a State, sess: &Session) -> Option<&'a Compress> 
     let c = state.cfg.routes.get(sess.route?)?.compress.as_ref()?;
     if sess.req.headers.get(b"range").is_some()
         || sess.grpc_web.is_some()
-        || crate::grpc::is_grpc(&sess.req)
+        || pier_grpc::is_grpc(&sess.req)
     {
         return None;
     }

@@ -676,9 +676,9 @@ pub(crate) fn finish<P: Phases>(
     }
 }
 
-/// The logging step's hand-off to the analytics thread (analytics.rs).
+/// The logging step's hand-off to the analytics thread (pier_analytics::hub).
 fn record_event(
-    a: &crate::analytics::Hub,
+    a: &pier_analytics::hub::Hub,
     state: &State,
     sess: &Session,
     route: Option<usize>,
@@ -695,7 +695,7 @@ fn record_event(
         .conn
         .tls
         .as_deref()
-        .map(|t| crate::analytics::tls_version(t.version))
+        .map(|t| pier_analytics::hub::tls_version(t.version))
         .unwrap_or("");
     let ua = sess
         .req
@@ -1418,7 +1418,7 @@ fn grpc_answer(sess: &Session, status: u16) -> Option<&'static [u8]> {
             crate::grpc_web::Form::Text => b"application/grpc-web-text",
             crate::grpc_web::Form::Binary => b"application/grpc-web",
         })
-    } else if crate::grpc::is_grpc(&sess.req) {
+    } else if pier_grpc::is_grpc(&sess.req) {
         Some(b"application/grpc")
     } else {
         None
@@ -1447,7 +1447,7 @@ async fn write_local<D: Downstream>(
     sess.step = Step::Write;
     let grpc_ct = grpc_answer(sess, head.status);
     let (body, size) = if let Some(ct) = grpc_ct {
-        crate::grpc::shape(head, reason, ct);
+        pier_grpc::shape(head, reason, ct);
         (&[][..], BodySize::None)
     } else {
         (body, BodySize::Length(body.len() as u64))
@@ -1979,7 +1979,7 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         }
     }
     snk.finish(src.trailers()).await?;
-    if Src::FROM_ORIGIN && (sess.grpc_web.is_some() || crate::grpc::is_grpc(&sess.req)) {
+    if Src::FROM_ORIGIN && (sess.grpc_web.is_some() || pier_grpc::is_grpc(&sess.req)) {
         // The call's outcome: in the trailers, or in the head of a
         // trailers-only answer.
         let code = src

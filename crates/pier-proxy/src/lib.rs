@@ -1,21 +1,17 @@
 //! Pier's request engine: the phase trait and the step enum (`phases`), the
 //! session interfaces (`protocol`) and their HTTP/1 implementation (`h1`),
-//! the driver that takes a request through the steps (`driver`), the
-//! running config (`state`) and the admin endpoints (`admin`). Phase
-//! implementations (the config's limits and Lua hooks: `pier-phases`) plug
-//! in from outside; this crate builds no LuaJIT.
+//! the driver that takes a request through the steps (`driver`) and the
+//! running config (`state`). Phase implementations (the config's limits and
+//! Lua hooks: `pier-phases`) plug in from outside, and the admin listener
+//! (`pier-admin`) reads [`Shared`] from outside; this crate builds no LuaJIT.
 #![forbid(unsafe_code)]
 
-pub mod admin;
-pub mod analytics;
 pub mod cache;
 pub mod cache_key;
 pub mod compress;
 mod cors;
-pub mod dns;
 pub mod driver;
 pub mod forward;
-pub mod grpc;
 pub mod grpc_web;
 pub mod h1;
 pub mod http2;
@@ -61,7 +57,7 @@ pub struct Shared {
     pub access: AccessLog,
     /// Built-in analytics (`[analytics]`); None when off. Set up at start:
     /// a reload keeps it as it is.
-    pub analytics: Option<Arc<analytics::Hub>>,
+    pub analytics: Option<Arc<pier_analytics::hub::Hub>>,
     /// Open connections per client IP (`limits.max_connections_per_ip`).
     pub per_ip: pier_limits::Inflight,
     /// Drain, and the generation just installed (so that workers set up a
@@ -124,6 +120,41 @@ impl Shared {
     pub fn draining(&self) -> bool {
         self.lifecycle.draining()
     }
+}
+
+/// DNS discovery (pier-lb) reads the running config and swaps a group's
+/// servers in, the same generation.
+impl pier_lb::dns::Running for Shared {
+    type State = Arc<State>;
+    fn load(&self) -> Arc<State> {
+        self.state.load_full()
+    }
+    fn config(state: &Arc<State>) -> &pier_config::Config {
+        &state.cfg
+    }
+    fn reloads(&self) -> watch::Receiver<u64> {
+        self.lifecycle.reloads()
+    }
+    fn install_servers(
+        &self,
+        state: &Arc<State>,
+        name: &str,
+        servers: Vec<pier_config::UpstreamServer>,
+    ) -> bool {
+        match state.with_servers(name, servers) {
+            Some(next) => {
+                self.install_peers(next);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Cached body bytes spliced to clients without a copy, process-wide
+/// (`pier_splice_bytes_total`).
+pub fn splice_bytes() -> u64 {
+    h1::SPLICE_BYTES.load(Relaxed)
 }
 
 /// One worker thread's view: shared state plus its own hooks instance

@@ -451,7 +451,7 @@ impl crate::protocol::UpstreamSession for H2Upstream {
         let head_only = out.head().method_kind() == pier_http::Method::Head;
         let (fut, send) = send_request(&self.lease, req, bodiless, self.timeout).await?;
         // For gRPC, the call's deadline bounds the wait for the head.
-        let wait = crate::grpc::timeout(&out.sess.req, self.timeout);
+        let wait = pier_grpc::timeout(&out.sess.req, self.timeout);
         Ok((
             H2ResponseSource::new(fut, wait, head_only),
             H2RequestSink::new(send, self.timeout),

@@ -12,7 +12,7 @@
 //! closed minute to the [`Store`] (which merges it into its hour and day)
 //! and prunes old rows.
 
-use pier_analytics::{sketch::Latency, Aggregator, EventRef, Query, Report, Step, Store};
+use crate::{sketch::Latency, Aggregator, EventRef, Query, Report, Step, Store};
 use std::cell::RefCell;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -199,7 +199,7 @@ enum Msg {
 }
 
 /// Where events also go, besides the embedded rollups (the Kafka sink of
-/// `[analytics.kafka]`, made by the binary: pier-proxy builds no Kafka
+/// `[analytics.kafka]`, made by the binary: this crate builds no Kafka
 /// client). Called from the analytics thread only; must never block.
 pub trait EventSink: Send + Sync {
     fn offer(&self, e: &EventRef<'_>);
@@ -253,7 +253,7 @@ impl Inner {
         slot.requests += 1;
         slot.bytes_in += e.bytes_in;
         slot.bytes_out += e.bytes_out;
-        slot.status[pier_analytics::agg::status_class(e.status)] += 1;
+        slot.status[crate::agg::status_class(e.status)] += 1;
         slot.latency.add(e.duration_us);
     }
 
@@ -450,7 +450,7 @@ fn run(
         }
         if now >= last_close + 1000 {
             last_close = now;
-            let cutoff = pier_analytics::agg::minute_of(now.saturating_sub(CLOSE_AFTER_MS));
+            let cutoff = crate::agg::minute_of(now.saturating_sub(CLOSE_AFTER_MS));
             let mut g = match inner.lock() {
                 Ok(g) => g,
                 Err(p) => p.into_inner(),
@@ -471,7 +471,7 @@ fn run(
     }
 }
 
-fn write(g: &mut Inner, rows: &[(pier_analytics::Key, pier_analytics::Rollup)], c: &Counters) {
+fn write(g: &mut Inner, rows: &[(crate::Key, crate::Rollup)], c: &Counters) {
     match g.store.write_minutes(rows) {
         Ok(()) => {
             c.minutes_written.fetch_add(rows.len() as u64, Relaxed);

@@ -20,7 +20,7 @@
 //!   `localhost` on loopback, or `[admin] hosts`), so a DNS-rebound name
 //!   reads nothing.
 
-use crate::Shared;
+use pier_proxy::Shared;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
@@ -331,7 +331,7 @@ async fn read_body(
 /// (`Surrogate-Key`/`Cache-Tag`) or exact `key`, in the query or a JSON
 /// body (`tags` may be a list); `zone` limits it to one zone. Answers how
 /// many keys went.
-fn purge(method: &[u8], qs: &[(String, String)], body: &[u8], state: &crate::State) -> Reply {
+fn purge(method: &[u8], qs: &[(String, String)], body: &[u8], state: &pier_proxy::State) -> Reply {
     let json_err = |status, e: &str| {
         reply(
             status,
@@ -403,7 +403,7 @@ fn purge(method: &[u8], qs: &[(String, String)], body: &[u8], state: &crate::Sta
             return json_err("400 Bad Request", &format!("empty {what}"));
         }
         let url_key = match what.as_str() {
-            "url" => match crate::cache_key::url_keys(state, v) {
+            "url" => match pier_proxy::cache_key::url_keys(state, v) {
                 Ok(k) => Some(k),
                 Err(e) => return json_err("400 Bad Request", e),
             },
@@ -512,7 +512,7 @@ async fn handle(
                     "{\"error\":\"analytics is off ([analytics] enabled = false)\"}\n".into(),
                 );
             };
-            let q = match crate::analytics::query_of(&qs, wall_s()) {
+            let q = match pier_analytics::hub::query_of(&qs, wall_s()) {
                 Ok(q) => q,
                 Err(e) => {
                     return reply(
@@ -617,7 +617,7 @@ async fn stream_live(mut s: tokio::net::TcpStream, shared: Arc<Shared>) {
     }
 }
 
-fn seconds_json(hub: &crate::analytics::Hub, from: i64, to: i64) -> String {
+fn seconds_json(hub: &pier_analytics::hub::Hub, from: i64, to: i64) -> String {
     let secs = match hub.inner.lock() {
         Ok(g) => g.seconds(from, to),
         Err(_) => Vec::new(),
@@ -710,7 +710,7 @@ pub fn render_metrics(shared: &Shared) -> String {
             g.peers().len()
         );
     }
-    crate::dns::stats().render(&mut out);
+    pier_lb::dns::stats().render(&mut out);
     out.push_str("# TYPE pier_upstream_active_requests gauge\n");
     for g in &state.groups {
         for p in g.peers() {
@@ -750,7 +750,7 @@ pub fn render_metrics(shared: &Shared) -> String {
             out,
             "# HELP pier_cache_mapped_bodies Large cached bodies held in read-only mappings of their own.\n# TYPE pier_cache_mapped_bodies gauge\npier_cache_mapped_bodies {}\n# HELP pier_splice_bytes_total Cached body bytes spliced to clients without a copy.\n# TYPE pier_splice_bytes_total counter\npier_splice_bytes_total {}",
             pier_cache::mapped::mapped(),
-            crate::h1::SPLICE_BYTES.load(Relaxed)
+            pier_proxy::splice_bytes()
         );
         out.push_str("# TYPE pier_cache_objects gauge\n# TYPE pier_cache_bytes gauge\n# TYPE pier_cache_capacity_bytes gauge\n# TYPE pier_cache_stored_total counter\n# TYPE pier_cache_evictions_total counter\n# TYPE pier_cache_lock_timeouts_total counter\n# TYPE pier_cache_promotions_total counter\n# TYPE pier_cache_disk_writes_total counter\n# TYPE pier_cache_disk_written_bytes_total counter\n# TYPE pier_cache_disk_skipped_total counter\n# TYPE pier_cache_disk_errors_total counter\n# TYPE pier_cache_disk_corrupt_total counter\n# TYPE pier_cache_disk_hits_total counter\n");
         for z in &state.cache_zones {

@@ -3,8 +3,8 @@
 //! One task per process ([`run`], on the control thread) asks for each
 //! name's A and AAAA records when its last answer's TTL (clamped to
 //! `[resolver] min_ttl..max_ttl`) runs out. An answer that changes a
-//! group's addresses installs a new [`State`] of the same generation
-//! ([`State::with_servers`], [`crate::Shared::install_peers`]): the
+//! group's addresses installs a new state of the same generation
+//! ([`Running::install_servers`]; pier-proxy's `Shared` implements it): the
 //! request path keeps reading its state lock-free through the epoch check,
 //! addresses that stay keep their `Arc<Peer>` (health, in-flight counts;
 //! the pool is keyed by address and SNI, so their idle connections stay
@@ -27,10 +27,30 @@ use hickory_resolver::net::{DnsError, NetError};
 use hickory_resolver::proto::op::ResponseCode;
 use hickory_resolver::TokioResolver;
 use pier_config::{Config, NamedServer, Upstream, UpstreamServer};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use crate::{Shared, State};
+/// The running state that discovery reads and swaps servers into
+/// (pier-proxy's `Shared`: the proxy depends on this crate, not the other way).
+pub trait Running {
+    /// One installed state (an `Arc`): read whole, replaced, never changed in place.
+    type State;
+    /// The state served now.
+    fn load(&self) -> Self::State;
+    /// Its config.
+    fn config(state: &Self::State) -> &Config;
+    /// Config generations as they are installed (a reload may name other hosts).
+    fn reloads(&self) -> watch::Receiver<u64>;
+    /// Install `state` with upstream `name`'s servers replaced by `servers`,
+    /// in the same generation (nothing per-generation is set up again);
+    /// false, installing nothing, if `state` has no such upstream.
+    fn install_servers(
+        &self,
+        state: &Self::State,
+        name: &str,
+        servers: Vec<UpstreamServer>,
+    ) -> bool;
+}
 
 /// Most addresses taken from one answer (the rest are dropped): a group's
 /// size, its schedules and health checkers stay bounded whatever DNS says.
@@ -270,16 +290,16 @@ fn same(a: &[UpstreamServer], b: &[UpstreamServer]) -> bool {
 }
 
 /// Fill in the servers of every name in `cfg` before it is served: the
-/// addresses `prev` (the running state) has for the same name, else a
+/// addresses `prev` (the running config) has for the same name, else a
 /// resolution now. A name that does not resolve leaves its servers out
 /// (logged, counted); the background task keeps asking.
-pub async fn seed(cfg: &mut Config, prev: Option<&State>, dns: &Dns) {
+pub async fn seed(cfg: &mut Config, prev: Option<&Config>, dns: &Dns) {
     let snapshot = cfg.clone();
     for (uname, u) in cfg.upstreams.iter_mut() {
         let names = u.resolve.clone();
         for n in &names {
             let kept: Vec<UpstreamServer> = prev
-                .and_then(|p| p.cfg.upstreams.get(uname))
+                .and_then(|p| p.upstreams.get(uname))
                 .filter(|pu| pu.resolve.contains(n))
                 .map(|pu| {
                     pu.servers
@@ -320,20 +340,20 @@ struct Key {
 /// Re-resolve every name of the running config as its TTL runs out, for as
 /// long as the process runs. `changed` gets a message after each swap of a
 /// group's servers (the caller restarts the health checkers).
-pub async fn run(shared: Arc<Shared>, changed: mpsc::Sender<()>) {
-    let mut reloads = shared.lifecycle.reloads();
+pub async fn run<R: Running>(shared: Arc<R>, changed: mpsc::Sender<()>) {
+    let mut reloads = shared.reloads();
     let mut dns: Option<Dns> = None;
     // When each name is next asked; when its last failure was logged.
     let mut due: HashMap<Key, Instant> = HashMap::new();
     let mut logged: HashMap<Key, Instant> = HashMap::new();
     loop {
-        let state = shared.state.load_full();
+        let state = shared.load();
+        let cfg = R::config(&state);
         // The names of this config: new ones were just seeded, so they are
         // first asked after the floor; gone ones are forgotten.
         let now = Instant::now();
-        let min_ttl = state.cfg.resolver.min_ttl;
-        let keys: Vec<Key> = state
-            .cfg
+        let min_ttl = cfg.resolver.min_ttl;
+        let keys: Vec<Key> = cfg
             .upstreams
             .iter()
             .flat_map(|(u, up)| {
@@ -352,8 +372,8 @@ pub async fn run(shared: Arc<Shared>, changed: mpsc::Sender<()>) {
         // /etc/resolv.conf then logs nothing).
         if keys.is_empty() {
             dns = None;
-        } else if dns.as_ref().is_none_or(|d| d.cfg != state.cfg.resolver) {
-            match Dns::new(&state.cfg.resolver) {
+        } else if dns.as_ref().is_none_or(|d| d.cfg != cfg.resolver) {
+            match Dns::new(&cfg.resolver) {
                 Ok(d) => dns = Some(d),
                 Err(e) => {
                     tracing::error!("{e}");
@@ -393,7 +413,7 @@ pub async fn run(shared: Arc<Shared>, changed: mpsc::Sender<()>) {
                 Err(_) => d.cfg.min_ttl,
             };
             due.insert(k.clone(), Instant::now() + wait);
-            let outcome = apply(&shared, &k, result, &changed);
+            let outcome = apply(&*shared, &k, result, &changed);
             stats().count(&k.upstream, outcome);
             match outcome {
                 Outcome::Ok => {}
@@ -425,8 +445,8 @@ async fn sleep_until(t: Option<Instant>) {
 /// Apply one answer to the state running now (it may have been reloaded
 /// while the question was out). No await between the load and the install:
 /// nothing else installs meanwhile on this thread.
-fn apply(
-    shared: &Shared,
+fn apply<R: Running>(
+    shared: &R,
     k: &Key,
     result: Result<(Vec<IpAddr>, Duration), Outcome>,
     changed: &mpsc::Sender<()>,
@@ -435,14 +455,15 @@ fn apply(
         Ok(r) => r,
         Err(o) => return o,
     };
-    let state = shared.state.load_full();
-    let Some(u) = state.cfg.upstreams.get(&k.upstream) else {
+    let state = shared.load();
+    let cfg = R::config(&state);
+    let Some(u) = cfg.upstreams.get(&k.upstream) else {
         return Outcome::Ok;
     };
     if !u.resolve.contains(&k.name) {
         return Outcome::Ok;
     }
-    let new = servers_of(&state.cfg, &k.name, &ips);
+    let new = servers_of(cfg, &k.name, &ips);
     if new.is_empty() {
         // Every address was filtered out: keep the last good ones.
         return Outcome::Empty;
@@ -451,13 +472,11 @@ fn apply(
     if same(&servers, &u.servers) {
         return Outcome::Ok;
     }
-    match state.with_servers(&k.upstream, servers) {
-        Some(next) => {
-            shared.install_peers(next);
-            let _ = changed.try_send(());
-            Outcome::Changed
-        }
-        None => Outcome::Ok,
+    if shared.install_servers(&state, &k.upstream, servers) {
+        let _ = changed.try_send(());
+        Outcome::Changed
+    } else {
+        Outcome::Ok
     }
 }
 
