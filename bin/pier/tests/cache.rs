@@ -728,29 +728,34 @@ fn a_synthetic_last_modified_gives_no_heuristic_freshness() {
 
 #[test]
 fn stale_while_revalidate_serves_stale_and_refreshes_once_in_the_background() {
-    // v1, then v2 after 1.5 s (a slow refresh the clients must not wait on).
-    let o = Script::start(|_, _, n| {
-        let body = format!("v{n}");
+    // v1, then v2 from a refresh held back until the test lets it go (a slow
+    // refresh the clients must not wait on).
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let held = std::sync::Mutex::new(Some(held));
+    let o = Script::start(move |_, _, n| {
+        if n == 1 {
+            return Answer::Send(
+                "HTTP/1.1 200 OK\r\nCache-Control: max-age=1, stale-while-revalidate=60\r\nContent-Length: 2".into(),
+                vec![(Duration::ZERO, b"v1".to_vec())],
+            );
+        }
         // v2 stays fresh: the test sees it as a hit.
-        let cc = if n == 1 {
-            "max-age=1, stale-while-revalidate=60"
-        } else {
-            "max-age=60"
-        };
-        let pause = if n == 1 { 0 } else { 1500 };
-        Answer::Send(
-            format!(
-                "HTTP/1.1 200 OK\r\nCache-Control: {cc}\r\nContent-Length: {}",
-                body.len()
-            ),
-            vec![(Duration::from_millis(pause), body.into_bytes())],
-        )
+        let held = held.lock().unwrap().take();
+        Answer::Raw(Box::new(move |s| {
+            use std::io::Write;
+            if let Some(held) = held {
+                let _ = held.recv_timeout(Duration::from_secs(30));
+            }
+            let _ = s.write_all(
+                b"HTTP/1.1 200 OK\r\nCache-Control: max-age=60\r\nContent-Length: 2\r\n\r\nv2",
+            );
+        }))
     });
     let pier = pier(&cache_config(o.addr, ""));
     let addr = pier.listener("main");
     assert_eq!(RawConn::connect(addr).get("/swr").unwrap().body, b"v1");
     // Past max-age (a second, as the Age arithmetic is in seconds).
-    std::thread::sleep(Duration::from_millis(2100));
+    pier.advance_clock(Duration::from_secs(2));
     for _ in 0..5 {
         let r = RawConn::connect(addr).get("/swr").unwrap();
         assert_eq!(r.body, b"v1", "stale served at once: {r:?}");
@@ -761,7 +766,10 @@ fn stale_while_revalidate_serves_stale_and_refreshes_once_in_the_background() {
             "{r:?}"
         );
     }
-    // One refresh for the key, in the background; then v2 is a hit.
+    // One refresh for the key, in the background, held at the origin all along;
+    // once it is let go, v2 is a hit.
+    assert!(wait_until(Duration::from_secs(10), || o.requests() == 2));
+    release.send(()).unwrap();
     assert!(wait_until(Duration::from_secs(10), || {
         RawConn::connect(addr).get("/swr").unwrap().body == b"v2"
     }));
@@ -808,7 +816,8 @@ fn stale_if_error_and_grace_serve_stale_when_the_origin_fails() {
     for p in ["/sie", "/grace", "/mr"] {
         assert_eq!(RawConn::connect(addr).get(p).unwrap().body, b"good");
     }
-    std::thread::sleep(Duration::from_millis(2100));
+    // Past max-age (whole seconds).
+    pier.advance_clock(Duration::from_secs(2));
     for p in ["/sie", "/grace"] {
         // A 503, then a closed connection: the stored response both times.
         for _ in 0..2 {
