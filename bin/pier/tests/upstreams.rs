@@ -145,11 +145,16 @@ fn least_conn_avoids_the_busy_server() {
         + b.requests()
         == 1));
     let busy = if a.requests() == 1 { "alpha" } else { "beta" };
-    // Quick requests one at a time, with a pause so the previous one has left Pier's
+    // Quick requests one at a time, each once the previous one has left Pier's
     // in-flight count (the client can see its response a moment before that).
     let mut m = HashMap::new();
     for _ in 0..6 {
-        std::thread::sleep(Duration::from_millis(20));
+        let mut in_flight = 0.0;
+        let settled = wait_until(Duration::from_secs(5), || {
+            in_flight = p.metric_sum("pier_upstream_active_requests", &[]);
+            in_flight == 1.0
+        });
+        assert!(settled, "{in_flight} requests in flight, not just the slow one");
         *m.entry(get(p.listener("main"), "/name").body_str())
             .or_insert(0) += 1;
     }
@@ -275,14 +280,9 @@ fn passive_failures_mark_a_server_down_until_it_recovers() {
     wait_health(&p, b_addr, 0.0);
     // Back up: after passive_recover Pier tries it again.
     let _b2 = Origin::start_at("beta-again", b_addr).expect("rebind beta's address");
-    let mut seen = false;
-    for _ in 0..100 {
-        if get(p.listener("main"), "/name").body_str() == "beta-again" {
-            seen = true;
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let seen = wait_until(Duration::from_secs(5), || {
+        get(p.listener("main"), "/name").body_str() == "beta-again"
+    });
     assert!(seen, "beta never got traffic again after it came back");
     wait_health(&p, b_addr, 1.0);
 }
@@ -451,12 +451,17 @@ fn only_idempotent_requests_are_retried_after_being_sent() {
         .request("POST", "/drop", &[], b"charge the card")
         .unwrap();
     assert_local(&r, 502, "upstream-closed");
-    std::thread::sleep(Duration::from_millis(100));
+    // `/drop` counts a request before it closes, and Pier answers only once every
+    // attempt it made was closed on it: a second send was counted before the 502.
+    // Waiting for the request to be logged covers any attempt still on its way.
+    assert_eq!(wait_logged(&p, 1.0), 1.0);
+    assert_eq!(upstream_exchanges(&p), 1.0, "a POST was sent twice");
     assert_eq!(sent(), 1, "a POST was sent twice");
     // GET is idempotent: retried once on the other server.
     let r = get(p.listener("main"), "/drop");
     assert_eq!(r.status, 502);
-    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(wait_logged(&p, 2.0), 2.0);
+    assert_eq!(upstream_exchanges(&p), 3.0, "the GET was not retried once");
     assert_eq!(
         sent(),
         3,

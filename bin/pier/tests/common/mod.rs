@@ -143,3 +143,22 @@ pub fn wait_local_count(p: &PierProcess, status: u16, reason: &str, at_least: f6
     });
     last
 }
+
+/// Upstream exchanges Pier began: connections it opened plus pooled ones it reused
+/// (each counted as the exchange starts, before a byte is sent).
+pub fn upstream_exchanges(p: &PierProcess) -> f64 {
+    p.metric_sum("pier_upstream_connections_created_total", &[])
+        + p.metric_sum("pier_upstream_connections_reused_total", &[])
+}
+
+/// Polls until Pier has logged `n` requests in all (`pier_requests_total`, which
+/// counts a request once it is over: after everything Pier sent upstream for it),
+/// 5 s at most; the last count.
+pub fn wait_logged(p: &PierProcess, n: f64) -> f64 {
+    let mut last = 0.0;
+    wait_until(std::time::Duration::from_secs(5), || {
+        last = p.metric_sum("pier_requests_total", &[]);
+        last >= n
+    });
+    last
+}
