@@ -154,7 +154,10 @@ fn least_conn_avoids_the_busy_server() {
             in_flight = p.metric_sum("pier_upstream_active_requests", &[]);
             in_flight == 1.0
         });
-        assert!(settled, "{in_flight} requests in flight, not just the slow one");
+        assert!(
+            settled,
+            "{in_flight} requests in flight, not just the slow one"
+        );
         *m.entry(get(p.listener("main"), "/name").body_str())
             .or_insert(0) += 1;
     }
