@@ -16,10 +16,6 @@ fn route(name: &str, path: &str, hooks: &str) -> String {
     )
 }
 
-fn hook(phase: &str, code: &str) -> String {
-    format!("{phase} = '''\n{code}\n'''\n")
-}
-
 fn config(o: &Origin, routes: &str) -> String {
     base_config(
         "",

@@ -64,3 +64,19 @@ servers = {}
         ),
     )
 }
+
+/// One `[[route]]` with its `[route.lua]` table: `upstream` may be empty (content-only
+/// route), `hooks` is `phase = '''code'''` lines ([`hook`]).
+pub fn lua_route(name: &str, path: &str, upstream: &str, hooks: &str) -> String {
+    let up = if upstream.is_empty() {
+        String::new()
+    } else {
+        format!("upstream = \"{upstream}\"\n")
+    };
+    format!("[[route]]\nname = \"{name}\"\npath = \"{path}\"\n{up}\n[route.lua]\n{hooks}\n\n")
+}
+
+/// `phase = '''code'''`: one hook of a `[route.lua]` table.
+pub fn hook(phase: &str, code: &str) -> String {
+    format!("{phase} = '''\n{code}\n'''\n")
+}

@@ -26,7 +26,7 @@ pub use base64;
 pub use serde_json;
 
 pub use client::{curl, get, run_with_timeout, try_get, BodySink, RawConn, Response};
-pub use config::{base_config, route_config, servers, simple_config};
+pub use config::{base_config, hook, lua_route, route_config, servers, simple_config};
 pub use origin::Origin;
 pub use process::{parse_metric_line, rss_kib, MetricSample, PierProcess, TempDir};
 pub use scenario::{Conn, Exchange, Running, Scenario};

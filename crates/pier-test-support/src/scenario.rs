@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::client::{RawConn, Response};
-use crate::config::route_config;
+use crate::config::{base_config, route_config, servers};
 use crate::origin::Origin;
 use crate::process::PierProcess;
 use crate::script::{Reply, Request, Script, ScriptFn};
@@ -37,6 +37,7 @@ pub struct Scenario {
     origin_name: String,
     top: String,
     route: String,
+    routes: String,
     upstream: String,
     config: Option<String>,
 }
@@ -62,6 +63,7 @@ impl Scenario {
             origin_name: "origin".into(),
             top: String::new(),
             route: String::new(),
+            routes: String::new(),
             upstream: String::new(),
             config: None,
         }
@@ -90,6 +92,14 @@ impl Scenario {
     pub fn route(mut self, toml: &str) -> Self {
         self.route.push_str(toml);
         self.route.push('\n');
+        self
+    }
+
+    /// Route sections of their own instead of the catch-all route (see
+    /// [`crate::lua_route`]); upstream `app` is still the origin.
+    pub fn routes(mut self, toml: &str) -> Self {
+        self.routes.push_str(toml);
+        self.routes.push('\n');
         self
     }
 
@@ -122,6 +132,15 @@ impl Scenario {
         };
         let config = match self.config {
             Some(text) => text.replace("{origin}", &addr.to_string()),
+            None if !self.routes.is_empty() => base_config(
+                &self.top,
+                &format!(
+                    "{}\n[upstream.app]\nservers = {}\n{}",
+                    self.routes,
+                    servers(&[addr]),
+                    self.upstream
+                ),
+            ),
             None => route_config(&[addr], &self.top, &self.route, &self.upstream),
         };
         let pier = PierProcess::start(&self.bin, &config);
@@ -299,6 +318,12 @@ impl Exchange {
         let body = body.as_ref();
         let ok = self.resp.body == body;
         self.check(ok, format_args!("body {:?}", String::from_utf8_lossy(body)))
+    }
+
+    #[track_caller]
+    pub fn expect_body_prefix(self, prefix: &str) -> Self {
+        let ok = self.resp.body_str().starts_with(prefix);
+        self.check(ok, format_args!("a body starting {prefix:?}"))
     }
 
     #[track_caller]
