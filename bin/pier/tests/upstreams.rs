@@ -46,15 +46,18 @@ fn wait_health(p: &PierProcess, server: SocketAddr, want: f64) {
     );
 }
 
-#[test]
-fn round_robin_alternates() {
+/// Pier in front of two stock origins, `alpha` and `beta`, with `upstream_extra`
+/// under `[upstream.app]`.
+fn alpha_beta(upstream_extra: &str) -> (Origin, Origin, PierProcess) {
     let a = Origin::start_named("alpha");
     let b = Origin::start_named("beta");
-    let p = pier(&simple_config(
-        &[a.addr(), b.addr()],
-        "",
-        "balance = \"round_robin\"",
-    ));
+    let p = pier(&simple_config(&[a.addr(), b.addr()], "", upstream_extra));
+    (a, b, p)
+}
+
+#[test]
+fn round_robin_alternates() {
+    let (_a, _b, p) = alpha_beta("balance = \"round_robin\"");
     let m = spread(&p, 20, &[]);
     assert!((9..=11).contains(&count(&m, "alpha")), "{m:?}");
     assert!((9..=11).contains(&count(&m, "beta")), "{m:?}");
@@ -113,13 +116,7 @@ fn hash_on_a_header_is_sticky() {
 
 #[test]
 fn hash_on_a_cookie_is_sticky() {
-    let a = Origin::start_named("alpha");
-    let b = Origin::start_named("beta");
-    let p = pier(&simple_config(
-        &[a.addr(), b.addr()],
-        "",
-        "balance = \"hash\"\nhash_key = \"cookie:session\"",
-    ));
+    let (_a, _b, p) = alpha_beta("balance = \"hash\"\nhash_key = \"cookie:session\"");
     let mut used = std::collections::HashSet::new();
     for s in 0..10 {
         let cookie = format!("theme=dark; session=s{s}; lang=en");
@@ -132,13 +129,7 @@ fn hash_on_a_cookie_is_sticky() {
 
 #[test]
 fn least_conn_avoids_the_busy_server() {
-    let a = Origin::start_named("alpha");
-    let b = Origin::start_named("beta");
-    let p = pier(&simple_config(
-        &[a.addr(), b.addr()],
-        "",
-        "balance = \"least_conn\"",
-    ));
+    let (a, b, p) = alpha_beta("balance = \"least_conn\"");
     let addr = p.listener("main");
     let slow = std::thread::spawn(move || get(addr, "/slow/1500"));
     assert!(wait_until(Duration::from_secs(5), || a.requests()
@@ -172,26 +163,16 @@ fn least_conn_avoids_the_busy_server() {
 
 #[test]
 fn random_two_uses_both_servers() {
-    let a = Origin::start_named("alpha");
-    let b = Origin::start_named("beta");
-    let p = pier(&simple_config(
-        &[a.addr(), b.addr()],
-        "",
-        "balance = \"random_two\"",
-    ));
+    let (_a, _b, p) = alpha_beta("balance = \"random_two\"");
     let m = spread(&p, 40, &[]);
     assert!(count(&m, "alpha") >= 5 && count(&m, "beta") >= 5, "{m:?}");
 }
 
 #[test]
 fn failover_when_a_server_is_down() {
-    let a = Origin::start_named("alpha");
-    let b = Origin::start_named("beta");
-    let p = pier(&simple_config(
-        &[a.addr(), b.addr()],
-        "",
+    let (_a, b, p) = alpha_beta(
         "balance = \"round_robin\"\nretries = 2\nretry_budget = 1.0\nretry_min_per_sec = 100",
-    ));
+    );
     b.stop();
     // Every request succeeds: a connect failure is retried on the other server.
     let m = spread(&p, 20, &[]);
@@ -207,11 +188,7 @@ fn failover_when_a_server_is_down() {
 
 #[test]
 fn active_http_health_check_takes_a_server_out_and_back() {
-    let a = Origin::start_named("alpha");
-    let b = Origin::start_named("beta");
-    let p = pier(&simple_config(
-        &[a.addr(), b.addr()],
-        "",
+    let (a, b, p) = alpha_beta(
         r#"balance = "round_robin"
 [upstream.app.health_check]
 type = "http"
@@ -221,7 +198,7 @@ interval = "100ms"
 timeout = "1s"
 rise = 2
 fall = 2"#,
-    ));
+    );
     wait_health(&p, b.addr(), 1.0);
     b.set_healthy(false);
     wait_health(&p, b.addr(), 0.0);
@@ -291,15 +268,21 @@ fn passive_failures_mark_a_server_down_until_it_recovers() {
 }
 
 fn deny_config(server: &str, deny: &str) -> String {
+    deny_route_config("", server, deny)
+}
+
+/// One route to `server` with `route_lua` under `[route.lua]` (if any), behind a
+/// deny list.
+fn deny_route_config(route_lua: &str, server: &str, deny: &str) -> String {
+    let lua = if route_lua.is_empty() {
+        String::new()
+    } else {
+        format!("[route.lua]\n{route_lua}\n")
+    };
     base_config(
         &format!("[security]\ndeny_origins = [\"{deny}\"]"),
         &format!(
-            r#"[[route]]
-upstream = "app"
-
-[upstream.app]
-servers = ["{server}"]
-retries = 0"#
+            "[[route]]\nupstream = \"app\"\n\n{lua}\n[upstream.app]\nservers = [\"{server}\"]\nretries = 0"
         ),
     )
 }
@@ -355,20 +338,12 @@ fn deny_origins_lets_other_ranges_through() {
 
 /// A route whose Lua balancer picks `ip:port` at request time, behind a deny list.
 fn lua_peer_config(ip: &str, port: u16, deny: &str) -> String {
-    base_config(
-        &format!("[security]\ndeny_origins = [\"{deny}\"]"),
-        &format!(
-            r#"[[route]]
-upstream = "app"
-
-[route.lua]
-balancer = 'pier.balancer.set_peer("{ip}", {port})'
-
-[upstream.app]
-# Never used: the balancer picks the peer. TEST-NET-1, outside every deny list here.
-servers = ["192.0.2.1:80"]
-retries = 0"#
-        ),
+    // The configured server is never used: the balancer picks the peer. TEST-NET-1,
+    // outside every deny list here.
+    deny_route_config(
+        &format!("balancer = 'pier.balancer.set_peer(\"{ip}\", {port})'"),
+        "192.0.2.1:80",
+        deny,
     )
 }
 
@@ -440,13 +415,7 @@ fn retries_are_bounded_by_the_retry_budget() {
 
 #[test]
 fn only_idempotent_requests_are_retried_after_being_sent() {
-    let a = Origin::start_named("alpha");
-    let b = Origin::start_named("beta");
-    let p = pier(&simple_config(
-        &[a.addr(), b.addr()],
-        "",
-        "balance = \"round_robin\"\nmax_fails = 0\nretries = 1\nretry_budget = 1.0\nretry_min_per_sec = 100",
-    ));
+    let (a, b, p) = alpha_beta("balance = \"round_robin\"\nmax_fails = 0\nretries = 1\nretry_budget = 1.0\nretry_min_per_sec = 100");
     let sent = || a.requests() + b.requests();
     // POST reached an origin that then closed without answering: it may have acted on
     // it, so Pier must not send it again.
