@@ -375,15 +375,17 @@ pier.say(string.format("%.3f", pier.now()))
     );
 }
 
-#[test]
-fn example_lua_access_runs_as_documented() {
-    let o = Origin::start();
+/// Pier on `examples/NAME`, its listener, admin and origin given as the example's
+/// environment variables say.
+fn example(name: &str, o: &Origin) -> PierProcess {
     let text = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/lua-access.toml"),
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples")
+            .join(name),
     )
     .unwrap();
     let origin = o.addr().to_string();
-    let p = PierProcess::launch_env(
+    PierProcess::launch_env(
         bin(),
         Some(&text),
         &["serve", "-c", "{config}"],
@@ -393,7 +395,13 @@ fn example_lua_access_runs_as_documented() {
             ("PIER_ORIGIN", &origin),
         ],
     )
-    .unwrap_or_else(|e| panic!("{e}"));
+    .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+#[test]
+fn example_lua_access_runs_as_documented() {
+    let o = Origin::start();
+    let p = example("lua-access.toml", &o);
     let r = req(&p, "GET", "/hello", &[("User-Agent", "curl/8")]);
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-lua"), Some("1"));
@@ -406,22 +414,7 @@ fn example_lua_access_runs_as_documented() {
 #[test]
 fn example_lua_ratelimit_answers_429_past_ten_per_second() {
     let o = Origin::start();
-    let text = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/lua-ratelimit.toml"),
-    )
-    .unwrap();
-    let origin = o.addr().to_string();
-    let p = PierProcess::launch_env(
-        bin(),
-        Some(&text),
-        &["serve", "-c", "{config}"],
-        &[
-            ("PIER_LISTEN", "127.0.0.1:0"),
-            ("PIER_ADMIN", "127.0.0.1:0"),
-            ("PIER_ORIGIN", &origin),
-        ],
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
+    let p = example("lua-ratelimit.toml", &o);
     // 25 quick requests span at most two one-second windows (checked below), each
     // letting 10 through: 10 to 20 pass, the rest are refused.
     let mut conn = RawConn::connect(p.listener("main"));
