@@ -359,11 +359,7 @@ fn stalled_handshakes_time_out_and_a_flood_is_bounded() {
         cert,
     } = Site::new();
     let o = Origin::start();
-    let tls = format!(
-        "cert = \"{}\"\nkey = \"{}\"\nhandshake_timeout = \"1s\"\nmax_handshakes = 16",
-        p(&cert.cert),
-        p(&cert.key)
-    );
+    let tls = tls_lines(&cert, "handshake_timeout = \"1s\"\nmax_handshakes = 16");
     let pier = pier(&tls_config(o.addr(), &tls, ""));
     let addr = pier.listener("main");
     let rss_before = pier.rss_kib().unwrap_or(0);
@@ -793,11 +789,7 @@ fn silent_connections_hold_no_handshake_slot() {
         cert,
     } = Site::new();
     let o = Origin::start();
-    let tls = format!(
-        "cert = \"{}\"\nkey = \"{}\"\nhandshake_timeout = \"60s\"\nmax_handshakes = 8",
-        p(&cert.cert),
-        p(&cert.key)
-    );
+    let tls = tls_lines(&cert, "handshake_timeout = \"60s\"\nmax_handshakes = 8");
     let pier = pier(&tls_config(o.addr(), &tls, ""));
     let addr = pier.listener("main");
     let mut silent = Vec::new();
@@ -844,10 +836,9 @@ fn silent_connections_are_bounded_oldest_first() {
         cert,
     } = Site::new();
     let o = Origin::start();
-    let tls = format!(
-        "cert = \"{}\"\nkey = \"{}\"\nhandshake_timeout = \"60s\"\nmax_pending_hellos = 10",
-        p(&cert.cert),
-        p(&cert.key)
+    let tls = tls_lines(
+        &cert,
+        "handshake_timeout = \"60s\"\nmax_pending_hellos = 10",
     );
     let cfg = tls_config(o.addr(), &tls, "").replace("workers = 2", "workers = 1");
     let pier = pier(&cfg);
@@ -917,11 +908,7 @@ fn silent_connections_are_evicted_at_max_connections() {
         cert,
     } = Site::new();
     let o = Origin::start();
-    let tls = format!(
-        "cert = \"{}\"\nkey = \"{}\"\nhandshake_timeout = \"60s\"",
-        p(&cert.cert),
-        p(&cert.key)
-    );
+    let tls = tls_lines(&cert, "handshake_timeout = \"60s\"");
     let cfg = tls_config(o.addr(), &tls, "[limits]\nmax_connections = 10\n")
         .replace("workers = 2", "workers = 1");
     let pier = pier(&cfg);
