@@ -155,30 +155,47 @@ fn unsafe_methods_invalidate_and_big_objects_stream_through() {
 
 #[test]
 fn concurrent_misses_reach_the_origin_once() {
-    let o = Origin::start();
-    let pier = pier(&cache_config(o.addr(), ""));
-    let addr = pier.listener("main");
-    let threads: Vec<_> = (0..50)
+    let fill = Gate::new();
+    let held = fill.clone();
+    let s = cache_scenario("lock_timeout = \"20s\"")
+        .origin(move |_| Reply::ok("slow\n").after(&held))
+        .start();
+    for (status, body) in all_at_once(&s, &fill, 50, "/slow") {
+        assert_eq!((status, body.as_slice()), (200, &b"slow\n"[..]));
+    }
+    assert_eq!(s.origin_requests(), 1, "one fill for 50 concurrent misses");
+    assert_eq!(
+        s.metric_value("pier_cache_lookups_total{zone=\"main\",result=\"coalesced\"}"),
+        Some(49.0),
+        "every follower waited on the one fill: {}",
+        s.metrics()
+    );
+}
+
+/// `n` clients GET `path` at once; `gate` (which holds the origin's answer)
+/// opens once all `n` are in flight in Pier, so each of them came while the
+/// first was at the origin. Their statuses and bodies.
+fn all_at_once(s: &Running, gate: &Gate, n: usize, path: &str) -> Vec<(u16, Vec<u8>)> {
+    let addr = s.addr();
+    let threads: Vec<_> = (0..n)
         .map(|_| {
+            let path = path.to_string();
             std::thread::spawn(move || {
-                let r = RawConn::connect(addr).get("/slow/300").unwrap();
+                let mut c = RawConn::connect(addr);
+                c.set_timeout(Duration::from_secs(30));
+                let r = c.get(&path).unwrap();
                 (r.status, r.body)
             })
         })
         .collect();
-    for t in threads {
-        let (status, body) = t.join().unwrap();
-        assert_eq!((status, body.as_slice()), (200, &b"slow\n"[..]));
-    }
-    assert_eq!(o.requests(), 1, "one fill for 50 concurrent misses");
-    assert!(
-        pier.metric_value("pier_cache_lookups_total{zone=\"main\",result=\"coalesced\"}")
-            .unwrap_or(0.0)
-            >= 1.0,
-        "{}",
-        pier.metrics()
-    );
-    let _ = Duration::ZERO;
+    let mut active = None;
+    let all_in = wait_until(Duration::from_secs(20), || {
+        active = s.metric_value("pier_active_requests");
+        active == Some(n as f64)
+    });
+    gate.open();
+    assert!(all_in, "{active:?} requests in flight, wanted {n}");
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
 }
 
 #[test]
@@ -528,27 +545,28 @@ fn a_slow_fill_streams_to_followers_as_it_arrives() {
 
 #[test]
 fn a_hundred_concurrent_cold_requests_reach_the_origin_once() {
-    let o = Script::start(|_: &Request| {
-        Reply::wire(
-            "HTTP/1.1 200 OK\r\nCache-Control: max-age=60\r\nContent-Length: 5",
-            vec![(Duration::from_millis(400), b"cold\n".to_vec())],
-        )
-    });
-    let pier = pier(&cache_config(o.addr(), "lock_timeout = \"20s\""));
-    let addr = pier.listener("main");
-    let threads: Vec<_> = (0..100)
-        .map(|_| {
-            std::thread::spawn(move || {
-                let r = RawConn::connect(addr).get("/cold").unwrap();
-                (r.status, r.body)
+    // The head at once, the body once all hundred are in: the followers
+    // join a fill whose head they already have.
+    let body = Gate::new();
+    let held = body.clone();
+    let s = cache_scenario("lock_timeout = \"20s\"")
+        .origin(move |_| {
+            let held = held.clone();
+            Reply::raw(move |conn| {
+                use std::io::Write;
+                let _ = conn.write_all(
+                    b"HTTP/1.1 200 OK\r\nCache-Control: max-age=60\r\nContent-Length: 5\r\n\r\n",
+                );
+                held.wait(Duration::from_secs(30));
+                let _ = conn.write_all(b"cold\n");
             })
         })
-        .collect();
-    for t in threads {
-        assert_eq!(t.join().unwrap(), (200, b"cold\n".to_vec()));
+        .start();
+    for r in all_at_once(&s, &body, 100, "/cold") {
+        assert_eq!(r, (200, b"cold\n".to_vec()));
     }
     assert_eq!(
-        o.requests(),
+        s.origin_requests(),
         1,
         "one origin request for 100 concurrent misses"
     );
