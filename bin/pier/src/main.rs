@@ -132,6 +132,11 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    // Test only (docs/testing.md): the cache's clock moved by a file's seconds.
+    if let Some(file) = std::env::var_os("PIER_TEST_CLOCK").filter(|f| !f.is_empty()) {
+        tracing::warn!(file = ?file, "PIER_TEST_CLOCK is set: the cache clock is moved by the seconds in this file (for tests only)");
+        pier_clock::install_test_clock(file.into());
+    }
     match cli.cmd.unwrap_or(Cmd::Serve { config: None }) {
         Cmd::Aggregate {
             kafka,

@@ -134,15 +134,8 @@ fn download_100_mib_streamed_without_growing_memory() {
     let base = warm_rss(&p);
     let watch = RssWatch::start(p.pid());
     let mut c = RawConn::connect(p.listener("main"));
-    let mut off = 0u64;
-    let mut good = true;
     c.send(format!("GET /bytes/{} HTTP/1.1\r\nhost: a\r\n\r\n", 100 * MIB).as_bytes());
-    let resp = c
-        .read_response_streaming(&mut |piece| {
-            good &= is_pattern(off, piece);
-            off += piece.len() as u64;
-        })
-        .unwrap();
+    let (resp, good) = c.read_pattern_response().unwrap();
     let peak = watch.peak();
     assert_eq!(resp.status, 200);
     assert_eq!(resp.body_len, 100 * MIB);
@@ -173,14 +166,7 @@ fn upload_100_mib_echoed_without_growing_memory() {
         }
         Ok(())
     });
-    let mut off = 0u64;
-    let mut good = true;
-    let resp = c
-        .read_response_streaming(&mut |piece| {
-            good &= is_pattern(off, piece);
-            off += piece.len() as u64;
-        })
-        .unwrap();
+    let (resp, good) = c.read_pattern_response().unwrap();
     writer.join().unwrap().unwrap();
     let peak = watch.peak();
     assert_eq!(resp.status, 200);
@@ -216,14 +202,7 @@ fn chunked_upload_32_mib_echoed() {
         }
         w.write_all(b"0\r\n\r\n")
     });
-    let mut off = 0u64;
-    let mut good = true;
-    let resp = c
-        .read_response_streaming(&mut |piece| {
-            good &= is_pattern(off, piece);
-            off += piece.len() as u64;
-        })
-        .unwrap();
+    let (resp, good) = c.read_pattern_response().unwrap();
     writer.join().unwrap().unwrap();
     let peak = watch.peak();
     assert_eq!(resp.body_len, total);

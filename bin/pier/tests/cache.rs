@@ -10,64 +10,55 @@ use std::time::Duration;
 
 use common::*;
 
-fn cache_config(origin: SocketAddr, route_extra: &str) -> String {
-    base_config(
-        "[cache.main]\nmemory = \"16m\"\nmax_object = \"64k\"",
-        &format!(
-            r#"[[route]]
-name = "default"
-upstream = "app"
-[route.cache]
-zone = "main"
-ttl = {{ "200" = "60s" }}
-{route_extra}
+const CACHE_TOP: &str = "[cache.main]\nmemory = \"16m\"\nmax_object = \"64k\"";
 
-[upstream.app]
-servers = ["{origin}"]
-"#
-        ),
-    )
+/// The catch-all route's cache table (a TTL of 60 s for 200s), then `extra`.
+fn cache_route(extra: &str) -> String {
+    format!("[route.cache]\nzone = \"main\"\nttl = {{ \"200\" = \"60s\" }}\n{extra}")
+}
+
+fn cache_config(origin: SocketAddr, route_extra: &str) -> String {
+    route_config(&[origin], CACHE_TOP, &cache_route(route_extra), "")
+}
+
+/// A scenario behind the config of [`cache_config`].
+fn cache_scenario(route_extra: &str) -> Scenario {
+    scenario().top(CACHE_TOP).route(&cache_route(route_extra))
 }
 
 #[test]
 fn hits_age_head_and_cache_status() {
-    let o = Origin::start();
-    let pier = pier(&cache_config(o.addr(), ""));
-    let mut c = RawConn::connect(pier.listener("main"));
-    let first = c.get("/cache/60").unwrap();
-    assert_eq!(first.status, 200);
-    assert_eq!(first.header("cache-status"), Some("pier; fwd=miss; stored"));
+    let s = cache_scenario("").start();
+    let mut c = s.conn();
+    let first = c
+        .get("/cache/60")
+        .expect_status(200)
+        .expect_header("cache-status", "pier; fwd=miss; stored");
     for _ in 0..5 {
-        let r = c.get("/cache/60").unwrap();
-        assert_eq!(r.body, first.body, "served from the cache");
-        assert!(
-            r.header("cache-status")
-                .unwrap()
-                .starts_with("pier; hit; ttl="),
-            "{r:?}"
-        );
-        assert!(r.header("age").is_some());
-        assert_eq!(r.header("etag"), Some("\"v1\""));
+        let r = c
+            .get("/cache/60")
+            .expect_body(&first.body)
+            .expect_header_prefix("cache-status", "pier; hit; ttl=")
+            .expect_header("etag", "\"v1\"");
+        assert!(r.header("age").is_some(), "{r:?}");
     }
     // HEAD from the stored GET.
-    let r = c.request("HEAD", "/cache/60", &[], b"").unwrap();
-    assert_eq!(r.status, 200);
-    assert_eq!(r.header("content-length"), Some("7"));
-    assert!(r.body.is_empty());
-    assert_eq!(o.requests(), 1);
+    c.request("HEAD", "/cache/60", &[], b"")
+        .expect_status(200)
+        .expect_header("content-length", "7")
+        .expect_body("");
+    assert_eq!(s.origin_requests(), 1);
     // No freshness of its own: the route's TTL for 200 applies.
-    c.get("/hello").unwrap();
-    let r = c.get("/hello").unwrap();
-    assert_eq!(r.body, b"hello world\n");
-    assert!(r.header("cache-status").unwrap().contains("hit"));
-    assert_eq!(o.requests(), 2);
+    c.get("/hello");
+    c.get("/hello")
+        .expect_body("hello world\n")
+        .expect_header_contains("cache-status", "hit");
+    assert_eq!(s.origin_requests(), 2);
     // A client's no-cache goes to the origin (and refreshes the object).
-    let r = c
-        .request("GET", "/cache/60", &[("Cache-Control", "no-cache")], b"")
-        .unwrap();
-    assert_eq!(r.status, 200);
-    assert_eq!(o.requests(), 3);
-    assert!(pier.metrics().contains("pier_cache_lookups_total"));
+    c.request("GET", "/cache/60", &[("Cache-Control", "no-cache")], b"")
+        .expect_status(200);
+    assert_eq!(s.origin_requests(), 3);
+    assert!(s.metrics().contains("pier_cache_lookups_total"));
 }
 
 /// The cache step's result reaches the access log (`"cache"`, nginx's
@@ -113,104 +104,98 @@ fn cache_results_are_logged() {
 
 #[test]
 fn a_head_miss_is_not_stored_as_the_get() {
-    let o = Origin::start();
-    let pier = pier(&cache_config(o.addr(), ""));
-    let mut c = RawConn::connect(pier.listener("main"));
-    let r = c.request("HEAD", "/cache/60", &[], b"").unwrap();
-    assert_eq!(r.status, 200);
+    let s = cache_scenario("").start();
+    let mut c = s.conn();
+    c.request("HEAD", "/cache/60", &[], b"").expect_status(200);
     // The GET after it gets the whole body (from the origin, then stored).
-    let r = c.get("/cache/60").unwrap();
-    assert_eq!(
-        r.body.len(),
-        r.header("content-length")
-            .unwrap()
-            .parse::<usize>()
-            .unwrap()
-    );
-    assert!(!r.body.is_empty());
-    let r2 = c.get("/cache/60").unwrap();
-    assert_eq!(r2.body, r.body);
-    assert!(r2.header("cache-status").unwrap().contains("hit"));
-    assert_eq!(o.requests(), 2);
+    let r = c.get("/cache/60").expect_header("content-length", "7");
+    assert_eq!(r.body.len(), 7, "{r:?}");
+    c.get("/cache/60")
+        .expect_body(&r.body)
+        .expect_header_contains("cache-status", "hit");
+    assert_eq!(s.origin_requests(), 2);
 }
 
 #[test]
 fn conditional_requests_get_304_from_the_cache() {
-    let o = Origin::start();
-    let pier = pier(&cache_config(o.addr(), ""));
-    let mut c = RawConn::connect(pier.listener("main"));
-    c.get("/cache/60").unwrap();
-    let r = c
-        .request("GET", "/cache/60", &[("If-None-Match", "\"v1\"")], b"")
-        .unwrap();
-    assert_eq!(r.status, 304);
-    assert!(r.body.is_empty());
-    let r = c
-        .request("GET", "/cache/60", &[("If-None-Match", "\"other\"")], b"")
-        .unwrap();
-    assert_eq!(r.status, 200);
+    let s = cache_scenario("").start();
+    let mut c = s.conn();
+    c.get("/cache/60");
+    c.request("GET", "/cache/60", &[("If-None-Match", "\"v1\"")], b"")
+        .expect_status(304)
+        .expect_body("");
+    c.request("GET", "/cache/60", &[("If-None-Match", "\"other\"")], b"")
+        .expect_status(200);
     // /hello has no validator: Pier stores a synthetic Last-Modified.
-    let r = c.get("/hello").unwrap();
-    let r2 = c.get("/hello").unwrap();
-    let lm = r2
-        .header("last-modified")
-        .expect("synthetic Last-Modified")
-        .to_string();
-    let _ = r;
-    let r = c
-        .request("GET", "/hello", &[("If-Modified-Since", &lm)], b"")
-        .unwrap();
-    assert_eq!(r.status, 304);
-    assert_eq!(o.requests(), 2);
+    c.get("/hello");
+    let r = c.get("/hello");
+    let lm = r.header("last-modified").expect("synthetic Last-Modified");
+    c.request("GET", "/hello", &[("If-Modified-Since", lm)], b"")
+        .expect_status(304);
+    assert_eq!(s.origin_requests(), 2);
 }
 
 #[test]
 fn unsafe_methods_invalidate_and_big_objects_stream_through() {
-    let o = Origin::start();
-    let pier = pier(&cache_config(o.addr(), ""));
-    let mut c = RawConn::connect(pier.listener("main"));
-    c.get("/cache/60").unwrap();
-    c.get("/cache/60").unwrap();
-    assert_eq!(o.requests(), 1);
-    let r = c.request("POST", "/cache/60", &[], b"x").unwrap();
-    assert_eq!(r.status, 200);
-    let r = c.get("/cache/60").unwrap();
-    assert_eq!(r.header("cache-status"), Some("pier; fwd=miss; stored"));
-    assert_eq!(o.requests(), 3);
+    let s = cache_scenario("").start();
+    let mut c = s.conn();
+    c.get("/cache/60");
+    c.get("/cache/60");
+    assert_eq!(s.origin_requests(), 1);
+    c.request("POST", "/cache/60", &[], b"x").expect_status(200);
+    c.get("/cache/60")
+        .expect_header("cache-status", "pier; fwd=miss; stored");
+    assert_eq!(s.origin_requests(), 3);
     // Larger than max_object (64k): relayed whole, never stored.
     for _ in 0..2 {
-        let r = c.get("/bytes/200000").unwrap();
-        assert_eq!(r.body.len(), 200_000);
+        c.get("/bytes/200000").expect_body(pattern(0, 200_000));
     }
-    assert_eq!(o.requests(), 5);
+    assert_eq!(s.origin_requests(), 5);
 }
 
 #[test]
 fn concurrent_misses_reach_the_origin_once() {
-    let o = Origin::start();
-    let pier = pier(&cache_config(o.addr(), ""));
-    let addr = pier.listener("main");
-    let threads: Vec<_> = (0..50)
+    let fill = Gate::new();
+    let held = fill.clone();
+    let s = cache_scenario("lock_timeout = \"20s\"")
+        .origin(move |_| Reply::ok("slow\n").after(&held))
+        .start();
+    for (status, body) in all_at_once(&s, &fill, 50, "/slow") {
+        assert_eq!((status, body.as_slice()), (200, &b"slow\n"[..]));
+    }
+    assert_eq!(s.origin_requests(), 1, "one fill for 50 concurrent misses");
+    assert_eq!(
+        s.metric_value("pier_cache_lookups_total{zone=\"main\",result=\"coalesced\"}"),
+        Some(49.0),
+        "every follower waited on the one fill: {}",
+        s.metrics()
+    );
+}
+
+/// `n` clients GET `path` at once; `gate` (which holds the origin's answer)
+/// opens once all `n` are in flight in Pier, so each of them came while the
+/// first was at the origin. Their statuses and bodies.
+fn all_at_once(s: &Running, gate: &Gate, n: usize, path: &str) -> Vec<(u16, Vec<u8>)> {
+    let addr = s.addr();
+    let threads: Vec<_> = (0..n)
         .map(|_| {
+            let path = path.to_string();
             std::thread::spawn(move || {
-                let r = RawConn::connect(addr).get("/slow/300").unwrap();
+                let mut c = RawConn::connect(addr);
+                c.set_timeout(Duration::from_secs(30));
+                let r = c.get(&path).unwrap();
                 (r.status, r.body)
             })
         })
         .collect();
-    for t in threads {
-        let (status, body) = t.join().unwrap();
-        assert_eq!((status, body.as_slice()), (200, &b"slow\n"[..]));
-    }
-    assert_eq!(o.requests(), 1, "one fill for 50 concurrent misses");
-    assert!(
-        pier.metric_value("pier_cache_lookups_total{zone=\"main\",result=\"coalesced\"}")
-            .unwrap_or(0.0)
-            >= 1.0,
-        "{}",
-        pier.metrics()
-    );
-    let _ = Duration::ZERO;
+    let mut active = None;
+    let all_in = wait_until(Duration::from_secs(20), || {
+        active = s.metric_value("pier_active_requests");
+        active == Some(n as f64)
+    });
+    gate.open();
+    assert!(all_in, "{active:?} requests in flight, wanted {n}");
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
 }
 
 #[test]
@@ -425,14 +410,16 @@ fn http_cache_tests_suite() {
 /// RFC 9111 allows.
 #[test]
 fn set_cookie_pass_and_store() {
-    let o = Script::start(|_, path, n| {
+    let o = Script::start(|r: &Request| {
+        let path = r.path.as_str();
+        let n = r.n;
         let cc = if path == "/public" {
             "public, max-age=60"
         } else {
             "max-age=60"
         };
         let body = format!("n{n}");
-        Answer::Send(
+        Reply::wire(
             format!(
                 "HTTP/1.1 200 OK\r\nCache-Control: {cc}\r\nSet-Cookie: s={n}\r\nContent-Length: {}",
                 body.len()
@@ -440,7 +427,7 @@ fn set_cookie_pass_and_store() {
             vec![(Duration::ZERO, body.into_bytes())],
         )
     });
-    let pass = pier(&cache_config(o.addr, ""));
+    let pass = pier(&cache_config(o.addr(), ""));
     let mut c = RawConn::connect(pass.listener("main"));
     for i in 1..=2 {
         let r = c.get("/private-cookie").unwrap();
@@ -454,7 +441,7 @@ fn set_cookie_pass_and_store() {
     drop(c);
     drop(pass);
 
-    let store = pier(&cache_config(o.addr, "set_cookie = \"store\""));
+    let store = pier(&cache_config(o.addr(), "set_cookie = \"store\""));
     let mut c = RawConn::connect(store.listener("main"));
     let first = c.get("/cookie").unwrap();
     let again = c.get("/cookie").unwrap();
@@ -465,111 +452,8 @@ fn set_cookie_pass_and_store() {
     o.stop();
 }
 
-/// A scripted origin for the stale, streaming and invalidation tests: each
-/// request (its method, path and count so far, from 1) gets the response
-/// `answer` returns — a head, body pieces with a pause before each, or a
-/// closed connection. One thread per connection.
-struct Script {
-    addr: SocketAddr,
-    count: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-}
-
-enum Answer {
-    /// Head lines (without the status line's CRLF end), then pieces, each
-    /// after its pause.
-    Send(String, Vec<(Duration, Vec<u8>)>),
-    /// Close without answering.
-    Close,
-    /// Written by the test itself (e.g. a head, then a wait on a channel).
-    Raw(Box<dyn FnOnce(&mut std::net::TcpStream) + Send>),
-}
-
-impl Script {
-    fn start(answer: impl Fn(&str, &str, usize) -> Answer + Send + Sync + 'static) -> Script {
-        use std::io::{Read, Write};
-        use std::sync::atomic::Ordering::SeqCst;
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let answer = std::sync::Arc::new(answer);
-        let (c2, s2) = (count.clone(), stop.clone());
-        std::thread::spawn(move || {
-            for conn in l.incoming() {
-                if s2.load(SeqCst) {
-                    return;
-                }
-                let Ok(mut conn) = conn else { continue };
-                let (count, answer) = (c2.clone(), answer.clone());
-                std::thread::spawn(move || {
-                    let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
-                    let mut buf = Vec::new();
-                    loop {
-                        let mut b = [0u8; 4096];
-                        let end = buf.windows(4).position(|w| w == b"\r\n\r\n");
-                        let Some(end) = end else {
-                            match conn.read(&mut b) {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => buf.extend_from_slice(&b[..n]),
-                            }
-                            continue;
-                        };
-                        let head = String::from_utf8_lossy(&buf[..end]).to_string();
-                        let cl: usize = head
-                            .lines()
-                            .find_map(|l| {
-                                let (k, v) = l.split_once(':')?;
-                                k.eq_ignore_ascii_case("content-length")
-                                    .then(|| v.trim().parse().ok())?
-                            })
-                            .unwrap_or(0);
-                        while buf.len() < end + 4 + cl {
-                            match conn.read(&mut b) {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => buf.extend_from_slice(&b[..n]),
-                            }
-                        }
-                        buf.drain(..end + 4 + cl);
-                        let mut parts = head.split(' ');
-                        let method = parts.next().unwrap_or("").to_string();
-                        let path = parts.next().unwrap_or("").to_string();
-                        let n = count.fetch_add(1, SeqCst) + 1;
-                        match answer(&method, &path, n) {
-                            Answer::Close => return,
-                            Answer::Raw(f) => f(&mut conn),
-                            Answer::Send(h, pieces) => {
-                                if conn.write_all(format!("{h}\r\n\r\n").as_bytes()).is_err() {
-                                    return;
-                                }
-                                for (pause, p) in pieces {
-                                    std::thread::sleep(pause);
-                                    if conn.write_all(&p).is_err() {
-                                        return;
-                                    }
-                                }
-                            }
-                        }
-                    }
-                });
-            }
-        });
-        Script { addr, count, stop }
-    }
-
-    fn requests(&self) -> usize {
-        self.count.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    /// Stop accepting (connections already open stay).
-    fn stop(&self) {
-        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        let _ = std::net::TcpStream::connect(self.addr);
-    }
-}
-
-fn ok(cc: &str, body: &str) -> Answer {
-    Answer::Send(
+fn ok(cc: &str, body: &str) -> Reply {
+    Reply::wire(
         format!(
             "HTTP/1.1 200 OK\r\nCache-Control: {cc}\r\nETag: \"{body}\"\r\nContent-Length: {}",
             body.len()
@@ -606,15 +490,15 @@ fn a_slow_fill_streams_to_followers_as_it_arrives() {
     use std::io::Write;
     // 10 bytes, one every 300 ms; the leader's client leaves after the
     // head: the fill goes on for the others and is stored.
-    let o = Script::start(|_, _, _| {
-        Answer::Send(
-            "HTTP/1.1 200 OK\r\nCache-Control: max-age=60\r\nContent-Length: 10".into(),
+    let o = Script::start(|_: &Request| {
+        Reply::wire(
+            "HTTP/1.1 200 OK\r\nCache-Control: max-age=60\r\nContent-Length: 10",
             (0..10)
                 .map(|i| (Duration::from_millis(300), vec![b'0' + i]))
                 .collect(),
         )
     });
-    let pier = pier(&cache_config(o.addr, ""));
+    let pier = pier(&cache_config(o.addr(), ""));
     let addr = pier.listener("main");
     let mut leader = std::net::TcpStream::connect(addr).unwrap();
     // The Host RawConn sends, so that the last request has the same key.
@@ -661,27 +545,28 @@ fn a_slow_fill_streams_to_followers_as_it_arrives() {
 
 #[test]
 fn a_hundred_concurrent_cold_requests_reach_the_origin_once() {
-    let o = Script::start(|_, _, _| {
-        Answer::Send(
-            "HTTP/1.1 200 OK\r\nCache-Control: max-age=60\r\nContent-Length: 5".into(),
-            vec![(Duration::from_millis(400), b"cold\n".to_vec())],
-        )
-    });
-    let pier = pier(&cache_config(o.addr, "lock_timeout = \"20s\""));
-    let addr = pier.listener("main");
-    let threads: Vec<_> = (0..100)
-        .map(|_| {
-            std::thread::spawn(move || {
-                let r = RawConn::connect(addr).get("/cold").unwrap();
-                (r.status, r.body)
+    // The head at once, the body once all hundred are in: the followers
+    // join a fill whose head they already have.
+    let body = Gate::new();
+    let held = body.clone();
+    let s = cache_scenario("lock_timeout = \"20s\"")
+        .origin(move |_| {
+            let held = held.clone();
+            Reply::raw(move |conn| {
+                use std::io::Write;
+                let _ = conn.write_all(
+                    b"HTTP/1.1 200 OK\r\nCache-Control: max-age=60\r\nContent-Length: 5\r\n\r\n",
+                );
+                held.wait(Duration::from_secs(30));
+                let _ = conn.write_all(b"cold\n");
             })
         })
-        .collect();
-    for t in threads {
-        assert_eq!(t.join().unwrap(), (200, b"cold\n".to_vec()));
+        .start();
+    for r in all_at_once(&s, &body, 100, "/cold") {
+        assert_eq!(r, (200, b"cold\n".to_vec()));
     }
     assert_eq!(
-        o.requests(),
+        s.origin_requests(),
         1,
         "one origin request for 100 concurrent misses"
     );
@@ -693,15 +578,16 @@ fn a_hundred_concurrent_cold_requests_reach_the_origin_once() {
 /// would make a Last-Modified-based heuristic lifetime of hours).
 #[test]
 fn a_synthetic_last_modified_gives_no_heuristic_freshness() {
-    let o = Script::start(|_, _, n| {
+    let o = Script::start(|r: &Request| {
+        let n = r.n;
         if n == 1 {
-            Answer::Send(
-                "HTTP/1.1 200 OK\r\nCache-Control: public\r\nContent-Length: 2".into(),
+            Reply::wire(
+                "HTTP/1.1 200 OK\r\nCache-Control: public\r\nContent-Length: 2",
                 vec![(Duration::ZERO, b"v1".to_vec())],
             )
         } else {
             let tomorrow = std::time::SystemTime::now() + Duration::from_secs(86_400);
-            Answer::Send(
+            Reply::wire(
                 format!(
                     "HTTP/1.1 304 Not Modified\r\nDate: {}",
                     httpdate::fmt_http_date(tomorrow)
@@ -711,7 +597,7 @@ fn a_synthetic_last_modified_gives_no_heuristic_freshness() {
         }
     });
     // No route TTL: the response's own freshness (none) decides.
-    let cfg = cache_config(o.addr, "").replace("ttl = { \"200\" = \"60s\" }\n", "");
+    let cfg = cache_config(o.addr(), "").replace("ttl = { \"200\" = \"60s\" }\n", "");
     assert!(!cfg.contains("ttl ="), "{cfg}");
     let pier = pier(&cfg);
     let addr = pier.listener("main");
@@ -728,52 +614,35 @@ fn a_synthetic_last_modified_gives_no_heuristic_freshness() {
 
 #[test]
 fn stale_while_revalidate_serves_stale_and_refreshes_once_in_the_background() {
-    // v1, then v2 after 1.5 s (a slow refresh the clients must not wait on).
-    let o = Script::start(|_, _, n| {
-        let body = format!("v{n}");
-        // v2 stays fresh: the test sees it as a hit.
-        let cc = if n == 1 {
-            "max-age=1, stale-while-revalidate=60"
-        } else {
-            "max-age=60"
-        };
-        let pause = if n == 1 { 0 } else { 1500 };
-        Answer::Send(
-            format!(
-                "HTTP/1.1 200 OK\r\nCache-Control: {cc}\r\nContent-Length: {}",
-                body.len()
-            ),
-            vec![(Duration::from_millis(pause), body.into_bytes())],
-        )
-    });
-    let pier = pier(&cache_config(o.addr, ""));
-    let addr = pier.listener("main");
-    assert_eq!(RawConn::connect(addr).get("/swr").unwrap().body, b"v1");
+    // v1, then v2 from a refresh held at the origin until the test opens the
+    // gate (a slow refresh the clients must not wait on). v2 stays fresh.
+    let refresh = Gate::new();
+    let held = refresh.clone();
+    let s = cache_scenario("")
+        .origin(move |r| match r.n {
+            1 => Reply::ok("v1").header("cache-control", "max-age=1, stale-while-revalidate=60"),
+            _ => Reply::ok("v2")
+                .header("cache-control", "max-age=60")
+                .after(&held),
+        })
+        .start();
+    s.get("/swr").expect_body("v1");
     // Past max-age (a second, as the Age arithmetic is in seconds).
-    std::thread::sleep(Duration::from_millis(2100));
+    s.advance_clock(Duration::from_secs(2));
     for _ in 0..5 {
-        let r = RawConn::connect(addr).get("/swr").unwrap();
-        assert_eq!(r.body, b"v1", "stale served at once: {r:?}");
-        assert!(
-            r.header("cache-status")
-                .unwrap()
-                .contains("stale-while-revalidate"),
-            "{r:?}"
-        );
+        s.get("/swr")
+            .expect_body("v1")
+            .expect_header_contains("cache-status", "stale-while-revalidate");
     }
-    // One refresh for the key, in the background; then v2 is a hit.
-    assert!(wait_until(Duration::from_secs(10), || {
-        RawConn::connect(addr).get("/swr").unwrap().body == b"v2"
-    }));
-    let r = RawConn::connect(addr).get("/swr").unwrap();
-    assert!(
-        r.header("cache-status")
-            .unwrap()
-            .starts_with("pier; hit; ttl="),
-        "{r:?}"
-    );
-    assert_eq!(o.requests(), 2, "one background refresh");
-    let m = pier.metrics();
+    // One refresh for the key, in the background, held all along; once it
+    // is let go, v2 is a hit.
+    assert!(wait_until(Duration::from_secs(10), || s.origin_requests() == 2));
+    refresh.open();
+    s.wait_body("/swr", "v2");
+    s.get("/swr")
+        .expect_header_prefix("cache-status", "pier; hit; ttl=");
+    assert_eq!(s.origin_requests(), 2, "one background refresh");
+    let m = s.metrics();
     assert!(m.contains("result=\"updating\"} 1"), "{m}");
 }
 
@@ -782,7 +651,8 @@ fn stale_if_error_and_grace_serve_stale_when_the_origin_fails() {
     // /sie: stale-if-error; /grace: none (the route's grace applies);
     // /mr: must-revalidate (never stale). After the first request of each,
     // the origin answers 503, then closes without answering.
-    let o = Script::start(|_, path, _| {
+    let o = Script::start(|r: &Request| {
+        let path = r.path.as_str();
         use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
         static SEEN: [AtomicUsize; 3] = [
             AtomicUsize::new(0),
@@ -796,19 +666,20 @@ fn stale_if_error_and_grace_serve_stale_when_the_origin_fails() {
         };
         match SEEN[i].fetch_add(1, SeqCst) {
             0 => ok(cc, "good"),
-            1 => Answer::Send(
-                "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4".into(),
+            1 => Reply::wire(
+                "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4",
                 vec![(Duration::ZERO, b"down".to_vec())],
             ),
-            _ => Answer::Close,
+            _ => Reply::close(),
         }
     });
-    let pier = pier(&cache_config(o.addr, "grace = \"30s\""));
+    let pier = pier(&cache_config(o.addr(), "grace = \"30s\""));
     let addr = pier.listener("main");
     for p in ["/sie", "/grace", "/mr"] {
         assert_eq!(RawConn::connect(addr).get(p).unwrap().body, b"good");
     }
-    std::thread::sleep(Duration::from_millis(2100));
+    // Past max-age (whole seconds).
+    pier.advance_clock(Duration::from_secs(2));
     for p in ["/sie", "/grace"] {
         // A 503, then a closed connection: the stored response both times.
         for _ in 0..2 {
@@ -836,16 +707,19 @@ fn stale_if_error_and_grace_serve_stale_when_the_origin_fails() {
 
 #[test]
 fn ranges_from_a_stored_object_and_location_invalidation() {
-    let o = Script::start(|method, path, n| {
+    let o = Script::start(|r: &Request| {
+        let method = r.method.as_str();
+        let path = r.path.as_str();
+        let n = r.n;
         match (method, path) {
-        ("POST", _) => Answer::Send(
-            "HTTP/1.1 201 Created\r\nLocation: /other\r\nContent-Location: http://elsewhere.example/a\r\nContent-Length: 0".into(),
+        ("POST", _) => Reply::wire(
+            "HTTP/1.1 201 Created\r\nLocation: /other\r\nContent-Location: http://elsewhere.example/a\r\nContent-Length: 0",
             vec![],
         ),
         _ => ok("max-age=60", &format!("0123456789-{n}")),
     }
     });
-    let pier = pier(&cache_config(o.addr, ""));
+    let pier = pier(&cache_config(o.addr(), ""));
     let mut c = RawConn::connect(pier.listener("main"));
     let full = c.get("/r").unwrap().body;
     assert_eq!(full, b"0123456789-1");
@@ -907,8 +781,8 @@ fn large_hits_are_spliced_from_their_mapping() {
     const LEN: usize = 300_000;
     let body: Vec<u8> = (0..LEN).map(|i| (i * 7 % 251) as u8).collect();
     let served = body.clone();
-    let o = Script::start(move |_, _, _| {
-        Answer::Send(
+    let o = Script::start(move |_: &Request| {
+        Reply::wire(
             format!("HTTP/1.1 200 OK\r\nCache-Control: max-age=600\r\nContent-Length: {LEN}"),
             vec![(Duration::ZERO, served.clone())],
         )
@@ -917,7 +791,7 @@ fn large_hits_are_spliced_from_their_mapping() {
         "[cache.main]\nmemory = \"16m\"\nmax_object = \"1m\"",
         &format!(
             "[[route]]\nname = \"default\"\nupstream = \"app\"\n[route.cache]\nzone = \"main\"\n\n[upstream.app]\nservers = [\"{}\"]\n",
-            o.addr
+            o.addr()
         ),
     )
     .replace(
@@ -1020,7 +894,7 @@ fn gated_origin(
     head: String,
     first: &'static [u8],
     rest: &'static [u8],
-    later: impl Fn(usize) -> Answer + Send + Sync + 'static,
+    later: impl Fn(usize) -> Reply + Send + Sync + 'static,
 ) -> (
     Script,
     std::sync::mpsc::Sender<()>,
@@ -1030,19 +904,20 @@ fn gated_origin(
     let (head_tx, head_rx) = std::sync::mpsc::channel::<()>();
     let (rest_tx, rest_rx) = std::sync::mpsc::channel::<()>();
     let gates = std::sync::Mutex::new(Some((head_rx, rest_rx)));
-    let o = Script::start(move |_, _, n| {
+    let o = Script::start(move |r: &Request| {
+        let n = r.n;
         let Some((h, r)) = (n == 1).then(|| gates.lock().unwrap().take()).flatten() else {
             return later(n);
         };
         let head = head.clone();
-        Answer::Raw(Box::new(move |conn| {
+        Reply::raw(move |conn| {
             // A gate whose sender is gone (the test failed) opens.
             let _ = h.recv_timeout(Duration::from_secs(20));
             let _ = conn.write_all(format!("{head}\r\n\r\n").as_bytes());
             let _ = conn.write_all(first);
             let _ = r.recv_timeout(Duration::from_secs(20));
             let _ = conn.write_all(rest);
-        }))
+        })
     });
     (o, head_tx, rest_tx)
 }
@@ -1087,12 +962,12 @@ fn a_fill_serves_only_the_followers_its_vary_selects() {
     let (o, head_tx, rest_tx) =
         gated_origin(vary_head(18), b"cookie=sid=VICTIM", b"\n", move |n| {
             let body = format!("cookie=none n={n}\n");
-            Answer::Send(
+            Reply::wire(
                 vary_head(body.len()),
                 vec![(Duration::ZERO, body.into_bytes())],
             )
         });
-    let pier = pier(&cache_config(o.addr, "lock_timeout = \"20s\""));
+    let pier = pier(&cache_config(o.addr(), "lock_timeout = \"20s\""));
     let addr = pier.listener("main");
     let mut victim = std::net::TcpStream::connect(addr).unwrap();
     victim
@@ -1149,9 +1024,9 @@ fn a_fill_serves_only_the_followers_its_vary_selects() {
     // A follower whose request the response does select still streams the
     // fill: one origin request for both.
     let (o, head_tx, rest_tx) = gated_origin(vary_head(18), b"cookie=sid=SHARED", b"\n", |_| {
-        Answer::Close
+        Reply::close()
     });
-    let p = common::pier(&cache_config(o.addr, "lock_timeout = \"20s\""));
+    let p = common::pier(&cache_config(o.addr(), "lock_timeout = \"20s\""));
     let addr = p.listener("main");
     let req = b"GET /slow HTTP/1.1\r\nHost: pier.test\r\nCookie: sid=SHARED\r\n\r\n";
     let mut a = std::net::TcpStream::connect(addr).unwrap();
@@ -1178,24 +1053,25 @@ fn a_fill_serves_only_the_followers_its_vary_selects() {
 /// same store).
 #[test]
 fn a_304_that_makes_the_object_unstorable_is_not_stored() {
-    let o = Script::start(|_, _, n| {
+    let o = Script::start(|r: &Request| {
+        let n = r.n;
         match n {
         // Stale at once, so every use revalidates.
-        1 => Answer::Send(
-            "HTTP/1.1 200 OK\r\nCache-Control: max-age=0\r\nETag: \"e1\"\r\nContent-Length: 6".into(),
+        1 => Reply::wire(
+            "HTTP/1.1 200 OK\r\nCache-Control: max-age=0\r\nETag: \"e1\"\r\nContent-Length: 6",
             vec![(Duration::ZERO, b"shared".to_vec())],
         ),
-        2 => Answer::Send(
-            "HTTP/1.1 304 Not Modified\r\nCache-Control: max-age=0\r\nETag: \"e1\"\r\nSet-Cookie: sid=VICTIM".into(),
+        2 => Reply::wire(
+            "HTTP/1.1 304 Not Modified\r\nCache-Control: max-age=0\r\nETag: \"e1\"\r\nSet-Cookie: sid=VICTIM",
             vec![],
         ),
-        _ => Answer::Send(
-            "HTTP/1.1 304 Not Modified\r\nCache-Control: max-age=0\r\nETag: \"e1\"".into(),
+        _ => Reply::wire(
+            "HTTP/1.1 304 Not Modified\r\nCache-Control: max-age=0\r\nETag: \"e1\"",
             vec![],
         ),
     }
     });
-    let pier = pier(&cache_config(o.addr, ""));
+    let pier = pier(&cache_config(o.addr(), ""));
     let mut c = RawConn::connect(pier.listener("main"));
     let r = c.get("/r").unwrap();
     assert_eq!(r.header("cache-status"), Some("pier; fwd=miss; stored"));
@@ -1233,20 +1109,20 @@ fn a_304_that_makes_the_object_unstorable_is_not_stored() {
 
     // The stored response's `public` does not make the 304's cookie
     // everyone's.
-    let o = Script::start(|_, _, n| {
+    let o = Script::start(|r: &Request| {
+        let n = r.n;
         match n {
-        1 => Answer::Send(
-            "HTTP/1.1 200 OK\r\nCache-Control: public, max-age=0\r\nETag: \"e1\"\r\nContent-Length: 6"
-                .into(),
+        1 => Reply::wire(
+            "HTTP/1.1 200 OK\r\nCache-Control: public, max-age=0\r\nETag: \"e1\"\r\nContent-Length: 6",
             vec![(Duration::ZERO, b"shared".to_vec())],
         ),
-        _ => Answer::Send(
-            "HTTP/1.1 304 Not Modified\r\nETag: \"e1\"\r\nSet-Cookie: sid=VICTIM".into(),
+        _ => Reply::wire(
+            "HTTP/1.1 304 Not Modified\r\nETag: \"e1\"\r\nSet-Cookie: sid=VICTIM",
             vec![],
         ),
     }
     });
-    let pier = common::pier(&cache_config(o.addr, ""));
+    let pier = common::pier(&cache_config(o.addr(), ""));
     let mut c = RawConn::connect(pier.listener("main"));
     c.get("/p").unwrap();
     let r = c.get("/p").unwrap();
@@ -1264,7 +1140,9 @@ fn a_304_that_makes_the_object_unstorable_is_not_stored() {
 /// origin wrote it.
 #[test]
 fn targeted_cache_control_end_to_end() {
-    let o = Script::start(|_, path, n| {
+    let o = Script::start(|r: &Request| {
+        let path = r.path.as_str();
+        let n = r.n;
         let fields = match path {
             "/pier" => "Cache-Control: no-store\r\nCDN-Cache-Control: no-store\r\nPier-Cache-Control: max-age=600",
             "/cdn" => "Cache-Control: max-age=0, private\r\nCDN-Cache-Control: max-age=600",
@@ -1272,7 +1150,7 @@ fn targeted_cache_control_end_to_end() {
             _ => "Cache-Control: no-store\r\nCDN-Cache-Control: max-age =600",
         };
         let body = format!("n{n}");
-        Answer::Send(
+        Reply::wire(
             format!(
                 "HTTP/1.1 200 OK\r\n{fields}\r\nContent-Length: {}",
                 body.len()
@@ -1280,7 +1158,7 @@ fn targeted_cache_control_end_to_end() {
             vec![(Duration::ZERO, body.into_bytes())],
         )
     });
-    let pier = pier(&cache_config(o.addr, ""));
+    let pier = pier(&cache_config(o.addr(), ""));
     let mut c = RawConn::connect(pier.listener("main"));
     for path in ["/pier", "/cdn"] {
         let first = c.get(path).unwrap();

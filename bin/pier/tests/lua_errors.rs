@@ -10,14 +10,9 @@ use std::time::Duration;
 
 use common::*;
 
+/// A route to upstream `app` with these hooks.
 fn route(name: &str, path: &str, hooks: &str) -> String {
-    format!(
-        "[[route]]\nname = \"{name}\"\npath = \"{path}\"\nupstream = \"app\"\n\n[route.lua]\n{hooks}\n\n"
-    )
-}
-
-fn hook(phase: &str, code: &str) -> String {
-    format!("{phase} = '''\n{code}\n'''\n")
+    lua_route(name, path, "app", hooks)
 }
 
 fn config(o: &Origin, routes: &str) -> String {
@@ -357,33 +352,20 @@ fn huge_sleep_costs_no_slot() {
 /// error, one within it is served.
 #[test]
 fn lua_body_bound_comes_from_config() {
-    let o = Origin::start();
-    let routes = [
-        route(
+    let s = scenario()
+        .top("[lua]\nmax_response_body = \"1k\"\n")
+        .routes(&route(
             "big",
             "/big/",
             &hook("content", "pier.say(string.rep('x', 2000))"),
-        ),
-        route(
+        ))
+        .routes(&route(
             "small",
             "/small/",
             &hook("content", "pier.say(string.rep('x', 500))"),
-        ),
-    ]
-    .concat();
-    let cfg = base_config(
-        "[lua]\nmax_response_body = \"1k\"\n",
-        &format!(
-            "{routes}[upstream.app]\nservers = {}\n",
-            servers(&[o.addr()])
-        ),
-    );
-    let p = pier(&cfg);
-    let r = RawConn::connect(p.listener("main")).get("/big/x").unwrap();
-    assert_local(&r, 500, "hook-error");
-    let r = RawConn::connect(p.listener("main"))
-        .get("/small/x")
-        .unwrap();
-    assert_eq!(r.status, 200);
+        ))
+        .start();
+    s.get("/big/x").expect_local(500, "hook-error");
+    let r = s.get("/small/x").expect_status(200);
     assert_eq!(r.body.len(), 501);
 }

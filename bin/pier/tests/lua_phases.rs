@@ -10,22 +10,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::*;
 
-/// One `[[route]]` with its `[route.lua]` table: `upstream` may be empty (content-only
-/// route), `hooks` is `phase = '''code'''` lines.
-fn lua_route(name: &str, path: &str, upstream: &str, hooks: &str) -> String {
-    let up = if upstream.is_empty() {
-        String::new()
-    } else {
-        format!("upstream = \"{upstream}\"\n")
-    };
-    format!("[[route]]\nname = \"{name}\"\npath = \"{path}\"\n{up}\n[route.lua]\n{hooks}\n\n")
-}
-
-/// `phase = '''code'''`.
-fn hook(phase: &str, code: &str) -> String {
-    format!("{phase} = '''\n{code}\n'''\n")
-}
-
 /// Upstream `app` with these servers.
 fn upstream(name: &str, addrs: &[std::net::SocketAddr]) -> String {
     format!("[upstream.{name}]\nservers = {}\n\n", servers(addrs))
@@ -39,7 +23,6 @@ fn req(p: &PierProcess, method: &str, path: &str, headers: &[(&str, &str)]) -> R
 
 #[test]
 fn access_reads_headers_denies_redirects_and_rewrites() {
-    let o = Origin::start();
     let access = r#"
 local ua = pier.req.get_header("User-Agent")
 if pier.req.get_header("X-Block") then
@@ -56,25 +39,20 @@ pier.req.set_header("X-From-Lua", "ua=" .. (ua or "none"))
 pier.req.clear_header("X-Secret")
 pier.resp.set_header("x-lua", "1")
 "#;
-    let cfg = base_config(
-        "",
-        &format!(
-            "{}{}",
-            lua_route("a", "/a/", "app", &hook("access", access)),
-            upstream("app", &[o.addr()])
-        ),
-    );
-    let p = pier(&cfg);
+    let s = scenario()
+        .routes(&lua_route("a", "/a/", "app", &hook("access", access)))
+        .start();
 
     // Proxied, with a header the origin sees and one the client sees.
-    let r = req(
-        &p,
-        "GET",
-        "/a/headers",
-        &[("User-Agent", "tester/1.0"), ("X-Secret", "hunter2")],
-    );
-    assert_eq!(r.status, 200, "{}", r.body_str());
-    assert_eq!(r.header("x-lua"), Some("1"));
+    let r = s
+        .request(
+            "GET",
+            "/a/headers",
+            &[("User-Agent", "tester/1.0"), ("X-Secret", "hunter2")],
+            b"",
+        )
+        .expect_status(200)
+        .expect_header("x-lua", "1");
     let seen = r.body_str().to_ascii_lowercase();
     assert!(seen.starts_with("get /a/headers http/1.1\r\n"), "{seen}");
     assert!(seen.contains("\r\nx-from-lua: ua=tester/1.0\r\n"), "{seen}");
@@ -82,34 +60,29 @@ pier.resp.set_header("x-lua", "1")
         !seen.contains("hunter2"),
         "cleared header reached the origin: {seen}"
     );
-    let before = o.requests();
-    assert_eq!(before, 1);
+    assert_eq!(s.origin_requests(), 1);
 
     // Denied: 403 from the hook, the origin never sees it.
-    let r = req(&p, "GET", "/a/hello", &[("X-Block", "yes")]);
-    assert_eq!(r.status, 403, "{:?} {}", r.headers, r.body_str());
-    assert_eq!(o.requests(), before);
+    s.request("GET", "/a/hello", &[("X-Block", "yes")], b"")
+        .expect_status(403);
+    assert_eq!(s.origin_requests(), 1);
 
     // Redirect with the status asked for.
-    let r = req(&p, "GET", "/a/go", &[]);
-    assert_eq!(r.status, 301, "{:?} {}", r.headers, r.body_str());
-    assert_eq!(r.header("location"), Some("/elsewhere?x=1"));
-    assert_eq!(o.requests(), before);
+    s.get("/a/go")
+        .expect_status(301)
+        .expect_header("location", "/elsewhere?x=1");
+    assert_eq!(s.origin_requests(), 1);
 
     // set_uri replaces the path the origin sees and keeps the query.
-    let r = req(&p, "GET", "/a/rewrite?q=1&r=two", &[]);
-    assert_eq!(r.status, 200, "{}", r.body_str());
-    let seen = r.body_str();
-    assert!(
-        seen.starts_with("GET /a/rewritten/headers?q=1&r=two HTTP/1.1\r\n"),
-        "{seen}"
-    );
-    assert_eq!(o.requests(), before + 1);
+    s.get("/a/rewrite?q=1&r=two")
+        .expect_status(200)
+        .expect_body_prefix("GET /a/rewritten/headers?q=1&r=two HTTP/1.1\r\n");
+    assert_eq!(s.origin_requests(), 2);
 }
 
-/// Content route config: `/c/` (content before an upstream), `/teapot` (content only),
+/// Content routes: `/c/` (content before an upstream), `/teapot` (content only),
 /// `/st/` (status from `pier.resp.set_status`).
-fn content_config(o: &Origin) -> String {
+fn content_scenario() -> Running {
     let content = r#"
 pier.resp.set_header("x-content", "yes")
 pier.say("hello from ", pier.req.get_method(), " ", pier.req.get_path())
@@ -122,47 +95,47 @@ pier.exit(418, "short and stout\n")
 pier.resp.set_status(201)
 pier.say("created")
 "#;
-    base_config(
-        "",
-        &format!(
-            "{}{}{}{}",
-            // content first even though the route has an upstream.
-            lua_route("c", "/c/", "app", &hook("content", content)),
-            lua_route("teapot", "/teapot", "", &hook("content", teapot)),
-            lua_route("st", "/st/", "app", &hook("content", status)),
-            upstream("app", &[o.addr()])
-        ),
-    )
+    scenario()
+        // content first even though the route has an upstream.
+        .routes(&lua_route("c", "/c/", "app", &hook("content", content)))
+        .routes(&lua_route(
+            "teapot",
+            "/teapot",
+            "",
+            &hook("content", teapot),
+        ))
+        .routes(&lua_route("st", "/st/", "app", &hook("content", status)))
+        .start()
 }
 
 #[test]
 fn content_answers_without_calling_the_origin() {
-    let o = Origin::start();
-    let p = pier(&content_config(&o));
-    let mut conn = RawConn::connect(p.listener("main"));
+    let s = content_scenario();
+    let mut conn = s.conn();
     for _ in 0..3 {
-        let r = conn.get("/c/x/y?a=7").unwrap();
-        assert_eq!(r.status, 200, "{:?} {}", r.headers, r.body_str());
-        assert_eq!(r.header("x-content"), Some("yes"));
-        assert_eq!(r.body_str(), "hello from GET /c/x/y\narg a=7");
-        let r = conn.get("/teapot").unwrap();
-        assert_eq!(r.status, 418);
-        assert_eq!(r.body_str(), "short and stout\n");
+        conn.get("/c/x/y?a=7")
+            .expect_status(200)
+            .expect_header("x-content", "yes")
+            .expect_body("hello from GET /c/x/y\narg a=7");
+        conn.get("/teapot")
+            .expect_status(418)
+            .expect_body("short and stout\n");
     }
-    assert_eq!(o.requests(), 0, "a content hook must not call the origin");
-    assert_eq!(o.connections(), 0);
+    assert_eq!(
+        s.origin_requests(),
+        0,
+        "a content hook must not call the origin"
+    );
+    assert_eq!(s.origin().connections(), 0);
 }
 
 /// docs/lua.md: "A `content` hook always answers (status: `pier.exit`'s, else
 /// `pier.resp.set_status`'s, else 200)".
 #[test]
 fn content_status_comes_from_resp_set_status() {
-    let o = Origin::start();
-    let p = pier(&content_config(&o));
-    let r = req(&p, "GET", "/st/x", &[]);
-    assert_eq!(r.status, 201, "{:?} {}", r.headers, r.body_str());
-    assert_eq!(r.body_str(), "created\n");
-    assert_eq!(o.requests(), 0);
+    let s = content_scenario();
+    s.get("/st/x").expect_status(201).expect_body("created\n");
+    assert_eq!(s.origin_requests(), 0);
 }
 
 #[test]
@@ -202,35 +175,28 @@ pier.balancer.set_peer("127.0.0.1", {})
 
 #[test]
 fn upstream_request_edits_what_the_origin_gets() {
-    let o = Origin::start();
     let ur = r#"
 pier.req.set_header("x-upstream-req", pier.req.get_method() .. " " .. pier.var.remote_addr)
 pier.req.add_header("x-multi", "one")
 pier.req.add_header("x-multi", "two")
 "#;
-    let cfg = base_config(
-        "",
-        &format!(
-            "{}{}",
-            lua_route("ur", "/ur/", "app", &hook("upstream_request", ur)),
-            upstream("app", &[o.addr()])
-        ),
-    );
-    let p = pier(&cfg);
-    let r = req(&p, "GET", "/ur/headers", &[]);
-    assert_eq!(r.status, 200, "{}", r.body_str());
-    let seen = r.body_str().to_ascii_lowercase();
-    assert!(
-        seen.contains("\r\nx-upstream-req: get 127.0.0.1\r\n"),
-        "{seen}"
-    );
-    assert!(seen.contains("\r\nx-multi: one\r\n"), "{seen}");
-    assert!(seen.contains("\r\nx-multi: two\r\n"), "{seen}");
+    scenario()
+        .routes(&lua_route(
+            "ur",
+            "/ur/",
+            "app",
+            &hook("upstream_request", ur),
+        ))
+        .start()
+        .get("/ur/headers")
+        .expect_status(200)
+        .expect_body_contains("\r\nx-upstream-req: GET 127.0.0.1\r\n")
+        .expect_body_contains("\r\nx-multi: one\r\n")
+        .expect_body_contains("\r\nx-multi: two\r\n");
 }
 
 #[test]
 fn header_filter_sets_clears_and_changes_status() {
-    let o = Origin::start_named("orig");
     let hf = r#"
 pier.resp.set_header("x-hf", tostring(pier.resp.get_status()) .. " " .. (pier.resp.get_header("x-origin") or "none"))
 pier.resp.clear_header("x-origin")
@@ -238,23 +204,19 @@ pier.resp.add_header("x-added", "a")
 pier.resp.add_header("x-added", "b")
 pier.resp.set_status(202)
 "#;
-    let cfg = base_config(
-        "",
-        &format!(
-            "{}{}",
-            lua_route("hf", "/hf/", "app", &hook("header_filter", hf)),
-            upstream("app", &[o.addr()])
-        ),
-    );
-    let p = pier(&cfg);
-    let mut conn = RawConn::connect(p.listener("main"));
+    let s = scenario()
+        .origin_named("orig")
+        .routes(&lua_route("hf", "/hf/", "app", &hook("header_filter", hf)))
+        .start();
+    let mut conn = s.conn();
     for _ in 0..2 {
-        let r = conn.get("/hf/hello").unwrap();
-        assert_eq!(r.status, 202, "{:?}", r.headers);
-        assert_eq!(r.header("x-hf"), Some("200 orig"));
-        assert_eq!(r.header("x-origin"), None, "cleared by the hook");
+        let r = conn
+            .get("/hf/hello")
+            .expect_status(202)
+            .expect_header("x-hf", "200 orig")
+            .expect_no_header("x-origin")
+            .expect_body("hello world\n");
         assert_eq!(r.header_all("x-added"), ["a", "b"]);
-        assert_eq!(r.body_str(), "hello world\n");
     }
 }
 
@@ -311,7 +273,6 @@ pier.arg[1] = c
 
 #[test]
 fn log_phase_writes_a_shared_dict_a_later_request_reads() {
-    let o = Origin::start();
     let log = r#"
 pier.shared.logd:incr("n", 1, 0)
 pier.shared.logd:set("last", pier.var.uri .. " " .. tostring(pier.var.status))
@@ -319,33 +280,17 @@ pier.shared.logd:set("last", pier.var.uri .. " " .. tostring(pier.var.status))
     let read = r#"
 pier.say(pier.shared.logd:get("last") or "none", " ", pier.shared.logd:get("n") or 0)
 "#;
-    let cfg = base_config(
-        "[lua.shared]\nlogd = \"1m\"\n",
-        &format!(
-            "{}{}{}",
-            lua_route("lg", "/lg/", "app", &hook("log", log)),
-            lua_route("read", "/read", "", &hook("content", read)),
-            upstream("app", &[o.addr()])
-        ),
-    );
-    let p = pier(&cfg);
-    assert_eq!(req(&p, "GET", "/read", &[]).body_str(), "none 0\n");
-    let r = req(&p, "GET", "/lg/hello", &[]);
-    assert_eq!(r.status, 200);
+    let s = scenario()
+        .top("[lua.shared]\nlogd = \"1m\"\n")
+        .routes(&lua_route("lg", "/lg/", "app", &hook("log", log)))
+        .routes(&lua_route("read", "/read", "", &hook("content", read)))
+        .start();
+    s.get("/read").expect_body("none 0\n");
+    s.get("/lg/hello").expect_status(200);
     // The log phase runs after the response: poll (bounded).
-    let mut last = String::new();
-    let ok = wait_until(Duration::from_secs(5), || {
-        last = req(&p, "GET", "/read", &[]).body_str();
-        last == "/lg/hello 200 1\n"
-    });
-    assert!(ok, "log phase result not seen: {last:?}");
-    let r = req(&p, "GET", "/lg/status/404", &[]);
-    assert_eq!(r.status, 404);
-    let ok = wait_until(Duration::from_secs(5), || {
-        last = req(&p, "GET", "/read", &[]).body_str();
-        last == "/lg/status/404 404 2\n"
-    });
-    assert!(ok, "log phase result not seen: {last:?}");
+    s.wait_body("/read", "/lg/hello 200 1\n");
+    s.get("/lg/status/404").expect_status(404);
+    s.wait_body("/read", "/lg/status/404 404 2\n");
 }
 
 #[test]
@@ -430,15 +375,17 @@ pier.say(string.format("%.3f", pier.now()))
     );
 }
 
-#[test]
-fn example_lua_access_runs_as_documented() {
-    let o = Origin::start();
+/// Pier on `examples/NAME`, its listener, admin and origin given as the example's
+/// environment variables say.
+fn example(name: &str, o: &Origin) -> PierProcess {
     let text = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/lua-access.toml"),
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples")
+            .join(name),
     )
     .unwrap();
     let origin = o.addr().to_string();
-    let p = PierProcess::launch_env(
+    PierProcess::launch_env(
         bin(),
         Some(&text),
         &["serve", "-c", "{config}"],
@@ -448,7 +395,13 @@ fn example_lua_access_runs_as_documented() {
             ("PIER_ORIGIN", &origin),
         ],
     )
-    .unwrap_or_else(|e| panic!("{e}"));
+    .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+#[test]
+fn example_lua_access_runs_as_documented() {
+    let o = Origin::start();
+    let p = example("lua-access.toml", &o);
     let r = req(&p, "GET", "/hello", &[("User-Agent", "curl/8")]);
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-lua"), Some("1"));
@@ -461,22 +414,7 @@ fn example_lua_access_runs_as_documented() {
 #[test]
 fn example_lua_ratelimit_answers_429_past_ten_per_second() {
     let o = Origin::start();
-    let text = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/lua-ratelimit.toml"),
-    )
-    .unwrap();
-    let origin = o.addr().to_string();
-    let p = PierProcess::launch_env(
-        bin(),
-        Some(&text),
-        &["serve", "-c", "{config}"],
-        &[
-            ("PIER_LISTEN", "127.0.0.1:0"),
-            ("PIER_ADMIN", "127.0.0.1:0"),
-            ("PIER_ORIGIN", &origin),
-        ],
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
+    let p = example("lua-ratelimit.toml", &o);
     // 25 quick requests span at most two one-second windows (checked below), each
     // letting 10 through: 10 to 20 pass, the rest are refused.
     let mut conn = RawConn::connect(p.listener("main"));
@@ -645,7 +583,6 @@ if c then pier.arg[1] = c:upper() end
 
 #[test]
 fn log_phase_runs_for_hook_answers_too() {
-    let o = Origin::start();
     let access = r#"
 if pier.req.get_header("x-deny") then pier.exit(401) end
 "#;
@@ -655,36 +592,22 @@ pier.shared.seen:set("last", pier.var.request_uri .. " " .. tostring(pier.var.st
     let read = r#"
 pier.print(pier.shared.seen:get("last") or "none")
 "#;
-    let cfg = base_config(
-        "[lua.shared]\nseen = \"64k\"\n",
-        &format!(
-            "{}{}{}",
-            lua_route(
-                "l",
-                "/l/",
-                "app",
-                &format!("{}{}", hook("access", access), hook("log", log))
-            ),
-            lua_route("read", "/read", "", &hook("content", read)),
-            upstream("app", &[o.addr()])
-        ),
-    );
-    let p = pier(&cfg);
-    let r = req(&p, "GET", "/l/hello?x=1", &[("x-deny", "1")]);
-    assert_eq!(r.status, 401);
-    let mut last = String::new();
-    let ok = wait_until(Duration::from_secs(5), || {
-        last = req(&p, "GET", "/read", &[]).body_str();
-        last == "/l/hello?x=1 401"
-    });
-    assert!(ok, "log phase after a hook's 401: {last:?}");
-    let r = req(&p, "GET", "/l/status/503", &[]);
-    assert_eq!(r.status, 503);
-    let ok = wait_until(Duration::from_secs(5), || {
-        last = req(&p, "GET", "/read", &[]).body_str();
-        last == "/l/status/503 503"
-    });
-    assert!(ok, "log phase after a proxied 503: {last:?}");
+    let s = scenario()
+        .top("[lua.shared]\nseen = \"64k\"\n")
+        .routes(&lua_route(
+            "l",
+            "/l/",
+            "app",
+            &format!("{}{}", hook("access", access), hook("log", log)),
+        ))
+        .routes(&lua_route("read", "/read", "", &hook("content", read)))
+        .start();
+    s.request("GET", "/l/hello?x=1", &[("x-deny", "1")], b"")
+        .expect_status(401);
+    // After a hook's 401, and after a proxied 503.
+    s.wait_body("/read", "/l/hello?x=1 401");
+    s.get("/l/status/503").expect_status(503);
+    s.wait_body("/read", "/l/status/503 503");
 }
 
 #[test]

@@ -9,20 +9,6 @@ use std::time::Duration;
 
 use common::*;
 
-/// A `[[route]]` with hooks; `upstream` may be empty (content-only route).
-fn lua_route(name: &str, path: &str, upstream: &str, hooks: &str) -> String {
-    let up = if upstream.is_empty() {
-        String::new()
-    } else {
-        format!("upstream = \"{upstream}\"\n")
-    };
-    format!("[[route]]\nname = \"{name}\"\npath = \"{path}\"\n{up}\n[route.lua]\n{hooks}\n\n")
-}
-
-fn hook(phase: &str, code: &str) -> String {
-    format!("{phase} = '''\n{code}\n'''\n")
-}
-
 fn upstream(addrs: &[std::net::SocketAddr]) -> String {
     format!("[upstream.app]\nservers = {}\n\n", servers(addrs))
 }

@@ -19,9 +19,22 @@ fn a_pooled_connection_the_origin_closed_is_not_a_failure() {
         "retries = 0",
     ));
     let addr = p.listener("main");
+    // After each request: the connection back in Pier's pool, then closed by the origin.
+    let pooled_then_closed = |round: &str| {
+        assert!(
+            wait_until(Duration::from_secs(5), || {
+                p.metric_value("pier_upstream_idle_connections") >= Some(1.0)
+            }),
+            "{round}: the upstream connection never went back to the pool"
+        );
+        assert!(
+            wait_until(Duration::from_secs(5), || o.active_connections() == 0),
+            "{round}: the origin did not close its idle connection"
+        );
+    };
     for round in 0..3 {
         assert_eq!(get(addr, "/hello").status, 200, "GET round {round}");
-        std::thread::sleep(Duration::from_millis(300));
+        pooled_then_closed(&format!("GET round {round}"));
     }
     for round in 0..3 {
         let r = RawConn::connect(addr)
@@ -32,7 +45,7 @@ fn a_pooled_connection_the_origin_closed_is_not_a_failure() {
             (200, &b"body"[..]),
             "POST round {round}"
         );
-        std::thread::sleep(Duration::from_millis(300));
+        pooled_then_closed(&format!("POST round {round}"));
     }
 }
 

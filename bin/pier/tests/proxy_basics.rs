@@ -7,77 +7,71 @@ use std::time::Duration;
 
 use common::*;
 
-fn one_origin() -> (Origin, PierProcess) {
-    let o = Origin::start_named("alpha");
-    let p = pier(&simple_config(&[o.addr()], "", ""));
-    (o, p)
+/// Pier in front of the stock origin, named `alpha`.
+fn alpha() -> Running {
+    scenario().origin_named("alpha").start()
 }
 
 #[test]
 fn get_post_and_head() {
-    let (o, p) = one_origin();
-    let mut c = RawConn::connect(p.listener("main"));
-    let r = c.get("/hello").unwrap();
-    assert_eq!(r.status, 200);
-    assert_eq!(r.body, b"hello world\n");
-    assert_eq!(r.header("x-origin"), Some("alpha"));
-
+    let s = alpha();
+    let mut c = s.conn();
+    c.get("/hello")
+        .expect_status(200)
+        .expect_body("hello world\n")
+        .expect_header("x-origin", "alpha");
     let body = pattern(0, 50_000);
-    let r = c.request("POST", "/echo", &[], &body).unwrap();
-    assert_eq!(r.status, 200);
-    assert_eq!(r.body, body);
-
-    let r = c.request("PUT", "/echo", &[], b"put body").unwrap();
-    assert_eq!(r.body, b"put body");
-
+    c.request("POST", "/echo", &[], &body)
+        .expect_status(200)
+        .expect_body(&body);
+    c.request("PUT", "/echo", &[], b"put body")
+        .expect_body("put body");
     // HEAD: the GET head (with its Content-Length), no body, and the connection stays
     // in sync for the next request.
-    let r = c.request("HEAD", "/bytes/5000", &[], b"").unwrap();
-    assert_eq!(r.status, 200);
-    assert_eq!(r.header("content-length"), Some("5000"));
-    assert!(r.body.is_empty());
-    let r = c.get("/hello").unwrap();
-    assert_eq!(r.body, b"hello world\n");
-    assert_eq!(o.requests(), 5);
+    c.request("HEAD", "/bytes/5000", &[], b"")
+        .expect_status(200)
+        .expect_header("content-length", "5000")
+        .expect_body("");
+    c.get("/hello").expect_body("hello world\n");
+    assert_eq!(s.origin_requests(), 5);
 }
 
 #[test]
 fn no_body_statuses_keep_the_connection_in_sync() {
-    let (_o, p) = one_origin();
-    let mut c = RawConn::connect(p.listener("main"));
+    let s = alpha();
+    let mut c = s.conn();
     for code in [204u16, 304] {
-        let r = c.get(&format!("/status/{code}")).unwrap();
-        assert_eq!(r.status, code);
-        assert!(
-            r.header("transfer-encoding").is_none(),
-            "{code} must not be framed: {:?}",
-            r.headers
-        );
-        // A body after a 204/304 would be read as the start of the next response.
-        let r = c.get("/hello").unwrap();
-        assert_eq!((r.status, r.body.as_slice()), (200, &b"hello world\n"[..]));
+        // Not framed: a body after a 204/304 would be read as the start of the next
+        // response.
+        c.get(&format!("/status/{code}"))
+            .expect_status(code)
+            .expect_no_header("transfer-encoding");
+        c.get("/hello")
+            .expect_status(200)
+            .expect_body("hello world\n");
     }
-    assert!(c.buffered().is_empty());
+    assert!(c.raw().buffered().is_empty());
 }
 
 #[test]
 fn unusual_statuses_pass_through() {
-    let (_o, p) = one_origin();
-    let mut c = RawConn::connect(p.listener("main"));
+    let s = alpha();
+    let mut c = s.conn();
     for code in [299u16, 418, 599, 999] {
-        let r = c.get(&format!("/status/{code}")).unwrap();
-        assert_eq!(r.status, code);
-        assert_eq!(r.body_str(), format!("status {code}\n"));
+        c.get(&format!("/status/{code}"))
+            .expect_status(code)
+            .expect_body(format!("status {code}\n"));
     }
 }
 
 #[test]
 fn interim_1xx_responses_are_forwarded() {
-    let (_o, p) = one_origin();
-    let mut c = RawConn::connect(p.listener("main"));
-    let r = c.get("/status/103").unwrap();
-    assert_eq!(r.status, 200);
-    assert_eq!(r.body, b"after 1xx\n");
+    let s = alpha();
+    let mut c = s.conn();
+    let r = c
+        .get("/status/103")
+        .expect_status(200)
+        .expect_body("after 1xx\n");
     assert_eq!(
         r.interim.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
         vec![103],
@@ -88,12 +82,13 @@ fn interim_1xx_responses_are_forwarded() {
         .iter()
         .find(|(n, _)| n.eq_ignore_ascii_case("link"));
     assert!(link.is_some(), "103 headers: {:?}", r.interim[0].1);
-    assert_eq!(c.get("/hello").unwrap().status, 200);
+    c.get("/hello").expect_status(200);
 }
 
 #[test]
 fn keep_alive_reuses_upstream_connections() {
-    let (o, p) = one_origin();
+    let s = alpha();
+    let (o, p) = (s.origin(), s.pier());
     // One client connection, many requests.
     let mut c = RawConn::connect(p.listener("main"));
     for _ in 0..20 {
@@ -134,8 +129,8 @@ fn keep_alive_reuses_upstream_connections() {
 
 #[test]
 fn pipelined_requests_are_answered_in_order() {
-    let (_o, p) = one_origin();
-    let mut c = RawConn::connect(p.listener("main"));
+    let s = alpha();
+    let mut c = RawConn::connect(s.addr());
     c.send(
         b"GET /name HTTP/1.1\r\nhost: a\r\n\r\nGET /bytes/3 HTTP/1.1\r\nhost: a\r\n\r\nGET /hello HTTP/1.1\r\nhost: a\r\n\r\n",
     );
@@ -160,7 +155,8 @@ fn header_lines<'a>(lines: &'a [String], name: &str) -> Vec<&'a str> {
 
 #[test]
 fn x_forwarded_headers_are_added() {
-    let (_o, p) = one_origin();
+    let s = alpha();
+    let p = s.pier();
     let mut c = RawConn::connect(p.listener("main"));
     let r = c
         .request("GET", "/headers", &[("host", "example.com")], b"")
@@ -204,7 +200,8 @@ fn x_forwarded_headers_are_added() {
 
 #[test]
 fn hop_by_hop_request_headers_are_removed() {
-    let (_o, p) = one_origin();
+    let s = alpha();
+    let p = s.pier();
     let mut c = RawConn::connect(p.listener("main"));
     let r = c
         .request(
@@ -238,32 +235,23 @@ fn hop_by_hop_request_headers_are_removed() {
 
 #[test]
 fn client_connection_close_is_honoured() {
-    let (_o, p) = one_origin();
-    let mut c = RawConn::connect(p.listener("main"));
+    let s = alpha();
+    let mut c = s.conn();
     let r = c
         .request("GET", "/hello", &[("connection", "close")], b"")
-        .unwrap();
-    assert_eq!(r.body, b"hello world\n");
-    // RFC 9112 section 9.6: MUST close after the response.
+        .expect_body("hello world\n");
+    // The response says so, and (RFC 9112 section 9.6: MUST) Pier closes after it.
+    assert!(r.has_token("connection", "close"), "{:?}", r.headers);
     assert!(
-        c.is_closed(Duration::from_secs(5)),
+        c.raw().is_closed(Duration::from_secs(5)),
         "pier kept the connection open"
     );
 }
 
 #[test]
-fn response_to_connection_close_says_close() {
-    let (_o, p) = one_origin();
-    let mut c = RawConn::connect(p.listener("main"));
-    let r = c
-        .request("GET", "/hello", &[("connection", "close")], b"")
-        .unwrap();
-    assert!(r.has_token("connection", "close"), "{:?}", r.headers);
-}
-
-#[test]
 fn http_1_0_client_gets_a_closed_connection() {
-    let (_o, p) = one_origin();
+    let s = alpha();
+    let p = s.pier();
     let mut c = RawConn::connect(p.listener("main"));
     c.send(b"GET /hello HTTP/1.0\r\nhost: a\r\n\r\n");
     let r = c.read_response().unwrap();
@@ -274,21 +262,20 @@ fn http_1_0_client_gets_a_closed_connection() {
 
 #[test]
 fn origin_connection_close_does_not_close_the_client() {
-    let (o, p) = one_origin();
-    let mut c = RawConn::connect(p.listener("main"));
-    let r = c.get("/close").unwrap();
-    assert_eq!(r.body, b"closing\n");
-    let before = o.connections();
+    let s = alpha();
+    let mut c = s.conn();
+    c.get("/close").expect_body("closing\n");
+    let before = s.origin().connections();
     // The upstream connection was closed by the origin: not reused, but the client's
     // keep-alive connection goes on.
-    let r = c.get("/hello").unwrap();
-    assert_eq!(r.body, b"hello world\n");
-    assert_eq!(o.connections(), before + 1);
+    c.get("/hello").expect_body("hello world\n");
+    assert_eq!(s.origin().connections(), before + 1);
 }
 
 #[test]
 fn curl_through_pier() {
-    let (_o, p) = one_origin();
+    let s = alpha();
+    let p = s.pier();
     let url = format!("http://{}/hello", p.listener("main"));
     let out = curl(&["-i", &url, &url]);
     assert!(
@@ -303,36 +290,23 @@ fn curl_through_pier() {
 
 #[test]
 fn admin_healthz() {
-    let (_o, p) = one_origin();
-    let r = get(p.admin(), "/healthz");
+    let s = alpha();
+    let r = get(s.admin(), "/healthz");
     assert_eq!(r.status, 200);
     assert_eq!(r.body_str().trim(), "ok");
 }
 
 #[test]
 fn requests_are_counted_by_route_and_class() {
-    let (_o, p) = one_origin();
+    let s = alpha();
     for _ in 0..3 {
-        assert_eq!(get(p.listener("main"), "/hello").status, 200);
+        s.get("/hello").expect_status(200);
     }
-    assert_eq!(get(p.listener("main"), "/status/404").status, 404);
-    assert_eq!(
-        wait_metric(
-            &p,
-            r#"pier_requests_total{route="default",class="2xx"}"#,
-            3.0
-        ),
-        Some(3.0)
-    );
-    assert_eq!(
-        wait_metric(
-            &p,
-            r#"pier_requests_total{route="default",class="4xx"}"#,
-            1.0
-        ),
-        Some(1.0)
-    );
-    assert!(p.metrics().contains("pier_request_duration_seconds"));
+    s.get("/status/404").expect_status(404);
+    let class = |c: &str| format!(r#"pier_requests_total{{route="default",class="{c}"}}"#);
+    assert_eq!(wait_metric(&s, &class("2xx"), 3.0), Some(3.0));
+    assert_eq!(wait_metric(&s, &class("4xx"), 1.0), Some(1.0));
+    assert!(s.metrics().contains("pier_request_duration_seconds"));
 }
 
 #[test]
@@ -379,21 +353,19 @@ fn access_log_is_json_lines() {
 
 #[test]
 fn head_of_a_chunked_response_has_no_body() {
-    let (_o, p) = one_origin();
-    let mut c = RawConn::connect(p.listener("main"));
-    let r = c.request("HEAD", "/chunked/5000", &[], b"").unwrap();
-    assert_eq!(r.status, 200);
-    let r = c.get("/hello").unwrap();
-    assert_eq!(
-        r.body, b"hello world\n",
-        "connection out of sync after HEAD"
-    );
+    let s = alpha();
+    let mut c = s.conn();
+    c.request("HEAD", "/chunked/5000", &[], b"")
+        .expect_status(200);
+    // In sync after the HEAD.
+    c.get("/hello").expect_body("hello world\n");
 }
 
 #[test]
 fn absolute_form_request_target_is_accepted() {
     // RFC 9112 section 3.2.2: a server MUST accept the absolute form.
-    let (_o, p) = one_origin();
+    let s = alpha();
+    let p = s.pier();
     let mut c = RawConn::connect(p.listener("main"));
     c.send(b"GET http://example.com/headers?x=1 HTTP/1.1\r\nhost: example.com\r\n\r\n");
     let r = c.read_response().unwrap();
@@ -408,7 +380,8 @@ fn absolute_form_request_target_is_accepted() {
 #[test]
 fn obs_text_header_values_pass_through_unchanged() {
     // Permissive where harmless: bytes 0x80-0xFF in a value are valid (obs-text).
-    let (_o, p) = one_origin();
+    let s = alpha();
+    let p = s.pier();
     let mut c = RawConn::connect(p.listener("main"));
     c.send(b"GET /headers HTTP/1.1\r\nhost: a\r\nx-latin: caf\xe9 \xc3\xa9t\xc3\xa9\r\nx-empty:\r\n\r\n");
     let r = c.read_response().unwrap();
@@ -423,44 +396,42 @@ fn obs_text_header_values_pass_through_unchanged() {
 
 #[test]
 fn hop_by_hop_response_headers_are_removed() {
-    let (_o, p) = one_origin();
-    let mut c = RawConn::connect(p.listener("main"));
-    let r = c.get("/hop").unwrap();
-    assert_eq!(r.status, 200);
-    assert_eq!(r.header("x-kept"), Some("yes"));
-    for gone in ["x-hop-secret", "keep-alive", "proxy-connection"] {
-        assert!(
-            r.header(gone).is_none(),
-            "{gone} was relayed: {:?}",
-            r.headers
-        );
-    }
+    let s = alpha();
+    let mut c = s.conn();
+    let r = c
+        .get("/hop")
+        .expect_status(200)
+        .expect_header("x-kept", "yes")
+        .expect_no_header("x-hop-secret")
+        .expect_no_header("keep-alive")
+        .expect_no_header("proxy-connection");
     for v in r.header_all("connection") {
         assert!(!v.contains("x-hop-secret"), "connection: {v}");
     }
     // The origin's keep-alive parameters say nothing about this connection: still open.
-    assert_eq!(c.get("/hello").unwrap().status, 200);
+    c.get("/hello").expect_status(200);
 }
 
 #[test]
 fn close_delimited_origin_body_is_relayed_whole() {
-    let (_o, p) = one_origin();
-    let mut c = RawConn::connect(p.listener("main"));
-    let r = c.get("/eof/300000").unwrap();
-    assert_eq!(r.status, 200);
-    assert_eq!(r.body.len(), 300_000);
-    assert!(is_pattern(0, &r.body));
+    let s = alpha();
+    let mut c = s.conn();
+    let r = c
+        .get("/eof/300000")
+        .expect_status(200)
+        .expect_body(pattern(0, 300_000));
     // Re-framed (chunked) the client connection lives on; close-delimited it ends.
     if r.close_delimited {
-        assert!(c.is_closed(Duration::from_secs(5)));
+        assert!(c.raw().is_closed(Duration::from_secs(5)));
     } else {
-        assert_eq!(c.get("/hello").unwrap().status, 200);
+        c.get("/hello").expect_status(200);
     }
 }
 
 #[test]
 fn repeated_headers_keep_every_value_in_order() {
-    let (_o, p) = one_origin();
+    let s = alpha();
+    let p = s.pier();
     let mut c = RawConn::connect(p.listener("main"));
     let r = c.get("/cookies").unwrap();
     assert_eq!(
@@ -482,7 +453,8 @@ fn repeated_headers_keep_every_value_in_order() {
 
 #[test]
 fn pipelined_posts_with_bodies() {
-    let (_o, p) = one_origin();
+    let s = alpha();
+    let p = s.pier();
     let mut c = RawConn::connect(p.listener("main"));
     c.send(
         b"POST /echo HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\n\r\nfirstPOST /echo HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n6\r\nsecond\r\n0\r\n\r\nGET /hello HTTP/1.1\r\nhost: a\r\n\r\n",

@@ -38,9 +38,9 @@ fn assert_refused(
         r.status,
         r.body_str()
     );
-    let reason = r.pier_reason();
+    let reason = r.pier_reason().unwrap_or_default().to_string();
     assert!(
-        reason.is_some_and(|v| !v.is_empty()),
+        !reason.is_empty(),
         "{what}: no x-pier-reason: {:?}",
         r.headers
     );
@@ -49,12 +49,22 @@ fn assert_refused(
         "{what}: connection left open after a refused request"
     );
     // The origin counts a request when its head arrives, which may be a moment after
-    // Pier answered: give a forwarded head time to show, then check through a request
-    // that must be the only one counted.
-    std::thread::sleep(Duration::from_millis(100));
+    // Pier answered. So first wait for Pier to have logged the refusal: anything it
+    // sent upstream for that request, it sent before, on an upstream connection it
+    // counted (there was none in its pool to reuse). Then a request that must be the
+    // only one the origin counted.
+    assert!(
+        wait_local_count(p, r.status, &reason, 1.0) >= 1.0,
+        "{what}: the refusal was never counted"
+    );
+    let went_upstream = upstream_exchanges(p);
     let before = o.requests();
     assert_eq!(get(p.listener("main"), "/hello").status, 200);
     if check_origin {
+        assert_eq!(
+            went_upstream, 0.0,
+            "{what}: Pier went upstream for a refused request"
+        );
         assert_eq!(
             (before, o.requests()),
             (0, 1),
@@ -291,6 +301,8 @@ fn the_request_after_a_refused_one_is_never_forwarded() {
         "{:?}",
         String::from_utf8_lossy(c.buffered())
     );
-    std::thread::sleep(Duration::from_millis(100));
+    // Pier logged the refusal (after anything it could have sent upstream for it).
+    assert!(wait_local_count(&p, 400, r.pier_reason().unwrap_or_default(), 1.0) >= 1.0);
+    assert_eq!(upstream_exchanges(&p), 0.0, "Pier went upstream");
     assert_eq!(o.requests(), 0);
 }

@@ -50,6 +50,31 @@ servers = ["{origin}"]
     )
 }
 
+/// A test CA in a temp dir of its own, and a `site.test` certificate from it.
+struct Site {
+    dir: TempDir,
+    ca: TestCa,
+    cert: CertPair,
+}
+
+impl Site {
+    fn new() -> Site {
+        let dir = TempDir::new();
+        let ca = TestCa::new(dir.path(), "pier");
+        let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+        Site { dir, ca, cert }
+    }
+}
+
+/// A `[listener.tls]` body: this certificate and key, then `extra` lines.
+fn tls_lines(cert: &CertPair, extra: &str) -> String {
+    format!(
+        "cert = \"{}\"\nkey = \"{}\"\n{extra}",
+        p(&cert.cert),
+        p(&cert.key)
+    )
+}
+
 fn client(ca: &Path) -> TlsClientConfig {
     TlsClientConfig::new(ca, None, &["http/1.1"], None)
 }
@@ -197,11 +222,13 @@ fn rsa_or_ecdsa_by_what_the_client_supports() {
 
 #[test]
 fn alpn_versions_and_resumption() {
-    let dir = TempDir::new();
-    let ca = TestCa::new(dir.path(), "pier");
-    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    let Site {
+        dir: _dir,
+        ca,
+        cert,
+    } = Site::new();
     let o = Origin::start();
-    let tls = format!("cert = \"{}\"\nkey = \"{}\"", p(&cert.cert), p(&cert.key));
+    let tls = tls_lines(&cert, "");
     let pier = pier(&tls_config(o.addr(), &tls, ""));
     let addr = pier.listener("main");
     let cfg = client(&ca.cert);
@@ -301,11 +328,13 @@ fn client_certificates_required_and_optional() {
 
 #[test]
 fn plain_http_on_the_tls_port_gets_400() {
-    let dir = TempDir::new();
-    let ca = TestCa::new(dir.path(), "pier");
-    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    let Site {
+        dir: _dir,
+        ca: _ca,
+        cert,
+    } = Site::new();
     let o = Origin::start();
-    let tls = format!("cert = \"{}\"\nkey = \"{}\"", p(&cert.cert), p(&cert.key));
+    let tls = tls_lines(&cert, "");
     let pier = pier(&tls_config(o.addr(), &tls, ""));
     let mut c = RawConn::connect(pier.listener("main"));
     let r = c.get("/hello").unwrap();
@@ -324,15 +353,13 @@ fn plain_http_on_the_tls_port_gets_400() {
 
 #[test]
 fn stalled_handshakes_time_out_and_a_flood_is_bounded() {
-    let dir = TempDir::new();
-    let ca = TestCa::new(dir.path(), "pier");
-    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    let Site {
+        dir: _dir,
+        ca,
+        cert,
+    } = Site::new();
     let o = Origin::start();
-    let tls = format!(
-        "cert = \"{}\"\nkey = \"{}\"\nhandshake_timeout = \"1s\"\nmax_handshakes = 16",
-        p(&cert.cert),
-        p(&cert.key)
-    );
+    let tls = tls_lines(&cert, "handshake_timeout = \"1s\"\nmax_handshakes = 16");
     let pier = pier(&tls_config(o.addr(), &tls, ""));
     let addr = pier.listener("main");
     let rss_before = pier.rss_kib().unwrap_or(0);
@@ -407,7 +434,7 @@ fn tls_origin(ca: &TestCa, dir: &Path, client_ca: Option<&Path>) -> (Origin, Pie
     let cert = ca.server("origin", &["origin.test", "127.0.0.1"], Alg::EcdsaP256, 30);
     let _ = dir;
     let o = Origin::start_named("behind-tls");
-    let mut tls = format!("cert = \"{}\"\nkey = \"{}\"", p(&cert.cert), p(&cert.key));
+    let mut tls = tls_lines(&cert, "");
     if let Some(ca) = client_ca {
         tls.push_str(&format!("\nclient_ca = \"{}\"", p(ca)));
     }
@@ -538,15 +565,13 @@ fn redirect_to_https() {
 /// session instead of resuming it (`openssl s_time -reuse` never resumed).
 #[test]
 fn closing_sends_close_notify() {
-    let dir = TempDir::new();
-    let ca = TestCa::new(dir.path(), "pier");
-    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    let Site {
+        dir: _dir,
+        ca,
+        cert,
+    } = Site::new();
     let o = Origin::start();
-    let pier = pier(&tls_config(
-        o.addr(),
-        &format!("cert = \"{}\"\nkey = \"{}\"", p(&cert.cert), p(&cert.key)),
-        "",
-    ));
+    let pier = pier(&tls_config(o.addr(), &tls_lines(&cert, ""), ""));
     let cfg = client(&ca.cert);
     let mut c = TlsClient::connect(pier.listener("main"), "site.test", &cfg).unwrap();
     let all = c
@@ -713,9 +738,11 @@ fn check_verifies_keys_and_warns_about_expiry() {
 
 #[test]
 fn lua_reads_tls_variables() {
-    let dir = TempDir::new();
-    let ca = TestCa::new(dir.path(), "pier");
-    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    let Site {
+        dir: _dir,
+        ca,
+        cert,
+    } = Site::new();
     let alice = ca.client("alice", "alice");
     let o = Origin::start();
     let tls = format!(
@@ -756,15 +783,13 @@ pier.req.set_header("x-tls", table.concat({v.https, v.scheme, v.ssl_protocol,
 /// refused as `overload`; waiting for a ClientHello now holds no slot.
 #[test]
 fn silent_connections_hold_no_handshake_slot() {
-    let dir = TempDir::new();
-    let ca = TestCa::new(dir.path(), "pier");
-    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    let Site {
+        dir: _dir,
+        ca,
+        cert,
+    } = Site::new();
     let o = Origin::start();
-    let tls = format!(
-        "cert = \"{}\"\nkey = \"{}\"\nhandshake_timeout = \"60s\"\nmax_handshakes = 8",
-        p(&cert.cert),
-        p(&cert.key)
-    );
+    let tls = tls_lines(&cert, "handshake_timeout = \"60s\"\nmax_handshakes = 8");
     let pier = pier(&tls_config(o.addr(), &tls, ""));
     let addr = pier.listener("main");
     let mut silent = Vec::new();
@@ -805,14 +830,15 @@ fn silent_connections_hold_no_handshake_slot() {
 /// oldest closed first. One worker, so that "oldest" is one order.
 #[test]
 fn silent_connections_are_bounded_oldest_first() {
-    let dir = TempDir::new();
-    let ca = TestCa::new(dir.path(), "pier");
-    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    let Site {
+        dir: _dir,
+        ca,
+        cert,
+    } = Site::new();
     let o = Origin::start();
-    let tls = format!(
-        "cert = \"{}\"\nkey = \"{}\"\nhandshake_timeout = \"60s\"\nmax_pending_hellos = 10",
-        p(&cert.cert),
-        p(&cert.key)
+    let tls = tls_lines(
+        &cert,
+        "handshake_timeout = \"60s\"\nmax_pending_hellos = 10",
     );
     let cfg = tls_config(o.addr(), &tls, "").replace("workers = 2", "workers = 1");
     let pier = pier(&cfg);
@@ -876,15 +902,13 @@ fn silent_connections_are_bounded_oldest_first() {
 /// every client).
 #[test]
 fn silent_connections_are_evicted_at_max_connections() {
-    let dir = TempDir::new();
-    let ca = TestCa::new(dir.path(), "pier");
-    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    let Site {
+        dir: _dir,
+        ca,
+        cert,
+    } = Site::new();
     let o = Origin::start();
-    let tls = format!(
-        "cert = \"{}\"\nkey = \"{}\"\nhandshake_timeout = \"60s\"",
-        p(&cert.cert),
-        p(&cert.key)
-    );
+    let tls = tls_lines(&cert, "handshake_timeout = \"60s\"");
     let cfg = tls_config(o.addr(), &tls, "[limits]\nmax_connections = 10\n")
         .replace("workers = 2", "workers = 1");
     let pier = pier(&cfg);

@@ -46,15 +46,18 @@ fn wait_health(p: &PierProcess, server: SocketAddr, want: f64) {
     );
 }
 
-#[test]
-fn round_robin_alternates() {
+/// Pier in front of two stock origins, `alpha` and `beta`, with `upstream_extra`
+/// under `[upstream.app]`.
+fn alpha_beta(upstream_extra: &str) -> (Origin, Origin, PierProcess) {
     let a = Origin::start_named("alpha");
     let b = Origin::start_named("beta");
-    let p = pier(&simple_config(
-        &[a.addr(), b.addr()],
-        "",
-        "balance = \"round_robin\"",
-    ));
+    let p = pier(&simple_config(&[a.addr(), b.addr()], "", upstream_extra));
+    (a, b, p)
+}
+
+#[test]
+fn round_robin_alternates() {
+    let (_a, _b, p) = alpha_beta("balance = \"round_robin\"");
     let m = spread(&p, 20, &[]);
     assert!((9..=11).contains(&count(&m, "alpha")), "{m:?}");
     assert!((9..=11).contains(&count(&m, "beta")), "{m:?}");
@@ -113,13 +116,7 @@ fn hash_on_a_header_is_sticky() {
 
 #[test]
 fn hash_on_a_cookie_is_sticky() {
-    let a = Origin::start_named("alpha");
-    let b = Origin::start_named("beta");
-    let p = pier(&simple_config(
-        &[a.addr(), b.addr()],
-        "",
-        "balance = \"hash\"\nhash_key = \"cookie:session\"",
-    ));
+    let (_a, _b, p) = alpha_beta("balance = \"hash\"\nhash_key = \"cookie:session\"");
     let mut used = std::collections::HashSet::new();
     for s in 0..10 {
         let cookie = format!("theme=dark; session=s{s}; lang=en");
@@ -132,24 +129,26 @@ fn hash_on_a_cookie_is_sticky() {
 
 #[test]
 fn least_conn_avoids_the_busy_server() {
-    let a = Origin::start_named("alpha");
-    let b = Origin::start_named("beta");
-    let p = pier(&simple_config(
-        &[a.addr(), b.addr()],
-        "",
-        "balance = \"least_conn\"",
-    ));
+    let (a, b, p) = alpha_beta("balance = \"least_conn\"");
     let addr = p.listener("main");
     let slow = std::thread::spawn(move || get(addr, "/slow/1500"));
     assert!(wait_until(Duration::from_secs(5), || a.requests()
         + b.requests()
         == 1));
     let busy = if a.requests() == 1 { "alpha" } else { "beta" };
-    // Quick requests one at a time, with a pause so the previous one has left Pier's
+    // Quick requests one at a time, each once the previous one has left Pier's
     // in-flight count (the client can see its response a moment before that).
     let mut m = HashMap::new();
     for _ in 0..6 {
-        std::thread::sleep(Duration::from_millis(20));
+        let mut in_flight = 0.0;
+        let settled = wait_until(Duration::from_secs(5), || {
+            in_flight = p.metric_sum("pier_upstream_active_requests", &[]);
+            in_flight == 1.0
+        });
+        assert!(
+            settled,
+            "{in_flight} requests in flight, not just the slow one"
+        );
         *m.entry(get(p.listener("main"), "/name").body_str())
             .or_insert(0) += 1;
     }
@@ -164,26 +163,16 @@ fn least_conn_avoids_the_busy_server() {
 
 #[test]
 fn random_two_uses_both_servers() {
-    let a = Origin::start_named("alpha");
-    let b = Origin::start_named("beta");
-    let p = pier(&simple_config(
-        &[a.addr(), b.addr()],
-        "",
-        "balance = \"random_two\"",
-    ));
+    let (_a, _b, p) = alpha_beta("balance = \"random_two\"");
     let m = spread(&p, 40, &[]);
     assert!(count(&m, "alpha") >= 5 && count(&m, "beta") >= 5, "{m:?}");
 }
 
 #[test]
 fn failover_when_a_server_is_down() {
-    let a = Origin::start_named("alpha");
-    let b = Origin::start_named("beta");
-    let p = pier(&simple_config(
-        &[a.addr(), b.addr()],
-        "",
+    let (_a, b, p) = alpha_beta(
         "balance = \"round_robin\"\nretries = 2\nretry_budget = 1.0\nretry_min_per_sec = 100",
-    ));
+    );
     b.stop();
     // Every request succeeds: a connect failure is retried on the other server.
     let m = spread(&p, 20, &[]);
@@ -199,11 +188,7 @@ fn failover_when_a_server_is_down() {
 
 #[test]
 fn active_http_health_check_takes_a_server_out_and_back() {
-    let a = Origin::start_named("alpha");
-    let b = Origin::start_named("beta");
-    let p = pier(&simple_config(
-        &[a.addr(), b.addr()],
-        "",
+    let (a, b, p) = alpha_beta(
         r#"balance = "round_robin"
 [upstream.app.health_check]
 type = "http"
@@ -213,7 +198,7 @@ interval = "100ms"
 timeout = "1s"
 rise = 2
 fall = 2"#,
-    ));
+    );
     wait_health(&p, b.addr(), 1.0);
     b.set_healthy(false);
     wait_health(&p, b.addr(), 0.0);
@@ -275,28 +260,29 @@ fn passive_failures_mark_a_server_down_until_it_recovers() {
     wait_health(&p, b_addr, 0.0);
     // Back up: after passive_recover Pier tries it again.
     let _b2 = Origin::start_at("beta-again", b_addr).expect("rebind beta's address");
-    let mut seen = false;
-    for _ in 0..100 {
-        if get(p.listener("main"), "/name").body_str() == "beta-again" {
-            seen = true;
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let seen = wait_until(Duration::from_secs(5), || {
+        get(p.listener("main"), "/name").body_str() == "beta-again"
+    });
     assert!(seen, "beta never got traffic again after it came back");
     wait_health(&p, b_addr, 1.0);
 }
 
 fn deny_config(server: &str, deny: &str) -> String {
+    deny_route_config("", server, deny)
+}
+
+/// One route to `server` with `route_lua` under `[route.lua]` (if any), behind a
+/// deny list.
+fn deny_route_config(route_lua: &str, server: &str, deny: &str) -> String {
+    let lua = if route_lua.is_empty() {
+        String::new()
+    } else {
+        format!("[route.lua]\n{route_lua}\n")
+    };
     base_config(
         &format!("[security]\ndeny_origins = [\"{deny}\"]"),
         &format!(
-            r#"[[route]]
-upstream = "app"
-
-[upstream.app]
-servers = ["{server}"]
-retries = 0"#
+            "[[route]]\nupstream = \"app\"\n\n{lua}\n[upstream.app]\nservers = [\"{server}\"]\nretries = 0"
         ),
     )
 }
@@ -352,20 +338,12 @@ fn deny_origins_lets_other_ranges_through() {
 
 /// A route whose Lua balancer picks `ip:port` at request time, behind a deny list.
 fn lua_peer_config(ip: &str, port: u16, deny: &str) -> String {
-    base_config(
-        &format!("[security]\ndeny_origins = [\"{deny}\"]"),
-        &format!(
-            r#"[[route]]
-upstream = "app"
-
-[route.lua]
-balancer = 'pier.balancer.set_peer("{ip}", {port})'
-
-[upstream.app]
-# Never used: the balancer picks the peer. TEST-NET-1, outside every deny list here.
-servers = ["192.0.2.1:80"]
-retries = 0"#
-        ),
+    // The configured server is never used: the balancer picks the peer. TEST-NET-1,
+    // outside every deny list here.
+    deny_route_config(
+        &format!("balancer = 'pier.balancer.set_peer(\"{ip}\", {port})'"),
+        "192.0.2.1:80",
+        deny,
     )
 }
 
@@ -437,13 +415,7 @@ fn retries_are_bounded_by_the_retry_budget() {
 
 #[test]
 fn only_idempotent_requests_are_retried_after_being_sent() {
-    let a = Origin::start_named("alpha");
-    let b = Origin::start_named("beta");
-    let p = pier(&simple_config(
-        &[a.addr(), b.addr()],
-        "",
-        "balance = \"round_robin\"\nmax_fails = 0\nretries = 1\nretry_budget = 1.0\nretry_min_per_sec = 100",
-    ));
+    let (a, b, p) = alpha_beta("balance = \"round_robin\"\nmax_fails = 0\nretries = 1\nretry_budget = 1.0\nretry_min_per_sec = 100");
     let sent = || a.requests() + b.requests();
     // POST reached an origin that then closed without answering: it may have acted on
     // it, so Pier must not send it again.
@@ -451,12 +423,17 @@ fn only_idempotent_requests_are_retried_after_being_sent() {
         .request("POST", "/drop", &[], b"charge the card")
         .unwrap();
     assert_local(&r, 502, "upstream-closed");
-    std::thread::sleep(Duration::from_millis(100));
+    // `/drop` counts a request before it closes, and Pier answers only once every
+    // attempt it made was closed on it: a second send was counted before the 502.
+    // Waiting for the request to be logged covers any attempt still on its way.
+    assert_eq!(wait_logged(&p, 1.0), 1.0);
+    assert_eq!(upstream_exchanges(&p), 1.0, "a POST was sent twice");
     assert_eq!(sent(), 1, "a POST was sent twice");
     // GET is idempotent: retried once on the other server.
     let r = get(p.listener("main"), "/drop");
     assert_eq!(r.status, 502);
-    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(wait_logged(&p, 2.0), 2.0);
+    assert_eq!(upstream_exchanges(&p), 3.0, "the GET was not retried once");
     assert_eq!(
         sent(),
         3,

@@ -623,12 +623,10 @@ pub fn key_into(k: &mut Vec<u8>, scheme: &str, host: &[u8], target: &[u8]) {
     k.extend_from_slice(target);
 }
 
-/// Unix seconds now.
+/// Unix seconds now: [`pier_clock::unix_secs`], which a test can move
+/// forward (`PIER_TEST_CLOCK`, docs/testing.md).
 pub fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    pier_clock::unix_secs()
 }
 
 #[cfg(test)]

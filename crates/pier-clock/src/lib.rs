@@ -15,8 +15,15 @@
 //! Wall-clock time ([`wall_ns`]) is derived from the monotonic read and a
 //! per-thread base re-read from the system clock once a second, so the `Date`
 //! header, logs and analytics cost no second read either.
+//!
+//! Cache freshness is counted in whole Unix seconds ([`unix_secs`]). A test can
+//! move that clock forward without waiting: [`install_test_clock`] (the `pier`
+//! binary calls it when `PIER_TEST_CLOCK` names a file; docs/testing.md) adds
+//! the seconds written in a file to every reading.
 
 use std::cell::Cell;
+use std::path::PathBuf;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 thread_local! {
@@ -97,6 +104,39 @@ pub fn system_ns() -> u64 {
         .unwrap_or(0)
 }
 
+/// The file of [`install_test_clock`], if a test installed one.
+static TEST_CLOCK: OnceLock<PathBuf> = OnceLock::new();
+
+/// Test only: from now on [`unix_secs`] adds the whole number of seconds
+/// written in `file` (an integer, negative too; a missing or unreadable file
+/// counts as 0), read afresh at every call, so a test that rewrites the file
+/// moves the clock before its next request. Once per process; false if a
+/// clock was already installed.
+pub fn install_test_clock(file: PathBuf) -> bool {
+    TEST_CLOCK.set(file).is_ok()
+}
+
+/// The test clock's offset in seconds (0 without one).
+fn test_offset_secs() -> i64 {
+    let Some(file) = TEST_CLOCK.get() else {
+        return 0;
+    };
+    std::fs::read_to_string(file)
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Unix seconds now (the clock of cache freshness), moved by the test clock
+/// when one is installed.
+pub fn unix_secs() -> u64 {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    secs.saturating_add_signed(test_offset_secs())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,6 +163,22 @@ mod tests {
         let much_later = t + Duration::from_secs(5);
         let w3 = wall_ns(much_later);
         assert!(w3 >= system_ns() - 1_000_000_000);
+    }
+
+    #[test]
+    fn the_test_clock_adds_its_file_s_seconds() {
+        assert_eq!(test_offset_secs(), 0);
+        let file = std::env::temp_dir().join(format!("pier-clock-{}", std::process::id()));
+        std::fs::write(&file, "3600\n").unwrap();
+        assert!(install_test_clock(file.clone()));
+        assert!(!install_test_clock(file.clone()));
+        let sys = system_ns() / 1_000_000_000;
+        let t = unix_secs();
+        assert!((sys + 3600..=sys + 3601).contains(&t), "{t} vs {sys}");
+        std::fs::write(&file, "-60").unwrap();
+        assert!(unix_secs() < sys);
+        std::fs::remove_file(&file).unwrap();
+        assert_eq!(test_offset_secs(), 0);
     }
 
     #[test]

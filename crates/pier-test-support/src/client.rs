@@ -209,6 +209,18 @@ impl RawConn {
         self.read_response_with(false, Some(sink))
     }
 
+    /// Reads a response whose body should be the pattern from offset 0
+    /// ([`crate::pattern`]), checking it piece by piece instead of keeping it:
+    /// the response (`body_len` counted, `body` empty) and whether every byte matched.
+    pub fn read_pattern_response(&mut self) -> io::Result<(Response, bool)> {
+        let (mut off, mut good) = (0u64, true);
+        let r = self.read_response_streaming(&mut |piece| {
+            good &= crate::is_pattern(off, piece);
+            off += piece.len() as u64;
+        })?;
+        Ok((r, good))
+    }
+
     /// Reads a response. Errors: `UnexpectedEof` when the connection closed before or
     /// inside the response (the message says which), `TimedOut`/`WouldBlock` on timeout,
     /// `InvalidData` on a malformed response.

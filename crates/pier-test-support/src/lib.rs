@@ -4,13 +4,19 @@
 //!   it can misbehave on purpose (die mid-body, trickle, stall, echo the head it got).
 //! - [`RawConn`], [`get`], [`curl`]: clients that show exactly what came over the wire.
 //! - [`PierProcess`]: runs the `pier` binary on a config and waits for its ready file.
+//! - [`Script`]: an origin whose answers a test writes as a function of the request.
+//! - [`Scenario`]: origin, config, requests and expectations in a few lines
+//!   (docs/testing.md).
 //!
 //! Every wait here is bounded; every address is on port 0.
 #![forbid(unsafe_code)]
 
 mod client;
+mod config;
 mod origin;
 mod process;
+mod scenario;
+mod script;
 pub mod tls;
 pub mod ws;
 
@@ -20,8 +26,11 @@ pub use base64;
 pub use serde_json;
 
 pub use client::{curl, get, run_with_timeout, try_get, BodySink, RawConn, Response};
+pub use config::{base_config, hook, lua_route, route_config, servers, simple_config};
 pub use origin::Origin;
 pub use process::{parse_metric_line, rss_kib, MetricSample, PierProcess, TempDir};
+pub use scenario::{Conn, Exchange, Running, Scenario};
+pub use script::{Gate, RawReply, Reply, Request, Script};
 
 /// Signal numbers for [`PierProcess::signal`], so tests need no `libc` of their own.
 pub mod sig {

@@ -13,6 +13,9 @@ use crate::client::RawConn;
 /// How long Pier may take to become ready (or to reach a generation).
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// The file in Pier's temp dir that holds its test clock's offset (`PIER_TEST_CLOCK`).
+const CLOCK_FILE: &str = "clock";
+
 static DIR_SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// What Pier wrote to its ready file.
@@ -147,6 +150,7 @@ impl PierProcess {
         let child = Command::new(bin_path)
             .args(&args)
             .env("PIER_READY_FILE", &ready_path)
+            .env("PIER_TEST_CLOCK", dir.path().join(CLOCK_FILE))
             .env("RUST_LOG", "info")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
@@ -246,6 +250,23 @@ impl PierProcess {
         let tmp = self.dir.path().join("pier.toml.tmp");
         fs::write(&tmp, new_text).expect("write config");
         fs::rename(&tmp, &self.config_path).expect("rename config");
+    }
+
+    /// Moves Pier's cache clock `d` forward (whole seconds, rounded up), at
+    /// once: the next request sees it (`PIER_TEST_CLOCK`, docs/testing.md).
+    /// Freshness, Age, stale-while-revalidate and grace are then tested without
+    /// waiting for real seconds to pass.
+    pub fn advance_clock(&self, d: Duration) {
+        let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+        let file = self.dir.path().join(CLOCK_FILE);
+        let now: u64 = fs::read_to_string(&file)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0);
+        // Write then rename: Pier never reads a half-written number.
+        let tmp = self.dir.path().join("clock.tmp");
+        fs::write(&tmp, (now + secs).to_string()).expect("write clock");
+        fs::rename(&tmp, &file).expect("rename clock");
     }
 
     /// The generation in the ready file right now (1 at start).

@@ -12,54 +12,9 @@ pub fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_pier"))
 }
 
-/// A config with one listener `main` and an admin listener (both on port 0), access log
-/// off, two workers, and `body` appended (routes, upstreams, other sections).
-pub fn base_config(top: &str, body: &str) -> String {
-    format!(
-        r#"[server]
-workers = 2
-grace_period = "5s"
-
-[admin]
-listen = "127.0.0.1:0"
-
-[log]
-access = "off"
-
-{top}
-
-[[listener]]
-name = "main"
-listen = "127.0.0.1:0"
-
-{body}
-"#
-    )
-}
-
-/// A TOML array of server addresses: `["127.0.0.1:1", "127.0.0.1:2"]`.
-pub fn servers(addrs: &[SocketAddr]) -> String {
-    let list: Vec<String> = addrs.iter().map(|a| format!("\"{a}\"")).collect();
-    format!("[{}]", list.join(", "))
-}
-
-/// One catch-all route to upstream `app` with these servers; `top` holds whole sections
-/// (`[limits]`…), `upstream_extra` lines go under `[upstream.app]`.
-pub fn simple_config(addrs: &[SocketAddr], top: &str, upstream_extra: &str) -> String {
-    base_config(
-        top,
-        &format!(
-            r#"[[route]]
-name = "default"
-upstream = "app"
-
-[upstream.app]
-servers = {}
-{upstream_extra}
-"#,
-            servers(addrs)
-        ),
-    )
+/// A scenario on the `pier` binary under test (docs/testing.md).
+pub fn scenario() -> Scenario {
+    Scenario::new(bin())
 }
 
 /// Starts Pier on a config.
@@ -140,6 +95,25 @@ pub fn wait_local_count(p: &PierProcess, status: u16, reason: &str, at_least: f6
     wait_until(std::time::Duration::from_secs(5), || {
         last = local_count(p, status, reason);
         last >= at_least
+    });
+    last
+}
+
+/// Upstream exchanges Pier began: connections it opened plus pooled ones it reused
+/// (each counted as the exchange starts, before a byte is sent).
+pub fn upstream_exchanges(p: &PierProcess) -> f64 {
+    p.metric_sum("pier_upstream_connections_created_total", &[])
+        + p.metric_sum("pier_upstream_connections_reused_total", &[])
+}
+
+/// Polls until Pier has logged `n` requests in all (`pier_requests_total`, which
+/// counts a request once it is over: after everything Pier sent upstream for it),
+/// 5 s at most; the last count.
+pub fn wait_logged(p: &PierProcess, n: f64) -> f64 {
+    let mut last = 0.0;
+    wait_until(std::time::Duration::from_secs(5), || {
+        last = p.metric_sum("pier_requests_total", &[]);
+        last >= n
     });
     last
 }
