@@ -35,7 +35,7 @@ impl ResponseSource for LocalSource<'_> {
     async fn read_head(&mut self, head: &mut ResponseHead) -> Result<(), Error> {
         local_head(head, self.r);
         if let Some(ct) = self.grpc {
-            crate::grpc::shape(head, self.r.reason, ct);
+            pier_grpc::shape(head, self.r.reason, ct);
         }
         Ok(())
     }
