@@ -352,16 +352,16 @@ fn base64_hashes_crc_sql() {
 /// Debian's lua-resty-string (package lua-nginx-string) unchanged: OpenSSL
 /// through ffi.C (libcrypto loaded globally by pier.ngx_str) and nginx's
 /// ngx_hex_dump / ngx_atoi (exported by this test binary, see build.rs).
-/// `PIER_LUA_LIBS` names the unpacked libraries (.ci/run sets it; the test
-/// fails if it is set and the library is missing, skips if it is unset).
+/// `PIER_LUA_LIBS` names the unpacked libraries (`./test.sh` sets it, via
+/// .ci/install); the test fails when it is unset or the library is missing.
 #[test]
 fn lua_resty_string_runs_unchanged() {
-    let Ok(dir) = std::env::var("PIER_LUA_LIBS") else {
-        println!(
-            "note: skipped, PIER_LUA_LIBS is unset (.ci/run unpacks Debian's lua-nginx-string)"
-        );
-        return;
-    };
+    let dir = std::env::var("PIER_LUA_LIBS").unwrap_or_else(|_| {
+        panic!(
+            "PIER_LUA_LIBS is unset: run ./test.sh (its .ci/install unpacks Debian's \
+             lua-nginx-string), or `source target/test-env.sh` after one install"
+        )
+    });
     assert!(
         std::path::Path::new(&dir).join("nginx/string.lua").exists(),
         "PIER_LUA_LIBS={dir} lacks nginx/string.lua: the library install is broken"

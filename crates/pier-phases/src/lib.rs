@@ -440,8 +440,15 @@ impl Phases for ConfigPhases {
         ctx: &mut ConfigCtx,
     ) -> Result<(), Error> {
         if !ctx.pending.is_empty() {
+            // What access set (`pier.resp.set_header`) replaces the
+            // response's fields of those names, every value kept (two
+            // Set-Cookie stay two). Idempotent: a hook's own answer, which
+            // carries them already, gets them once.
+            for (n, _) in ctx.pending.iter() {
+                resp.headers.remove(n);
+            }
             for (n, v) in ctx.pending.iter() {
-                resp.headers.insert(n, v);
+                resp.headers.append(n, v);
             }
         }
         let Some(e) = self.hook(st, s, ctx, Phase::HeaderFilter)? else {

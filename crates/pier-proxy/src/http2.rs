@@ -473,6 +473,21 @@ pub(crate) fn http_fields(
     all_taken
 }
 
+/// Trailer fields as an HTTP/2 trailers block, for either side (fields
+/// the `http` crate refuses are left out).
+pub(crate) fn trailer_map(trailers: Option<&Headers>) -> http::HeaderMap {
+    let mut map = http::HeaderMap::new();
+    for (k, v) in trailers.into_iter().flat_map(|t| t.iter()) {
+        if let (Ok(n), Ok(v)) = (
+            http::HeaderName::from_bytes(k),
+            http::HeaderValue::from_bytes(v),
+        ) {
+            map.append(n, v);
+        }
+    }
+    map
+}
+
 /// A gRPC or gRPC-web response (its content-type starts `application/grpc`).
 fn is_grpc(head: &ResponseHead) -> bool {
     head.headers
@@ -605,15 +620,7 @@ impl ResponseSink for &mut H2Tx {
         let Some(mut s) = self.send.take() else {
             return Ok(());
         };
-        let mut map = http::HeaderMap::new();
-        for (k, v) in trailers.into_iter().flat_map(|t| t.iter()) {
-            if let (Ok(n), Ok(v)) = (
-                http::HeaderName::from_bytes(k),
-                http::HeaderValue::from_bytes(v),
-            ) {
-                map.append(n, v);
-            }
-        }
+        let map = trailer_map(trailers);
         let r = if map.is_empty() {
             s.send_data(Bytes::new(), true)
         } else {

@@ -404,15 +404,7 @@ impl RequestSink for H2RequestSink {
         if self.stopped {
             return Ok(());
         }
-        let mut map = http::HeaderMap::new();
-        for (k, v) in trailers.into_iter().flat_map(|t| t.iter()) {
-            if let (Ok(n), Ok(v)) = (
-                http::HeaderName::from_bytes(k),
-                http::HeaderValue::from_bytes(v),
-            ) {
-                map.append(n, v);
-            }
-        }
+        let map = crate::http2::trailer_map(trailers);
         let r = if map.is_empty() {
             self.send.send_data(Bytes::new(), true)
         } else {
