@@ -1174,18 +1174,31 @@ async fn connect<P: Phases, D: Downstream>(
     sess.upstream = Some(addr);
     // An Arc clone only for servers given by name.
     sess.upstream_host = idx.and_then(|i| group.peers()[i].host.clone());
-    let res = attempt_once(
-        w,
-        state,
-        down,
-        b,
-        sess,
-        ctx,
-        addr,
-        walk.stale_retry_used,
-        &mut inflight,
-    )
-    .await;
+    // One attempt: a session from the connector, then the one exchange on
+    // it, whatever its protocol (`Attempt`). In this function, not one of
+    // its own: each async layer copies the exchange's whole future once.
+    let bufs = crate::upstream::H1Bufs {
+        ubuf: &mut b.ubuf,
+        head: &mut b.head,
+    };
+    let res =
+        match crate::upstream::connect(w, state, sess, addr, walk.stale_retry_used, bufs).await {
+            Ok(up) => {
+                let attempt = Attempt {
+                    w,
+                    state,
+                    down,
+                    resp: &mut b.resp,
+                    cache: &mut b.cache,
+                    sess,
+                    ctx,
+                    addr,
+                    inflight: &mut inflight,
+                };
+                up.run(attempt).await
+            }
+            Err(e) => Err(e),
+        };
     drop(inflight);
     match res {
         Ok(keep) => {
@@ -1536,42 +1549,11 @@ fn https_redirect(sess: &Session, r: pier_config::HttpsRedirect) -> LocalRespons
     }
 }
 
-/// One attempt on `addr`: a session from the connector, then the one
-/// exchange, whatever the upstream protocol. `fresh_only`: not from a pool.
-#[allow(clippy::too_many_arguments)]
-async fn attempt_once<P: Phases, D: Downstream>(
-    w: &Worker<P>,
-    state: &State,
-    down: &mut D,
-    b: &mut Work,
-    sess: &mut Session,
-    ctx: &mut P::Ctx,
-    addr: SocketAddr,
-    fresh_only: bool,
-    inflight: &mut Option<pier_lb::ActiveGuard>,
-) -> Result<bool, Error> {
-    sess.step = Step::Connect;
-    let bufs = crate::upstream::H1Bufs {
-        ubuf: &mut b.ubuf,
-        head: &mut b.head,
-    };
-    let up = crate::upstream::connect(w, state, sess, addr, fresh_only, bufs).await?;
-    let attempt = Attempt {
-        w,
-        state,
-        down,
-        resp: &mut b.resp,
-        cache: &mut b.cache,
-        sess,
-        ctx,
-        addr,
-        inflight,
-    };
-    up.run(attempt).await
-}
-
-/// One attempt's arguments, for `attempt` on whichever session the
-/// connector made (`upstream::OnSession`).
+/// One attempt, run on whichever session the connector made
+/// (`upstream::OnSession`): the request as policy made it
+/// (`forward::Outgoing`), its body streaming while the response is relayed,
+/// a cacheable miss kept as it streams; the session back to its pool, or a
+/// tunnel after a 101.
 struct Attempt<'x, P: Phases, D> {
     w: &'x Worker<P>,
     state: &'x State,
@@ -1586,78 +1568,65 @@ struct Attempt<'x, P: Phases, D> {
 
 impl<P: Phases, D: Downstream> crate::upstream::OnSession for Attempt<'_, P, D> {
     type Out = Result<bool, Error>;
-    async fn run<U: UpstreamSession>(self, up: U) -> Result<bool, Error> {
-        let a = self;
-        attempt(
-            a.w, a.state, a.down, a.resp, a.cache, a.sess, a.ctx, a.addr, up, a.inflight,
-        )
-        .await
-    }
-}
-
-/// The exchange on one upstream session: the request as policy made it
-/// (`forward::Outgoing`), its body streaming while the response is relayed,
-/// a cacheable miss kept as it streams; the session back to its pool, or a
-/// tunnel after a 101.
-#[allow(clippy::too_many_arguments)]
-async fn attempt<P: Phases, D: Downstream, U: UpstreamSession>(
-    w: &Worker<P>,
-    state: &State,
-    down: &mut D,
-    resp: &mut ResponseHead,
-    cache: &mut Option<Box<crate::cache::CacheFill>>,
-    sess: &mut Session,
-    ctx: &mut P::Ctx,
-    addr: SocketAddr,
-    mut up: U,
-    inflight: &mut Option<pier_lb::ActiveGuard>,
-) -> Result<bool, Error> {
-    w.shared.metrics.pool(up.reused());
-    sess.step = Step::Send;
-    let bodiless = crate::forward::body(sess) == BodyLen::None;
-    let (mut src, mut body_snk) = up.send(&Outgoing::new(state, sess, addr)).await?;
-    let relayed = if bodiless {
-        let none: Option<&mut U::Sink<'_>> = None;
-        match cache.take() {
-            None => exchange(w, state, down, &mut src, none, resp, sess, ctx, inflight).await,
-            // A cacheable miss: kept as it streams, stored when complete.
-            // In place, not boxed: the request's future is in its own box
-            // already (`serve_connection`), and a box per miss cost an
-            // allocation and a copy of the whole exchange's state.
-            Some(fill) => {
-                async {
-                    // Compressed before it is stored (`[route.compress]`).
-                    let enc = crate::compress::EncodeSource::new(&mut src, state, sess);
-                    let mut tee = crate::cache::TeeSource::new(enc, fill);
-                    let r =
-                        exchange(w, state, down, &mut tee, none, resp, sess, ctx, inflight).await;
-                    // A client gone mid-body does not end the fill for others.
-                    tee.finish_detached().await;
-                    r
+    async fn run<U: UpstreamSession>(self, mut up: U) -> Result<bool, Error> {
+        let Attempt {
+            w,
+            state,
+            down,
+            resp,
+            cache,
+            sess,
+            ctx,
+            addr,
+            inflight,
+        } = self;
+        w.shared.metrics.pool(up.reused());
+        sess.step = Step::Send;
+        let bodiless = crate::forward::body(sess) == BodyLen::None;
+        let (mut src, mut body_snk) = up.send(&Outgoing::new(state, sess, addr)).await?;
+        let relayed = if bodiless {
+            let none: Option<&mut U::Sink<'_>> = None;
+            match cache.take() {
+                None => exchange(w, state, down, &mut src, none, resp, sess, ctx, inflight).await,
+                // A cacheable miss: kept as it streams, stored when complete.
+                // In place, not boxed: the request's future is in its own box
+                // already (`serve_connection`), and a box per miss cost an
+                // allocation and a copy of the whole exchange's state.
+                Some(fill) => {
+                    async {
+                        // Compressed before it is stored (`[route.compress]`).
+                        let enc = crate::compress::EncodeSource::new(&mut src, state, sess);
+                        let mut tee = crate::cache::TeeSource::new(enc, fill);
+                        let r = exchange(w, state, down, &mut tee, none, resp, sess, ctx, inflight)
+                            .await;
+                        // A client gone mid-body does not end the fill for others.
+                        tee.finish_detached().await;
+                        r
+                    }
+                    .await
                 }
-                .await
             }
-        }
-    } else {
-        *cache = None;
-        let snk = Some(&mut body_snk);
-        exchange(w, state, down, &mut src, snk, resp, sess, ctx, inflight).await
-    };
-    match relayed? {
-        Relayed::Done(upstream_reusable, client_keep) => {
-            drop((src, body_snk));
-            up.release(upstream_reusable);
-            Ok(client_keep)
-        }
-        Relayed::Upgrade => {
-            // A tunnel both ways until either side closes or both idle out
-            // (WebSocket etc.).
-            let m = &w.shared.metrics;
-            m.tunnels.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let _tunnel = GaugeGuard::enter(&m.active_tunnels);
-            let sent = U::tunnel(src, body_snk, down, resp, tunnel_idle(state)).await?;
-            sess.bytes_sent += sent;
-            Ok(false)
+        } else {
+            *cache = None;
+            let snk = Some(&mut body_snk);
+            exchange(w, state, down, &mut src, snk, resp, sess, ctx, inflight).await
+        };
+        match relayed? {
+            Relayed::Done(upstream_reusable, client_keep) => {
+                drop((src, body_snk));
+                up.release(upstream_reusable);
+                Ok(client_keep)
+            }
+            Relayed::Upgrade => {
+                // A tunnel both ways until either side closes or both idle out
+                // (WebSocket etc.).
+                let m = &w.shared.metrics;
+                m.tunnels.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let _tunnel = GaugeGuard::enter(&m.active_tunnels);
+                let sent = U::tunnel(src, body_snk, down, resp, tunnel_idle(state)).await?;
+                sess.bytes_sent += sent;
+                Ok(false)
+            }
         }
     }
 }
