@@ -132,3 +132,27 @@ end
     assert_local(&r, 502, "upstream-closed");
     assert_eq!(first.requests(), before + 1, "one attempt only");
 }
+
+/// A hook that always picks the same peer (written before the hook ran per try) is not
+/// turned into a retry loop on that peer: its failed peer set again is the driver's
+/// policy, which does not re-pick a hook's peer — one attempt, 502.
+#[test]
+fn the_failed_peer_set_again_is_not_retried() {
+    let dead = dead_addr();
+    let bal = format!(
+        "pier.balancer.set_peer(\"127.0.0.1\", {})\npier.balancer.set_retries(2)",
+        dead.port()
+    );
+    let cfg = base_config(
+        "",
+        &format!(
+            "{}[upstream.app]\nservers = {}\n\n",
+            route("r", "/r/", "app", &bal),
+            servers(&[dead])
+        ),
+    );
+    let p = pier(&cfg);
+    let r = get(&p, "POST", "/r/x");
+    assert_local(&r, 502, "upstream-connect");
+    assert_eq!(p.metric_value("pier_upstream_retries_total"), Some(0.0));
+}

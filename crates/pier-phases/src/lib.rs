@@ -191,14 +191,17 @@ impl ConfigPhases {
 impl ConfigPhases {
     /// A failed attempt, for Lua: the route's `balancer` hook runs again
     /// (as OpenResty's `balancer_by_lua*` does per try), reading the failure
-    /// from `pier.balancer.get_last_failure()`; a peer it sets is a
-    /// `Flow::Retry` there, with the request as it left it. Without one, the
-    /// driver's own policy.
+    /// from `pier.balancer.get_last_failure()`; another peer it sets is a
+    /// `Flow::Retry` there, with the request as it left it. The peer that
+    /// failed, set again (a hook that always picks one peer, written before
+    /// retries ran it twice), or none: the driver's own policy, which does
+    /// not retry a hook's peer.
     async fn balancer_again(
         &self,
         st: &State,
         s: &mut Session,
         ctx: &mut ConfigCtx,
+        failed: SocketAddr,
         connect: bool,
         e: &Error,
     ) -> Result<Flow, Error> {
@@ -220,8 +223,8 @@ impl ConfigPhases {
             .await
             .map_err(hook_error)?;
         Ok(match c.peer {
-            Some(p) => Flow::Retry { peer: Some(p) },
-            None => Flow::Continue,
+            Some(p) if p != failed => Flow::Retry { peer: Some(p) },
+            _ => Flow::Continue,
         })
     }
 }
@@ -360,10 +363,10 @@ impl Phases for ConfigPhases {
         st: &State,
         s: &mut Session,
         ctx: &mut ConfigCtx,
-        _peer: SocketAddr,
+        peer: SocketAddr,
         e: &Error,
     ) -> Result<Flow, Error> {
-        self.balancer_again(st, s, ctx, true, e).await
+        self.balancer_again(st, s, ctx, peer, true, e).await
     }
 
     async fn error_while_proxy(
@@ -371,10 +374,10 @@ impl Phases for ConfigPhases {
         st: &State,
         s: &mut Session,
         ctx: &mut ConfigCtx,
-        _peer: SocketAddr,
+        peer: SocketAddr,
         e: &Error,
     ) -> Result<Flow, Error> {
-        self.balancer_again(st, s, ctx, false, e).await
+        self.balancer_again(st, s, ctx, peer, false, e).await
     }
 
     fn peer_selected(
