@@ -874,7 +874,7 @@ fn flow(r: Result<Flow, Error>, then: Step, w: &Walk) -> Next {
 /// (`Step`, docs/phases.md box for box), one function a step. The head was
 /// read by the downstream session (`serve_connection`, `serve_h2`:
 /// `Step::ReadHead`); the exchange's steps (`Step::Send` to `Step::Write`)
-/// are `attempt`'s, the request body streaming beside them; logging
+/// are `Attempt`'s, the request body streaming beside them; logging
 /// follows the request (`finish`).
 pub(crate) async fn handle_request<P: Phases, D: Downstream>(
     w: &Worker<P>,
@@ -913,7 +913,7 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
             Step::Connect => connect(w, state, down, b, sess, ctx, &mut walk).await,
             Step::Fail => fail(w, state, sess, ctx, &mut walk).await,
             // Not steps of this loop: the downstream session's, the
-            // exchange's (`attempt`), and the request's end (`finish`).
+            // exchange's (`Attempt`), and the request's end (`finish`).
             Step::ReadHead
             | Step::Send
             | Step::UpstreamResponseFilter
