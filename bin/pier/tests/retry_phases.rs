@@ -16,6 +16,19 @@ fn route(name: &str, path: &str, upstream: &str, balancer: &str) -> String {
     )
 }
 
+/// Pier with route `/r/` to upstream `app` (`app` servers, the `balancer` hook `bal`),
+/// then `extra` config.
+fn start(bal: &str, app: &[std::net::SocketAddr], extra: &str) -> PierProcess {
+    pier(&base_config(
+        "",
+        &format!(
+            "{}[upstream.app]\nservers = {}\n\n{extra}",
+            route("r", "/r/", "app", bal),
+            servers(app)
+        ),
+    ))
+}
+
 fn get(p: &PierProcess, method: &str, path: &str) -> Response {
     RawConn::connect(p.listener("main"))
         .request(method, path, &[], b"")
@@ -43,15 +56,7 @@ end
         dead = dead.port(),
         live = live.addr().port()
     );
-    let cfg = base_config(
-        "",
-        &format!(
-            "{}[upstream.app]\nservers = {}\n\n",
-            route("r", "/r/", "app", &bal),
-            servers(&[dead])
-        ),
-    );
-    let p = pier(&cfg);
+    let p = start(&bal, &[dead], "");
     let r = get(&p, "GET", "/r/headers");
     assert_eq!(
         r.status,
@@ -92,16 +97,13 @@ end
         first = first.addr().port(),
         second = second.addr().port()
     );
-    let body = format!(
-        "{}{}[upstream.app]\nservers = {}\n\n[upstream.one]\nservers = {}\n\n",
-        route("r", "/r/", "app", &bal),
-        // The same origin, no hook: the driver's own policy.
-        "[[route]]\nname = \"plain\"\npath = \"/plain/\"\nupstream = \"one\"\n\n",
-        servers(&[first.addr()]),
+    // The same origin without the hook, on /plain/: the driver's own policy.
+    let plain = format!(
+        "[[route]]\nname = \"plain\"\npath = \"/plain/\"\nupstream = \"one\"\n\n\
+         [upstream.one]\nservers = {}\n\n",
         servers(&[first.addr()])
     );
-    let cfg = base_config("", &body);
-    let p = pier(&cfg);
+    let p = start(&bal, &[first.addr()], &plain);
 
     let r = get(&p, "POST", "/r/drop");
     assert_eq!(
@@ -143,15 +145,7 @@ fn the_failed_peer_set_again_is_not_retried() {
         "pier.balancer.set_peer(\"127.0.0.1\", {})\npier.balancer.set_retries(2)",
         dead.port()
     );
-    let cfg = base_config(
-        "",
-        &format!(
-            "{}[upstream.app]\nservers = {}\n\n",
-            route("r", "/r/", "app", &bal),
-            servers(&[dead])
-        ),
-    );
-    let p = pier(&cfg);
+    let p = start(&bal, &[dead], "");
     let r = get(&p, "POST", "/r/x");
     assert_local(&r, 502, "upstream-connect");
     assert_eq!(p.metric_value("pier_upstream_retries_total"), Some(0.0));
