@@ -4,6 +4,7 @@
 #
 #   bench/h2.sh                                     # everything (~12 minutes on 2 cores)
 #   MODES=grpc PROXIES=pier,nginx REPS=1 bench/h2.sh
+#   PIER_BIN=after PIER_BIN_B=before PROXIES=pier,pier-b,haproxy SKIP_BUILD=1 bench/h2.sh  # two builds, one run
 #
 # Modes:
 #   h2    HTTP/2 over TLS (ALPN h2) downstream, HTTP/1.1 to an nginx origin; h2load with 10
@@ -25,6 +26,7 @@ STREAMS="${STREAMS:-50,500}"        # streams in flight in total; 10 per connect
 REPS="${REPS:-3}"
 IDLE_CONNS="${IDLE_CONNS:-2000}"
 PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
+PIER_BIN_B="${PIER_BIN_B:-}"        # a second build: proxy "pier-b" (same config as "pier"), e.g. before/after
 GHZ="${GHZ:-$(command -v ghz || echo /root/go/bin/ghz)}"
 GRPC_SERVER="${GRPC_SERVER:-$(command -v server || echo /root/go/bin/server)}"
 SKIP_BUILD="${SKIP_BUILD:-0}"
@@ -132,6 +134,10 @@ start_proxy() {   # start_proxy NAME MODE
         pier)
             template "$BENCH_DIR/peers/h2/pier-$suffix.toml" "$dir/pier.toml" "$PROXY_PORT" "$up"
             "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 & ;;
+        pier-b)
+            [ -x "$PIER_BIN_B" ] || die "pier-b: no binary at PIER_BIN_B='$PIER_BIN_B'"
+            template "$BENCH_DIR/peers/h2/pier-$suffix.toml" "$dir/pier.toml" "$PROXY_PORT" "$up"
+            "$PIER_BIN_B" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 & ;;
         *) die "unknown proxy $name" ;;
     esac
     PROXY_PID=$!

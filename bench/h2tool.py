@@ -279,13 +279,15 @@ def cmd_report(a):
         if not sel:
             continue
         out.append(f"### {title}\n")
-        out.append("| proxy | streams | req/CPU-s median (min–max) | × nginx | user µs/req | sys µs/req "
+        out.append("| proxy | streams | req/CPU-s median (min–max) | × nginx (or pier-b) | user µs/req | sys µs/req "
                    "| req/s | upstream conns opened | failed | load1 | runs |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for streams in sorted({r["streams"] for r in sel}):
+            # Against nginx, or (a before/after run without nginx) against pier-b.
+            ref = "nginx" if any(r["proxy"] == "nginx" for r in sel) else "pier-b"
             base = _agg([r.get("req_per_cpu_s") for r in sel
-                         if r["streams"] == streams and r["proxy"] == "nginx"])[0]
-            for proxy in ("pier", "nginx", "haproxy"):
+                         if r["streams"] == streams and r["proxy"] == ref])[0]
+            for proxy in ("pier", "pier-b", "nginx", "haproxy"):
                 rs = [r for r in sel if r["streams"] == streams and r["proxy"] == proxy]
                 if not rs:
                     continue
@@ -308,7 +310,7 @@ def cmd_report(a):
         out.append("### Memory per idle HTTP/2 connection (TLS, one request each, then held)\n")
         out.append("| proxy | connections | RSS before → after, MB (median) | KiB per connection median (min–max) |")
         out.append("|---|---|---|---|")
-        for proxy in ("pier", "nginx", "haproxy"):
+        for proxy in ("pier", "pier-b", "nginx", "haproxy"):
             rs = [r for r in sel if r["proxy"] == proxy]
             if not rs:
                 continue

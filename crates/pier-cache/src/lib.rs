@@ -19,6 +19,7 @@ pub mod mapped;
 mod memory;
 pub mod policy;
 pub mod tags;
+mod verdict;
 
 use bytes::Bytes;
 pub use counter::Counter;
@@ -34,6 +35,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
+pub use verdict::{CacheCtl, CacheResult};
 
 /// A stored response.
 #[derive(Debug, Clone)]

@@ -1,6 +1,10 @@
 //! gRPC awareness in the engine: Pier-made answers to a gRPC request are
 //! gRPC-shaped (a gRPC client reads `grpc-status`, not the HTTP status), and
-//! `grpc-timeout` bounds the wait for the origin.
+//! `grpc-timeout` bounds the wait for the origin; and gRPC-web ([`web`]),
+//! wrappers over the session interfaces that carry a browser's gRPC-web
+//! request to the origin as gRPC.
+
+pub mod web;
 
 use pier_http::known;
 use pier_http::{RequestHead, ResponseHead};

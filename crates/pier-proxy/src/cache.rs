@@ -5,7 +5,6 @@
 //! requests that follow the fill (`pier_cache::fill`), which stream it as
 //! it arrives.
 
-use crate::protocol::{BodySize, ResponseSource};
 use crate::session::{CacheResult, Session};
 use crate::state::State;
 use bytes::BytesMut;
@@ -14,6 +13,7 @@ use pier_cache::policy::{self, CacheControl, StorePolicy, Use};
 use pier_cache::{Fill, FillGuard, Object, Zone};
 use pier_error::Error;
 use pier_http::{known, Headers, Method, ResponseHead};
+use pier_session::{BodySize, ResponseSource};
 use std::io::Write as _;
 use std::sync::Arc;
 
@@ -589,10 +589,10 @@ impl Stored {
     }
 
     /// The body (or its range) as its mapping's pages, when it has one.
-    fn take_spliceable(&mut self) -> Option<crate::protocol::SpliceBody> {
+    fn take_spliceable(&mut self) -> Option<pier_session::SpliceBody> {
         self.obj.mapped.as_ref()?;
         let (a, b) = self.take_span()?;
-        Some(crate::protocol::SpliceBody {
+        Some(pier_session::SpliceBody {
             mapped: self.obj.mapped.clone()?,
             offset: a as u64,
             bytes: self.obj.body.slice(a..=b),
@@ -626,6 +626,7 @@ fn stored_head(obj: &Object, status: u16, age: u64, detail: &str, head: &mut Res
 }
 
 impl ResponseSource for CacheSource {
+    const STORED: bool = true;
     async fn read_head(&mut self, head: &mut ResponseHead) -> Result<(), Error> {
         match self {
             CacheSource::Stored(s) => s.read_head(head).await,
@@ -653,7 +654,7 @@ impl ResponseSource for CacheSource {
     fn reusable(&self) -> bool {
         true
     }
-    fn take_spliceable(&mut self) -> Option<crate::protocol::SpliceBody> {
+    fn take_spliceable(&mut self) -> Option<pier_session::SpliceBody> {
         match self {
             CacheSource::Stored(s) => s.take_spliceable(),
             CacheSource::Follow(_) => None,
@@ -729,6 +730,9 @@ pub struct TeeSource<S> {
     /// The head to store; its fields move into `buf` when published (and
     /// come back at the end unless a follower still holds them).
     head: Option<(u16, Headers)>,
+    /// The origin's head when the RFC rules said not to store it, for a
+    /// phase that says store it after all.
+    spare: Option<(u16, Headers)>,
     /// The response's Cache-Control, parsed once for `storable` and the
     /// stored object.
     cc: CacheControl,
@@ -760,6 +764,7 @@ impl<S> TeeSource<S> {
             fill,
             body: None,
             head: None,
+            spare: None,
             cc: CacheControl::default(),
             from_stale: None,
             result: None,
@@ -1004,6 +1009,20 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
                 return Ok(());
             }
         }
+        // The rest waits for `origin_head`: what is stored is the head as
+        // `upstream_response_filter` and the cache-store step leave it.
+        Ok(())
+    }
+
+    /// Whether the response may be stored (RFC 9111 with the route's
+    /// policy), decided on the head the origin's steps left, which is the
+    /// head that is stored: never one `response_filter` edited for this
+    /// client.
+    fn origin_head(&mut self, head: &mut ResponseHead) {
+        if self.from_stale.is_some() || head.status < 200 {
+            return;
+        }
+        let now = pier_cache::now();
         let f = &self.fill;
         self.cc = policy::response_cc(&head.headers);
         match policy::storable_with(
@@ -1025,7 +1044,7 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
                 if self.length.is_some_and(|n| n > f.zone.max_object as u64) {
                     // Too big to store, known now: followers need not wait.
                     head.headers.append(b"Cache-Status", b"pier; fwd=miss");
-                    return Ok(());
+                    return;
                 }
                 self.head = Some((head.status, stored_fields(&head.headers)));
                 self.body = Some(BytesMut::new());
@@ -1038,9 +1057,10 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
                     g.uncacheable(now, f.hit_for_miss);
                 }
                 head.headers.append(b"Cache-Status", b"pier; fwd=miss");
+                // Kept in case a phase stores it after all (`cache_override`).
+                self.spare = Some((head.status, stored_fields(&head.headers)));
             }
         }
-        Ok(())
     }
 
     fn body_size(&self) -> BodySize {
@@ -1151,8 +1171,14 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
                 }
             }
         } else if self.head.is_none() {
-            self.head = Some((status, stored_fields(&head.headers)));
-            self.body = Some(BytesMut::new());
+            // The origin's head (as its steps left it), not this client's.
+            match self.spare.take() {
+                Some(h) => {
+                    self.head = Some(h);
+                    self.body = Some(BytesMut::new());
+                }
+                None => return,
+            }
         }
         if let (true, Some(t)) = (store, ttl) {
             self.lifetime = t;
@@ -1333,7 +1359,7 @@ pub struct NullSink;
 /// An empty request body.
 pub struct NoBody;
 
-impl crate::protocol::RequestSource for NoBody {
+impl pier_session::RequestSource for NoBody {
     async fn read_body(&mut self) -> Result<Option<&[u8]>, Error> {
         Ok(None)
     }
@@ -1342,7 +1368,7 @@ impl crate::protocol::RequestSource for NoBody {
     }
 }
 
-impl crate::protocol::ResponseSink for &mut NullSink {
+impl pier_session::ResponseSink for &mut NullSink {
     async fn write_interim(&mut self, _: &ResponseHead) -> Result<(), Error> {
         Ok(())
     }
@@ -1363,7 +1389,7 @@ impl crate::protocol::ResponseSink for &mut NullSink {
     }
 }
 
-impl crate::protocol::Downstream for NullDownstream {
+impl pier_session::Downstream for NullDownstream {
     type Source<'a> = NoBody;
     type Sink<'a> = &'a mut NullSink;
 
@@ -1376,7 +1402,7 @@ impl crate::protocol::Downstream for NullDownstream {
         Ok(())
     }
 
-    fn open(&mut self, _: &crate::protocol::DownstreamOpts) -> (NoBody, &mut NullSink) {
+    fn open(&mut self, _: &pier_session::DownstreamOpts) -> (NoBody, &mut NullSink) {
         (NoBody, &mut self.sink)
     }
 

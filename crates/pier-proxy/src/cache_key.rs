@@ -12,21 +12,8 @@ use crate::state::State;
 use pier_config::{CacheKey, QueryKey};
 use pier_http::{known, Headers};
 
-/// What a phase decided about caching this request (set in `access` and
-/// `header_filter`; the driver reads it through `Phases::cache_ctl`).
-#[derive(Debug, Default, Clone, PartialEq)]
-pub struct CacheCtl {
-    /// Neither look up nor store.
-    pub bypass: bool,
-    /// The key to use instead of the route's.
-    pub key: Option<Vec<u8>>,
-    /// Freshness lifetime for what is stored, seconds (overrides the
-    /// origin's and the route's); 0 means do not store.
-    pub ttl: Option<u64>,
-    /// `header_filter`'s verdict: store (with `ttl`, or the route's TTL for
-    /// the status) or don't, whatever the RFC rules said.
-    pub cacheable: Option<bool>,
-}
+/// Moved to pier-cache (the session interfaces carry it); named here still.
+pub use pier_cache::CacheCtl;
 
 /// Longest key a hook may set.
 pub const MAX_KEY: usize = 4096;

@@ -13,12 +13,7 @@
 //! the group's retry budget).
 
 use crate::forward::Outgoing;
-use crate::h1::{H1Downstream, H1RequestSink};
 use crate::phases::{Flow, LocalResponse, Phases, Step};
-use crate::protocol::{
-    BodySize, Downstream, DownstreamOpts, RequestSink, RequestSource, ResponseSink, ResponseSource,
-    UpstreamSession,
-};
 use crate::session::{ConnInfo, Session};
 use crate::state::State;
 use crate::Worker;
@@ -27,9 +22,14 @@ use pier_clock::timeout;
 use pier_config::HostHeader;
 use pier_core::Stream;
 use pier_error::{Error, Kind};
+use pier_h1::{H1Downstream, H1RequestSink};
 use pier_http::known;
 use pier_http::{BodyLen, ResponseHead};
 use pier_log::metrics::GaugeGuard;
+use pier_session::{
+    BodySize, Downstream, DownstreamOpts, RequestSink, RequestSource, ResponseSink, ResponseSource,
+    UpstreamSession,
+};
 use std::cell::RefCell;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -39,7 +39,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::AsyncReadExt;
 
-use crate::h1::READ_CHUNK;
+use pier_h1::READ_CHUNK;
 
 /// Per-connection buffers, reused for every request on the connection.
 struct Bufs {
@@ -511,6 +511,49 @@ pub(crate) async fn run_guarded<P: Phases, D: Downstream>(
     drop(active);
 }
 
+/// One request of a multiplexed connection (an HTTP/2 stream; any protocol
+/// whose crate implements `pier_session::Engine`'s caller): its head made
+/// from `parts` by the HTTP/1 parser's rules and limits, through the steps,
+/// logged, its buffers back to the worker's pool.
+pub(crate) async fn serve_stream<P: Phases, D: Downstream>(
+    w: &Worker<P>,
+    mut down: D,
+    parts: &impl pier_session::RequestParts,
+    client: SocketAddr,
+    local: SocketAddr,
+    conn: &ConnInfo,
+) {
+    let state = w.shared.state.load_full();
+    let mut sess = Box::new(Session::new(client, local));
+    sess.conn = conn.clone();
+    let mut work = Work::take(&w.bufs);
+    let mut head = w.bufs.borrow_mut().take_head();
+    let made = match parts.refused() {
+        Some(kind) => Err(kind),
+        None => state.request_from_parts(
+            &mut head,
+            parts.method(),
+            parts.target(),
+            parts.authority(),
+            parts.fields(),
+            parts.has_body(),
+        ),
+    };
+    sess.req = head;
+    sess.begin(pier_http::date::now_ns());
+    match made {
+        Ok(()) => {
+            run_guarded(w, &state, &mut down, &mut work, &mut sess).await;
+            finish(w, &state, &sess, sess.route);
+        }
+        Err(kind) => {
+            answer_error(w, &state, &mut down, &mut work, &mut sess, kind).await;
+            finish(w, &state, &sess, None);
+        }
+    }
+    work.release(&mut sess, &w.bufs);
+}
+
 /// Answer an error no route sees (a malformed request, a panic) on any
 /// downstream.
 pub(crate) async fn answer_error<P: Phases, D: Downstream>(
@@ -971,9 +1014,9 @@ async fn route<D: Downstream>(
         }
     }
     if rc.grpc_web {
-        if let Some(form) = crate::grpc_web::form_of(&sess.req) {
+        if let Some(form) = pier_grpc::web::form_of(&sess.req) {
             sess.grpc_web = Some(form);
-            crate::grpc_web::to_grpc_request(&mut sess.up_req, form);
+            pier_grpc::web::to_grpc_request(&mut sess.up_req, form);
         }
     }
     // Body bound known up front.
@@ -1428,8 +1471,8 @@ fn grpc_answer(sess: &Session, status: u16) -> Option<&'static [u8]> {
         None
     } else if let Some(form) = sess.grpc_web {
         Some(match form {
-            crate::grpc_web::Form::Text => b"application/grpc-web-text",
-            crate::grpc_web::Form::Binary => b"application/grpc-web",
+            pier_grpc::web::Form::Text => b"application/grpc-web-text",
+            pier_grpc::web::Form::Binary => b"application/grpc-web",
         })
     } else if pier_grpc::is_grpc(&sess.req) {
         Some(b"application/grpc")
@@ -1595,7 +1638,8 @@ impl<P: Phases, D: Downstream> crate::upstream::OnSession for Attempt<'_, P, D> 
                 Some(fill) => {
                     async {
                         // Compressed before it is stored (`[route.compress]`).
-                        let enc = crate::compress::EncodeSource::new(&mut src, state, sess);
+                        let enc =
+                            pier_compress::EncodeSource::new(&mut src, route_compress(state, sess));
                         let mut tee = crate::cache::TeeSource::new(enc, fill);
                         let r = exchange(w, state, down, &mut tee, none, resp, sess, ctx, inflight)
                             .await;
@@ -1661,8 +1705,8 @@ async fn exchange<P: Phases, D: Downstream, Src: ResponseSource, Bsnk: RequestSi
             .await
         }
         Some(form) => {
-            let body_src = crate::grpc_web::WebSource::new(body_src, form);
-            let snk = crate::grpc_web::WebSink::new(snk, form);
+            let body_src = pier_grpc::web::WebSource::new(body_src, form);
+            let snk = pier_grpc::web::WebSink::new(snk, form);
             exchange_with(
                 w, state, body_src, snk, src, body_snk, resp, sess, ctx, inflight,
             )
@@ -1809,13 +1853,20 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         return Err(Error::upstream(Kind::UpstreamProtocol));
     }
     if Src::FROM_ORIGIN {
-        sess.step = Step::UpstreamResponseFilter;
-        if let Err(e) = w.phases.upstream_response_filter(state, sess, resp, ctx) {
-            return Err(Error::new(e.kind).retryable(false));
+        // A hit's steps ran when it was stored (`ResponseSource::STORED`).
+        if !Src::STORED {
+            sess.step = Step::UpstreamResponseFilter;
+            if let Err(e) = w.phases.upstream_response_filter(state, sess, resp, ctx) {
+                return Err(Error::new(e.kind).retryable(false));
+            }
         }
         if !upgrade {
-            sess.step = Step::CacheStore;
-            w.phases.cache_store(state, sess, resp, ctx);
+            if !Src::STORED {
+                sess.step = Step::CacheStore;
+                w.phases.cache_store(state, sess, resp, ctx);
+                // What a fill stores: the head as the origin's steps left it.
+                src.origin_head(resp);
+            }
             if sess
                 .route
                 .is_some_and(|r| state.cfg.routes[r].cache.is_some())
@@ -1855,7 +1906,7 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
     let lua_filter = filtered && size != BodySize::None && w.phases.has_body_filter(state, sess);
     // Compression (`[route.compress]`): after the Lua body filter, which
     // sees the body decoded.
-    let mut codec = crate::compress::plan(state, sess, resp, size);
+    let mut codec = pier_compress::plan(route_compress(state, sess), &sess.req, resp, size);
     let filtering = lua_filter || codec.is_some();
     if filtering {
         // A body filter may change the length.
@@ -1961,6 +2012,20 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
 }
 
 /// Idle timeout of an upgraded connection.
+/// The route's compression settings (`[route.compress]`), if it has any and
+/// the request may have its response transformed at all: not a Range
+/// request, gRPC or gRPC-web.
+fn route_compress<'a>(state: &'a State, sess: &Session) -> Option<&'a pier_config::Compress> {
+    let c = state.cfg.routes.get(sess.route?)?.compress.as_ref()?;
+    if sess.req.headers.get(b"range").is_some()
+        || sess.grpc_web.is_some()
+        || pier_grpc::is_grpc(&sess.req)
+    {
+        return None;
+    }
+    Some(c)
+}
+
 fn tunnel_idle(state: &State) -> Duration {
     state.cfg.timeouts.tunnel_idle
 }

@@ -1,6 +1,6 @@
 //! What the upstream request carries that the client did not decide: the
 //! one policy, decided once per attempt as an [`Outgoing`], that every
-//! upstream codec (HTTP/1 `h1::H1Upstream`, HTTP/2 `upstream_h2::H2Upstream`)
+//! upstream codec (HTTP/1 `pier_h1::H1Upstream`, HTTP/2 `pier_h2::client::H2Upstream`)
 //! serialises, so that no protocol has a list of its own (docs/security.md).
 //!
 //! - Hop-by-hop fields (`pier_http::HOP_BY_HOP`, and what `Connection`
@@ -19,6 +19,7 @@ use crate::state::State;
 use pier_config::HostHeader;
 use pier_http::known::{self, Known};
 use pier_http::{BodyLen, RequestHead};
+pub use pier_session::{FieldWriter, UpstreamRequest};
 use std::net::SocketAddr;
 
 /// The upstream request as policy decided it, for one attempt to `addr`:
@@ -50,33 +51,31 @@ impl<'a> Outgoing<'a> {
             host_is_peer,
         }
     }
+}
 
+impl UpstreamRequest for Outgoing<'_> {
     /// The upstream request value (routed, rewritten, hooks applied).
-    pub fn head(&self) -> &'a RequestHead {
+    fn head(&self) -> &RequestHead {
         &self.sess.up_req
+    }
+
+    fn client_head(&self) -> &RequestHead {
+        &self.sess.req
     }
 
     /// Whether a received field goes as it is: not hop-by-hop, not framing,
     /// not a forwarding field from an untrusted client, and not Host (the
     /// authority is written on its own, [`Self::client_authority`]).
     #[inline]
-    pub fn keeps(&self, k: Known, name: &[u8]) -> bool {
+    fn keeps(&self, k: Known, name: &[u8]) -> bool {
         k != known::HOST && keep_field(k, name, self.trusted, self.state.cfg.forwarded)
-    }
-
-    /// The received fields that go, in order.
-    pub fn fields(&self) -> impl Iterator<Item = (Known, &'a [u8], &'a [u8])> + '_ {
-        self.head()
-            .headers
-            .iter_known()
-            .filter(|(k, n, _)| self.keeps(*k, n))
     }
 
     /// The authority the request carries when it is the client's (its Host,
     /// after header rules and hooks); None: the peer's, written by
     /// [`Self::write_peer_authority`] (`host_header = "upstream"`, or no Host
     /// from an HTTP/1.0 client, as nginx does).
-    pub fn client_authority(&self) -> Option<&'a [u8]> {
+    fn client_authority(&self) -> Option<&[u8]> {
         if self.host_is_peer {
             return None;
         }
@@ -84,7 +83,7 @@ impl<'a> Outgoing<'a> {
     }
 
     /// The peer's authority: its configured name and port, or its address.
-    pub fn write_peer_authority(&self, out: &mut Vec<u8>) {
+    fn write_peer_authority(&self, out: &mut Vec<u8>) {
         match &self.sess.upstream_host {
             Some(h) => {
                 out.extend_from_slice(h.as_bytes());
@@ -100,17 +99,17 @@ impl<'a> Outgoing<'a> {
     }
 
     /// The body as it goes upstream, which the codec's framing states.
-    pub fn body(&self) -> BodyLen {
+    fn body(&self) -> BodyLen {
         body(self.sess)
     }
 
     /// A bodiless request that still says `Content-Length: 0` ([`says_empty`]).
-    pub fn says_empty(&self) -> bool {
+    fn says_empty(&self) -> bool {
         says_empty(self.sess)
     }
 
     /// The Upgrade to ask for (an allowed one: `driver::upgrade_allowed`).
-    pub fn upgrade(&self) -> Option<&'a [u8]> {
+    fn upgrade(&self) -> Option<&[u8]> {
         if !self.sess.upgrade {
             return None;
         }
@@ -119,7 +118,7 @@ impl<'a> Outgoing<'a> {
 
     /// Pier's forwarding fields into `w`: X-Forwarded-For, -Proto, -Host,
     /// and with `[http] forwarded` an RFC 7239 Forwarded.
-    pub fn forwarding(&self, w: &mut impl FieldWriter) {
+    fn forwarding(&self, w: &mut impl FieldWriter) {
         let (sess, trusted) = (self.sess, self.trusted);
         w.composed(b"X-Forwarded-For", |out| {
             x_forwarded_for(out, sess, trusted)
@@ -132,14 +131,6 @@ impl<'a> Outgoing<'a> {
             w.composed(b"Forwarded", |out| forwarded(out, sess, trusted));
         }
     }
-}
-
-/// Where a codec takes the fields Pier writes.
-pub trait FieldWriter {
-    fn field(&mut self, name: &'static [u8], value: &[u8]);
-    /// A field whose value Pier composes: `value` appends it to the buffer
-    /// given (HTTP/1 composes it in the head itself).
-    fn composed(&mut self, name: &'static [u8], value: impl FnOnce(&mut Vec<u8>));
 }
 
 /// Well-known request fields no upstream request copies from the received
@@ -208,7 +199,7 @@ pub(crate) fn trusted(state: &State, sess: &Session) -> bool {
 /// of another length: chunked).
 pub(crate) fn body(sess: &Session) -> BodyLen {
     match (sess.req.body_len(), sess.grpc_web) {
-        (BodyLen::Length(_), Some(crate::grpc_web::Form::Text)) => BodyLen::Chunked,
+        (BodyLen::Length(_), Some(pier_grpc::web::Form::Text)) => BodyLen::Chunked,
         (b, _) => b,
     }
 }

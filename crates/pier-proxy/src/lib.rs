@@ -1,28 +1,26 @@
 //! Pier's request engine: the phase trait and the step enum (`phases`), the
-//! session interfaces (`protocol`) and their HTTP/1 implementation (`h1`),
-//! the driver that takes a request through the steps (`driver`) and the
-//! running config (`state`). Phase implementations (the config's limits and
+//! driver that takes a request through the steps (`driver`), the policy an
+//! upstream request is built by (`forward`), the connector that opens
+//! upstream sessions (`upstream`) and the running config (`state`). The
+//! protocols are crates of their own behind pier-session's interfaces
+//! (pier-h1, pier-h2); `mux` is the engine a multiplexed connection hands
+//! its streams to. Phase implementations (the config's limits and
 //! Lua hooks: `pier-phases`) plug in from outside, and the admin listener
 //! (`pier-admin`) reads [`Shared`] from outside; this crate builds no LuaJIT.
 #![forbid(unsafe_code)]
 
 pub mod cache;
 pub mod cache_key;
-pub mod compress;
 mod cors;
 pub mod driver;
 pub mod forward;
-pub mod grpc_web;
-pub mod h1;
-pub mod http2;
 pub mod local;
+pub mod mux;
 pub mod phases;
-pub mod protocol;
 pub mod req_body;
 pub mod session;
 pub mod state;
 pub mod upstream;
-pub mod upstream_h2;
 
 pub use cache_key::CacheCtl;
 pub use phases::{Flow, LocalResponse, NoPhases, PeerChoice, Phases};
@@ -52,7 +50,7 @@ pub struct Shared {
     /// Opens upstream connections (TCP; an in-memory dialer in tests).
     pub connector: Connector,
     /// HTTP/2 upstream connections, multiplexed, shared by every worker.
-    pub h2pool: upstream_h2::H2Pool,
+    pub h2pool: pier_h2::client::H2Pool,
     pub metrics: Metrics,
     pub access: AccessLog,
     /// Built-in analytics (`[analytics]`); None when off. Set up at start:
@@ -154,7 +152,7 @@ impl pier_lb::dns::Running for Shared {
 /// Cached body bytes spliced to clients without a copy, process-wide
 /// (`pier_splice_bytes_total`).
 pub fn splice_bytes() -> u64 {
-    h1::SPLICE_BYTES.load(Relaxed)
+    pier_h1::SPLICE_BYTES.load(Relaxed)
 }
 
 /// One worker thread's view: shared state plus its own hooks instance
@@ -396,17 +394,17 @@ impl<P: Phases> Admission for Admit<P> {
                     let h2 = {
                         let waiting = evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
                         tokio::select! {
-                            h2 = http2::prior_knowledge(&stream, &w.shared) => Some(h2),
+                            h2 = pier_h2::server::prior_knowledge(&stream, w.shared.state.load().cfg.timeouts.client_header) => Some(h2),
                             _ = waiting.evicted() => None,
                         }
                     };
                     let Some(h2) = h2 else { return };
                     if h2 {
-                        http2::serve_h2(w, stream, peer, local, conn).await
+                        mux::serve_h2(w, stream, peer, local, conn).await
                     } else if h2c_only {
                         // No HTTP/1 here: a connection without the preface
                         // is closed.
-                        http2::close_gently(stream).await
+                        pier_h2::server::close_gently(stream).await
                     } else {
                         driver::serve_connection(w, stream, peer, local, conn, None).await
                     }
@@ -451,7 +449,7 @@ impl<P: Phases> Admission for Admit<P> {
                         ..conn
                     };
                     if is_h2 {
-                        Box::pin(http2::serve_h2(w, stream, peer, local, conn)).await
+                        Box::pin(mux::serve_h2(w, stream, peer, local, conn)).await
                     } else {
                         // The TLS stream lives in this box (rustls state).
                         Box::pin(driver::serve_connection(w, stream, peer, local, conn, None)).await

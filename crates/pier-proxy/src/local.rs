@@ -6,10 +6,10 @@
 //! the cache store, upstream timing) skipped.
 
 use crate::phases::LocalResponse;
-use crate::protocol::{BodySize, ResponseSource};
 use pier_error::Error;
 use pier_http::known;
 use pier_http::{Headers, ResponseHead};
+use pier_session::{BodySize, ResponseSource};
 
 pub struct LocalSource<'r> {
     r: &'r LocalResponse,

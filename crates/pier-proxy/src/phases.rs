@@ -155,8 +155,9 @@ pub trait Phases: 'static {
 
     // === cache ===
 
-    /// Look the request up in a cache; `Flow::Respond` answers with a hit.
-    /// (A step with nothing in it until the cache lands.)
+    /// Before the route's cache (`[route.cache]`, cache.rs) looks the
+    /// request up: `Flow::Respond` answers instead (a cache of the phase's
+    /// own), and `cache_ctl` may bypass the route's cache or set its key.
     async fn cache_lookup(
         &self,
         _st: &State,
@@ -167,7 +168,9 @@ pub trait Phases: 'static {
     }
 
     /// The origin's response head, after `upstream_response_filter` and
-    /// before `response_filter`: the place a cache decides to store it.
+    /// before `response_filter`. Edits made here are stored: the route's
+    /// cache decides on (and keeps) the head as this step leaves it. Not run
+    /// on a hit (it ran when the hit was stored).
     fn cache_store(
         &self,
         _st: &State,
@@ -264,7 +267,7 @@ pub trait Phases: 'static {
 
     /// Edit the origin's response head as it arrived, before the cache sees
     /// it (what a cache stores); `response_filter` then edits what this
-    /// client gets.
+    /// client gets. Not run on a hit, whose stored head it already edited.
     fn upstream_response_filter(
         &self,
         _st: &State,

@@ -10,12 +10,12 @@
 //! upstream ([`BodyIn`]) instead of reading the client.
 
 use crate::phases::{Flow, Phases};
-use crate::protocol::{Downstream, DownstreamOpts, RequestSource, ResponseSink};
 use crate::session::Session;
 use crate::state::State;
 use bytes::{Bytes, BytesMut};
 use pier_error::{Error, Kind};
 use pier_http::{Headers, ResponseHead};
+use pier_session::{Downstream, DownstreamOpts, RequestSource, ResponseSink};
 use std::cell::{Cell, OnceCell, RefCell};
 use std::rc::Rc;
 use std::task::{Context, Poll, Waker};

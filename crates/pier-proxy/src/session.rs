@@ -1,5 +1,6 @@
 //! One request's state as it moves through the phases.
 
+pub use pier_cache::CacheResult;
 use pier_http::RequestHead;
 use pier_tls::TlsInfo;
 use std::net::SocketAddr;
@@ -57,50 +58,9 @@ pub struct Session {
     /// An Upgrade (WebSocket) is allowed through for this request.
     pub upgrade: bool,
     /// A gRPC-web request converted to gRPC (route `grpc_web`).
-    pub grpc_web: Option<crate::grpc_web::Form>,
+    pub grpc_web: Option<pier_grpc::web::Form>,
     /// What the cache step did with the request (analytics events).
     pub cache: CacheResult,
-}
-
-/// The cache step's outcome for one request, as analytics events carry it
-/// (the `result` label of `pier_cache_lookups_total`, in nginx's
-/// `$upstream_cache_status` spelling). One byte: `Session` is per connection.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum CacheResult {
-    /// No cache on the route (or a phase bypassed it).
-    #[default]
-    None,
-    Hit,
-    Miss,
-    /// A stored object was stale: the origin was asked (see `Revalidated`).
-    Expired,
-    /// The origin answered 304 to the stored validators.
-    Revalidated,
-    /// Served stale (stale-while-revalidate taken by another, or the origin
-    /// failed: stale-if-error, grace).
-    Stale,
-    /// Served stale while this request's background refresh runs.
-    Updating,
-    /// Waited for another request's fill of the same key.
-    Coalesced,
-    /// Not cacheable as asked (unsafe method, Range, HEAD miss, hit-for-miss).
-    Pass,
-}
-
-impl CacheResult {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CacheResult::None => "",
-            CacheResult::Hit => "HIT",
-            CacheResult::Miss => "MISS",
-            CacheResult::Expired => "EXPIRED",
-            CacheResult::Revalidated => "REVALIDATED",
-            CacheResult::Stale => "STALE",
-            CacheResult::Updating => "UPDATING",
-            CacheResult::Coalesced => "COALESCED",
-            CacheResult::Pass => "PASS",
-        }
-    }
 }
 
 impl Session {

@@ -2,18 +2,18 @@
 //! (HTTP/1 idle connections, HTTP/2 shared connections), dials when they
 //! have nothing, settles `protocol = "auto"` by ALPN, and types connect
 //! and TLS failures, so that the driver's one attempt function sees only
-//! an [`UpstreamSession`](crate::protocol::UpstreamSession).
+//! an [`UpstreamSession`](pier_session::UpstreamSession).
 
-use crate::h1::H1Upstream;
-use crate::protocol::UpstreamSession;
 use crate::session::Session;
 use crate::state::State;
-use crate::upstream_h2::{H2Upstream, Leased};
 use crate::Worker;
 use bytes::BytesMut;
 use pier_config::UpstreamProtocol;
 use pier_core::{Alpn, PeerKey};
 use pier_error::{Error, Kind};
+use pier_h1::H1Upstream;
+use pier_h2::client::{H2Upstream, Leased};
+use pier_session::UpstreamSession;
 use std::net::SocketAddr;
 
 /// An upstream session, by protocol: the one place that knows them (a new

@@ -34,7 +34,42 @@ impl Phases for TestPhases {
         }
         Ok(Flow::Continue)
     }
+
+    /// On `/stored`: marks the origin's head (what a cache stores) and
+    /// counts its runs.
+    fn upstream_response_filter(
+        &self,
+        _st: &State,
+        s: &mut Session,
+        resp: &mut ResponseHead,
+        _ctx: &mut (),
+    ) -> Result<(), Error> {
+        if s.req.path() == b"/stored" {
+            let n = UPSTREAM_FILTERED.fetch_add(1, Relaxed) + 1;
+            resp.headers
+                .append(b"X-Origin-Step", n.to_string().as_bytes());
+        }
+        Ok(())
+    }
+
+    /// On `/stored`: this client's own field (never stored for others).
+    fn response_filter(
+        &self,
+        _st: &State,
+        s: &mut Session,
+        resp: &mut ResponseHead,
+        _ctx: &mut (),
+    ) -> Result<(), Error> {
+        if s.req.path() == b"/stored" {
+            let who = s.req.headers.get(b"x-client").unwrap_or(b"?").to_vec();
+            resp.headers.append(b"Set-Cookie", &who);
+        }
+        Ok(())
+    }
 }
+
+/// Runs of `upstream_response_filter` on `/stored` (one test uses it).
+static UPSTREAM_FILTERED: AtomicUsize = AtomicUsize::new(0);
 
 /// What the in-memory origins saw.
 #[derive(Default)]
@@ -533,5 +568,39 @@ fn tunnels_are_counted_and_idle_out() {
             tokio::task::yield_now().await;
         }
         assert_eq!(m.active_tunnels.load(Relaxed), 0);
+    });
+}
+
+/// The cache stores the origin's head as `upstream_response_filter` left it,
+/// never what `response_filter` made for one client; a hit does not run the
+/// origin's steps again.
+#[test]
+fn the_cache_stores_what_the_origin_steps_left() {
+    run(async {
+        let e = engine_with(
+            "[cache.c]\nmemory = \"1m\"\n",
+            "[route.cache]\nzone = \"c\"\nttl = { \"200\" = \"10m\" }\n",
+            "",
+            None,
+        );
+        let mut c = connect(&e);
+        let mut buf = Vec::new();
+        for (who, cache) in [("alice", "fwd=miss; stored"), ("bob", "hit")] {
+            let req = format!("GET /stored HTTP/1.1\r\nHost: c.test\r\nX-Client: {who}\r\n\r\n");
+            c.write_all(req.as_bytes()).await.unwrap();
+            let (status, head, _) = response(&mut c, &mut buf).await.expect("response");
+            assert_eq!(status, 200, "{head}");
+            assert!(head.contains(cache), "{who}: {head}");
+            // The origin's step ran once, on the miss; the hit carries its edit.
+            assert!(head.contains("X-Origin-Step: 1\r\n"), "{who}: {head}");
+            // Each client gets its own field, and only its own.
+            assert!(
+                head.contains(&format!("Set-Cookie: {who}\r\n")),
+                "{who}: {head}"
+            );
+            assert_eq!(head.matches("Set-Cookie").count(), 1, "{who}: {head}");
+        }
+        assert_eq!(UPSTREAM_FILTERED.load(Relaxed), 1);
+        assert_eq!(e.seen.heads.lock().unwrap().len(), 1, "one origin fetch");
     });
 }

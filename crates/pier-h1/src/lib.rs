@@ -1,16 +1,16 @@
-//! HTTP/1.1 behind the session interfaces (`protocol`): parsing and framing
-//! come from pier-http (the one HTTP/1 codec in the tree); this module adds
-//! the I/O — buffers, timeouts, pacing — over any stream half.
+//! HTTP/1.1 behind the session interfaces (pier-session), both sides:
+//! parsing and framing come from pier-http (the one HTTP/1 codec in the
+//! tree); this crate adds the I/O — buffers, timeouts, pacing, splicing a
+//! mapped body — over any stream half. The engine's connection loop
+//! (pier-proxy's driver: request after request, sessions pooled per worker)
+//! opens an [`H1Downstream`] per request; its connector opens an
+//! [`H1Upstream`] per attempt.
 //!
 //! Bodies are decoded on the way in and framed again on the way out, as
 //! Pingora does: the two sides' framings are independent (a chunked origin
 //! body reaches an HTTP/1.0 client close-delimited, a body filter's output
 //! is re-chunked), and nothing of one side's framing can leak to the other.
 
-use crate::protocol::{
-    BodySize, Downstream, DownstreamOpts, RequestSink, RequestSource, ResponseSink, ResponseSource,
-    SpliceBody,
-};
 use bytes::{Buf, BytesMut};
 use pier_clock::timeout;
 use pier_core::Stream;
@@ -19,10 +19,14 @@ use pier_http::known::{self, Known};
 use pier_http::{
     date, write, BodyDecoder, BodyLen, ChunkedScanner, HeadLimits, Headers, Method, ResponseHead,
 };
+use pier_session::{
+    BodySize, Downstream, DownstreamOpts, RequestSink, RequestSource, ResponseSink, ResponseSource,
+    SpliceBody, UpstreamRequest,
+};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-pub(crate) const READ_CHUNK: usize = 16 * 1024;
+pub const READ_CHUNK: usize = 16 * 1024;
 
 async fn write_timed<W: AsyncWrite + Unpin>(
     w: &mut W,
@@ -224,7 +228,7 @@ async fn splice_timed(
 const COALESCE_MAX: usize = 16 * 1024;
 
 /// Lower-case hex of `n` without allocating (chunk sizes).
-pub(crate) fn hex_len(buf: &mut [u8; 16], mut n: usize) -> &[u8] {
+fn hex_len(buf: &mut [u8; 16], mut n: usize) -> &[u8] {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut i = buf.len();
     loop {
@@ -273,7 +277,7 @@ fn feed_chunked(
 }
 
 /// Response headers Pier writes itself or never forwards.
-pub(crate) fn skip_response_header(k: Known) -> bool {
+pub fn skip_response_header(k: Known) -> bool {
     pier_http::hop_by_hop(k)
 }
 
@@ -980,18 +984,18 @@ where
 /// new (`upstream::connect`), back to the pool when the exchange leaves it
 /// clean. The head and read buffers are the request's own (`driver::Work`).
 pub struct H1Upstream<'b> {
-    pub(crate) conn: pier_core::Conn,
-    pub(crate) key: pier_core::PeerKey,
-    pub(crate) reused: bool,
-    pub(crate) pool: &'b pier_core::Pool,
-    pub(crate) worker: usize,
-    pub(crate) ubuf: &'b mut BytesMut,
-    pub(crate) head: &'b mut Vec<u8>,
-    pub(crate) limits: &'b HeadLimits,
-    pub(crate) timeout: Duration,
+    pub conn: pier_core::Conn,
+    pub key: pier_core::PeerKey,
+    pub reused: bool,
+    pub pool: &'b pier_core::Pool,
+    pub worker: usize,
+    pub ubuf: &'b mut BytesMut,
+    pub head: &'b mut Vec<u8>,
+    pub limits: &'b HeadLimits,
+    pub timeout: Duration,
 }
 
-impl crate::protocol::UpstreamSession for H1Upstream<'_> {
+impl pier_session::UpstreamSession for H1Upstream<'_> {
     type Source<'a>
         = H1ResponseSource<'a, <pier_core::Conn as Stream>::Read<'a>>
     where
@@ -1007,7 +1011,7 @@ impl crate::protocol::UpstreamSession for H1Upstream<'_> {
 
     async fn send<'a>(
         &'a mut self,
-        out: &crate::forward::Outgoing<'_>,
+        out: &impl UpstreamRequest,
     ) -> Result<(Self::Source<'a>, Self::Sink<'a>), Error> {
         write_request_head(self.head, out);
         let body = out.body();
@@ -1055,11 +1059,10 @@ impl crate::protocol::UpstreamSession for H1Upstream<'_> {
     }
 }
 
-/// The upstream request head as HTTP/1.1 text: what [`Outgoing`] says, and
-/// framing from the body that is sent, never from what was received.
-///
-/// [`Outgoing`]: crate::forward::Outgoing
-pub(crate) fn write_request_head(out: &mut Vec<u8>, o: &crate::forward::Outgoing<'_>) {
+/// The upstream request head as HTTP/1.1 text: what the engine's policy
+/// ([`UpstreamRequest`]) says, and framing from the body that is sent, never
+/// from what was received.
+pub fn write_request_head(out: &mut Vec<u8>, o: &impl UpstreamRequest) {
     let req = o.head();
     out.clear();
     // The received head plus what Pier adds (framing, Host, X-Forwarded-*),
@@ -1095,7 +1098,7 @@ pub(crate) fn write_request_head(out: &mut Vec<u8>, o: &crate::forward::Outgoing
 /// Fields written straight into an HTTP/1 head.
 struct HeadFields<'o>(&'o mut Vec<u8>);
 
-impl crate::forward::FieldWriter for HeadFields<'_> {
+impl pier_session::FieldWriter for HeadFields<'_> {
     fn field(&mut self, name: &'static [u8], value: &[u8]) {
         write::header(self.0, name, value);
     }

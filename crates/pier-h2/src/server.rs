@@ -1,40 +1,39 @@
-//! HTTP/2 downstream: the `h2` crate's server behind the same session
-//! interfaces as HTTP/1 (`protocol`). A connection is one task that accepts
-//! streams; each stream is a request, run by the same driver steps
-//! (`driver::run_request`) as an HTTP/1 request, in a task of its own.
+//! HTTP/2 downstream: the `h2` crate's server behind the session interfaces
+//! (pier-session). A connection is one task that accepts streams; each
+//! stream is a request that the [`Engine`] runs through the same steps as an
+//! HTTP/1 request, in a task of its own.
 //!
 //! The h2 crate does the framing, HPACK, flow control and the protocol's
 //! own defences (rapid reset: `max_pending_accept_reset_streams` and
 //! `max_local_error_reset_streams`; CONTINUATION floods: the header list
 //! bound); the settings come from `[http2]`.
 
-use crate::driver::{self, Work};
-use crate::phases::Phases;
-use crate::protocol::{BodySize, Downstream, DownstreamOpts, RequestSource, ResponseSink};
-use crate::session::{ConnInfo, Session};
-use crate::Worker;
+use crate::{http_fields, trailer_map};
 use bytes::Bytes;
 use pier_core::{evict, Stream};
 use pier_error::{Error, Kind};
 use pier_http::known::{self, Known};
-use pier_http::{BodyLen, Headers, RequestHead, ResponseHead};
+use pier_http::{BodyLen, Headers, ResponseHead};
+use pier_session::{
+    BodySize, Downstream, DownstreamOpts, Engine, RequestParts, RequestSource, ResponseSink,
+    SpliceBody,
+};
 use std::future::poll_fn;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 /// Serve one HTTP/2 connection (after TLS with ALPN `h2`, or cleartext with
 /// prior knowledge) until the client goes away, an error, or a drain.
-pub async fn serve_h2<P: Phases, S: Stream>(
-    w: Arc<Worker<P>>,
+/// Each stream's request goes to `engine` on a task of its own (`client`
+/// names the connection in logs).
+pub async fn serve<E: Engine, S: Stream>(
+    engine: E,
     stream: S,
     client: SocketAddr,
-    local: SocketAddr,
-    conn: ConnInfo,
+    c: &pier_config::Http2,
+    t: &pier_config::Timeouts,
 ) {
-    let state = w.shared.state.load_full();
-    let c = &state.cfg.http2;
     let mut b = h2::server::Builder::new();
     b.max_concurrent_streams(c.max_concurrent_streams)
         .initial_window_size(c.initial_window_size)
@@ -48,9 +47,9 @@ pub async fn serve_h2<P: Phases, S: Stream>(
     // The preface and SETTINGS within `client_header`, evictable meanwhile
     // as a connection waiting for a head is.
     let handshake = {
-        let waiting = evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
+        let waiting = evict::Waiting::enter(engine.waiting(), engine.now_ms());
         tokio::select! {
-            r = tokio::time::timeout(state.cfg.timeouts.client_header, b.handshake(stream)) => {
+            r = tokio::time::timeout(t.client_header, b.handshake(stream)) => {
                 r.ok().and_then(|r| r.ok())
             }
             _ = waiting.evicted() => None,
@@ -59,19 +58,18 @@ pub async fn serve_h2<P: Phases, S: Stream>(
     let Some(mut h2c): Option<h2::server::Connection<S, Bytes>> = handshake else {
         return;
     };
-    let conn = Arc::new(ConnInfo { h2: true, ..conn });
-    let mut drain = w.shared.drain_rx();
+    let mut drain = engine.drain();
     let mut draining = false;
     // Streams running now, and a wake-up when one ends: a connection with
     // none for `client_idle` gets GOAWAY and closes, as an idle HTTP/1
     // keep-alive connection does.
     let open = std::rc::Rc::new(std::cell::Cell::new(0usize));
     let ended = std::rc::Rc::new(tokio::sync::Notify::new());
-    let idle = state.cfg.timeouts.client_idle;
+    let idle = t.client_idle;
     // After GOAWAY the client is owed nothing but its open streams: once
     // none is left it has `client_goaway` more, whether or not it ever
     // acknowledges the GOAWAY's PING (h2 waits for that ACK unbounded).
-    let goaway = state.cfg.timeouts.client_goaway;
+    let goaway = t.client_goaway;
     let mut goaway_at: Option<tokio::time::Instant> = None;
     // Registered while no stream is open: evictable when the worker is
     // full, oldest first, as an idle HTTP/1 connection is (evict.rs).
@@ -79,7 +77,7 @@ pub async fn serve_h2<P: Phases, S: Stream>(
     loop {
         let none_open = open.get() == 0;
         if none_open != waiting.is_some() {
-            waiting = none_open.then(|| evict::Waiting::enter(&w.waiting, pier_lb::recent_ms()));
+            waiting = none_open.then(|| evict::Waiting::enter(engine.waiting(), engine.now_ms()));
         }
         let quiet = none_open && !draining;
         let next = tokio::select! {
@@ -103,7 +101,7 @@ pub async fn serve_h2<P: Phases, S: Stream>(
                 let at = goaway_at.unwrap_or_else(tokio::time::Instant::now);
                 tokio::time::sleep_until(at + goaway).await
             }, if draining && none_open => {
-                w.shared.metrics.goaway_timeout();
+                engine.goaway_timeout();
                 tracing::debug!(%client, "http2 connection: closed {goaway:?} after GOAWAY");
                 break;
             }
@@ -124,12 +122,17 @@ pub async fn serve_h2<P: Phases, S: Stream>(
         };
         match next {
             Some(Ok((req, respond))) => {
-                let w = w.clone();
-                let conn = conn.clone();
+                let (parts, body) = req.into_parts();
+                let head = H2Head {
+                    end_stream: body.is_end_stream(),
+                    parts,
+                };
+                let down = H2Downstream::new(body, respond, idle);
+                let run = engine.clone().serve_stream(down, head);
                 let guard = StreamGuard::enter(&open, &ended);
                 tokio::task::spawn_local(async move {
                     let _guard = guard;
-                    serve_stream(w, req, respond, client, local, conn).await;
+                    run.await;
                 });
             }
             Some(Err(e)) => {
@@ -180,10 +183,9 @@ impl Drop for StreamGuard {
 /// ("PRI * HTTP/2.0")? Peeked, so an HTTP/1 client loses nothing. Waits at
 /// most `client_header` for the first bytes, woken by the socket's
 /// readiness only (a preface arriving in pieces costs one wake-up a piece).
-pub async fn prior_knowledge(tcp: &tokio::net::TcpStream, shared: &crate::Shared) -> bool {
+pub async fn prior_knowledge(tcp: &tokio::net::TcpStream, limit: Duration) -> bool {
     use std::io::ErrorKind::WouldBlock;
     const PRI: &[u8] = b"PRI * HTTP/2.0";
-    let limit = shared.state.load().cfg.timeouts.client_header;
     // A second handle on the socket for a plain peek inside `try_io`
     // (tokio's own peek is async only).
     let Ok(fd) = std::os::fd::AsFd::as_fd(tcp).try_clone_to_owned() else {
@@ -236,70 +238,39 @@ pub async fn close_gently(mut tcp: tokio::net::TcpStream) {
     let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
 }
 
-/// One stream: its request through the driver's steps.
-async fn serve_stream<P: Phases>(
-    w: Arc<Worker<P>>,
-    req: http::Request<h2::RecvStream>,
-    respond: h2::server::SendResponse<Bytes>,
-    client: SocketAddr,
-    local: SocketAddr,
-    conn: Arc<ConnInfo>,
-) {
-    let state = w.shared.state.load_full();
-    let (parts, body) = req.into_parts();
-    let mut sess = Box::new(Session::new(client, local));
-    sess.conn = (*conn).clone();
-    let mut work = Work::take(&w.bufs);
-    let mut head = w.bufs.borrow_mut().take_head();
-    let mut down = H2Downstream::new(body, respond, state.cfg.timeouts.client_idle);
-    match to_head(&parts, down.rx.recv.is_end_stream(), &state, &mut head) {
-        Ok(()) => sess.req = head,
-        Err(kind) => {
-            sess.req = head;
-            sess.begin(pier_http::date::now_ns());
-            driver::answer_error(&w, &state, &mut down, &mut work, &mut sess, kind).await;
-            driver::finish(&w, &state, &sess, None);
-            work.release(&mut sess, &w.bufs);
-            return;
-        }
-    }
-    sess.begin(pier_http::date::now_ns());
-    driver::run_guarded(&w, &state, &mut down, &mut work, &mut sess).await;
-    driver::finish(&w, &state, &sess, sess.route);
-    work.release(&mut sess, &w.bufs);
+/// A stream's request head as h2 received it: the engine reads it as
+/// [`RequestParts`] (`:authority` as its Host, RFC 9113 §8.3.1).
+pub struct H2Head {
+    parts: http::request::Parts,
+    end_stream: bool,
 }
 
-/// The stream's request head, from its pseudo-headers and fields: the
-/// protocol-neutral head, checked by the same rules and limits as HTTP/1's
-/// (`RequestHead::from_parts`), `:authority` as its Host (RFC 9113 §8.3.1).
-fn to_head(
-    parts: &http::request::Parts,
-    end_stream: bool,
-    state: &crate::State,
-    head: &mut RequestHead,
-) -> Result<(), Kind> {
-    if parts.method == http::Method::CONNECT {
-        // Extended CONNECT (WebSocket over HTTP/2) is not carried.
-        return Err(Kind::InvalidRequestLine);
+impl RequestParts for H2Head {
+    fn method(&self) -> &[u8] {
+        self.parts.method.as_str().as_bytes()
     }
-    let pq = parts
-        .uri
-        .path_and_query()
-        .map(|p| p.as_str())
-        .unwrap_or("/");
-    let target = if pq.is_empty() { "/" } else { pq };
-    let fields = parts
-        .headers
-        .iter()
-        .map(|(k, v)| (k.as_str().as_bytes(), v.as_bytes()));
-    state.request_from_parts(
-        head,
-        parts.method.as_str().as_bytes(),
-        target.as_bytes(),
-        parts.uri.authority().map(|a| a.as_str().as_bytes()),
-        fields,
-        !end_stream,
-    )
+    fn target(&self) -> &[u8] {
+        match self.parts.uri.path_and_query().map(|p| p.as_str()) {
+            Some(pq) if !pq.is_empty() => pq.as_bytes(),
+            _ => b"/",
+        }
+    }
+    fn authority(&self) -> Option<&[u8]> {
+        self.parts.uri.authority().map(|a| a.as_str().as_bytes())
+    }
+    fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        self.parts
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str().as_bytes(), v.as_bytes()))
+    }
+    fn has_body(&self) -> bool {
+        !self.end_stream
+    }
+    fn refused(&self) -> Option<Kind> {
+        // Extended CONNECT (WebSocket over HTTP/2) is not carried.
+        (self.parts.method == http::Method::CONNECT).then_some(Kind::InvalidRequestLine)
+    }
 }
 
 /// One HTTP/2 stream as the driver's downstream: its receiving half (the
@@ -431,63 +402,6 @@ impl RequestSource for &mut H2Rx {
     }
 }
 
-/// `headers` (less those `skip` names) appended to an `http` map, every
-/// value a slice of one shared buffer: one allocation for the values, not
-/// one per field. Fields the `http` crate refuses are left out: `false`
-/// when there were any.
-pub(crate) fn http_fields(
-    headers: &Headers,
-    skip: impl Fn(Known, &[u8]) -> bool,
-    out: &mut http::HeaderMap,
-) -> bool {
-    let total: usize = headers
-        .iter_known()
-        .filter(|(k, n, _)| !skip(*k, n))
-        .map(|(_, _, v)| v.len())
-        .sum();
-    let mut all = Vec::with_capacity(total);
-    for (k, n, v) in headers.iter_known() {
-        if !skip(k, n) {
-            all.extend_from_slice(v);
-        }
-    }
-    let all = Bytes::from(all);
-    let mut at = 0;
-    let mut all_taken = true;
-    for (k, name, value) in headers.iter_known() {
-        if skip(k, name) {
-            continue;
-        }
-        let v = all.slice(at..at + value.len());
-        at += value.len();
-        match (
-            http::HeaderName::from_bytes(name),
-            http::HeaderValue::from_maybe_shared(v),
-        ) {
-            (Ok(n), Ok(v)) => {
-                out.append(n, v);
-            }
-            _ => all_taken = false,
-        }
-    }
-    all_taken
-}
-
-/// Trailer fields as an HTTP/2 trailers block, for either side (fields
-/// the `http` crate refuses are left out).
-pub(crate) fn trailer_map(trailers: Option<&Headers>) -> http::HeaderMap {
-    let mut map = http::HeaderMap::new();
-    for (k, v) in trailers.into_iter().flat_map(|t| t.iter()) {
-        if let (Ok(n), Ok(v)) = (
-            http::HeaderName::from_bytes(k),
-            http::HeaderValue::from_bytes(v),
-        ) {
-            map.append(n, v);
-        }
-    }
-    map
-}
-
 /// A gRPC or gRPC-web response (its content-type starts `application/grpc`).
 fn is_grpc(head: &ResponseHead) -> bool {
     head.headers
@@ -497,7 +411,7 @@ fn is_grpc(head: &ResponseHead) -> bool {
 
 /// Response header fields that HTTP/2 does not carry (RFC 9113 §8.2.2).
 fn skip_h2_response_header(k: Known) -> bool {
-    crate::h1::skip_response_header(k) || k == known::TRANSFER_ENCODING
+    pier_http::hop_by_hop(k) || k == known::TRANSFER_ENCODING
 }
 
 impl H2Tx {
@@ -609,7 +523,7 @@ impl ResponseSink for &mut H2Tx {
     }
 
     /// A cached body's bytes go to the frames as they are (no copy).
-    async fn write_spliced(&mut self, body: &crate::protocol::SpliceBody) -> Result<(), Error> {
+    async fn write_spliced(&mut self, body: &SpliceBody) -> Result<(), Error> {
         if self.head_only || body.bytes.is_empty() || self.send.is_none() {
             return Ok(());
         }

@@ -1,8 +1,8 @@
 //! Response compression (`[route.compress]`): gzip, brotli and zstd chosen
 //! by the client's `Accept-Encoding` (q-values, `identity`, `*`), by media
-//! type and size, as a body filter in the one response pipeline
-//! (`driver::relay` for proxied and cached answers, `send_answer` for
-//! Pier-made ones), over any client protocol: the writer frames the result
+//! type and size, as a body filter in the engine's one response pipeline
+//! (pier-proxy's `driver::relay`, for proxied, cached and Pier-made
+//! answers alike), over any client protocol: the writer frames the result
 //! (chunked, or HTTP/2 DATA frames).
 //!
 //! With a cache, a fill is compressed *before* it is stored
@@ -14,13 +14,11 @@
 //! Never on HEAD, 1xx/204/304, 206 or a request with `Range`,
 //! `Cache-Control: no-transform`, or a body already in another coding.
 
-use crate::protocol::{BodySize, ResponseSource};
-use crate::session::Session;
-use crate::state::State;
 use bytes::BytesMut;
 use pier_config::{Coding, Compress};
 use pier_error::{Error, Kind};
-use pier_http::{known, Headers, Method, ResponseHead};
+use pier_http::{known, Headers, Method, RequestHead, ResponseHead};
+use pier_session::{BodySize, ResponseSource};
 use std::io::Write;
 
 /// Input fed to a decoder at a time: what one feed may expand to is
@@ -173,31 +171,20 @@ fn add_vary(h: &mut Headers) {
     }
 }
 
-/// The route's compression settings, if it has any and the request may
-/// have its response transformed at all.
-fn route_compress<'a>(state: &'a State, sess: &Session) -> Option<&'a Compress> {
-    let c = state.cfg.routes.get(sess.route?)?.compress.as_ref()?;
-    if sess.req.headers.get(b"range").is_some()
-        || sess.grpc_web.is_some()
-        || pier_grpc::is_grpc(&sess.req)
-    {
-        return None;
-    }
-    Some(c)
-}
-
 /// What happens to this response's body; None: it goes as it is.
 /// Edits the head to match (Content-Encoding, Content-Length removed,
-/// weak ETag, `Vary: Accept-Encoding`).
+/// weak ETag, `Vary: Accept-Encoding`). `cfg`: the route's settings, when
+/// the request may have its response transformed at all (the engine's
+/// call: not for a Range request, gRPC or gRPC-web); `req` is the client's.
 pub fn plan(
-    state: &State,
-    sess: &Session,
+    cfg: Option<&Compress>,
+    req: &RequestHead,
     resp: &mut ResponseHead,
     size: BodySize,
 ) -> Option<Box<Codec>> {
-    let cfg = route_compress(state, sess)?;
-    if size == BodySize::None || sess.req.method_kind() == Method::Head {
-        head_only(cfg, sess, resp);
+    let cfg = cfg?;
+    if size == BodySize::None || req.method_kind() == Method::Head {
+        head_only(cfg, req, resp);
         return None;
     }
     if matches!(resp.status, 100..=199 | 204 | 206 | 304)
@@ -215,7 +202,7 @@ pub fn plan(
     }
     // The answer depends on Accept-Encoding whichever way it goes.
     add_vary(&mut resp.headers);
-    let ae = sess.req.headers.get(b"accept-encoding");
+    let ae = req.headers.get(b"accept-encoding");
     let (dec, enc) = match coding {
         None => {
             if matches!(size, BodySize::Length(n) if n < cfg.min_size) {
@@ -241,7 +228,7 @@ pub fn plan(
 /// A response without a body (HEAD, 304…) of a stored copy in a coding
 /// this client does not take: its head says what a GET would get (the
 /// coding dropped, or the one negotiated), with no length.
-fn head_only(cfg: &Compress, sess: &Session, resp: &mut ResponseHead) {
+fn head_only(cfg: &Compress, req: &RequestHead, resp: &mut ResponseHead) {
     if matches!(resp.status, 100..=199 | 206)
         || has_token(&resp.headers, b"cache-control", b"no-transform")
     {
@@ -250,7 +237,7 @@ fn head_only(cfg: &Compress, sess: &Session, resp: &mut ResponseHead) {
     let Ok(Some(c)) = content_coding(&resp.headers) else {
         return;
     };
-    let ae = sess.req.headers.get(b"accept-encoding");
+    let ae = req.headers.get(b"accept-encoding");
     if accepts(ae, c) {
         return;
     }
@@ -490,8 +477,8 @@ pub struct EncodeSource<'a, S> {
 }
 
 impl<'a, S> EncodeSource<'a, S> {
-    pub fn new(inner: S, state: &'a State, sess: &Session) -> Self {
-        let store = route_compress(state, sess);
+    /// `store`: the route's settings, as for [`plan`].
+    pub fn new(inner: S, store: Option<&'a Compress>) -> Self {
         EncodeSource {
             inner,
             store,
@@ -503,6 +490,10 @@ impl<'a, S> EncodeSource<'a, S> {
 }
 
 impl<S: ResponseSource> ResponseSource for EncodeSource<'_, S> {
+    const STORED: bool = S::STORED;
+    fn origin_head(&mut self, head: &mut ResponseHead) {
+        self.inner.origin_head(head)
+    }
     async fn read_head(&mut self, head: &mut ResponseHead) -> Result<(), Error> {
         self.inner.read_head(head).await?;
         let Some(cfg) = self.store else {

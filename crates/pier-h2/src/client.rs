@@ -6,13 +6,12 @@
 //! send on it through the h2 handle (`SendRequest` is `Send`), so one
 //! connection serves the whole process — the sharing an HTTP/2 origin wants.
 
-use crate::forward::Outgoing;
-use crate::protocol::{BodySize, RequestSink, ResponseSource};
 use bytes::Bytes;
 use pier_core::{Connector, PeerKey};
 use pier_error::{Error, Kind};
 use pier_http::known;
 use pier_http::{Headers, ResponseHead};
+use pier_session::{BodySize, FieldWriter, RequestSink, ResponseSource, UpstreamRequest};
 use std::collections::HashMap;
 use std::future::poll_fn;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
@@ -404,7 +403,7 @@ impl RequestSink for H2RequestSink {
         if self.stopped {
             return Ok(());
         }
-        let map = crate::http2::trailer_map(trailers);
+        let map = crate::trailer_map(trailers);
         let r = if map.is_empty() {
             self.send.send_data(Bytes::new(), true)
         } else {
@@ -418,15 +417,15 @@ impl RequestSink for H2RequestSink {
 }
 
 /// A stream on a shared HTTP/2 connection to an origin, for one attempt
-/// (`upstream::connect`); its slot is given back when it is dropped.
+/// (the engine's connector); its slot is given back when it is dropped.
 pub struct H2Upstream {
-    pub(crate) lease: Lease,
-    pub(crate) reused: bool,
-    pub(crate) tls: bool,
-    pub(crate) timeout: Duration,
+    pub lease: Lease,
+    pub reused: bool,
+    pub tls: bool,
+    pub timeout: Duration,
 }
 
-impl crate::protocol::UpstreamSession for H2Upstream {
+impl pier_session::UpstreamSession for H2Upstream {
     type Source<'a> = H2ResponseSource;
     type Sink<'a> = H2RequestSink;
 
@@ -436,14 +435,14 @@ impl crate::protocol::UpstreamSession for H2Upstream {
 
     async fn send(
         &mut self,
-        out: &Outgoing<'_>,
+        out: &impl UpstreamRequest,
     ) -> Result<(H2ResponseSource, H2RequestSink), Error> {
         let req = request(out, self.tls)?;
         let bodiless = out.body() == pier_http::BodyLen::None;
         let head_only = out.head().method_kind() == pier_http::Method::Head;
         let (fut, send) = send_request(&self.lease, req, bodiless, self.timeout).await?;
         // For gRPC, the call's deadline bounds the wait for the head.
-        let wait = pier_grpc::timeout(&out.sess.req, self.timeout);
+        let wait = pier_grpc::timeout(out.client_head(), self.timeout);
         Ok((
             H2ResponseSource::new(fut, wait, head_only),
             H2RequestSink::new(send, self.timeout),
@@ -455,10 +454,10 @@ impl crate::protocol::UpstreamSession for H2Upstream {
     }
 }
 
-/// The upstream request as an HTTP/2 request: what [`Outgoing`] says, with
+/// The upstream request as an HTTP/2 request: what the engine's [`UpstreamRequest`] says, with
 /// its authority as `:authority`, `te: trailers` kept (gRPC needs it), and
 /// `content-length` from the body that is sent.
-pub(crate) fn request(o: &Outgoing<'_>, tls: bool) -> Result<http::Request<()>, Error> {
+pub fn request(o: &impl UpstreamRequest, tls: bool) -> Result<http::Request<()>, Error> {
     let req = o.head();
     fn bad<E>(_: E) -> Error {
         Error::new(Kind::InvalidHeader)
@@ -497,7 +496,7 @@ pub(crate) fn request(o: &Outgoing<'_>, tls: bool) -> Result<http::Request<()>, 
     let h = r.headers_mut();
     // A field the `http` crate refuses fails the request, as it did when
     // fields were converted one by one (pier-http's parser lets few by).
-    if !crate::http2::http_fields(&req.headers, |k, n| !o.keeps(k, n), h) {
+    if !crate::http_fields(&req.headers, |k, n| !o.keeps(k, n), h) {
         return Err(bad(()));
     }
     if req.headers.has_token(known::TE, b"trailers") {
@@ -520,7 +519,7 @@ struct MapFields<'m> {
     ok: bool,
 }
 
-impl crate::forward::FieldWriter for MapFields<'_> {
+impl FieldWriter for MapFields<'_> {
     fn field(&mut self, name: &'static [u8], value: &[u8]) {
         match (
             http::HeaderName::from_bytes(name),

@@ -7,11 +7,11 @@
 //! Both are wrappers over the session traits, so the driver's relay and
 //! pump run unchanged.
 
-use crate::protocol::{BodySize, RequestSource, ResponseSink};
 use base64::Engine as _;
 use pier_error::{Error, Kind};
 use pier_http::known;
 use pier_http::{Headers, RequestHead, ResponseHead};
+use pier_session::{BodySize, RequestSource, ResponseSink};
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 

@@ -7,13 +7,17 @@
 //! ```
 //!
 //! Bodies cross as decoded bytes (framing is each side's own), heads as
-//! `RequestHead`/`ResponseHead`. HTTP/1 implements them in `h1`; an HTTP/2
-//! stream is one more implementation, and a cache hit one more
-//! `ResponseSource`. Futures need not be `Send` (thread-per-core).
+//! `RequestHead`/`ResponseHead`. HTTP/1 implements them in pier-h1, HTTP/2
+//! (both sides) in pier-h2; the engine (pier-proxy) adds a cache hit and its
+//! own answers as more `ResponseSource`s. A new protocol is one more crate
+//! implementing [`Downstream`] (and [`UpstreamSession`] towards origins),
+//! with no edit to the engine's driver. Futures need not be `Send`
+//! (thread-per-core).
 #![allow(async_fn_in_trait)]
 
 use pier_error::{Error, Kind};
-use pier_http::{BodyLen, Headers, Method, ResponseHead};
+use pier_http::known::Known;
+use pier_http::{BodyLen, Headers, Method, RequestHead, ResponseHead};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -82,14 +86,23 @@ pub trait ResponseSource {
     /// Whether the connection can carry another request (the body was read
     /// to its end and nothing followed it).
     fn reusable(&self) -> bool;
+    /// The response was read from a store (a cache hit), not from the
+    /// origin now: the steps that edit what an origin sent
+    /// (`upstream_response_filter`, the cache-store step) ran when it was
+    /// stored and do not run on it again.
+    const STORED: bool = false;
+    /// The origin's final head as `upstream_response_filter` and the
+    /// cache-store step left it (before `response_filter`, which edits what
+    /// this client gets): what a cache fill stores. Other sources ignore it.
+    fn origin_head(&mut self, _head: &mut ResponseHead) {}
     /// A phase's cache verdict on this response (after `response_filter`,
     /// before the head is written): a cache fill applies it to what it
     /// stores and to `head`'s Cache-Status. Other sources ignore it.
-    fn cache_override(&mut self, _head: &mut ResponseHead, _ctl: &crate::cache_key::CacheCtl) {}
+    fn cache_override(&mut self, _head: &mut ResponseHead, _ctl: &pier_cache::CacheCtl) {}
     /// What a cache fill turned into once the origin answered (its 304
     /// revalidated the stored object, or its 5xx was replaced by it); None
     /// for other sources.
-    fn cache_result(&self) -> Option<crate::session::CacheResult> {
+    fn cache_result(&self) -> Option<pier_cache::CacheResult> {
         None
     }
     /// The whole body at once when it lies in a mapping (a cache hit
@@ -102,6 +115,10 @@ pub trait ResponseSource {
 /// A borrowed source is a source (wrappers such as the cache's tee take one).
 impl<S: ResponseSource> ResponseSource for &mut S {
     const FROM_ORIGIN: bool = S::FROM_ORIGIN;
+    const STORED: bool = S::STORED;
+    fn origin_head(&mut self, head: &mut ResponseHead) {
+        (**self).origin_head(head)
+    }
     async fn read_head(&mut self, head: &mut ResponseHead) -> Result<(), Error> {
         (**self).read_head(head).await
     }
@@ -117,10 +134,10 @@ impl<S: ResponseSource> ResponseSource for &mut S {
     fn reusable(&self) -> bool {
         (**self).reusable()
     }
-    fn cache_override(&mut self, head: &mut ResponseHead, ctl: &crate::cache_key::CacheCtl) {
+    fn cache_override(&mut self, head: &mut ResponseHead, ctl: &pier_cache::CacheCtl) {
         (**self).cache_override(head, ctl)
     }
-    fn cache_result(&self) -> Option<crate::session::CacheResult> {
+    fn cache_result(&self) -> Option<pier_cache::CacheResult> {
         (**self).cache_result()
     }
     fn take_spliceable(&mut self) -> Option<SpliceBody> {
@@ -229,7 +246,7 @@ pub trait UpstreamSession {
     /// and the request body's sink (left unused for a bodiless request).
     async fn send<'a>(
         &'a mut self,
-        out: &crate::forward::Outgoing<'_>,
+        out: &impl UpstreamRequest,
     ) -> Result<(Self::Source<'a>, Self::Sink<'a>), Error>;
     /// After the exchange: the connection goes back to its pool when it can
     /// carry another request (`reusable`: the response was read cleanly).
@@ -249,4 +266,98 @@ pub trait UpstreamSession {
     {
         Err(Error::upstream(Kind::UpstreamProtocol))
     }
+}
+
+/// The upstream request as the engine's policy decided it, for one attempt
+/// (pier-proxy's `forward::Outgoing`): which received fields go, the
+/// authority, the engine's forwarding fields and the body's framing. A codec
+/// writes the method, the target, then [`fields`](Self::fields), the
+/// authority (its Host or `:authority`), [`forwarding`](Self::forwarding)
+/// and its own framing from [`body`](Self::body), and decides nothing
+/// itself: no protocol has a hop-by-hop list or a Host rule of its own.
+pub trait UpstreamRequest {
+    /// The request as it goes (routed, rewritten, hooks applied).
+    fn head(&self) -> &RequestHead;
+    /// The request as the client sent it (deadlines it stated, such as
+    /// `grpc-timeout`).
+    fn client_head(&self) -> &RequestHead;
+    /// Whether a received field goes as it is.
+    fn keeps(&self, k: Known, name: &[u8]) -> bool;
+    /// The received fields that go, in order.
+    fn fields(&self) -> impl Iterator<Item = (Known, &[u8], &[u8])> + '_ {
+        self.head()
+            .headers
+            .iter_known()
+            .filter(|(k, n, _)| self.keeps(*k, n))
+    }
+    /// The authority when it is the client's (its Host); None: the peer's,
+    /// written by [`write_peer_authority`](Self::write_peer_authority).
+    fn client_authority(&self) -> Option<&[u8]>;
+    /// The peer's authority (its configured name and port, or its address).
+    fn write_peer_authority(&self, out: &mut Vec<u8>);
+    /// The body as it goes, which the codec's framing states.
+    fn body(&self) -> BodyLen;
+    /// A bodiless request that still says `Content-Length: 0`.
+    fn says_empty(&self) -> bool;
+    /// The Upgrade to ask for (an allowed one), if any.
+    fn upgrade(&self) -> Option<&[u8]>;
+    /// The engine's forwarding fields (X-Forwarded-*, Forwarded) into `w`.
+    fn forwarding(&self, w: &mut impl FieldWriter);
+}
+
+/// Where a codec takes the fields the engine writes.
+pub trait FieldWriter {
+    fn field(&mut self, name: &'static [u8], value: &[u8]);
+    /// A field whose value the engine composes: `value` appends it to the
+    /// buffer given (HTTP/1 composes it in the head itself).
+    fn composed(&mut self, name: &'static [u8], value: impl FnOnce(&mut Vec<u8>));
+}
+
+/// A request head as a multiplexed protocol receives it (an HTTP/2 or
+/// HTTP/3 stream): pseudo-headers and a field list, never HTTP/1 text. The
+/// engine makes its one request head of it by the HTTP/1 parser's rules
+/// (`RequestHead::from_parts`).
+pub trait RequestParts {
+    fn method(&self) -> &[u8];
+    /// `:path` (origin form; `/` when it was empty).
+    fn target(&self) -> &[u8];
+    /// `:authority`, the request's Host.
+    fn authority(&self) -> Option<&[u8]>;
+    /// The fields, as received.
+    fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])>;
+    /// A body follows the head (the stream did not end with it).
+    fn has_body(&self) -> bool;
+    /// Refused by the protocol before the engine sees it (a form the
+    /// engine does not carry, such as an extended CONNECT).
+    fn refused(&self) -> Option<Kind> {
+        None
+    }
+}
+
+/// The engine as a multiplexed protocol's connection sees it (pier-proxy
+/// implements it per connection): the worker's connection bookkeeping, and
+/// where each stream's request goes. A protocol crate's connection loop
+/// (pier-h2's `server::serve`, and HTTP/3's next) accepts streams and hands
+/// each to [`serve_stream`](Self::serve_stream), on a task of its own.
+pub trait Engine: Clone + 'static {
+    /// The worker's registry of connections waiting for a request:
+    /// evictable when the worker is full, and evicted by a drain.
+    fn waiting(&self) -> &std::cell::RefCell<pier_core::evict::Registry>;
+    /// The worker's clock, in the registry's milliseconds.
+    fn now_ms(&self) -> u64;
+    /// Turns true when the worker drains (reload, shutdown): say GOAWAY.
+    fn drain(&self) -> tokio::sync::watch::Receiver<bool>;
+    /// A connection was closed after its GOAWAY grace ran out (counted).
+    fn goaway_timeout(&self);
+    /// One stream's request: its head from `parts` (or the answer to its
+    /// [`refused`](RequestParts::refused)), through the engine's steps, its
+    /// response written to `down`.
+    fn serve_stream<D, H>(
+        self,
+        down: D,
+        parts: H,
+    ) -> impl std::future::Future<Output = ()> + 'static
+    where
+        D: Downstream + 'static,
+        H: RequestParts + 'static;
 }
