@@ -17,6 +17,7 @@
 #   PROXIES=pier PATHS=/4k.bin bash bench/instructions.sh
 #   PROXIES="pier-lua nginx-lua" bash bench/instructions.sh   # bench/run.sh's Lua access hook
 #   PROXIES=pier-cache PATHS="/hello /4k.bin" bash bench/instructions.sh   # cache hits (bench/cache.sh's config)
+#   PROXIES=pier-h2c bash bench/instructions.sh   # HTTP/2 (cleartext, 10 streams a connection) to the HTTP/1.1 origin
 #   COUNT=syscalls PROXIES="pier-lua nginx-lua" bash bench/instructions.sh
 #       system calls per request by kind instead (strace -f -c, same harness). strace slows
 #       the proxy, so this counts kinds of calls, not time.
@@ -75,6 +76,14 @@ counted() {
         "$BENCH/peers/pier/pier.toml" >"$dir/pier.toml"
       [ "$proxy" = pier-noanalytics ] && printf '\n[analytics]\nenabled = false\n' >>"$dir/pier.toml"
       cmd=("$PIER_BIN" serve -c "$dir/pier.toml") ;;
+    pier-h2c)
+      # The plain config with cleartext HTTP/2 (prior knowledge) on the listener: what a
+      # request costs the engine over HTTP/2 without TLS (h2load, C connections, 10
+      # streams each).
+      sed -e "s/@PORT@/$p/g" -e "s/@ORIGIN@/$ORIGIN_PORT/g" -e 's/^workers = 2/workers = 1/' \
+        -e 's/^listen = "127.0.0.1:\([0-9]*\)"$/listen = "127.0.0.1:\1"\nh2c = true/' \
+        "$BENCH/peers/pier/pier.toml" >"$dir/pier.toml"
+      cmd=("$PIER_BIN" serve -c "$dir/pier.toml") ;;
     pier-cache)
       # bench/cache.sh's Pier (1 GiB zone) in front of its origin: every request but the
       # first is a cache hit.
@@ -102,7 +111,11 @@ counted() {
   fi
   local vp=$!
   python3 "$BENCH/tool.py" wait-port "$p" 120 --pid "$vp"
-  h2load --h1 -n "$n" -c "$C" -t 1 "http://127.0.0.1:$p$path" >"$dir/h2load.log" 2>&1
+  if [ "$proxy" = pier-h2c ]; then
+    h2load -n "$n" -c "$C" -m 10 -t 1 "http://127.0.0.1:$p$path" >"$dir/h2load.log" 2>&1
+  else
+    h2load --h1 -n "$n" -c "$C" -t 1 "http://127.0.0.1:$p$path" >"$dir/h2load.log" 2>&1
+  fi
   grep -q "succeeded, 0 failed" "$dir/h2load.log" || grep "requests:" "$dir/h2load.log" >&2
   if [ "$COUNT" = syscalls ]; then
     # The proxy is strace's child; strace writes its summary when it exits.

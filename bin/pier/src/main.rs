@@ -64,6 +64,10 @@ enum Cmd {
         /// HTTP/1.1 (with --tls-cert, HTTP/2 is chosen by ALPN instead).
         #[arg(long)]
         h2c: bool,
+        /// Serve HTTP/3 (QUIC) on --listen's port over UDP too, with the
+        /// --tls-cert certificate; TCP responses get Alt-Svc.
+        #[arg(long, requires = "tls_cert")]
+        http3: bool,
         /// Convert gRPC-web requests to gRPC for the origins and the answers
         /// back (needs h2c:// or https:// origins).
         #[arg(long)]
@@ -263,6 +267,7 @@ fn main() -> ExitCode {
             tls_cert,
             tls_key,
             h2c,
+            http3,
             grpc_web,
             upstream_ca,
             cache,
@@ -321,6 +326,9 @@ fn main() -> ExitCode {
                 Ok(mut cfg) => {
                     if let Err(e) = cfg.enable_quick_http2(h2c, grpc_web) {
                         return usage_error(&e);
+                    }
+                    for l in &mut cfg.listeners {
+                        l.http3 = http3;
                     }
                     let token = admin_token.or_else(|| {
                         std::env::var("PIER_ADMIN_TOKEN")
@@ -411,6 +419,22 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // HTTP/3: UDP on the port each listener with `http3` got for TCP.
+    let quic: Vec<(String, SocketAddr)> = bound
+        .iter()
+        .filter(|(name, _)| cfg.listeners.iter().any(|l| &l.name == name && l.http3))
+        .cloned()
+        .collect();
+    let udp = match pier_core::bind_udp_all(workers, &quic) {
+        Ok(u) => u,
+        Err(e) => {
+            eprintln!("pier: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    for (name, addr) in &quic {
+        eprintln!("pier: listening on https://{addr} over HTTP/3 (udp, listener {name})");
+    }
     let admin_listener = match cfg.admin.map(std::net::TcpListener::bind).transpose() {
         Ok(l) => l,
         Err(e) => {
@@ -422,6 +446,19 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
         }
     };
     let admin_addr = admin_listener.as_ref().and_then(|l| l.local_addr().ok());
+    // `[admin.tls]`: built as a listener's TLS is (a bad certificate stops the start).
+    let admin_tls = match cfg
+        .admin_tls
+        .as_ref()
+        .map(|t| pier_tls::ServerTls::build("admin", t))
+        .transpose()
+    {
+        Ok(t) => t.map(Arc::new),
+        Err(e) => {
+            eprintln!("pier: [admin.tls]: {e}");
+            return ExitCode::from(1);
+        }
+    };
 
     let access = match open_access_log(&cfg.access_log) {
         Ok(a) => a,
@@ -481,7 +518,7 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
     let shared = Arc::new(shared);
 
     let worker_shared = shared.clone();
-    let handles = match pier_core::spawn_workers(sockets, move |ctx| {
+    let handles = match pier_core::spawn_workers(sockets, udp, move |ctx| {
         let shared = worker_shared.clone();
         pier_lua::set_worker(ctx.id, workers);
         async move { pier_proxy::run_worker(ctx, shared, ConfigPhases::new()).await }
@@ -519,7 +556,14 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
     let local = tokio::task::LocalSet::new();
     let code = local.block_on(
         &rt,
-        control(shared, path, bound, admin_listener, admin_addr, grace),
+        control(
+            shared,
+            path,
+            bound,
+            (admin_listener, admin_tls),
+            admin_addr,
+            grace,
+        ),
     );
     drop(handles); // worker threads end with the process
     code
@@ -585,7 +629,10 @@ async fn control(
     shared: Arc<Shared>,
     path: Option<PathBuf>,
     bound: Vec<(String, SocketAddr)>,
-    admin_listener: Option<std::net::TcpListener>,
+    (admin_listener, admin_tls): (
+        Option<std::net::TcpListener>,
+        Option<Arc<pier_tls::ServerTls>>,
+    ),
     admin_addr: Option<SocketAddr>,
     mut grace: Duration,
 ) -> ExitCode {
@@ -593,7 +640,7 @@ async fn control(
         let _ = l.set_nonblocking(true);
         match tokio::net::TcpListener::from_std(l) {
             Ok(l) => {
-                tokio::task::spawn_local(pier_admin::serve(l, shared.clone()));
+                tokio::task::spawn_local(pier_admin::serve(l, shared.clone(), admin_tls));
             }
             Err(e) => tracing::error!("admin listener: {e}"),
         }

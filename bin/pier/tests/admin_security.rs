@@ -266,3 +266,42 @@ fn admin_hosts_lists_more_names() {
     assert_eq!(status("ADMIN.example.:9901"), 200);
     assert_eq!(status("other.example"), 421);
 }
+
+/// `[admin.tls]`: the admin plane over HTTPS, with a listener's TLS
+/// settings; credentials and the Host check hold over it as over plain
+/// HTTP, and plain HTTP to it gets the TLS port's 400.
+#[test]
+fn the_admin_plane_serves_https() {
+    use pier_test_support::tls::{Alg, TestCa, TlsClient, TlsClientConfig};
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "admin");
+    let cert = ca.server("admin", &["localhost"], Alg::EcdsaP256, 30);
+    let o = Origin::start();
+    let p = pier(&config(
+        o.addr(),
+        &format!(
+            "token = \"tok-0123456789\"\n[admin.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            cert.cert.display(),
+            cert.key.display()
+        ),
+    ));
+    let tls = TlsClientConfig::new(&ca.cert, None, &["http/1.1"], None);
+    let mut c = TlsClient::connect(p.admin(), "localhost", &tls).expect("TLS handshake");
+    assert_eq!(c.conn().alpn_protocol(), Some(&b"http/1.1"[..]));
+    let r = c.get("localhost", "/healthz").expect("healthz over TLS");
+    assert_eq!(r.status, 200, "{}", r.body_str());
+    // The same connection, the next request: credentials are still asked for.
+    let r = c.get("localhost", "/api/status").expect("status over TLS");
+    assert_eq!(r.status, 401, "{}", r.body_str());
+    // A Host that names another site is refused over TLS too.
+    let mut c = TlsClient::connect(p.admin(), "localhost", &tls).expect("TLS handshake");
+    let r = c
+        .get("evil.example", "/api/status")
+        .expect("status, foreign Host");
+    assert_eq!(r.status, 421, "{}", r.body_str());
+    // Plain HTTP to the HTTPS admin port.
+    let r = RawConn::connect(p.admin())
+        .request("GET", "/healthz", &[("host", "localhost")], b"")
+        .expect("plain request");
+    assert_eq!(r.status, 400, "{}", r.body_str());
+}

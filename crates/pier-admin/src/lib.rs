@@ -24,7 +24,7 @@ use pier_proxy::Shared;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The dashboard: one page, no external scripts (it must work offline).
 const DASHBOARD: &str = include_str!("dashboard.html");
@@ -32,62 +32,88 @@ const DASHBOARD: &str = include_str!("dashboard.html");
 const MAX_STREAMS: usize = 32;
 static STREAMS: AtomicUsize = AtomicUsize::new(0);
 
-pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
+/// Serve the admin listener: HTTP/1.1, over TLS when `[admin.tls]` is set
+/// (`tls`, built by pier-tls as a listener's is: bounded, timed handshakes).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    shared: Arc<Shared>,
+    tls: Option<Arc<pier_tls::ServerTls>>,
+) {
     let Ok(local) = listener.local_addr() else {
         return;
     };
     loop {
-        let Ok((mut s, _)) = listener.accept().await else {
+        let Ok((s, _)) = listener.accept().await else {
             continue;
         };
         let shared = shared.clone();
+        let tls = tls.clone();
         tokio::task::spawn_local(async move {
-            let mut buf = Vec::with_capacity(1024);
-            loop {
-                // A pipelined request may already be in `buf`: parse first.
-                if !buf.is_empty() {
-                    let mut req = pier_http::RequestHead::default();
-                    match req.parse(&buf, &ADMIN_LIMITS) {
-                        Ok(Some(n)) => {
-                            buf.drain(..n);
-                            let close = !req.keep_alive();
-                            let Some(body) = read_body(&mut s, &mut buf, &req).await else {
-                                let _ = s.write_all(b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").await;
-                                return;
-                            };
-                            let r = handle(&req, &body, &shared, local).await;
-                            if let Answer::Stream = r.body {
-                                stream_live(s, shared).await;
-                                return;
-                            }
-                            if write_answer(&mut s, &r, close).await.is_err() || close {
-                                return;
-                            }
-                            continue;
-                        }
-                        Ok(None) => {}
-                        Err(_) => {
-                            let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").await;
-                            return;
-                        }
+            match tls {
+                None => connection(s, shared, local).await,
+                Some(t) => {
+                    if let Some((s, _)) = t.accept(s, std::future::pending()).await {
+                        connection(s, shared, local).await
                     }
-                }
-                let mut chunk = [0u8; 1024];
-                let n = match tokio::time::timeout(
-                    std::time::Duration::from_secs(10),
-                    s.read(&mut chunk),
-                )
-                .await
-                {
-                    Ok(Ok(n)) if n > 0 => n,
-                    _ => return,
-                };
-                buf.extend_from_slice(&chunk[..n]);
-                if buf.len() > 16384 {
-                    return;
                 }
             }
         });
+    }
+}
+
+/// Write `bytes` and flush them (a TLS stream holds records until flushed).
+async fn say<S: AsyncWrite + Unpin>(s: &mut S, bytes: &[u8]) -> std::io::Result<()> {
+    s.write_all(bytes).await?;
+    s.flush().await
+}
+
+/// One admin connection, request after request (pipelined ones too).
+async fn connection<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    shared: Arc<Shared>,
+    local: std::net::SocketAddr,
+) {
+    let mut buf = Vec::with_capacity(1024);
+    loop {
+        // A pipelined request may already be in `buf`: parse first.
+        if !buf.is_empty() {
+            let mut req = pier_http::RequestHead::default();
+            match req.parse(&buf, &ADMIN_LIMITS) {
+                Ok(Some(n)) => {
+                    buf.drain(..n);
+                    let close = !req.keep_alive();
+                    let Some(body) = read_body(&mut s, &mut buf, &req).await else {
+                        let _ = say(&mut s, b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").await;
+                        return;
+                    };
+                    let r = handle(&req, &body, &shared, local).await;
+                    if let Answer::Stream = r.body {
+                        stream_live(s, shared).await;
+                        return;
+                    }
+                    if write_answer(&mut s, &r, close).await.is_err() || close {
+                        return;
+                    }
+                    continue;
+                }
+                Ok(None) => {}
+                Err(_) => {
+                    let _ = say(&mut s, b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").await;
+                    return;
+                }
+            }
+        }
+        let mut chunk = [0u8; 1024];
+        let n = match tokio::time::timeout(std::time::Duration::from_secs(10), s.read(&mut chunk))
+            .await
+        {
+            Ok(Ok(n)) if n > 0 => n,
+            _ => return,
+        };
+        buf.extend_from_slice(&chunk[..n]);
+        if buf.len() > 16384 {
+            return;
+        }
     }
 }
 
@@ -119,8 +145,8 @@ fn reply(status: &'static str, ctype: &'static str, body: String) -> Reply {
     }
 }
 
-async fn write_answer(
-    s: &mut tokio::net::TcpStream,
+async fn write_answer<S: AsyncWrite + Unpin>(
+    s: &mut S,
     r: &Reply,
     close: bool,
 ) -> std::io::Result<()> {
@@ -136,7 +162,9 @@ async fn write_answer(
         if close { "Connection: close\r\n" } else { "" }
     );
     s.write_all(head.as_bytes()).await?;
-    s.write_all(body.as_bytes()).await
+    s.write_all(body.as_bytes()).await?;
+    // A TLS stream holds records until flushed.
+    s.flush().await
 }
 
 /// The URL's query parameters, percent-decoded.
@@ -297,8 +325,8 @@ const MAX_BODY: usize = 16384;
 
 /// The request's body (by Content-Length, at most [`MAX_BODY`]), taken
 /// from `buf` and the socket; None: too big, chunked, or the client went.
-async fn read_body(
-    s: &mut tokio::net::TcpStream,
+async fn read_body<S: AsyncRead + Unpin>(
+    s: &mut S,
     buf: &mut Vec<u8>,
     req: &pier_http::RequestHead,
 ) -> Option<Vec<u8>> {
@@ -572,11 +600,10 @@ impl Drop for StreamSlot {
 /// `/api/analytics/live`: the last two minutes of per-second figures at
 /// once (`event: history`), then one second and a status snapshot each
 /// second, until the client goes or Pier drains.
-async fn stream_live(mut s: tokio::net::TcpStream, shared: Arc<Shared>) {
+async fn stream_live<S: AsyncWrite + Unpin>(mut s: S, shared: Arc<Shared>) {
     if STREAMS.fetch_add(1, Relaxed) >= MAX_STREAMS {
         STREAMS.fetch_sub(1, Relaxed);
-        let _ = s
-            .write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 22\r\nConnection: close\r\n\r\ntoo many live streams\n")
+        let _ = say(&mut s, b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 22\r\nConnection: close\r\n\r\ntoo many live streams\n")
             .await;
         return;
     }
@@ -585,15 +612,18 @@ async fn stream_live(mut s: tokio::net::TcpStream, shared: Arc<Shared>) {
         return;
     };
     let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n";
-    if s.write_all(head.as_bytes()).await.is_err() {
+    if say(&mut s, head.as_bytes()).await.is_err() {
         return;
     }
     // The second before last is complete: workers hand events over once a second.
     let mut last = wall_s() - 2;
     let history = seconds_json(&hub, last - 120, last + 1);
-    if s.write_all(format!("event: history\ndata: {history}\n\n").as_bytes())
-        .await
-        .is_err()
+    if say(
+        &mut s,
+        format!("event: history\ndata: {history}\n\n").as_bytes(),
+    )
+    .await
+    .is_err()
     {
         return;
     }
@@ -611,7 +641,7 @@ async fn stream_live(mut s: tokio::net::TcpStream, shared: Arc<Shared>) {
             "event: second\ndata: {secs}\n\nevent: status\ndata: {}\n\n",
             status_json(&shared)
         );
-        if s.write_all(msg.as_bytes()).await.is_err() {
+        if say(&mut s, msg.as_bytes()).await.is_err() {
             return;
         }
     }

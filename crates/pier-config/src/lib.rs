@@ -258,6 +258,7 @@ impl Config {
             listeners: vec![Listener::plain("main", listen)],
             admin,
             admin_auth: AdminAuth::default(),
+            admin_tls: None,
             analytics: Analytics::default(),
             routes: vec![Route {
                 name: "default".into(),

@@ -20,6 +20,8 @@ pub struct Config {
     pub admin: Option<SocketAddr>,
     /// `[admin]` credentials: a request must carry one of them when set.
     pub admin_auth: AdminAuth,
+    /// `[admin.tls]`: the admin listener serves HTTPS.
+    pub admin_tls: Option<ListenerTls>,
     /// `[analytics]`.
     pub analytics: Analytics,
     pub routes: Vec<Route>,
@@ -340,6 +342,9 @@ pub struct Listener {
     /// `h2c = "only"`: and HTTP/1 is not (a connection that does not open
     /// with the HTTP/2 preface is closed).
     pub h2c_only: bool,
+    /// `http3`: HTTP/3 over QUIC on the same port (UDP), and `Alt-Svc` on
+    /// the TCP responses that points browsers to it. TLS listeners only.
+    pub http3: bool,
     /// `trusted_proxies`: clients whose Forwarded / X-Forwarded-* headers
     /// are passed on (extended); from anyone else they are replaced.
     pub trusted_proxies: Vec<Cidr>,
@@ -363,6 +368,7 @@ impl Listener {
             redirect_https: None,
             h2c: false,
             h2c_only: false,
+            http3: false,
             trusted_proxies: Vec::new(),
         }
     }

@@ -37,6 +37,9 @@ pub struct AdminSection {
     pub user: Option<Spanned<String>>,
     pub password: Option<Spanned<String>>,
     pub hosts: Option<Vec<Spanned<String>>>,
+    /// `[admin.tls]`: HTTPS on the admin listener (the settings of
+    /// `[listener.tls]`; ALPN is always `http/1.1`).
+    pub tls: Option<ListenerTlsSection>,
 }
 
 /// `[analytics]`: the built-in traffic analytics.
@@ -157,6 +160,8 @@ pub struct ListenerEntry {
     /// Cleartext HTTP/2 with prior knowledge beside HTTP/1.1 (`true`), or
     /// instead of it (`"only"`).
     pub h2c: Option<H2cValue>,
+    /// HTTP/3 (QUIC) on the same port over UDP (TLS listeners only).
+    pub http3: Option<Spanned<bool>>,
     pub tls: Option<ListenerTlsSection>,
     /// CIDRs whose Forwarded / X-Forwarded-* headers are kept.
     pub trusted_proxies: Option<Vec<Spanned<String>>>,

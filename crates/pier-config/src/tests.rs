@@ -2671,3 +2671,18 @@ fn route_cache_set_cookie() {
         "cache set_cookie \"strip\": \"pass\" or \"store\"",
     );
 }
+
+#[test]
+fn http3_needs_a_tls_listener() {
+    one_error(
+        "[[listener]]\nlisten = \"127.0.0.1:0\"\nhttp3 = true\n[[route]]\nupstream = \"b\"\n[upstream.b]\nservers = [\"127.0.0.1:9000\"]\n",
+        "3:9",
+        "`http3` needs TLS",
+    );
+    let c = load_str(
+        "[[listener]]\nlisten = \"127.0.0.1:0\"\nhttp3 = false\n[[route]]\nupstream = \"b\"\n[upstream.b]\nservers = [\"127.0.0.1:9000\"]\n",
+        "t.toml",
+    )
+    .unwrap();
+    assert!(!c.listeners[0].http3);
+}

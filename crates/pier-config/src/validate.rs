@@ -261,8 +261,15 @@ pub(crate) fn validate(
     // Every socket Pier binds, to catch two things on one port.
     let mut bound = Bound::default();
     let mut admin_auth = AdminAuth::default();
+    let mut admin_tls = None;
     let admin = file.admin.and_then(|a| {
         admin_auth = admin_auth_of(&mut c, &a);
+        admin_tls = a.tls.as_ref().map(|t| {
+            let mut t = listener_tls(&mut c, "admin", t, base);
+            // The admin plane speaks HTTP/1.1 only.
+            t.alpn = vec!["http/1.1".to_string()];
+            t
+        });
         let addr = c.listen_addr(&a.listen, "listen")?;
         if let Err(e) = check_admin_exposure(addr, &admin_auth) {
             c.err(sp(&a.listen), e);
@@ -358,6 +365,13 @@ pub(crate) fn validate(
                     "`h2c` is for cleartext listeners; a TLS listener offers HTTP/2 with `alpn = [\"h2\", \"http/1.1\"]`",
                 );
             }
+            let http3 = l.http3.as_ref().is_some_and(|v| *v.get_ref());
+            if http3 && tls.is_none() {
+                c.err(
+                    l.http3.as_ref().and_then(sp),
+                    "`http3` needs TLS: add [listener.tls] (QUIC is always encrypted)",
+                );
+            }
             let mut trusted_proxies = Vec::new();
             for v in l.trusted_proxies.iter().flatten() {
                 match Cidr::parse(v.get_ref()) {
@@ -372,6 +386,7 @@ pub(crate) fn validate(
                 redirect_https,
                 h2c,
                 h2c_only,
+                http3,
                 trusted_proxies,
             });
         }
@@ -495,6 +510,7 @@ pub(crate) fn validate(
         caches,
         resolver,
         admin_auth,
+        admin_tls,
         analytics,
     })
 }

@@ -15,5 +15,7 @@ pub mod server;
 pub mod stream;
 
 pub use pool::{Pool, PoolConfig};
-pub use server::{bind_all, bind_reuseport, spawn_workers, WorkerContext};
+pub use server::{
+    bind_all, bind_reuseport, bind_udp_all, bind_udp_reuseport, spawn_workers, WorkerContext,
+};
 pub use stream::{Alpn, Conn, Connector, PeerKey, RawSocket, Stream};

@@ -10,6 +10,41 @@ use std::thread::JoinHandle;
 pub struct WorkerContext {
     pub id: usize,
     pub listeners: Vec<(String, std::net::TcpListener)>,
+    /// UDP sockets (HTTP/3), by listener name, on the TCP listener's port.
+    pub udp: Vec<(String, std::net::UdpSocket)>,
+}
+
+/// Bind a UDP socket with `SO_REUSEPORT` (one per worker on one address:
+/// the kernel steers each client's datagrams, by address, to one of them).
+pub fn bind_udp_reuseport(addr: SocketAddr) -> io::Result<std::net::UdpSocket> {
+    let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+    s.set_reuse_address(true)?;
+    s.set_reuse_port(true)?;
+    s.set_nonblocking(true)?;
+    s.bind(&addr.into())?;
+    Ok(s.into())
+}
+
+/// `workers` UDP sockets per address (each already resolved: the port of
+/// the TCP listener it serves beside).
+pub fn bind_udp_all(
+    workers: usize,
+    addrs: &[(String, SocketAddr)],
+) -> io::Result<Vec<Vec<(String, std::net::UdpSocket)>>> {
+    let mut per_worker: Vec<Vec<(String, std::net::UdpSocket)>> =
+        (0..workers).map(|_| Vec::new()).collect();
+    for (name, addr) in addrs {
+        for w in per_worker.iter_mut() {
+            let s = bind_udp_reuseport(*addr).map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("cannot listen on udp {addr} (listener {name}, http3): {e}"),
+                )
+            })?;
+            w.push((name.clone(), s));
+        }
+    }
+    Ok(per_worker)
 }
 
 /// Bind a non-blocking listening socket with `SO_REUSEPORT`, so each worker
@@ -61,6 +96,7 @@ pub fn bind_all(
 /// such as Lua coroutines, can be spawned with `spawn_local`).
 pub fn spawn_workers<F, Fut>(
     sockets: Vec<Vec<(String, std::net::TcpListener)>>,
+    mut udp: Vec<Vec<(String, std::net::UdpSocket)>>,
     make: F,
 ) -> io::Result<Vec<JoinHandle<()>>>
 where
@@ -68,7 +104,8 @@ where
     Fut: Future<Output = ()> + 'static,
 {
     let mut handles = Vec::new();
-    for (id, listeners) in sockets.into_iter().enumerate() {
+    udp.resize_with(sockets.len(), Vec::new);
+    for (id, (listeners, udp)) in sockets.into_iter().zip(udp).enumerate() {
         let make = make.clone();
         let h = std::thread::Builder::new()
             .name(format!("pier-worker-{id}"))
@@ -89,7 +126,7 @@ where
                     }
                 };
                 let local = tokio::task::LocalSet::new();
-                local.block_on(&rt, make(WorkerContext { id, listeners }));
+                local.block_on(&rt, make(WorkerContext { id, listeners, udp }));
             })?;
         handles.push(h);
     }

@@ -249,12 +249,6 @@ fn reset_kind(
     }
 }
 
-fn to_headers(map: &http::HeaderMap, out: &mut Headers) {
-    for (k, v) in map {
-        out.append(k.as_str().as_bytes(), v.as_bytes());
-    }
-}
-
 impl ResponseSource for H2ResponseSource {
     async fn read_head(&mut self, head: &mut ResponseHead) -> Result<(), Error> {
         let Some(fut) = self.fut.take() else {
@@ -273,7 +267,7 @@ impl ResponseSource for H2ResponseSource {
         head.headers.clear();
         head.set_status(parts.status.as_u16());
         head.version = 1;
-        to_headers(&parts.headers, &mut head.headers);
+        pier_session::http_types::to_headers(&parts.headers, &mut head.headers);
         self.size = if self.head_only || recv.is_end_stream() {
             self.done = recv.is_end_stream();
             // A gRPC trailers-only answer must reach an HTTP/2 client as
@@ -322,7 +316,7 @@ impl ResponseSource for H2ResponseSource {
                 self.done = true;
                 if let Ok(Ok(Some(t))) = pier_clock::timeout(self.timeout, recv.trailers()).await {
                     let mut h = Headers::default();
-                    to_headers(&t, &mut h);
+                    pier_session::http_types::to_headers(&t, &mut h);
                     self.trailers = Some(h);
                 }
                 Ok(None)
@@ -403,7 +397,7 @@ impl RequestSink for H2RequestSink {
         if self.stopped {
             return Ok(());
         }
-        let map = crate::trailer_map(trailers);
+        let map = pier_session::http_types::trailer_map(trailers);
         let r = if map.is_empty() {
             self.send.send_data(Bytes::new(), true)
         } else {
@@ -496,7 +490,7 @@ pub fn request(o: &impl UpstreamRequest, tls: bool) -> Result<http::Request<()>,
     let h = r.headers_mut();
     // A field the `http` crate refuses fails the request, as it did when
     // fields were converted one by one (pier-http's parser lets few by).
-    if !crate::http_fields(&req.headers, |k, n| !o.keeps(k, n), h) {
+    if !pier_session::http_types::http_fields(&req.headers, |k, n| !o.keeps(k, n), h) {
         return Err(bad(()));
     }
     if req.headers.has_token(known::TE, b"trailers") {

@@ -89,7 +89,9 @@ pub struct Metrics {
     pub active_tunnels: AtomicI64,
     pub tunnels: AtomicU64,
     /// Requests by client protocol: [HTTP/1.x, HTTP/2].
-    pub by_protocol: [AtomicU64; 2],
+    /// Requests by protocol (`pier_session::Protocol::index`): HTTP/2 and
+    /// HTTP/3 only, HTTP/1.x being the rest of the requests.
+    pub by_protocol: [AtomicU64; 3],
     /// Proxied gRPC calls by grpc-status (0..=16; 17: absent or unknown).
     grpc: [AtomicU64; 18],
     /// Requests whose task panicked (a bug: the connection was closed, its
@@ -130,7 +132,7 @@ impl Metrics {
             active_requests: AtomicI64::new(0),
             active_tunnels: AtomicI64::new(0),
             tunnels: AtomicU64::new(0),
-            by_protocol: [AtomicU64::new(0), AtomicU64::new(0)],
+            by_protocol: [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)],
             grpc: std::array::from_fn(|_| AtomicU64::new(0)),
             panics: AtomicU64::new(0),
         }
@@ -390,8 +392,9 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
-            "# HELP pier_requests_by_protocol_total Requests over HTTP/2 (HTTP/1.x: the rest of pier_requests_total).\n# TYPE pier_requests_by_protocol_total counter\npier_requests_by_protocol_total{{protocol=\"h2\"}} {}",
-            self.by_protocol[1].load(Relaxed)
+            "# HELP pier_requests_by_protocol_total Requests over HTTP/2 and HTTP/3 (HTTP/1.x: the rest of pier_requests_total).\n# TYPE pier_requests_by_protocol_total counter\npier_requests_by_protocol_total{{protocol=\"h2\"}} {}\npier_requests_by_protocol_total{{protocol=\"h3\"}} {}",
+            self.by_protocol[1].load(Relaxed),
+            self.by_protocol[2].load(Relaxed)
         );
         out.push_str("# HELP pier_grpc_responses_total Proxied gRPC calls by grpc-status (\"none\": the origin sent none).\n# TYPE pier_grpc_responses_total counter\n");
         for (i, c) in self.grpc.iter().enumerate() {

@@ -50,6 +50,11 @@ pub trait HttpView {
     fn host(&self) -> &[u8];
     /// The local port the request arrived on.
     fn server_port(&self) -> u16;
+    /// `ngx.var.server_protocol`: "HTTP/1.0", "HTTP/1.1", "HTTP/2.0" or
+    /// "HTTP/3.0".
+    fn server_protocol(&self) -> &'static [u8] {
+        b"HTTP/1.1"
+    }
 
     /// `ngx.req.read_body`: `Ready` once the request body is in memory, or
     /// at once when there is none or this view can't read one. Pending

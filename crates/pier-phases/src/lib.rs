@@ -583,11 +583,9 @@ impl HttpView for View<'_> {
             out.extend_from_slice(req.method());
             out.push(b' ');
             out.extend_from_slice(req.uri());
-            out.extend_from_slice(match (self.sess.conn.h2, req.version) {
-                (true, _) => b" HTTP/2.0\r\n",
-                (false, 0) => b" HTTP/1.0\r\n",
-                _ => b" HTTP/1.1\r\n",
-            });
+            out.push(b' ');
+            out.extend_from_slice(self.sess.conn.proto.version(req.version).as_bytes());
+            out.extend_from_slice(b"\r\n");
         }
         for (n, v) in req.headers.iter() {
             out.extend_from_slice(n);
@@ -610,6 +608,13 @@ impl HttpView for View<'_> {
     }
     fn client_addr(&self) -> SocketAddr {
         self.sess.client
+    }
+    fn server_protocol(&self) -> &'static [u8] {
+        self.sess
+            .conn
+            .proto
+            .version(self.sess.req.version)
+            .as_bytes()
     }
     fn scheme(&self) -> &[u8] {
         self.sess.scheme().as_bytes()

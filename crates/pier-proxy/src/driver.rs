@@ -680,10 +680,11 @@ pub(crate) fn finish<P: Phases>(
         .map(|r| state.routes[r].metric)
         .unwrap_or(pier_log::metrics::MAX_ROUTES - 1);
     w.shared.metrics.request(metric, sess.status, dur_us);
-    if sess.conn.h2 {
-        // Only HTTP/2 is counted apart: HTTP/1.x is the rest of
-        // pier_requests_total, and its hot path pays no shared atomic.
-        w.shared.metrics.by_protocol[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if sess.conn.proto != pier_session::Protocol::Http1 {
+        // Only the multiplexed protocols are counted apart: HTTP/1.x is the
+        // rest of pier_requests_total, and its hot path pays no shared atomic.
+        w.shared.metrics.by_protocol[sess.conn.proto.index()]
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     if let Some(a) = &w.shared.analytics {
         record_event(a, state, sess, route, dur_us);
@@ -727,13 +728,7 @@ fn record_event(
     route: Option<usize>,
     dur_us: u64,
 ) {
-    let protocol = if sess.conn.h2 {
-        "HTTP/2.0"
-    } else if sess.req.version == 0 {
-        "HTTP/1.0"
-    } else {
-        "HTTP/1.1"
-    };
+    let protocol = sess.conn.proto.version(sess.req.version);
     let tls = sess
         .conn
         .tls
@@ -1878,6 +1873,7 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
     if !upgrade {
         apply_response_rules(state, sess.route, resp);
         crate::cors::apply(state, sess, resp);
+        alt_svc(state, sess, resp);
     }
     sess.step = Step::ResponseFilter;
     let mut filtered = true;
@@ -2012,6 +2008,31 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
 }
 
 /// Idle timeout of an upgraded connection.
+/// `Alt-Svc: h3=":PORT"` on a response over TCP from a listener with
+/// `http3` (its UDP port is its TCP port), so a browser moves to HTTP/3.
+fn alt_svc(state: &State, sess: &Session, resp: &mut ResponseHead) {
+    if sess.conn.proto == pier_session::Protocol::Http3 {
+        return;
+    }
+    let http3 = sess
+        .conn
+        .listener
+        .and_then(|i| state.cfg.listeners.get(i))
+        .is_some_and(|l| l.http3);
+    if !http3 || resp.headers.get(b"alt-svc").is_some() {
+        return;
+    }
+    let mut v = [0u8; 32];
+    let mut port = itoa::Buffer::new();
+    let p = port.format(sess.local.port()).as_bytes();
+    let mut n = 0;
+    for part in [&b"h3=\":"[..], p, b"\"; ma=86400"] {
+        v[n..n + part.len()].copy_from_slice(part);
+        n += part.len();
+    }
+    resp.headers.append(b"Alt-Svc", &v[..n]);
+}
+
 /// The route's compression settings (`[route.compress]`), if it has any and
 /// the request may have its response transformed at all: not a Range
 /// request, gRPC or gRPC-web.

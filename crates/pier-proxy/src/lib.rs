@@ -206,6 +206,14 @@ pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phas
             Admit(w.clone(), index),
         )));
     }
+    // HTTP/3: this worker's QUIC endpoint on each listener that has it.
+    for (name, socket) in ctx.udp {
+        accepts.push(tokio::task::spawn_local(mux::serve_h3(
+            w.clone(),
+            name,
+            socket,
+        )));
+    }
     // A reload sets up this thread's hooks for the new config right away
     // (Lua init/init_worker, timers), as OpenResty's new workers do. Holds
     // the worker weakly: draining waits for the last strong reference.
@@ -281,7 +289,7 @@ pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phas
 /// waiting for a head before refusing) and `limits.max_connections_per_ip`;
 /// admitted connections are served by the HTTP/1 driver, over TLS when
 /// their listener (the index into `cfg.listeners`) has it.
-struct Admit<P: Phases>(Arc<Worker<P>>, Option<usize>);
+pub(crate) struct Admit<P: Phases>(pub(crate) Arc<Worker<P>>, pub(crate) Option<usize>);
 
 /// A connection's slots (`pier_active_connections`, its per-IP count),
 /// released however its task ends (a panic included). Held by the
@@ -369,7 +377,7 @@ impl<P: Phases> Admission for Admit<P> {
         let conn = session::ConnInfo {
             listener,
             tls: None,
-            h2: false,
+            proto: pier_session::Protocol::Http1,
         };
         // One task per connection, its future as small as the plain HTTP/1
         // path allows: an idle keep-alive connection holds only that. The
@@ -470,12 +478,4 @@ impl Drop for ActiveConnection {
     }
 }
 
-/// `Box::pin(make())`, with the future written straight into its box: a
-/// future built first and then moved is copied whole (its full size, a few
-/// KB for a request's, not just the arguments it starts with).
-#[inline(always)]
-pub(crate) fn boxed_in_place<F: std::future::Future>(
-    make: impl FnOnce() -> F,
-) -> std::pin::Pin<Box<F>> {
-    Box::into_pin(Box::write(Box::new_uninit(), make()))
-}
+pub(crate) use pier_session::boxed_in_place;

@@ -17,6 +17,9 @@ pub struct Mux<P: Phases> {
     pub conn: Arc<ConnInfo>,
     pub client: SocketAddr,
     pub local: SocketAddr,
+    /// The connection's admission slots (HTTP/3, which is admitted here
+    /// rather than at a TCP accept), released with its last stream.
+    slot: Option<std::rc::Rc<crate::Slot>>,
 }
 
 impl<P: Phases> Clone for Mux<P> {
@@ -26,6 +29,7 @@ impl<P: Phases> Clone for Mux<P> {
             conn: self.conn.clone(),
             client: self.client,
             local: self.local,
+            slot: self.slot.clone(),
         }
     }
 }
@@ -64,9 +68,96 @@ pub async fn serve_h2<P: Phases, S: pier_core::Stream>(
     let state = w.shared.state.load_full();
     let mux = Mux {
         w,
-        conn: Arc::new(ConnInfo { h2: true, ..conn }),
+        conn: Arc::new(ConnInfo {
+            proto: pier_session::Protocol::Http2,
+            ..conn
+        }),
         client,
         local,
+        slot: None,
     };
     pier_h2::server::serve(mux, stream, client, &state.cfg.http2, &state.cfg.timeouts).await
+}
+
+/// Handshakes in progress on one worker's QUIC endpoint above which a new
+/// client must first prove its address (a Retry round trip).
+const RETRY_ABOVE: usize = 64;
+
+/// The key every worker's QUIC endpoint derives stateless resets from (one
+/// per process, so any worker can reset another's connection).
+fn reset_key() -> &'static [u8; 32] {
+    static KEY: std::sync::OnceLock<[u8; 32]> = std::sync::OnceLock::new();
+    KEY.get_or_init(|| {
+        let mut k = [0u8; 32];
+        // A failing system RNG leaves a fixed key: resets still work,
+        // only they become forgeable by whoever knows it.
+        let _ = aws_lc_rs::rand::fill(&mut k);
+        k
+    })
+}
+
+/// Serve HTTP/3 on this worker's UDP socket of listener `name` (its TLS,
+/// with ALPN h3), each connection admitted as a TCP one is
+/// (`limits.max_connections`, per-IP caps), until a drain.
+pub async fn serve_h3<P: Phases>(w: Arc<Worker<P>>, name: String, socket: std::net::UdpSocket) {
+    let state = w.shared.state.load_full();
+    let Some(index) = state.cfg.listeners.iter().position(|l| l.name == name) else {
+        return;
+    };
+    let (Some(tls), Some(lt)) = (
+        state.listener_tls.get(index).cloned().flatten(),
+        state.cfg.listeners[index].tls.as_ref(),
+    ) else {
+        tracing::error!("listener {name}: http3 without TLS");
+        return;
+    };
+    let t = &state.cfg.timeouts;
+    let s = pier_h3::Settings {
+        max_streams: state.cfg.http2.max_concurrent_streams,
+        max_field_section_size: state.cfg.http2.max_header_list_size as u64,
+        handshake_timeout: lt.handshake_timeout,
+        client_header: t.client_header,
+        client_idle: t.client_idle,
+        client_goaway: t.client_goaway,
+        retry_above: RETRY_ABOVE,
+    };
+    let endpoint = match pier_h3::endpoint(socket, tls.config(), &s, reset_key()) {
+        Ok(e) => e,
+        Err(e) => {
+            tracing::error!("listener {name}: http3: {e}");
+            return;
+        }
+    };
+    let drain = w.shared.drain_rx();
+    let admit = {
+        let w = w.clone();
+        move |c: pier_h3::NewConnection| {
+            use pier_core::lifecycle::{Admission, Admitted};
+            let slot = match crate::Admit(w.clone(), Some(index)).admit(c.remote, false) {
+                Admitted::Yes(s) => s,
+                _ => return None,
+            };
+            let info = pier_tls::TlsInfo {
+                version: "TLSv1.3",
+                // quinn does not say which suite QUIC's handshake chose.
+                cipher: "unknown",
+                sni: c.server_name.map(String::into_boxed_str),
+                alpn: Some("h3".into()),
+                client_subject: None,
+                resumed: false,
+            };
+            Some(Mux {
+                w: w.clone(),
+                conn: Arc::new(ConnInfo {
+                    listener: Some(index),
+                    tls: Some(Arc::new(info)),
+                    proto: pier_session::Protocol::Http3,
+                }),
+                client: c.remote,
+                local: c.local,
+                slot: Some(std::rc::Rc::new(slot)),
+            })
+        }
+    };
+    pier_h3::serve(endpoint, s, drain, admit).await
 }

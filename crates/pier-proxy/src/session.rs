@@ -14,8 +14,8 @@ pub struct ConnInfo {
     /// Index into `Config::listeners` (None: not from a listener, as in tests).
     pub listener: Option<usize>,
     pub tls: Option<Arc<TlsInfo>>,
-    /// The connection speaks HTTP/2.
-    pub h2: bool,
+    /// The protocol the connection speaks.
+    pub proto: pier_session::Protocol,
 }
 
 pub struct Session {

@@ -15,11 +15,59 @@
 //! (thread-per-core).
 #![allow(async_fn_in_trait)]
 
+pub mod http_types;
+
 use pier_error::{Error, Kind};
 use pier_http::known::Known;
 use pier_http::{BodyLen, Headers, Method, RequestHead, ResponseHead};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
+
+/// The protocol a client connection speaks: logs, metrics and Lua's
+/// `ngx.var.server_protocol` read its name from here, so the engine names no
+/// protocol itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Protocol {
+    #[default]
+    Http1,
+    Http2,
+    Http3,
+}
+
+impl Protocol {
+    /// Every protocol, in `index` order.
+    pub const ALL: [Protocol; 3] = [Protocol::Http1, Protocol::Http2, Protocol::Http3];
+    /// The request's protocol as HTTP spells it (`minor`: HTTP/1's minor
+    /// version).
+    pub fn version(self, minor: u8) -> &'static str {
+        match (self, minor) {
+            (Protocol::Http1, 0) => "HTTP/1.0",
+            (Protocol::Http1, _) => "HTTP/1.1",
+            (Protocol::Http2, _) => "HTTP/2.0",
+            (Protocol::Http3, _) => "HTTP/3.0",
+        }
+    }
+    /// Its ALPN token (the `protocol` label of Pier's metrics).
+    pub fn alpn(self) -> &'static str {
+        match self {
+            Protocol::Http1 => "http/1.1",
+            Protocol::Http2 => "h2",
+            Protocol::Http3 => "h3",
+        }
+    }
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// `Box::pin(make())`, with the future written straight into its box: a
+/// future built first and then moved is copied whole (its full size, a few
+/// KB for a request's, not just the arguments it starts with). For the
+/// engine and the protocol crates, which hand requests' futures around.
+#[inline(always)]
+pub fn boxed_in_place<F: std::future::Future>(make: impl FnOnce() -> F) -> std::pin::Pin<Box<F>> {
+    Box::into_pin(Box::write(Box::new_uninit(), make()))
+}
 
 /// How much body follows a response head, as far as the writer can tell.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -62,16 +62,20 @@ pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 pub fn check(cfg: &pier_config::Config, now_unix: i64) -> Result<Vec<String>, Vec<String>> {
     let mut errors = Vec::new();
     let mut warnings = Vec::new();
-    for l in &cfg.listeners {
-        let Some(t) = &l.tls else { continue };
-        match ServerTls::build(&l.name, t) {
+    let admin = cfg.admin_tls.as_ref().map(|t| ("admin", t));
+    let listeners = cfg
+        .listeners
+        .iter()
+        .filter_map(|l| Some((l.name.as_str(), l.tls.as_ref()?)));
+    for (name, t) in listeners.chain(admin) {
+        match ServerTls::build(name, t) {
             Ok(s) => {
                 for c in s.certificates() {
                     let left = c.not_after - now_unix;
                     if left < 0 {
                         warnings.push(format!(
                             "listener `{}`: certificate {} ({}) expired {} days ago",
-                            l.name,
+                            name,
                             c.file.display(),
                             c.name,
                             -left / 86_400
@@ -79,7 +83,7 @@ pub fn check(cfg: &pier_config::Config, now_unix: i64) -> Result<Vec<String>, Ve
                     } else if left < 14 * 86_400 {
                         warnings.push(format!(
                             "listener `{}`: certificate {} ({}) expires in {} days",
-                            l.name,
+                            name,
                             c.file.display(),
                             c.name,
                             left / 86_400

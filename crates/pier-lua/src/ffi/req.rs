@@ -263,6 +263,7 @@ pub(super) unsafe extern "C" fn var(
                 b""
             }),
             b"scheme" => Some(v.scheme()),
+            b"server_protocol" => Some(v.server_protocol()),
             b"host" => Some(v.host()),
             _ => v.tls_var(name),
         };

@@ -1,0 +1,262 @@
+//! HTTP/3 for clients (`[[listener]] http3 = true`): a real QUIC client
+//! (quinn + h3, the stack of hyperium's h3) against Pier's UDP port, which
+//! is its TLS listener's TCP port. The same route steps as over TCP: the
+//! origin gets the request, a body streams up, Lua runs, metrics and the
+//! access log name the protocol; TCP responses carry Alt-Svc.
+
+mod common;
+
+use bytes::{Buf, Bytes};
+use common::*;
+use pier_test_support::tls::{Alg, CertPair, TestCa};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+struct Site {
+    _dir: TempDir,
+    ca: TestCa,
+    cert: CertPair,
+}
+
+fn site() -> Site {
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "h3");
+    let cert = ca.server("site", &["localhost"], Alg::EcdsaP256, 30);
+    Site {
+        _dir: dir,
+        ca,
+        cert,
+    }
+}
+
+/// A TLS listener with `http3 = true` in front of `origin`; `route` lines
+/// go under the route, `top` before the listener.
+fn config(s: &Site, origin: SocketAddr, top: &str, route: &str) -> String {
+    format!(
+        r#"[server]
+workers = 2
+grace_period = "5s"
+
+[admin]
+listen = "127.0.0.1:0"
+
+{top}
+
+[[listener]]
+name = "main"
+listen = "127.0.0.1:0"
+http3 = true
+[listener.tls]
+cert = "{}"
+key = "{}"
+
+[[route]]
+name = "default"
+upstream = "app"
+{route}
+
+[upstream.app]
+servers = ["{origin}"]
+"#,
+        s.cert.cert.display(),
+        s.cert.key.display()
+    )
+}
+
+/// A response as an HTTP/3 client got it.
+struct H3Response {
+    status: u16,
+    headers: http::HeaderMap,
+    body: Vec<u8>,
+}
+
+/// `requests` (method, path, body) in turn on one QUIC connection to `addr`,
+/// trusting `ca`.
+fn h3(addr: SocketAddr, ca: &std::path::Path, requests: &[(&str, &str, &[u8])]) -> Vec<H3Response> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(20), h3_client(addr, ca, requests))
+            .await
+            .expect("the HTTP/3 exchange timed out")
+    })
+}
+
+async fn h3_client(
+    addr: SocketAddr,
+    ca: &std::path::Path,
+    requests: &[(&str, &str, &[u8])],
+) -> Vec<H3Response> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![b"h3".to_vec()];
+    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
+    let conn = ep
+        .connect(addr, "localhost")
+        .unwrap()
+        .await
+        .expect("QUIC handshake");
+    let (mut driver, mut send) = h3::client::new(h3_quinn::Connection::new(conn))
+        .await
+        .expect("HTTP/3 connection");
+    let drive = tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
+    let mut out = Vec::new();
+    for (method, path, body) in requests {
+        let mut req = http::Request::builder()
+            .method(*method)
+            .uri(format!("https://localhost:{}{path}", addr.port()));
+        if !body.is_empty() {
+            req = req.header("content-length", body.len());
+        }
+        let mut stream = send
+            .send_request(req.body(()).unwrap())
+            .await
+            .expect("send the request");
+        if !body.is_empty() {
+            // In two pieces: the body streams.
+            let (a, b) = body.split_at(body.len() / 2);
+            stream.send_data(Bytes::copy_from_slice(a)).await.unwrap();
+            stream.send_data(Bytes::copy_from_slice(b)).await.unwrap();
+        }
+        stream.finish().await.expect("end the request");
+        let resp = stream.recv_response().await.expect("a response");
+        let mut got = Vec::new();
+        while let Some(mut chunk) = stream.recv_data().await.expect("the body") {
+            while chunk.has_remaining() {
+                let c = chunk.chunk();
+                got.extend_from_slice(c);
+                let n = c.len();
+                chunk.advance(n);
+            }
+        }
+        out.push(H3Response {
+            status: resp.status().as_u16(),
+            headers: resp.headers().clone(),
+            body: got,
+        });
+    }
+    drop(send);
+    drive.abort();
+    ep.close(0u32.into(), b"done");
+    out
+}
+
+#[test]
+fn requests_over_http3_take_the_route_steps_to_the_origin() {
+    let s = site();
+    let o = Origin::start();
+    let p = pier(&config(
+        &s,
+        o.addr(),
+        "",
+        "[route.headers]\nresponse_add = { \"X-Route\" = \"r\" }\n",
+    ));
+    let addr = p.listener("main");
+    let body = b"twelve bytes";
+    let r = h3(
+        addr,
+        &s.ca.cert,
+        &[
+            ("GET", "/hello", b""),
+            ("POST", "/echo", body),
+            ("GET", "/headers", b""),
+        ],
+    );
+    assert_eq!(r[0].status, 200);
+    assert_eq!(r[0].body, b"hello world\n");
+    assert_eq!(r[0].headers.get("x-route").unwrap(), "r");
+    // Over HTTP/3 there is nothing to upgrade to.
+    assert!(r[0].headers.get("alt-svc").is_none());
+    assert_eq!(r[1].status, 200);
+    assert_eq!(r[1].body, body, "the request body reached the origin");
+    // The origin saw an HTTP/1.1 request: the authority as Host, and the
+    // scheme as X-Forwarded-Proto.
+    let head = String::from_utf8_lossy(&r[2].body).to_ascii_lowercase();
+    assert!(head.starts_with("get /headers http/1.1\r\n"), "{head}");
+    assert!(
+        head.contains(&format!("\r\nhost: localhost:{}\r\n", addr.port())),
+        "{head}"
+    );
+    assert!(head.contains("\r\nx-forwarded-proto: https\r\n"), "{head}");
+    assert_eq!(
+        p.metric_value("pier_requests_by_protocol_total{protocol=\"h3\"}"),
+        Some(3.0)
+    );
+}
+
+#[test]
+fn tcp_responses_point_browsers_to_http3() {
+    use pier_test_support::tls::{TlsClient, TlsClientConfig};
+    let s = site();
+    let o = Origin::start();
+    let p = pier(&config(&s, o.addr(), "", ""));
+    let addr = p.listener("main");
+    let tls = TlsClientConfig::new(&s.ca.cert, None, &["http/1.1"], None);
+    let mut c = TlsClient::connect(addr, "localhost", &tls).expect("TLS");
+    let r = c.get("localhost", "/hello").expect("HTTPS over TCP");
+    assert_eq!(r.status, 200);
+    let want = format!("h3=\":{}\"; ma=86400", addr.port());
+    assert_eq!(r.header("alt-svc"), Some(want.as_str()), "{:?}", r.headers);
+}
+
+#[test]
+fn lua_hooks_run_on_http3_requests() {
+    let s = site();
+    let o = Origin::start();
+    let p = pier(&config(
+        &s,
+        o.addr(),
+        "",
+        "[route.lua]\naccess = '''\nngx.req.set_header(\"X-Proto\", ngx.var.server_protocol)\n'''\nheader_filter = '''\nngx.header[\"X-Seen\"] = ngx.var.server_protocol\n'''\n",
+    ));
+    let r = h3(p.listener("main"), &s.ca.cert, &[("GET", "/headers", b"")]);
+    assert_eq!(r[0].status, 200);
+    assert_eq!(r[0].headers.get("x-seen").unwrap(), "HTTP/3.0");
+    let head = String::from_utf8_lossy(&r[0].body).to_ascii_lowercase();
+    assert!(head.contains("\r\nx-proto: http/3.0\r\n"), "{head}");
+}
+
+#[test]
+fn quick_mode_serves_http3_with_its_certificate() {
+    let s = site();
+    let o = Origin::start();
+    let (cert, key, to) = (
+        s.cert.cert.display().to_string(),
+        s.cert.key.display().to_string(),
+        o.addr().to_string(),
+    );
+    let p = PierProcess::start_args(
+        bin(),
+        &[
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--to",
+            &to,
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+            "--http3",
+        ],
+    );
+    let addr = p.listeners()[0].1;
+    let r = h3(addr, &s.ca.cert, &[("GET", "/hello", b"")]);
+    assert_eq!(r[0].status, 200);
+    assert_eq!(r[0].body, b"hello world\n");
+}

@@ -1,0 +1,499 @@
+//! HTTP/3 for clients: QUIC (quinn, on rustls — Pier's TLS stack, with the
+//! listener's certificates and SNI selection) and HTTP/3 framing and QPACK
+//! (h3), behind the session interfaces (pier-session). Like pier-h2's
+//! server, a connection is one task that accepts request streams and hands
+//! each to the [`Engine`], which runs it through the same steps as any
+//! request; nothing in the engine's driver knows this protocol.
+//!
+//! QUIC's own defences, and where they come from:
+//! - address validation: while more than `retry_above` handshakes are in
+//!   progress on the endpoint, a client whose address is not validated gets
+//!   a Retry (one small packet, no state kept) before anything else; quinn
+//!   holds every unvalidated peer to three times what it sent
+//!   (amplification limit, RFC 9000 §8);
+//! - stateless reset: every worker's endpoint derives reset tokens from one
+//!   key, so a worker that receives a packet of another worker's connection
+//!   can end it cleanly;
+//! - bounded state: request streams per connection (`max_streams`), three
+//!   unidirectional streams (control and QPACK's two), header sections
+//!   (`max_field_section_size`); h3 keeps no QPACK dynamic table (it
+//!   advertises a capacity of 0), so a peer cannot make Pier hold one;
+//! - timeouts: the handshake (`handshake_timeout`), the request head
+//!   (`client_header`), an idle connection (QUIC's idle timeout,
+//!   `client_idle`) and a draining one (`client_goaway` after GOAWAY);
+//! - 0-RTT is off (the TLS config's early data is 0): no replayable
+//!   requests;
+//! - connection migration is refused: workers share the UDP port by
+//!   `SO_REUSEPORT`, which steers datagrams by address, so a migrated
+//!   client's packets reach a worker that does not know the connection
+//!   (which answers with a stateless reset; the client starts over);
+//! - GSO/GRO are used where the kernel has them (quinn-udp).
+
+use bytes::{Buf, Bytes};
+use pier_core::evict;
+use pier_error::{Error, Kind};
+use pier_http::{BodyLen, Headers, Method, ResponseHead};
+use pier_session::http_types::{self, HttpHead};
+use pier_session::{
+    BodySize, Downstream, DownstreamOpts, Engine, RequestSource, ResponseSink, SpliceBody,
+};
+use std::cell::Cell;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+type SendHalf = h3::server::RequestStream<h3_quinn::SendStream<Bytes>, Bytes>;
+type RecvHalf = h3::server::RequestStream<h3_quinn::RecvStream, Bytes>;
+type Resolver = h3::server::RequestResolver<h3_quinn::Connection, Bytes>;
+
+/// HTTP/3's settings on a listener (from `[http2]`, the timeouts and the
+/// listener's TLS; the names say which).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Request streams a client may have open at once.
+    pub max_streams: u32,
+    /// Largest header section (QPACK-decoded), bytes.
+    pub max_field_section_size: u64,
+    pub handshake_timeout: Duration,
+    pub client_header: Duration,
+    pub client_idle: Duration,
+    pub client_goaway: Duration,
+    /// Handshakes in progress on the endpoint above which new clients must
+    /// prove their address first (a Retry).
+    pub retry_above: usize,
+}
+
+/// One worker's QUIC endpoint on a listener's UDP socket: its TLS the
+/// listener's (`tls`: certificates, SNI, client certificates), with ALPN
+/// `h3`, TLS 1.3 only and no early data; `reset_key` is shared by every
+/// worker (stateless resets).
+pub fn endpoint(
+    socket: std::net::UdpSocket,
+    tls: &rustls::ServerConfig,
+    s: &Settings,
+    reset_key: &[u8; 32],
+) -> std::io::Result<quinn::Endpoint> {
+    let io = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
+    let mut tls = tls.clone();
+    tls.alpn_protocols = vec![b"h3".to_vec()];
+    tls.max_early_data_size = 0;
+    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
+        .map_err(|e| io(format!("TLS for QUIC: {e}")))?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    let mut t = quinn::TransportConfig::default();
+    t.max_concurrent_bidi_streams(s.max_streams.into())
+        .max_concurrent_uni_streams(3u8.into())
+        .max_idle_timeout(Some(
+            s.client_idle
+                .try_into()
+                .map_err(|_| io("client_idle too long for QUIC".into()))?,
+        ));
+    server.transport_config(Arc::new(t));
+    server.migration(false);
+    let key = aws_lc_rs::hmac::Key::new(aws_lc_rs::hmac::HMAC_SHA256, reset_key);
+    let config = quinn::EndpointConfig::new(Arc::new(key));
+    socket.set_nonblocking(true)?;
+    quinn::Endpoint::new(config, Some(server), socket, Arc::new(quinn::TokioRuntime))
+}
+
+/// What a new connection tells the engine before it is served.
+pub struct NewConnection {
+    pub remote: SocketAddr,
+    pub local: SocketAddr,
+    /// The server name the client asked for (SNI).
+    pub server_name: Option<String>,
+}
+
+/// Serve `endpoint` until `drain` turns true (then GOAWAY on every
+/// connection, which end as their requests do). `admit` makes the engine of
+/// a connection whose handshake is done, or refuses it (None: closed with
+/// H3_EXCESSIVE_LOAD).
+pub async fn serve<E: Engine>(
+    endpoint: quinn::Endpoint,
+    s: Settings,
+    mut drain: tokio::sync::watch::Receiver<bool>,
+    admit: impl Fn(NewConnection) -> Option<E> + 'static,
+) {
+    let admit = Rc::new(admit);
+    let handshakes = Rc::new(Cell::new(0usize));
+    let local = endpoint.local_addr().ok();
+    loop {
+        let incoming = tokio::select! {
+            i = endpoint.accept() => i,
+            _ = drain.changed() => break,
+        };
+        let Some(incoming) = incoming else { break };
+        if handshakes.get() >= s.retry_above && !incoming.remote_address_validated() {
+            // Under load: prove the address first (stateless).
+            let _ = incoming.retry();
+            continue;
+        }
+        let (s, admit, handshakes) = (s.clone(), admit.clone(), handshakes.clone());
+        let local = local.unwrap_or_else(|| incoming.remote_address());
+        tokio::task::spawn_local(async move {
+            let Some(conn) = handshake(incoming, &s, &handshakes).await else {
+                return;
+            };
+            let info = NewConnection {
+                remote: conn.remote_address(),
+                local,
+                server_name: conn
+                    .handshake_data()
+                    .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+                    .and_then(|d| d.server_name),
+            };
+            match admit(info) {
+                Some(engine) => connection(engine, conn, &s).await,
+                None => conn.close(H3_EXCESSIVE_LOAD, b"busy"),
+            }
+        });
+    }
+    // New connections are refused from here; open ones drain on their own.
+    endpoint.set_server_config(None);
+}
+
+/// RFC 9114 §8.1 error codes.
+const H3_NO_ERROR: quinn::VarInt = quinn::VarInt::from_u32(0x100);
+const H3_EXCESSIVE_LOAD: quinn::VarInt = quinn::VarInt::from_u32(0x107);
+
+/// The QUIC handshake, within `handshake_timeout`, counted while it runs.
+async fn handshake(
+    incoming: quinn::Incoming,
+    s: &Settings,
+    handshakes: &Rc<Cell<usize>>,
+) -> Option<quinn::Connection> {
+    let _count = Counted::enter(handshakes);
+    let connecting = incoming.accept().ok()?;
+    match tokio::time::timeout(s.handshake_timeout, connecting).await {
+        Ok(Ok(c)) => Some(c),
+        _ => None,
+    }
+}
+
+/// A count held for as long as the guard lives.
+struct Counted(Rc<Cell<usize>>);
+
+impl Counted {
+    fn enter(c: &Rc<Cell<usize>>) -> Counted {
+        c.set(c.get() + 1);
+        Counted(c.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.set(self.0.get().saturating_sub(1));
+    }
+}
+
+/// One connection: request streams until the client goes, an error, or a
+/// drain (GOAWAY, then what is open finishes within `client_goaway`).
+async fn connection<E: Engine>(engine: E, conn: quinn::Connection, s: &Settings) {
+    let mut b = h3::server::builder();
+    b.max_field_section_size(s.max_field_section_size);
+    let built = tokio::time::timeout(
+        s.client_header,
+        b.build::<_, Bytes>(h3_quinn::Connection::new(conn.clone())),
+    )
+    .await;
+    let Ok(Ok(mut h3c)) = built else {
+        conn.close(H3_NO_ERROR, b"");
+        return;
+    };
+    let mut drain = engine.drain();
+    let mut draining = *drain.borrow();
+    let open = Rc::new(Cell::new(0usize));
+    let ended = Rc::new(tokio::sync::Notify::new());
+    let mut goaway_at: Option<tokio::time::Instant> = None;
+    // Registered while no stream is open: evictable when the worker is
+    // full, as an idle HTTP/1 or HTTP/2 connection is.
+    let mut waiting: Option<evict::Waiting<'_>> = None;
+    if draining {
+        let _ = h3c.shutdown(0).await;
+        goaway_at = Some(tokio::time::Instant::now());
+    }
+    loop {
+        let none_open = open.get() == 0;
+        if none_open != waiting.is_some() {
+            waiting = none_open.then(|| evict::Waiting::enter(engine.waiting(), engine.now_ms()));
+        }
+        tokio::select! {
+            r = h3c.accept() => match r {
+                Ok(Some(resolver)) => {
+                    let engine = engine.clone();
+                    let guard = Counted::enter(&open);
+                    let ended = ended.clone();
+                    let (header, idle) = (s.client_header, s.client_idle);
+                    tokio::task::spawn_local(async move {
+                        let _guard = guard;
+                        request(engine, resolver, header, idle).await;
+                        ended.notify_one();
+                    });
+                }
+                // GOAWAY sent and every request done, or the client went.
+                Ok(None) | Err(_) => break,
+            },
+            _ = drain.changed(), if !draining => {
+                draining = true;
+                goaway_at = Some(tokio::time::Instant::now());
+                let _ = h3c.shutdown(0).await;
+            }
+            _ = async {
+                let at = goaway_at.unwrap_or_else(tokio::time::Instant::now);
+                tokio::time::sleep_until(at + s.client_goaway).await
+            }, if draining && none_open => {
+                engine.goaway_timeout();
+                break;
+            }
+            _ = evicted(waiting.as_ref()) => break,
+            _ = ended.notified(), if !none_open => {}
+        }
+    }
+    conn.close(H3_NO_ERROR, b"");
+}
+
+async fn evicted(w: Option<&evict::Waiting<'_>>) {
+    match w {
+        Some(w) => w.evicted().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// One request stream: its head within `client_header`, then the engine.
+async fn request<E: Engine>(engine: E, resolver: Resolver, header: Duration, idle: Duration) {
+    let Ok(Ok((req, stream))) = tokio::time::timeout(header, resolver.resolve_request()).await
+    else {
+        return;
+    };
+    let (parts, ()) = req.into_parts();
+    let (send, mut recv) = stream.split();
+    // Whether a body follows: the stream already ended with its head (a
+    // bodiless request's FIN comes in the HEADERS frame's packet), or a
+    // first piece is here; else what the head says (a length, or a method
+    // that carries one).
+    let peek = std::future::poll_fn(|cx| std::task::Poll::Ready(recv.poll_recv_data(cx))).await;
+    let (has_body, first, ended) = match peek {
+        std::task::Poll::Ready(Ok(None)) | std::task::Poll::Ready(Err(_)) => (false, None, true),
+        std::task::Poll::Ready(Ok(Some(mut b))) => {
+            (true, Some(b.copy_to_bytes(b.remaining())), false)
+        }
+        std::task::Poll::Pending => {
+            let says = parts
+                .headers
+                .get(http::header::CONTENT_LENGTH)
+                .is_some_and(|v| v.as_bytes() != b"0");
+            let bodiless = matches!(parts.method, http::Method::GET | http::Method::HEAD);
+            (says || !bodiless, None, false)
+        }
+    };
+    let head = HttpHead::new(parts, has_body);
+    let down = H3Downstream {
+        rx: H3Rx {
+            recv,
+            first,
+            buf: Bytes::new(),
+            trailers: None,
+            received: 0,
+            max_body: 0,
+            idle,
+            done: ended || !has_body,
+        },
+        tx: H3Tx {
+            send,
+            sent: 0,
+            head_sent: false,
+            head_only: false,
+            finished: false,
+            now_ns: 0,
+            idle,
+        },
+    };
+    // The request's future written straight into its box (pier-h2 says why).
+    pier_session::boxed_in_place(|| engine.serve_stream(down, head)).await
+}
+
+/// One HTTP/3 request stream as the engine's downstream: the request body
+/// and the response, apart, so the body can stream up while the response
+/// comes down.
+pub struct H3Downstream {
+    rx: H3Rx,
+    tx: H3Tx,
+}
+
+pub struct H3Rx {
+    recv: RecvHalf,
+    /// The piece read to learn whether a body follows.
+    first: Option<Bytes>,
+    buf: Bytes,
+    trailers: Option<Headers>,
+    received: u64,
+    max_body: u64,
+    idle: Duration,
+    done: bool,
+}
+
+pub struct H3Tx {
+    send: SendHalf,
+    sent: u64,
+    head_sent: bool,
+    head_only: bool,
+    finished: bool,
+    now_ns: u64,
+    idle: Duration,
+}
+
+impl Downstream for H3Downstream {
+    type Source<'a> = &'a mut H3Rx;
+    type Sink<'a> = &'a mut H3Tx;
+
+    async fn vet_body(&mut self, _: BodyLen, _: bool, _: Duration) -> Result<(), Kind> {
+        // DATA frames are framed by h3.
+        Ok(())
+    }
+
+    fn open(&mut self, opts: &DownstreamOpts) -> (&mut H3Rx, &mut H3Tx) {
+        self.rx.max_body = opts.max_body;
+        self.rx.idle = opts.idle;
+        self.tx.idle = opts.idle;
+        self.tx.now_ns = opts.now_ns;
+        self.tx.head_only = opts.method == Method::Head;
+        (&mut self.rx, &mut self.tx)
+    }
+
+    async fn tunnel<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+        &mut self,
+        _head: &ResponseHead,
+        _early: &[u8],
+        _ur: &mut R,
+        _uw: &mut W,
+        _idle: Duration,
+    ) -> Result<u64, Error> {
+        // No Upgrade in HTTP/3 (RFC 9114 §4.5); the driver never asks.
+        Err(Error::new(Kind::UpstreamProtocol))
+    }
+}
+
+impl H3Rx {
+    fn take(&mut self, data: Bytes) -> Result<Option<&[u8]>, Error> {
+        self.received += data.len() as u64;
+        if self.max_body > 0 && self.received > self.max_body {
+            return Err(Error::new(Kind::BodyTooLarge));
+        }
+        self.buf = data;
+        Ok(Some(&self.buf[..]))
+    }
+}
+
+impl RequestSource for &mut H3Rx {
+    async fn read_body(&mut self) -> Result<Option<&[u8]>, Error> {
+        if let Some(first) = self.first.take() {
+            return self.take(first);
+        }
+        if self.done {
+            return Ok(None);
+        }
+        match tokio::time::timeout(self.idle, self.recv.recv_data()).await {
+            Err(_) => Err(Error::new(Kind::BodyTimeout)),
+            Ok(Err(_)) => Err(Error::new(Kind::ClientClosed)),
+            Ok(Ok(None)) => {
+                self.done = true;
+                let t = tokio::time::timeout(self.idle, self.recv.recv_trailers()).await;
+                if let Ok(Ok(Some(t))) = t {
+                    let mut h = Headers::default();
+                    http_types::to_headers(&t, &mut h);
+                    self.trailers = Some(h);
+                }
+                Ok(None)
+            }
+            Ok(Ok(Some(mut data))) => {
+                let data = data.copy_to_bytes(data.remaining());
+                self.take(data)
+            }
+        }
+    }
+    fn trailers(&self) -> Option<&Headers> {
+        self.trailers.as_ref()
+    }
+}
+
+/// A write to the client that did not finish within `idle`, or failed: the
+/// client is gone (the response was under way).
+fn gone<T, E>(r: Result<Result<T, E>, tokio::time::error::Elapsed>) -> Result<T, Error> {
+    match r {
+        Ok(Ok(v)) => Ok(v),
+        _ => Err(Error::answered(Kind::ClientClosed)),
+    }
+}
+
+impl H3Tx {
+    async fn send(&mut self, data: Bytes) -> Result<(), Error> {
+        if self.head_only || self.finished || data.is_empty() {
+            return Ok(());
+        }
+        self.sent += data.len() as u64;
+        gone(tokio::time::timeout(self.idle, self.send.send_data(data)).await)
+    }
+
+    async fn end(&mut self) -> Result<(), Error> {
+        if self.finished {
+            return Ok(());
+        }
+        self.finished = true;
+        gone(tokio::time::timeout(self.idle, self.send.finish()).await)
+    }
+}
+
+impl ResponseSink for &mut H3Tx {
+    async fn write_interim(&mut self, head: &ResponseHead) -> Result<(), Error> {
+        // 100 Continue and 103 Early Hints, as HEADERS frames before the
+        // final one (RFC 9114 §4.1). No 101: HTTP/3 has no Upgrade.
+        if !(100..200).contains(&head.status) || head.status == 101 || self.head_sent {
+            return Ok(());
+        }
+        let r = http_types::response_fields(head);
+        gone(tokio::time::timeout(self.idle, self.send.send_response(r)).await)
+    }
+
+    async fn write_head(&mut self, head: &ResponseHead, size: BodySize) -> Result<(), Error> {
+        let r = http_types::response(head, size, self.now_ns);
+        self.head_sent = true;
+        match tokio::time::timeout(self.idle, self.send.send_response(r)).await {
+            Ok(Ok(())) => {}
+            _ => return Err(Error::new(Kind::ClientClosed)),
+        }
+        if self.head_only || size == BodySize::None {
+            self.end().await?;
+        }
+        Ok(())
+    }
+
+    async fn write_body(&mut self, data: &[u8]) -> Result<(), Error> {
+        self.send(Bytes::copy_from_slice(data)).await
+    }
+
+    /// A cached body's bytes go to the frames as they are (no copy).
+    async fn write_spliced(&mut self, body: &SpliceBody) -> Result<(), Error> {
+        self.send(body.bytes.clone()).await
+    }
+
+    async fn finish(&mut self, trailers: Option<&Headers>) -> Result<(), Error> {
+        if self.finished {
+            return Ok(());
+        }
+        let map = http_types::trailer_map(trailers);
+        if !map.is_empty() {
+            gone(tokio::time::timeout(self.idle, self.send.send_trailers(map)).await)?;
+        }
+        self.end().await
+    }
+
+    fn keep_alive(&self) -> bool {
+        true
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.sent
+    }
+}

@@ -1,0 +1,166 @@
+//! Pier's heads and the `http` crate's types, both ways, for the protocols
+//! whose crates speak `http` (HTTP/2 through `h2`, HTTP/3 through `h3`):
+//! one mapping, so the multiplexed protocols share their field rules (which
+//! response fields never go, Date, Content-Length, trailers) rather than
+//! each keeping a copy.
+
+use crate::{BodySize, RequestParts};
+use bytes::Bytes;
+use pier_error::Kind;
+use pier_http::known::{self, Known};
+use pier_http::{Headers, ResponseHead};
+
+/// A request head as an `http`-speaking protocol received it: the engine
+/// reads it as [`RequestParts`] (`:authority` as its Host, RFC 9113
+/// §8.3.1, RFC 9114 §4.3.1).
+pub struct HttpHead {
+    parts: http::request::Parts,
+    has_body: bool,
+}
+
+impl HttpHead {
+    /// `has_body`: the stream did not end with its head.
+    pub fn new(parts: http::request::Parts, has_body: bool) -> HttpHead {
+        HttpHead { parts, has_body }
+    }
+}
+
+impl RequestParts for HttpHead {
+    fn method(&self) -> &[u8] {
+        self.parts.method.as_str().as_bytes()
+    }
+    fn target(&self) -> &[u8] {
+        match self.parts.uri.path_and_query().map(|p| p.as_str()) {
+            Some(pq) if !pq.is_empty() => pq.as_bytes(),
+            _ => b"/",
+        }
+    }
+    fn authority(&self) -> Option<&[u8]> {
+        self.parts.uri.authority().map(|a| a.as_str().as_bytes())
+    }
+    fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        self.parts
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str().as_bytes(), v.as_bytes()))
+    }
+    fn has_body(&self) -> bool {
+        self.has_body
+    }
+    fn refused(&self) -> Option<Kind> {
+        // Extended CONNECT (WebSocket over HTTP/2 and HTTP/3) is not carried.
+        (self.parts.method == http::Method::CONNECT).then_some(Kind::InvalidRequestLine)
+    }
+}
+
+/// An `http` map's fields appended to Pier's.
+pub fn to_headers(map: &http::HeaderMap, out: &mut Headers) {
+    for (k, v) in map {
+        out.append(k.as_str().as_bytes(), v.as_bytes());
+    }
+}
+
+/// `headers` (less those `skip` names) appended to an `http` map, every
+/// value a slice of one shared buffer: one allocation for the values, not
+/// one per field. Fields the `http` crate refuses are left out: `false`
+/// when there were any.
+pub fn http_fields(
+    headers: &Headers,
+    skip: impl Fn(Known, &[u8]) -> bool,
+    out: &mut http::HeaderMap,
+) -> bool {
+    let total: usize = headers
+        .iter_known()
+        .filter(|(k, n, _)| !skip(*k, n))
+        .map(|(_, _, v)| v.len())
+        .sum();
+    let mut all = Vec::with_capacity(total);
+    for (k, n, v) in headers.iter_known() {
+        if !skip(k, n) {
+            all.extend_from_slice(v);
+        }
+    }
+    let all = Bytes::from(all);
+    let mut at = 0;
+    let mut all_taken = true;
+    for (k, name, value) in headers.iter_known() {
+        if skip(k, name) {
+            continue;
+        }
+        let v = all.slice(at..at + value.len());
+        at += value.len();
+        match (
+            http::HeaderName::from_bytes(name),
+            http::HeaderValue::from_maybe_shared(v),
+        ) {
+            (Ok(n), Ok(v)) => {
+                out.append(n, v);
+            }
+            _ => all_taken = false,
+        }
+    }
+    all_taken
+}
+
+/// Trailer fields as an HTTP/2 trailers block, for either side (fields
+/// the `http` crate refuses are left out).
+pub fn trailer_map(trailers: Option<&Headers>) -> http::HeaderMap {
+    let mut map = http::HeaderMap::new();
+    for (k, v) in trailers.into_iter().flat_map(|t| t.iter()) {
+        if let (Ok(n), Ok(v)) = (
+            http::HeaderName::from_bytes(k),
+            http::HeaderValue::from_bytes(v),
+        ) {
+            map.append(n, v);
+        }
+    }
+    map
+}
+
+/// A gRPC or gRPC-web response (its content-type starts `application/grpc`):
+/// its body ends with trailers, never early.
+pub fn is_grpc(head: &ResponseHead) -> bool {
+    head.headers
+        .get_known(known::CONTENT_TYPE)
+        .is_some_and(|v| v.len() >= 16 && v[..16].eq_ignore_ascii_case(b"application/grpc"))
+}
+
+/// Response fields the multiplexed protocols do not carry (RFC 9113
+/// §8.2.2, RFC 9114 §4.2): the hop-by-hop ones and Transfer-Encoding.
+fn skip_response_field(k: Known) -> bool {
+    pier_http::hop_by_hop(k) || k == known::TRANSFER_ENCODING
+}
+
+/// The head's status and the fields a multiplexed protocol carries (an
+/// interim head as it is; a field `http` refuses is left out).
+pub fn response_fields(head: &ResponseHead) -> http::Response<()> {
+    let mut r = http::Response::new(());
+    *r.status_mut() =
+        http::StatusCode::from_u16(head.status).unwrap_or(http::StatusCode::BAD_GATEWAY);
+    let _ = http_fields(
+        &head.headers,
+        |k, _| skip_response_field(k),
+        r.headers_mut(),
+    );
+    r
+}
+
+/// A final response head: its fields, a Date (the cached one of `now_ns`)
+/// unless it has one, and the body's length when known.
+pub fn response(head: &ResponseHead, size: BodySize, now_ns: u64) -> http::Response<()> {
+    let mut r = response_fields(head);
+    let h = r.headers_mut();
+    if !head.headers.has_known(known::DATE) {
+        pier_http::date::with_date(now_ns, |d| {
+            if let Ok(v) = http::HeaderValue::from_bytes(d) {
+                h.insert(http::header::DATE, v);
+            }
+        });
+    }
+    if let BodySize::Length(n) = size {
+        if !head.headers.has_known(known::CONTENT_LENGTH) {
+            h.insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(n));
+        }
+    }
+    r
+}
