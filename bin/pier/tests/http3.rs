@@ -260,3 +260,56 @@ fn quick_mode_serves_http3_with_its_certificate() {
     assert_eq!(r[0].status, 200);
     assert_eq!(r[0].body, b"hello world\n");
 }
+
+/// The base64 SHA-256 of a certificate's public key (SubjectPublicKeyInfo),
+/// as Chromium's `--ignore-certificate-errors-spki-list` takes it.
+fn spki_hash(cert: &std::path::Path) -> String {
+    let out = run_with_timeout(
+        std::process::Command::new("sh").arg("-c").arg(format!(
+            "openssl x509 -in '{}' -pubkey -noout | openssl pkey -pubin -outform der \
+             | openssl dgst -sha256 -binary | base64",
+            cert.display()
+        )),
+        Duration::from_secs(20),
+    );
+    let h = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert_eq!(h.len(), 44, "an SPKI hash from openssl: {h:?}");
+    h
+}
+
+/// Headless Chromium loads a page through Pier over HTTP/3 (QUIC forced for
+/// this origin, the test certificate allowed by its key's hash) and the page
+/// says which protocol it came over.
+#[test]
+fn chromium_loads_a_page_over_http3() {
+    use pier_test_support::browser::Browser;
+    let s = site();
+    let o = Origin::start();
+    let p = pier(&config(&s, o.addr(), "", ""));
+    let addr = p.listener("main");
+    let origin = format!("localhost:{}", addr.port());
+    let force = format!("--origin-to-force-quic-on={origin}");
+    let spki = format!(
+        "--ignore-certificate-errors-spki-list={}",
+        spki_hash(&s.cert.cert)
+    );
+    let mut b = Browser::open_with(
+        &format!("https://{origin}/hello"),
+        &[
+            "--enable-quic",
+            &force,
+            &spki,
+            "--host-resolver-rules=MAP localhost 127.0.0.1",
+        ],
+    );
+    b.wait_for(
+        "document.readyState === 'complete' && document.body.innerText.includes('hello world')",
+        "the page loaded",
+    );
+    let proto = b.eval("performance.getEntriesByType('navigation')[0].nextHopProtocol");
+    assert_eq!(proto, "h3", "the page came over {proto}");
+    let n = p
+        .metric_value("pier_requests_by_protocol_total{protocol=\"h3\"}")
+        .unwrap_or(0.0);
+    assert!(n >= 1.0, "Pier counted {n} HTTP/3 requests");
+}

@@ -11,6 +11,7 @@
 //! Every wait here is bounded; every address is on port 0.
 #![forbid(unsafe_code)]
 
+pub mod browser;
 mod client;
 mod config;
 mod origin;
