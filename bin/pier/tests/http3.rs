@@ -8,6 +8,7 @@ mod common;
 
 use bytes::{Buf, Bytes};
 use common::*;
+use pier_test_support::pattern;
 use pier_test_support::tls::{Alg, CertPair, TestCa};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -69,27 +70,21 @@ struct H3Response {
     status: u16,
     headers: http::HeaderMap,
     body: Vec<u8>,
+    trailers: Option<http::HeaderMap>,
 }
 
-/// `requests` (method, path, body) in turn on one QUIC connection to `addr`,
-/// trusting `ca`.
-fn h3(addr: SocketAddr, ca: &std::path::Path, requests: &[(&str, &str, &[u8])]) -> Vec<H3Response> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        tokio::time::timeout(Duration::from_secs(20), h3_client(addr, ca, requests))
-            .await
-            .expect("the HTTP/3 exchange timed out")
-    })
+type Send = h3::client::SendRequest<h3_quinn::OpenStreams, Bytes>;
+
+/// An HTTP/3 client connection to `addr`, trusting `ca`: the QUIC
+/// connection, its request sender, and the task driving it.
+struct Client {
+    _ep: quinn::Endpoint,
+    conn: quinn::Connection,
+    send: Send,
+    drive: tokio::task::JoinHandle<h3::error::ConnectionError>,
 }
 
-async fn h3_client(
-    addr: SocketAddr,
-    ca: &std::path::Path,
-    requests: &[(&str, &str, &[u8])],
-) -> Vec<H3Response> {
+async fn connect(addr: SocketAddr, ca: &std::path::Path) -> Client {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::CertificateDer;
     let mut roots = rustls::RootCertStore::empty();
@@ -111,49 +106,83 @@ async fn h3_client(
         .unwrap()
         .await
         .expect("QUIC handshake");
-    let (mut driver, mut send) = h3::client::new(h3_quinn::Connection::new(conn))
+    let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
         .await
         .expect("HTTP/3 connection");
     let drive = tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
-    let mut out = Vec::new();
-    for (method, path, body) in requests {
-        let mut req = http::Request::builder()
-            .method(*method)
-            .uri(format!("https://localhost:{}{path}", addr.port()));
-        if !body.is_empty() {
-            req = req.header("content-length", body.len());
-        }
-        let mut stream = send
-            .send_request(req.body(()).unwrap())
-            .await
-            .expect("send the request");
-        if !body.is_empty() {
-            // In two pieces: the body streams.
-            let (a, b) = body.split_at(body.len() / 2);
-            stream.send_data(Bytes::copy_from_slice(a)).await.unwrap();
-            stream.send_data(Bytes::copy_from_slice(b)).await.unwrap();
-        }
-        stream.finish().await.expect("end the request");
-        let resp = stream.recv_response().await.expect("a response");
-        let mut got = Vec::new();
-        while let Some(mut chunk) = stream.recv_data().await.expect("the body") {
-            while chunk.has_remaining() {
-                let c = chunk.chunk();
-                got.extend_from_slice(c);
-                let n = c.len();
-                chunk.advance(n);
-            }
-        }
-        out.push(H3Response {
-            status: resp.status().as_u16(),
-            headers: resp.headers().clone(),
-            body: got,
-        });
+    Client {
+        _ep: ep,
+        conn,
+        send,
+        drive,
     }
-    drop(send);
-    drive.abort();
-    ep.close(0u32.into(), b"done");
-    out
+}
+
+/// One request on `send`: `body` streamed in two pieces, the whole response
+/// read (trailers too).
+async fn request(send: &mut Send, port: u16, method: &str, path: &str, body: &[u8]) -> H3Response {
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(format!("https://localhost:{port}{path}"));
+    if !body.is_empty() {
+        req = req.header("content-length", body.len());
+    }
+    let mut stream = send
+        .send_request(req.body(()).unwrap())
+        .await
+        .expect("send the request");
+    if !body.is_empty() {
+        // In two pieces: the body streams.
+        let (a, b) = body.split_at(body.len() / 2);
+        stream.send_data(Bytes::copy_from_slice(a)).await.unwrap();
+        stream.send_data(Bytes::copy_from_slice(b)).await.unwrap();
+    }
+    stream.finish().await.expect("end the request");
+    let resp = stream.recv_response().await.expect("a response");
+    let mut got = Vec::new();
+    while let Some(mut chunk) = stream.recv_data().await.expect("the body") {
+        while chunk.has_remaining() {
+            let c = chunk.chunk();
+            got.extend_from_slice(c);
+            let n = c.len();
+            chunk.advance(n);
+        }
+    }
+    let trailers = stream.recv_trailers().await.expect("trailers");
+    H3Response {
+        status: resp.status().as_u16(),
+        headers: resp.headers().clone(),
+        body: got,
+        trailers,
+    }
+}
+
+/// `f` on a current-thread runtime, bounded at 60 s.
+fn run<F: std::future::Future>(f: F) -> F::Output {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(60), f)
+            .await
+            .expect("the HTTP/3 exchange timed out")
+    })
+}
+
+/// `requests` (method, path, body) in turn on one QUIC connection to `addr`,
+/// trusting `ca`.
+fn h3(addr: SocketAddr, ca: &std::path::Path, requests: &[(&str, &str, &[u8])]) -> Vec<H3Response> {
+    run(async {
+        let mut c = connect(addr, ca).await;
+        let mut out = Vec::new();
+        for (method, path, body) in requests {
+            out.push(request(&mut c.send, addr.port(), method, path, body).await);
+        }
+        c.drive.abort();
+        c.conn.close(0u32.into(), b"done");
+        out
+    })
 }
 
 #[test]
@@ -312,4 +341,131 @@ fn chromium_loads_a_page_over_http3() {
         .metric_value("pier_requests_by_protocol_total{protocol=\"h3\"}")
         .unwrap_or(0.0);
     assert!(n >= 1.0, "Pier counted {n} HTTP/3 requests");
+}
+
+#[test]
+fn large_bodies_and_trailers_cross_http3() {
+    let s = site();
+    let o = Origin::start();
+    let p = pier(&config(&s, o.addr(), "", ""));
+    let n = 2_000_000;
+    let up = pattern(7, 1 << 20);
+    let r = h3(
+        p.listener("main"),
+        &s.ca.cert,
+        &[
+            ("GET", &format!("/bytes/{n}"), b""),
+            ("GET", "/chunked/100000", b""),
+            ("POST", "/echo", &up),
+        ],
+    );
+    assert_eq!(r[0].status, 200);
+    assert_eq!(r[0].body.len(), n);
+    assert!(r[0].body == pattern(0, n), "the 2 MB body arrived intact");
+    // A chunked origin body and its trailer field, as HTTP/3 trailers.
+    assert_eq!(r[1].status, 200);
+    assert!(r[1].body == pattern(0, 100_000));
+    let t = r[1].trailers.as_ref().expect("trailers over HTTP/3");
+    assert_eq!(t.get("x-trailer").unwrap(), "done");
+    // 1 MiB up, streamed, and back.
+    assert_eq!(r[2].status, 200);
+    assert!(r[2].body == up, "the 1 MiB request body came back intact");
+}
+
+#[test]
+fn many_streams_at_once_on_one_connection() {
+    let s = site();
+    let o = Origin::start();
+    let p = pier(&config(&s, o.addr(), "", ""));
+    let addr = p.listener("main");
+    let statuses = run(async {
+        let c = connect(addr, &s.ca.cert).await;
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..64 {
+            let mut send = c.send.clone();
+            tasks.spawn(async move {
+                let r = request(
+                    &mut send,
+                    addr.port(),
+                    "GET",
+                    &format!("/bytes/{}", 1000 + i),
+                    b"",
+                )
+                .await;
+                (r.status, r.body.len(), 1000 + i)
+            });
+        }
+        let mut got = Vec::new();
+        while let Some(r) = tasks.join_next().await {
+            got.push(r.unwrap());
+        }
+        c.drive.abort();
+        got
+    });
+    assert_eq!(statuses.len(), 64);
+    for (status, len, want) in statuses {
+        assert_eq!((status, len), (200, want));
+    }
+    assert_eq!(
+        p.metric_value("pier_requests_by_protocol_total{protocol=\"h3\"}"),
+        Some(64.0)
+    );
+}
+
+#[test]
+fn a_stream_reset_mid_body_costs_only_that_stream() {
+    let s = site();
+    let o = Origin::start();
+    let p = pier(&config(&s, o.addr(), "", ""));
+    let addr = p.listener("main");
+    let after = run(async {
+        let mut c = connect(addr, &s.ca.cert).await;
+        let req = http::Request::get(format!("https://localhost:{}/bytes/50000000", addr.port()))
+            .body(())
+            .unwrap();
+        let mut stream = c.send.send_request(req).await.unwrap();
+        stream.finish().await.unwrap();
+        let resp = stream.recv_response().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let first = stream.recv_data().await.unwrap();
+        assert!(first.is_some_and(|b| b.has_remaining()));
+        // Gone mid-body: STOP_SENDING, and the stream dropped.
+        stream.stop_sending(h3::error::Code::H3_REQUEST_CANCELLED);
+        drop(stream);
+        // The connection goes on.
+        let r = request(&mut c.send, addr.port(), "GET", "/hello", b"").await;
+        c.drive.abort();
+        r
+    });
+    assert_eq!(after.status, 200);
+    assert_eq!(after.body, b"hello world\n");
+    assert_eq!(p.metric_value("pier_panics_total"), Some(0.0));
+}
+
+#[test]
+fn an_idle_http3_connection_is_closed() {
+    let s = site();
+    let o = Origin::start();
+    let p = pier(&config(
+        &s,
+        o.addr(),
+        "[timeouts]\nclient_idle = \"300ms\"\n",
+        "",
+    ));
+    let addr = p.listener("main");
+    let closed = run(async {
+        let mut c = connect(addr, &s.ca.cert).await;
+        let r = request(&mut c.send, addr.port(), "GET", "/hello", b"").await;
+        assert_eq!(r.status, 200);
+        // Nothing more is sent: Pier's idle timeout ends the connection
+        // (waited for as the close itself, within the run's 60 s bound).
+        c.conn.closed().await
+    });
+    assert!(
+        matches!(
+            closed,
+            quinn::ConnectionError::TimedOut | quinn::ConnectionError::ApplicationClosed(_)
+        ),
+        "{closed:?}"
+    );
 }
