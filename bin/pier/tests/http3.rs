@@ -469,3 +469,23 @@ fn an_idle_http3_connection_is_closed() {
         "{closed:?}"
     );
 }
+
+/// `quic_retry = true`: every new client proves its address first (a Retry
+/// round trip), then is served as usual; both are counted.
+#[test]
+fn quic_retry_validates_every_new_client() {
+    let s = site();
+    let o = Origin::start();
+    let text =
+        config(&s, o.addr(), "", "").replace("http3 = true\n", "http3 = true\nquic_retry = true\n");
+    let p = pier(&text);
+    for _ in 0..2 {
+        let r = h3(p.listener("main"), &s.ca.cert, &[("GET", "/hello", b"")]);
+        assert_eq!(r[0].status, 200);
+    }
+    assert_eq!(p.metric_value("pier_http3_retries_total"), Some(2.0));
+    assert_eq!(
+        p.metric_value("pier_http3_handshakes_total{result=\"ok\"}"),
+        Some(2.0)
+    );
+}

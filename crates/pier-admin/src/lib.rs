@@ -754,6 +754,11 @@ pub fn render_metrics(shared: &Shared) -> String {
         }
     }
     pier_tls::stats::stats().render(&mut out);
+    let (retries, handshakes, failed) = pier_proxy::quic_stats();
+    let _ = writeln!(
+        out,
+        "# HELP pier_http3_retries_total QUIC Retry packets sent (address validation).\n# TYPE pier_http3_retries_total counter\npier_http3_retries_total {retries}\n# HELP pier_http3_handshakes_total QUIC handshakes, by result.\n# TYPE pier_http3_handshakes_total counter\npier_http3_handshakes_total{{result=\"ok\"}} {handshakes}\npier_http3_handshakes_total{{result=\"failed\"}} {failed}"
+    );
     if !state.cache_zones.is_empty() {
         out.push_str("# HELP pier_cache_lookups_total Cache lookups by result.\n# TYPE pier_cache_lookups_total counter\n");
         for z in &state.cache_zones {

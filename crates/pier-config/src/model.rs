@@ -345,6 +345,8 @@ pub struct Listener {
     /// `http3`: HTTP/3 over QUIC on the same port (UDP), and `Alt-Svc` on
     /// the TCP responses that points browsers to it. TLS listeners only.
     pub http3: bool,
+    /// `quic_retry`: a Retry for every new QUIC client, not only under load.
+    pub quic_retry: bool,
     /// `trusted_proxies`: clients whose Forwarded / X-Forwarded-* headers
     /// are passed on (extended); from anyone else they are replaced.
     pub trusted_proxies: Vec<Cidr>,
@@ -369,6 +371,7 @@ impl Listener {
             h2c: false,
             h2c_only: false,
             http3: false,
+            quic_retry: false,
             trusted_proxies: Vec::new(),
         }
     }

@@ -162,6 +162,9 @@ pub struct ListenerEntry {
     pub h2c: Option<H2cValue>,
     /// HTTP/3 (QUIC) on the same port over UDP (TLS listeners only).
     pub http3: Option<Spanned<bool>>,
+    /// With `http3`: every new QUIC client proves its address first (a
+    /// Retry), not only under load (nginx's `quic_retry`).
+    pub quic_retry: Option<Spanned<bool>>,
     pub tls: Option<ListenerTlsSection>,
     /// CIDRs whose Forwarded / X-Forwarded-* headers are kept.
     pub trusted_proxies: Option<Vec<Spanned<String>>>,

@@ -372,6 +372,13 @@ pub(crate) fn validate(
                     "`http3` needs TLS: add [listener.tls] (QUIC is always encrypted)",
                 );
             }
+            let quic_retry = l.quic_retry.as_ref().is_some_and(|v| *v.get_ref());
+            if quic_retry && !http3 {
+                c.err(
+                    l.quic_retry.as_ref().and_then(sp),
+                    "`quic_retry` is for listeners with `http3 = true`",
+                );
+            }
             let mut trusted_proxies = Vec::new();
             for v in l.trusted_proxies.iter().flatten() {
                 match Cidr::parse(v.get_ref()) {
@@ -387,6 +394,7 @@ pub(crate) fn validate(
                 h2c,
                 h2c_only,
                 http3,
+                quic_retry,
                 trusted_proxies,
             });
         }

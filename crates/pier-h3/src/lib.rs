@@ -44,6 +44,17 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
+/// Process-wide QUIC counters (`pier_http3_*` in /metrics).
+pub mod stats {
+    use std::sync::atomic::AtomicU64;
+    /// Retry packets sent (address validation).
+    pub static RETRIES: AtomicU64 = AtomicU64::new(0);
+    /// Handshakes that completed.
+    pub static HANDSHAKES: AtomicU64 = AtomicU64::new(0);
+    /// Handshakes that failed or timed out.
+    pub static HANDSHAKE_FAILURES: AtomicU64 = AtomicU64::new(0);
+}
+
 type SendHalf = h3::server::RequestStream<h3_quinn::SendStream<Bytes>, Bytes>;
 type RecvHalf = h3::server::RequestStream<h3_quinn::RecvStream, Bytes>;
 type Resolver = h3::server::RequestResolver<h3_quinn::Connection, Bytes>;
@@ -61,7 +72,7 @@ pub struct Settings {
     pub client_idle: Duration,
     pub client_goaway: Duration,
     /// Handshakes in progress on the endpoint above which new clients must
-    /// prove their address first (a Retry).
+    /// prove their address first (a Retry); 0: every new client does.
     pub retry_above: usize,
 }
 
@@ -126,8 +137,11 @@ pub async fn serve<E: Engine>(
         };
         let Some(incoming) = incoming else { break };
         if handshakes.get() >= s.retry_above && !incoming.remote_address_validated() {
-            // Under load: prove the address first (stateless).
-            let _ = incoming.retry();
+            // Under load (or always, `quic_retry`): prove the address
+            // first, statelessly.
+            if incoming.retry().is_ok() {
+                stats::RETRIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             continue;
         }
         let (s, admit, handshakes) = (s.clone(), admit.clone(), handshakes.clone());
@@ -165,10 +179,23 @@ async fn handshake(
     handshakes: &Rc<Cell<usize>>,
 ) -> Option<quinn::Connection> {
     let _count = Counted::enter(handshakes);
-    let connecting = incoming.accept().ok()?;
-    match tokio::time::timeout(s.handshake_timeout, connecting).await {
-        Ok(Ok(c)) => Some(c),
-        _ => None,
+    use std::sync::atomic::Ordering::Relaxed;
+    let done = match incoming.accept() {
+        Ok(connecting) => tokio::time::timeout(s.handshake_timeout, connecting).await,
+        Err(_) => {
+            stats::HANDSHAKE_FAILURES.fetch_add(1, Relaxed);
+            return None;
+        }
+    };
+    match done {
+        Ok(Ok(c)) => {
+            stats::HANDSHAKES.fetch_add(1, Relaxed);
+            Some(c)
+        }
+        _ => {
+            stats::HANDSHAKE_FAILURES.fetch_add(1, Relaxed);
+            None
+        }
     }
 }
 

@@ -149,6 +149,17 @@ impl pier_lb::dns::Running for Shared {
     }
 }
 
+/// QUIC's process-wide counters: Retry packets sent, handshakes done and
+/// failed (`pier_http3_retries_total`, `pier_http3_handshakes_total`).
+pub fn quic_stats() -> (u64, u64, u64) {
+    use pier_h3::stats;
+    (
+        stats::RETRIES.load(Relaxed),
+        stats::HANDSHAKES.load(Relaxed),
+        stats::HANDSHAKE_FAILURES.load(Relaxed),
+    )
+}
+
 /// Cached body bytes spliced to clients without a copy, process-wide
 /// (`pier_splice_bytes_total`).
 pub fn splice_bytes() -> u64 {

@@ -119,7 +119,11 @@ pub async fn serve_h3<P: Phases>(w: Arc<Worker<P>>, name: String, socket: std::n
         client_header: t.client_header,
         client_idle: t.client_idle,
         client_goaway: t.client_goaway,
-        retry_above: RETRY_ABOVE,
+        retry_above: if state.cfg.listeners[index].quic_retry {
+            0
+        } else {
+            RETRY_ABOVE
+        },
     };
     let endpoint = match pier_h3::endpoint(socket, tls.config(), &s, reset_key()) {
         Ok(e) => e,
