@@ -85,37 +85,60 @@ struct Client {
 }
 
 async fn connect(addr: SocketAddr, ca: &std::path::Path) -> Client {
+    connect_as(addr, ca, None).await
+}
+
+/// As [`connect`], presenting `client`'s certificate when given.
+async fn connect_as(addr: SocketAddr, ca: &std::path::Path, client: Option<&CertPair>) -> Client {
+    try_connect_as(addr, ca, client)
+        .await
+        .expect("QUIC handshake and HTTP/3 connection")
+}
+
+/// As [`connect_as`]; None when the handshake or the HTTP/3 connection fails.
+async fn try_connect_as(
+    addr: SocketAddr,
+    ca: &std::path::Path,
+    client: Option<&CertPair>,
+) -> Option<Client> {
     use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     let mut roots = rustls::RootCertStore::empty();
     for c in CertificateDer::pem_file_iter(ca).unwrap() {
         roots.add(c.unwrap()).unwrap();
     }
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+        .with_root_certificates(roots);
+    let mut tls = match client {
+        Some(c) => tls
+            .with_client_auth_cert(
+                CertificateDer::pem_file_iter(&c.cert)
+                    .unwrap()
+                    .map(|c| c.unwrap())
+                    .collect(),
+                PrivateKeyDer::from_pem_file(&c.key).unwrap(),
+            )
+            .unwrap(),
+        None => tls.with_no_client_auth(),
+    };
     tls.alpn_protocols = vec![b"h3".to_vec()];
     let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
-    let conn = ep
-        .connect(addr, "localhost")
-        .unwrap()
-        .await
-        .expect("QUIC handshake");
+    let conn = ep.connect(addr, "localhost").unwrap().await.ok()?;
     let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
         .await
-        .expect("HTTP/3 connection");
+        .ok()?;
     let drive = tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
-    Client {
+    Some(Client {
         _ep: ep,
         conn,
         send,
         drive,
-    }
+    })
 }
 
 /// One request on `send`: `body` streamed in two pieces, the whole response
@@ -488,4 +511,88 @@ fn quic_retry_validates_every_new_client() {
         p.metric_value("pier_http3_handshakes_total{result=\"ok\"}"),
         Some(2.0)
     );
+}
+
+/// The route's cache over HTTP/3: a miss fills it, a hit answers from it
+/// (small and large bodies), the origin asked once per object.
+#[test]
+fn the_cache_serves_http3_clients() {
+    let s = site();
+    let o = Origin::start();
+    let p = pier(&config(
+        &s,
+        o.addr(),
+        "[cache.main]\nmemory = \"64m\"\nmax_object = \"8m\"\n",
+        "[route.cache]\nzone = \"main\"\nttl = { \"200\" = \"10m\" }\n",
+    ));
+    let n = 3_000_000;
+    let big = format!("/bytes/{n}");
+    let r = h3(
+        p.listener("main"),
+        &s.ca.cert,
+        &[
+            ("GET", "/hello", b""),
+            ("GET", "/hello", b""),
+            ("GET", &big, b""),
+            ("GET", &big, b""),
+        ],
+    );
+    let status = |i: usize| {
+        r[i].headers
+            .get("cache-status")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default()
+    };
+    assert!(status(0).contains("fwd=miss"), "{}", status(0));
+    assert!(status(1).contains("hit"), "{}", status(1));
+    assert_eq!(r[1].body, b"hello world\n");
+    assert!(status(3).contains("hit"), "{}", status(3));
+    assert!(
+        r[3].body == pattern(0, n),
+        "the stored 3 MB body came back intact"
+    );
+    assert_eq!(o.requests(), 2, "one origin fetch per object");
+}
+
+/// A listener that asks for client certificates asks over QUIC too, and
+/// Lua reads the subject (`ngx.var.ssl_client_s_dn`) as over TCP.
+#[test]
+fn client_certificates_over_http3() {
+    let s = site();
+    let client = s.ca.client("alice", "alice");
+    let o = Origin::start();
+    let lua = "[route.lua]\nheader_filter = '''\nngx.header[\"X-Subject\"] = ngx.var.ssl_client_s_dn or \"none\"\n'''\n";
+    let text = config(&s, o.addr(), "", lua).replace(
+        "[listener.tls]\n",
+        &format!(
+            "[listener.tls]\nclient_ca = \"{}\"\nclient_auth = \"required\"\n",
+            s.ca.cert.display()
+        ),
+    );
+    let p = pier(&text);
+    let addr = p.listener("main");
+    let r = run(async {
+        let mut c = connect_as(addr, &s.ca.cert, Some(&client)).await;
+        let r = request(&mut c.send, addr.port(), "GET", "/hello", b"").await;
+        c.drive.abort();
+        r
+    });
+    assert_eq!(r.status, 200);
+    let subject = r.headers.get("x-subject").unwrap().to_str().unwrap();
+    assert!(subject.contains("CN=alice"), "{subject}");
+    // Without a certificate the connection is refused.
+    let served = run(async {
+        let got = tokio::time::timeout(Duration::from_secs(20), async {
+            let mut c = try_connect_as(addr, &s.ca.cert, None).await?;
+            let req = http::Request::get(format!("https://localhost:{}/hello", addr.port()))
+                .body(())
+                .unwrap();
+            let mut st = c.send.send_request(req).await.ok()?;
+            st.finish().await.ok()?;
+            st.recv_response().await.ok()
+        })
+        .await;
+        matches!(got, Ok(Some(_)))
+    });
+    assert!(!served, "a client without a certificate was served");
 }

@@ -115,6 +115,9 @@ pub struct NewConnection {
     pub local: SocketAddr,
     /// The server name the client asked for (SNI).
     pub server_name: Option<String>,
+    /// The client's certificate, when the listener asks for one and the
+    /// client sent it (verified by the handshake).
+    pub client_cert: Option<rustls::pki_types::CertificateDer<'static>>,
 }
 
 /// Serve `endpoint` until `drain` turns true (then GOAWAY on every
@@ -157,6 +160,13 @@ pub async fn serve<E: Engine>(
                     .handshake_data()
                     .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
                     .and_then(|d| d.server_name),
+                client_cert: conn
+                    .peer_identity()
+                    .and_then(|i| {
+                        i.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+                            .ok()
+                    })
+                    .and_then(|certs| certs.into_iter().next()),
             };
             match admit(info) {
                 Some(engine) => connection(engine, conn, &s).await,

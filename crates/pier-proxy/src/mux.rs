@@ -147,7 +147,7 @@ pub async fn serve_h3<P: Phases>(w: Arc<Worker<P>>, name: String, socket: std::n
                 cipher: "unknown",
                 sni: c.server_name.map(String::into_boxed_str),
                 alpn: Some("h3".into()),
-                client_subject: None,
+                client_subject: c.client_cert.as_ref().and_then(pier_tls::subject_of),
                 resumed: false,
             };
             Some(Mux {

@@ -102,7 +102,7 @@ fn summarize(file: &Path, der: &CertificateDer<'_>) -> Result<CertSummary, Strin
 }
 
 /// Subject of a certificate, RFC 4514 style ("CN=client,O=Example").
-pub(crate) fn subject_of(der: &CertificateDer<'_>) -> Option<Box<str>> {
+pub fn subject_of(der: &CertificateDer<'_>) -> Option<Box<str>> {
     let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
     Some(cert.subject().to_string().into_boxed_str())
 }

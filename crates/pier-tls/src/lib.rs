@@ -22,7 +22,7 @@ mod client;
 mod server;
 pub mod stats;
 
-pub use certs::{load_certified_key, CertSummary};
+pub use certs::{load_certified_key, subject_of, CertSummary};
 pub use client::{ClientTls, NoVerify};
 pub use server::{Accepted, ServerTls};
 
