@@ -926,57 +926,8 @@ impl<S: Stream> Downstream for H1Downstream<'_, S> {
             let _ = uw.write_all(self.rbuf).await;
             self.rbuf.clear();
         }
-        tunnel(&mut cr, &mut cw, ur, uw, idle).await;
+        pier_session::tunnel(&mut cr, &mut cw, ur, uw, idle).await;
         Ok(sent)
-    }
-}
-
-/// Copy both ways until either side closes (its write side is then shut
-/// down) and the other finishes, or until nothing moved either way for
-/// `idle`. A drain does not cut tunnels; the end of its grace period does
-/// (the process exits).
-async fn tunnel<CR, CW, UR, UW>(cr: &mut CR, cw: &mut CW, ur: &mut UR, uw: &mut UW, idle: Duration)
-where
-    CR: AsyncRead + Unpin,
-    CW: AsyncWrite + Unpin,
-    UR: AsyncRead + Unpin,
-    UW: AsyncWrite + Unpin,
-{
-    let last = std::cell::Cell::new(tokio::time::Instant::now());
-    async fn pump<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
-        r: &mut R,
-        w: &mut W,
-        last: &std::cell::Cell<tokio::time::Instant>,
-    ) {
-        let mut buf = vec![0u8; READ_CHUNK];
-        loop {
-            match r.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    last.set(tokio::time::Instant::now());
-                    if w.write_all(&buf[..n]).await.is_err() {
-                        break;
-                    }
-                }
-            }
-        }
-        let _ = w.shutdown().await;
-    }
-    let both = async {
-        tokio::join!(pump(cr, uw, &last), pump(ur, cw, &last));
-    };
-    let watchdog = async {
-        loop {
-            let deadline = last.get() + idle;
-            tokio::time::sleep_until(deadline).await;
-            if last.get() + idle <= tokio::time::Instant::now() {
-                return;
-            }
-        }
-    };
-    tokio::select! {
-        _ = both => {}
-        _ = watchdog => {}
     }
 }
 

@@ -19,7 +19,7 @@ use pier_session::{
 use std::future::poll_fn;
 use std::net::SocketAddr;
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
 /// Serve one HTTP/2 connection (after TLS with ALPN `h2`, or cleartext with
 /// prior knowledge) until the client goes away, an error, or a drain.
@@ -41,7 +41,9 @@ pub async fn serve<E: Engine, S: Stream>(
         .max_send_buffer_size(c.max_send_buffer)
         .max_concurrent_reset_streams(c.max_concurrent_reset_streams)
         .max_pending_accept_reset_streams(c.max_pending_accept_reset_streams)
-        .max_local_error_reset_streams(Some(c.max_local_error_reset_streams));
+        .max_local_error_reset_streams(Some(c.max_local_error_reset_streams))
+        // WebSocket over HTTP/2 (RFC 8441): SETTINGS_ENABLE_CONNECT_PROTOCOL.
+        .enable_connect_protocol();
     // The preface and SETTINGS within `client_header`, evictable meanwhile
     // as a connection waiting for a head is.
     let handshake = {
@@ -121,7 +123,15 @@ pub async fn serve<E: Engine, S: Stream>(
         match next {
             Some(Ok((req, respond))) => {
                 let (parts, body) = req.into_parts();
-                let head = HttpHead::new(parts, !body.is_end_stream());
+                // An extended CONNECT (RFC 8441) is the Upgrade it stands for.
+                let protocol = (parts.method == http::Method::CONNECT)
+                    .then(|| parts.extensions.get::<h2::ext::Protocol>())
+                    .flatten()
+                    .map(|p| p.as_str().to_string());
+                let head = match protocol {
+                    Some(p) => HttpHead::upgrade(parts, &p),
+                    None => HttpHead::new(parts, !body.is_end_stream()),
+                };
                 let down = H2Downstream::new(body, respond, idle);
                 let engine = engine.clone();
                 let guard = StreamGuard::enter(&open, &ended);
@@ -315,16 +325,116 @@ impl Downstream for H2Downstream {
         (&mut self.rx, &mut self.tx)
     }
 
+    /// An extended CONNECT the origin switched (RFC 8441 §5): its 101 is a
+    /// 200 here, then the stream's DATA frames carry the bytes both ways.
     async fn tunnel<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
         &mut self,
-        _head: &ResponseHead,
-        _early: &[u8],
-        _ur: &mut R,
-        _uw: &mut W,
-        _idle: Duration,
+        head: &ResponseHead,
+        early: &[u8],
+        ur: &mut R,
+        uw: &mut W,
+        idle: Duration,
     ) -> Result<u64, Error> {
-        // No Upgrade in HTTP/2 (RFC 9113 §8.6); the driver never asks.
-        Err(Error::new(Kind::UpstreamProtocol))
+        let mut ok = head.clone();
+        ok.set_status(200);
+        ok.headers.remove_known(pier_http::known::UPGRADE);
+        ok.headers.remove(b"sec-websocket-accept");
+        let resp = http_types::response_fields(&ok);
+        let send = self
+            .tx
+            .respond
+            .send_response(resp, false)
+            .map_err(|_| Error::answered(Kind::ClientClosed))?;
+        let mut cw = H2Write { send };
+        if !early.is_empty() && cw.write_all(early).await.is_err() {
+            return Err(Error::answered(Kind::ClientClosed));
+        }
+        let mut cr = H2Read {
+            recv: &mut self.rx.recv,
+            buf: Bytes::new(),
+        };
+        pier_session::tunnel(&mut cr, &mut cw, ur, uw, idle).await;
+        Ok(0)
+    }
+}
+
+/// A tunnelled stream's receiving half as a byte stream.
+struct H2Read<'a> {
+    recv: &'a mut h2::RecvStream,
+    buf: Bytes,
+}
+
+impl AsyncRead for H2Read<'_> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        out: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        let me = self.get_mut();
+        if me.buf.is_empty() {
+            match me.recv.poll_data(cx) {
+                Poll::Pending => return Poll::Pending,
+                // The client ended its side: end of the stream.
+                Poll::Ready(None) => return Poll::Ready(Ok(())),
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(std::io::Error::other(e))),
+                Poll::Ready(Some(Ok(b))) => {
+                    let _ = me.recv.flow_control().release_capacity(b.len());
+                    me.buf = b;
+                }
+            }
+        }
+        let n = me.buf.len().min(out.remaining());
+        out.put_slice(&me.buf.split_to(n));
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// A tunnelled stream's sending half as a byte stream: writes take what
+/// the flow-control window allows.
+struct H2Write {
+    send: h2::SendStream<Bytes>,
+}
+
+impl AsyncWrite for H2Write {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        data: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        use std::task::Poll;
+        let me = self.get_mut();
+        if data.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        me.send.reserve_capacity(data.len());
+        match me.send.poll_capacity(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(None) => Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into())),
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Err(std::io::Error::other(e))),
+            Poll::Ready(Some(Ok(n))) => {
+                let n = n.min(data.len());
+                match me.send.send_data(Bytes::copy_from_slice(&data[..n]), false) {
+                    Ok(()) => Poll::Ready(Ok(n)),
+                    Err(e) => Poll::Ready(Err(std::io::Error::other(e))),
+                }
+            }
+        }
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let _ = self.get_mut().send.send_data(Bytes::new(), true);
+        std::task::Poll::Ready(Ok(()))
     }
 }
 

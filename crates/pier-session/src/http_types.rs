@@ -16,17 +16,73 @@ use pier_http::{Headers, ResponseHead};
 pub struct HttpHead {
     parts: http::request::Parts,
     has_body: bool,
+    /// An extended CONNECT (RFC 8441, RFC 9220) for this protocol, read as
+    /// the HTTP/1.1 Upgrade it stands for: the fields an origin needs for
+    /// one (`Upgrade`, `Connection`, a fresh `Sec-WebSocket-Key`).
+    upgrade: Option<Upgrade>,
+}
+
+struct Upgrade {
+    protocol: http::HeaderValue,
+    key: [u8; 24],
 }
 
 impl HttpHead {
     /// `has_body`: the stream did not end with its head.
     pub fn new(parts: http::request::Parts, has_body: bool) -> HttpHead {
-        HttpHead { parts, has_body }
+        HttpHead {
+            parts,
+            has_body,
+            upgrade: None,
+        }
     }
+
+    /// An extended CONNECT whose `:protocol` is `protocol` (WebSocket over
+    /// HTTP/2 or HTTP/3): the engine sees the GET with `Upgrade` that an
+    /// HTTP/1.1 client would send, so the same allow-list, idle timeout
+    /// and drain rules apply, and the origin gets an ordinary Upgrade. The
+    /// protocol's `Downstream::tunnel` answers its 101 with a 200.
+    pub fn upgrade(parts: http::request::Parts, protocol: &str) -> HttpHead {
+        let upgrade = http::HeaderValue::from_str(protocol)
+            .ok()
+            .map(|protocol| Upgrade {
+                protocol,
+                key: websocket_key(),
+            });
+        HttpHead {
+            parts,
+            has_body: false,
+            upgrade,
+        }
+    }
+}
+
+/// A `Sec-WebSocket-Key`: 16 random bytes in base64 (a nonce, RFC 6455
+/// §4.1; the origin's `Sec-WebSocket-Accept` answers it).
+fn websocket_key() -> [u8; 24] {
+    use std::hash::{BuildHasher, Hasher};
+    let mut raw = [0u8; 16];
+    for (i, half) in raw.chunks_mut(8).enumerate() {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_usize(i);
+        half.copy_from_slice(&h.finish().to_le_bytes());
+    }
+    const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = [b'='; 24];
+    for (i, c) in raw.chunks(3).enumerate() {
+        let n = c.iter().fold(0u32, |n, &b| n << 8 | b as u32) << (8 * (3 - c.len()));
+        for j in 0..=c.len() {
+            out[i * 4 + j] = B64[(n >> (18 - 6 * j) & 63) as usize];
+        }
+    }
+    out
 }
 
 impl RequestParts for HttpHead {
     fn method(&self) -> &[u8] {
+        if self.upgrade.is_some() {
+            return b"GET";
+        }
         self.parts.method.as_str().as_bytes()
     }
     fn target(&self) -> &[u8] {
@@ -39,17 +95,27 @@ impl RequestParts for HttpHead {
         self.parts.uri.authority().map(|a| a.as_str().as_bytes())
     }
     fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        let upgrade = self.upgrade.iter().flat_map(|u| {
+            [
+                (&b"upgrade"[..], u.protocol.as_bytes()),
+                (b"connection", b"upgrade"),
+                (b"sec-websocket-key", &u.key[..]),
+            ]
+        });
         self.parts
             .headers
             .iter()
             .map(|(k, v)| (k.as_str().as_bytes(), v.as_bytes()))
+            .chain(upgrade)
     }
     fn has_body(&self) -> bool {
         self.has_body
     }
     fn refused(&self) -> Option<Kind> {
-        // Extended CONNECT (WebSocket over HTTP/2 and HTTP/3) is not carried.
-        (self.parts.method == http::Method::CONNECT).then_some(Kind::InvalidRequestLine)
+        // A CONNECT other than an extended one for an upgrade (`upgrade`)
+        // is not carried: Pier is no forward proxy.
+        (self.upgrade.is_none() && self.parts.method == http::Method::CONNECT)
+            .then_some(Kind::InvalidRequestLine)
     }
 }
 
@@ -163,4 +229,47 @@ pub fn response(head: &ResponseHead, size: BodySize, now_ns: u64) -> http::Respo
         }
     }
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_extended_connect_reads_as_an_http1_upgrade() {
+        let (parts, ()) = http::Request::builder()
+            .method("CONNECT")
+            .uri("https://example.test/chat?room=1")
+            .header("sec-websocket-version", "13")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let h = HttpHead::upgrade(parts, "websocket");
+        assert_eq!(h.method(), b"GET");
+        assert_eq!(h.target(), b"/chat?room=1");
+        assert_eq!(h.refused(), None);
+        assert!(!h.has_body());
+        let fields: Vec<(&[u8], &[u8])> = h.fields().collect();
+        assert!(fields.contains(&(&b"upgrade"[..], &b"websocket"[..])));
+        assert!(fields.contains(&(&b"connection"[..], &b"upgrade"[..])));
+        let key = fields
+            .iter()
+            .find(|(n, _)| *n == b"sec-websocket-key")
+            .unwrap()
+            .1;
+        // 16 bytes in base64: 22 characters and "==".
+        assert_eq!(key.len(), 24);
+        assert!(key.ends_with(b"=="));
+        assert!(key[..22]
+            .iter()
+            .all(|c| c.is_ascii_alphanumeric() || b"+/".contains(c)));
+        // A plain CONNECT is still refused.
+        let (parts, ()) = http::Request::builder()
+            .method("CONNECT")
+            .uri("example.test:443")
+            .body(())
+            .unwrap()
+            .into_parts();
+        assert!(HttpHead::new(parts, true).refused().is_some());
+    }
 }

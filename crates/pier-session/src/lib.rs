@@ -21,7 +21,7 @@ use pier_error::{Error, Kind};
 use pier_http::known::Known;
 use pier_http::{BodyLen, Headers, Method, RequestHead, ResponseHead};
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The protocol a client connection speaks: logs, metrics and Lua's
 /// `ngx.var.server_protocol` read its name from here, so the engine names no
@@ -408,4 +408,58 @@ pub trait Engine: Clone + 'static {
     where
         D: Downstream + 'static,
         H: RequestParts + 'static;
+}
+
+/// Copy both ways until either side closes (its write side is then shut
+/// down) and the other finishes, or until nothing moved either way for
+/// `idle`. A drain does not cut tunnels; the end of its grace period does
+/// (the process exits).
+pub async fn tunnel<CR, CW, UR, UW>(
+    cr: &mut CR,
+    cw: &mut CW,
+    ur: &mut UR,
+    uw: &mut UW,
+    idle: Duration,
+) where
+    CR: AsyncRead + Unpin,
+    CW: AsyncWrite + Unpin,
+    UR: AsyncRead + Unpin,
+    UW: AsyncWrite + Unpin,
+{
+    let last = std::cell::Cell::new(tokio::time::Instant::now());
+    async fn pump<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+        r: &mut R,
+        w: &mut W,
+        last: &std::cell::Cell<tokio::time::Instant>,
+    ) {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            match r.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    last.set(tokio::time::Instant::now());
+                    if w.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = w.shutdown().await;
+    }
+    let both = async {
+        tokio::join!(pump(cr, uw, &last), pump(ur, cw, &last));
+    };
+    let watchdog = async {
+        loop {
+            let deadline = last.get() + idle;
+            tokio::time::sleep_until(deadline).await;
+            if last.get() + idle <= tokio::time::Instant::now() {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = both => {}
+        _ = watchdog => {}
+    }
 }
