@@ -15,6 +15,7 @@ use pier_http::{BodyLen, Headers, ResponseHead};
 use pier_session::http_types::{self, trailer_map, HttpHead};
 use pier_session::{
     BodySize, Downstream, DownstreamOpts, Engine, RequestSource, ResponseSink, SpliceBody,
+    StreamOpts,
 };
 use std::future::poll_fn;
 use std::net::SocketAddr;
@@ -262,8 +263,7 @@ pub struct H2Rx {
     buf: Bytes,
     trailers: Option<Headers>,
     received: u64,
-    max_body: u64,
-    idle: Duration,
+    o: StreamOpts,
     done: bool,
 }
 
@@ -276,9 +276,7 @@ pub struct H2Tx {
     end_at: Option<u64>,
     /// The final head went: no more interim ones.
     head_sent: bool,
-    head_only: bool,
-    now_ns: u64,
-    idle: Duration,
+    o: StreamOpts,
 }
 
 impl H2Downstream {
@@ -289,8 +287,7 @@ impl H2Downstream {
                 buf: Bytes::new(),
                 trailers: None,
                 received: 0,
-                max_body: 0,
-                idle,
+                o: StreamOpts::new(idle),
                 done: false,
             },
             tx: H2Tx {
@@ -299,9 +296,7 @@ impl H2Downstream {
                 sent: 0,
                 end_at: None,
                 head_sent: false,
-                head_only: false,
-                now_ns: 0,
-                idle,
+                o: StreamOpts::new(idle),
             },
         }
     }
@@ -317,11 +312,8 @@ impl Downstream for H2Downstream {
     }
 
     fn open(&mut self, opts: &DownstreamOpts) -> (&mut H2Rx, &mut H2Tx) {
-        self.rx.max_body = opts.max_body;
-        self.rx.idle = opts.idle;
-        self.tx.idle = opts.idle;
-        self.tx.now_ns = opts.now_ns;
-        self.tx.head_only = opts.method == pier_http::Method::Head;
+        self.rx.o = opts.into();
+        self.tx.o = self.rx.o;
         (&mut self.rx, &mut self.tx)
     }
 
@@ -443,13 +435,14 @@ impl RequestSource for &mut H2Rx {
         if self.done {
             return Ok(None);
         }
-        let next = tokio::time::timeout(self.idle, self.recv.data()).await;
+        let next = tokio::time::timeout(self.o.idle, self.recv.data()).await;
         match next {
             Err(_) => Err(Error::new(Kind::BodyTimeout)),
             Ok(None) => {
                 self.done = true;
                 // Trailers, if the client sent any.
-                if let Ok(Ok(Some(t))) = tokio::time::timeout(self.idle, self.recv.trailers()).await
+                if let Ok(Ok(Some(t))) =
+                    tokio::time::timeout(self.o.idle, self.recv.trailers()).await
                 {
                     let mut h = Headers::default();
                     http_types::to_headers(&t, &mut h);
@@ -462,7 +455,7 @@ impl RequestSource for &mut H2Rx {
                 // Let the client send more as this is taken.
                 let _ = self.recv.flow_control().release_capacity(data.len());
                 self.received += data.len() as u64;
-                if self.max_body > 0 && self.received > self.max_body {
+                if self.o.max_body > 0 && self.received > self.o.max_body {
                     return Err(Error::new(Kind::BodyTooLarge));
                 }
                 self.buf = data;
@@ -484,7 +477,7 @@ impl H2Tx {
         };
         while !data.is_empty() {
             s.reserve_capacity(data.len());
-            let cap = tokio::time::timeout(self.idle, poll_fn(|cx| s.poll_capacity(cx))).await;
+            let cap = tokio::time::timeout(self.o.idle, poll_fn(|cx| s.poll_capacity(cx))).await;
             let n = match cap {
                 Ok(Some(Ok(n))) => n.min(data.len()),
                 _ => return Err(Error::answered(Kind::ClientClosed)),
@@ -525,8 +518,8 @@ impl ResponseSink for &mut H2Tx {
     }
 
     async fn write_head(&mut self, head: &ResponseHead, size: BodySize) -> Result<(), Error> {
-        let resp = http_types::response(head, size, self.now_ns);
-        let end = self.head_only || size == BodySize::None;
+        let resp = http_types::response(head, size, self.o.now_ns);
+        let end = self.o.head_only || size == BodySize::None;
         // gRPC (and gRPC-web) bodies end with trailers, never early.
         self.end_at = match size {
             BodySize::Length(n) if n > 0 && !http_types::is_grpc(head) => Some(n),
@@ -545,7 +538,7 @@ impl ResponseSink for &mut H2Tx {
     }
 
     async fn write_body(&mut self, data: &[u8]) -> Result<(), Error> {
-        if self.head_only || data.is_empty() || self.send.is_none() {
+        if self.o.head_only || data.is_empty() || self.send.is_none() {
             return Ok(());
         }
         self.write_bytes(Bytes::copy_from_slice(data)).await
@@ -553,7 +546,7 @@ impl ResponseSink for &mut H2Tx {
 
     /// A cached body's bytes go to the frames as they are (no copy).
     async fn write_spliced(&mut self, body: &SpliceBody) -> Result<(), Error> {
-        if self.head_only || body.bytes.is_empty() || self.send.is_none() {
+        if self.o.head_only || body.bytes.is_empty() || self.send.is_none() {
             return Ok(());
         }
         self.write_bytes(body.bytes.clone()).await

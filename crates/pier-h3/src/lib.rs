@@ -32,10 +32,11 @@
 use bytes::{Buf, Bytes};
 use pier_core::evict;
 use pier_error::{Error, Kind};
-use pier_http::{BodyLen, Headers, Method, ResponseHead};
+use pier_http::{BodyLen, Headers, ResponseHead};
 use pier_session::http_types::{self, HttpHead};
 use pier_session::{
     BodySize, Downstream, DownstreamOpts, Engine, RequestSource, ResponseSink, SpliceBody,
+    StreamOpts,
 };
 use std::cell::Cell;
 use std::net::SocketAddr;
@@ -333,18 +334,15 @@ async fn request<E: Engine>(engine: E, resolver: Resolver, header: Duration, idl
             buf: Bytes::new(),
             trailers: None,
             received: 0,
-            max_body: 0,
-            idle,
+            o: StreamOpts::new(idle),
             done: ended || !has_body,
         },
         tx: H3Tx {
             send,
             sent: 0,
             head_sent: false,
-            head_only: false,
             finished: false,
-            now_ns: 0,
-            idle,
+            o: StreamOpts::new(idle),
         },
     };
     // The request's future written straight into its box (pier-h2 says why).
@@ -366,8 +364,7 @@ pub struct H3Rx {
     buf: Bytes,
     trailers: Option<Headers>,
     received: u64,
-    max_body: u64,
-    idle: Duration,
+    o: StreamOpts,
     done: bool,
 }
 
@@ -375,10 +372,8 @@ pub struct H3Tx {
     send: SendHalf,
     sent: u64,
     head_sent: bool,
-    head_only: bool,
     finished: bool,
-    now_ns: u64,
-    idle: Duration,
+    o: StreamOpts,
 }
 
 impl Downstream for H3Downstream {
@@ -391,11 +386,8 @@ impl Downstream for H3Downstream {
     }
 
     fn open(&mut self, opts: &DownstreamOpts) -> (&mut H3Rx, &mut H3Tx) {
-        self.rx.max_body = opts.max_body;
-        self.rx.idle = opts.idle;
-        self.tx.idle = opts.idle;
-        self.tx.now_ns = opts.now_ns;
-        self.tx.head_only = opts.method == Method::Head;
+        self.rx.o = opts.into();
+        self.tx.o = self.rx.o;
         (&mut self.rx, &mut self.tx)
     }
 
@@ -415,7 +407,7 @@ impl Downstream for H3Downstream {
 impl H3Rx {
     fn take(&mut self, data: Bytes) -> Result<Option<&[u8]>, Error> {
         self.received += data.len() as u64;
-        if self.max_body > 0 && self.received > self.max_body {
+        if self.o.max_body > 0 && self.received > self.o.max_body {
             return Err(Error::new(Kind::BodyTooLarge));
         }
         self.buf = data;
@@ -431,12 +423,12 @@ impl RequestSource for &mut H3Rx {
         if self.done {
             return Ok(None);
         }
-        match tokio::time::timeout(self.idle, self.recv.recv_data()).await {
+        match tokio::time::timeout(self.o.idle, self.recv.recv_data()).await {
             Err(_) => Err(Error::new(Kind::BodyTimeout)),
             Ok(Err(_)) => Err(Error::new(Kind::ClientClosed)),
             Ok(Ok(None)) => {
                 self.done = true;
-                let t = tokio::time::timeout(self.idle, self.recv.recv_trailers()).await;
+                let t = tokio::time::timeout(self.o.idle, self.recv.recv_trailers()).await;
                 if let Ok(Ok(Some(t))) = t {
                     let mut h = Headers::default();
                     http_types::to_headers(&t, &mut h);
@@ -466,11 +458,11 @@ fn gone<T, E>(r: Result<Result<T, E>, tokio::time::error::Elapsed>) -> Result<T,
 
 impl H3Tx {
     async fn send(&mut self, data: Bytes) -> Result<(), Error> {
-        if self.head_only || self.finished || data.is_empty() {
+        if self.o.head_only || self.finished || data.is_empty() {
             return Ok(());
         }
         self.sent += data.len() as u64;
-        gone(tokio::time::timeout(self.idle, self.send.send_data(data)).await)
+        gone(tokio::time::timeout(self.o.idle, self.send.send_data(data)).await)
     }
 
     async fn end(&mut self) -> Result<(), Error> {
@@ -478,7 +470,7 @@ impl H3Tx {
             return Ok(());
         }
         self.finished = true;
-        gone(tokio::time::timeout(self.idle, self.send.finish()).await)
+        gone(tokio::time::timeout(self.o.idle, self.send.finish()).await)
     }
 }
 
@@ -490,17 +482,17 @@ impl ResponseSink for &mut H3Tx {
             return Ok(());
         }
         let r = http_types::response_fields(head);
-        gone(tokio::time::timeout(self.idle, self.send.send_response(r)).await)
+        gone(tokio::time::timeout(self.o.idle, self.send.send_response(r)).await)
     }
 
     async fn write_head(&mut self, head: &ResponseHead, size: BodySize) -> Result<(), Error> {
-        let r = http_types::response(head, size, self.now_ns);
+        let r = http_types::response(head, size, self.o.now_ns);
         self.head_sent = true;
-        match tokio::time::timeout(self.idle, self.send.send_response(r)).await {
+        match tokio::time::timeout(self.o.idle, self.send.send_response(r)).await {
             Ok(Ok(())) => {}
             _ => return Err(Error::new(Kind::ClientClosed)),
         }
-        if self.head_only || size == BodySize::None {
+        if self.o.head_only || size == BodySize::None {
             self.end().await?;
         }
         Ok(())
@@ -521,7 +513,7 @@ impl ResponseSink for &mut H3Tx {
         }
         let map = http_types::trailer_map(trailers);
         if !map.is_empty() {
-            gone(tokio::time::timeout(self.idle, self.send.send_trailers(map)).await)?;
+            gone(tokio::time::timeout(self.o.idle, self.send.send_trailers(map)).await)?;
         }
         self.end().await
     }

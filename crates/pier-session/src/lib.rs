@@ -245,6 +245,43 @@ pub struct DownstreamOpts {
     pub now_ns: u64,
 }
 
+/// What the two halves of a multiplexed stream (HTTP/2, HTTP/3) keep of
+/// [`DownstreamOpts`]: each half holds a copy.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamOpts {
+    /// Largest request body (0: unlimited).
+    pub max_body: u64,
+    /// Per-read idle time of the request body, per-write time of the response.
+    pub idle: Duration,
+    /// The request's clock (Date headers).
+    pub now_ns: u64,
+    /// A HEAD request: the response goes without its body.
+    pub head_only: bool,
+}
+
+impl StreamOpts {
+    /// Before the request is opened: `idle` only.
+    pub fn new(idle: Duration) -> StreamOpts {
+        StreamOpts {
+            max_body: 0,
+            idle,
+            now_ns: 0,
+            head_only: false,
+        }
+    }
+}
+
+impl From<&DownstreamOpts> for StreamOpts {
+    fn from(o: &DownstreamOpts) -> StreamOpts {
+        StreamOpts {
+            max_body: o.max_body,
+            idle: o.idle,
+            now_ns: o.now_ns,
+            head_only: o.method == Method::Head,
+        }
+    }
+}
+
 /// The client side of one request, whatever its protocol: the driver's
 /// whole view of it (HTTP/1 implements it in `h1`; an HTTP/2 stream is one
 /// more implementation).
