@@ -9,7 +9,7 @@ mod common;
 use bytes::{Buf, Bytes};
 use common::*;
 use pier_test_support::pattern;
-use pier_test_support::tls::{Alg, CertPair, TestCa};
+use pier_test_support::tls::{Alg, CertPair, TestCa, TlsClientConfig};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,35 +34,47 @@ fn site() -> Site {
 /// A TLS listener with `http3 = true` in front of `origin`; `route` lines
 /// go under the route, `top` before the listener.
 fn config(s: &Site, origin: SocketAddr, top: &str, route: &str) -> String {
-    format!(
-        r#"[server]
-workers = 2
-grace_period = "5s"
-
-[admin]
-listen = "127.0.0.1:0"
-
-{top}
-
-[[listener]]
-name = "main"
-listen = "127.0.0.1:0"
-http3 = true
-[listener.tls]
-cert = "{}"
-key = "{}"
-
-[[route]]
-name = "default"
-upstream = "app"
-{route}
-
-[upstream.app]
-servers = ["{origin}"]
-"#,
-        s.cert.cert.display(),
-        s.cert.key.display()
+    base_config(
+        top,
+        &format!(
+            "[[route]]\nname = \"default\"\nupstream = \"app\"\n{route}\n\n[upstream.app]\nservers = [\"{origin}\"]\n"
+        ),
     )
+    .replace(
+        "[[listener]]\nname = \"main\"\nlisten = \"127.0.0.1:0\"\n",
+        &format!(
+            "[[listener]]\nname = \"main\"\nlisten = \"127.0.0.1:0\"\nhttp3 = true\n[listener.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            s.cert.cert.display(),
+            s.cert.key.display()
+        ),
+    )
+}
+
+/// A Pier with an HTTP/3 listener (`config`) in front of a fresh origin.
+struct Fixture {
+    s: Site,
+    o: Origin,
+    p: PierProcess,
+    /// The listener: TCP and UDP on one port.
+    addr: SocketAddr,
+}
+
+fn start(top: &str, route: &str) -> Fixture {
+    start_with(top, route, |_, text| text)
+}
+
+/// As [`start`], the config text edited by `edit` first.
+fn start_with(top: &str, route: &str, edit: impl FnOnce(&Site, String) -> String) -> Fixture {
+    let s = site();
+    let o = Origin::start();
+    let p = pier(&edit(&s, config(&s, o.addr(), top, route)));
+    let addr = p.listener("main");
+    Fixture { s, o, p, addr }
+}
+
+/// The requests Pier counted over HTTP/3.
+fn h3_requests(p: &PierProcess) -> Option<f64> {
+    p.metric_value("pier_requests_by_protocol_total{protocol=\"h3\"}")
 }
 
 /// A response as an HTTP/3 client got it.
@@ -101,31 +113,8 @@ async fn try_connect_as(
     ca: &std::path::Path,
     client: Option<&CertPair>,
 ) -> Option<Client> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_file_iter(ca).unwrap() {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let tls = rustls::ClientConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .unwrap()
-        .with_root_certificates(roots);
-    let mut tls = match client {
-        Some(c) => tls
-            .with_client_auth_cert(
-                CertificateDer::pem_file_iter(&c.cert)
-                    .unwrap()
-                    .map(|c| c.unwrap())
-                    .collect(),
-                PrivateKeyDer::from_pem_file(&c.key).unwrap(),
-            )
-            .unwrap(),
-        None => tls.with_no_client_auth(),
-    };
-    tls.alpn_protocols = vec![b"h3".to_vec()];
-    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let tls = TlsClientConfig::new(ca, client, &["h3"], None);
+    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls.0).unwrap();
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
     let conn = ep.connect(addr, "localhost").unwrap().await.ok()?;
@@ -210,15 +199,10 @@ fn h3(addr: SocketAddr, ca: &std::path::Path, requests: &[(&str, &str, &[u8])]) 
 
 #[test]
 fn requests_over_http3_take_the_route_steps_to_the_origin() {
-    let s = site();
-    let o = Origin::start();
-    let p = pier(&config(
-        &s,
-        o.addr(),
+    let Fixture { s, o: _o, p, addr } = start(
         "",
         "[route.headers]\nresponse_add = { \"X-Route\" = \"r\" }\n",
-    ));
-    let addr = p.listener("main");
+    );
     let body = b"twelve bytes";
     let r = h3(
         addr,
@@ -245,19 +229,18 @@ fn requests_over_http3_take_the_route_steps_to_the_origin() {
         "{head}"
     );
     assert!(head.contains("\r\nx-forwarded-proto: https\r\n"), "{head}");
-    assert_eq!(
-        p.metric_value("pier_requests_by_protocol_total{protocol=\"h3\"}"),
-        Some(3.0)
-    );
+    assert_eq!(h3_requests(&p), Some(3.0));
 }
 
 #[test]
 fn tcp_responses_point_browsers_to_http3() {
-    use pier_test_support::tls::{TlsClient, TlsClientConfig};
-    let s = site();
-    let o = Origin::start();
-    let p = pier(&config(&s, o.addr(), "", ""));
-    let addr = p.listener("main");
+    use pier_test_support::tls::TlsClient;
+    let Fixture {
+        s,
+        o: _o,
+        p: _p,
+        addr,
+    } = start("", "");
     let tls = TlsClientConfig::new(&s.ca.cert, None, &["http/1.1"], None);
     let mut c = TlsClient::connect(addr, "localhost", &tls).expect("TLS");
     let r = c.get("localhost", "/hello").expect("HTTPS over TCP");
@@ -268,15 +251,8 @@ fn tcp_responses_point_browsers_to_http3() {
 
 #[test]
 fn lua_hooks_run_on_http3_requests() {
-    let s = site();
-    let o = Origin::start();
-    let p = pier(&config(
-        &s,
-        o.addr(),
-        "",
-        "[route.lua]\naccess = '''\nngx.req.set_header(\"X-Proto\", ngx.var.server_protocol)\n'''\nheader_filter = '''\nngx.header[\"X-Seen\"] = ngx.var.server_protocol\n'''\n",
-    ));
-    let r = h3(p.listener("main"), &s.ca.cert, &[("GET", "/headers", b"")]);
+    let Fixture { s, o: _o, p: _p, addr } = start("", "[route.lua]\naccess = '''\nngx.req.set_header(\"X-Proto\", ngx.var.server_protocol)\n'''\nheader_filter = '''\nngx.header[\"X-Seen\"] = ngx.var.server_protocol\n'''\n");
+    let r = h3(addr, &s.ca.cert, &[("GET", "/headers", b"")]);
     assert_eq!(r[0].status, 200);
     assert_eq!(r[0].headers.get("x-seen").unwrap(), "HTTP/3.0");
     let head = String::from_utf8_lossy(&r[0].body).to_ascii_lowercase();
@@ -335,10 +311,7 @@ fn spki_hash(cert: &std::path::Path) -> String {
 #[test]
 fn chromium_loads_a_page_over_http3() {
     use pier_test_support::browser::Browser;
-    let s = site();
-    let o = Origin::start();
-    let p = pier(&config(&s, o.addr(), "", ""));
-    let addr = p.listener("main");
+    let Fixture { s, o: _o, p, addr } = start("", "");
     let origin = format!("localhost:{}", addr.port());
     let force = format!("--origin-to-force-quic-on={origin}");
     let spki = format!(
@@ -360,17 +333,18 @@ fn chromium_loads_a_page_over_http3() {
     );
     let proto = b.eval("performance.getEntriesByType('navigation')[0].nextHopProtocol");
     assert_eq!(proto, "h3", "the page came over {proto}");
-    let n = p
-        .metric_value("pier_requests_by_protocol_total{protocol=\"h3\"}")
-        .unwrap_or(0.0);
+    let n = h3_requests(&p).unwrap_or(0.0);
     assert!(n >= 1.0, "Pier counted {n} HTTP/3 requests");
 }
 
 #[test]
 fn large_bodies_and_trailers_cross_http3() {
-    let s = site();
-    let o = Origin::start();
-    let p = pier(&config(&s, o.addr(), "", ""));
+    let Fixture {
+        s,
+        o: _o,
+        p,
+        addr: _addr,
+    } = start("", "");
     let n = 2_000_000;
     let up = pattern(7, 1 << 20);
     let r = h3(
@@ -397,10 +371,7 @@ fn large_bodies_and_trailers_cross_http3() {
 
 #[test]
 fn many_streams_at_once_on_one_connection() {
-    let s = site();
-    let o = Origin::start();
-    let p = pier(&config(&s, o.addr(), "", ""));
-    let addr = p.listener("main");
+    let Fixture { s, o: _o, p, addr } = start("", "");
     let statuses = run(async {
         let c = connect(addr, &s.ca.cert).await;
         let mut tasks = tokio::task::JoinSet::new();
@@ -429,18 +400,12 @@ fn many_streams_at_once_on_one_connection() {
     for (status, len, want) in statuses {
         assert_eq!((status, len), (200, want));
     }
-    assert_eq!(
-        p.metric_value("pier_requests_by_protocol_total{protocol=\"h3\"}"),
-        Some(64.0)
-    );
+    assert_eq!(h3_requests(&p), Some(64.0));
 }
 
 #[test]
 fn a_stream_reset_mid_body_costs_only_that_stream() {
-    let s = site();
-    let o = Origin::start();
-    let p = pier(&config(&s, o.addr(), "", ""));
-    let addr = p.listener("main");
+    let Fixture { s, o: _o, p, addr } = start("", "");
     let after = run(async {
         let mut c = connect(addr, &s.ca.cert).await;
         let req = http::Request::get(format!("https://localhost:{}/bytes/50000000", addr.port()))
@@ -467,15 +432,12 @@ fn a_stream_reset_mid_body_costs_only_that_stream() {
 
 #[test]
 fn an_idle_http3_connection_is_closed() {
-    let s = site();
-    let o = Origin::start();
-    let p = pier(&config(
-        &s,
-        o.addr(),
-        "[timeouts]\nclient_idle = \"300ms\"\n",
-        "",
-    ));
-    let addr = p.listener("main");
+    let Fixture {
+        s,
+        o: _o,
+        p: _p,
+        addr,
+    } = start("[timeouts]\nclient_idle = \"300ms\"\n", "");
     let closed = run(async {
         let mut c = connect(addr, &s.ca.cert).await;
         let r = request(&mut c.send, addr.port(), "GET", "/hello", b"").await;
@@ -497,13 +459,11 @@ fn an_idle_http3_connection_is_closed() {
 /// round trip), then is served as usual; both are counted.
 #[test]
 fn quic_retry_validates_every_new_client() {
-    let s = site();
-    let o = Origin::start();
-    let text =
-        config(&s, o.addr(), "", "").replace("http3 = true\n", "http3 = true\nquic_retry = true\n");
-    let p = pier(&text);
+    let Fixture { s, o: _o, p, addr } = start_with("", "", |_, text| {
+        text.replace("http3 = true\n", "http3 = true\nquic_retry = true\n")
+    });
     for _ in 0..2 {
-        let r = h3(p.listener("main"), &s.ca.cert, &[("GET", "/hello", b"")]);
+        let r = h3(addr, &s.ca.cert, &[("GET", "/hello", b"")]);
         assert_eq!(r[0].status, 200);
     }
     assert_eq!(p.metric_value("pier_http3_retries_total"), Some(2.0));
@@ -517,14 +477,15 @@ fn quic_retry_validates_every_new_client() {
 /// (small and large bodies), the origin asked once per object.
 #[test]
 fn the_cache_serves_http3_clients() {
-    let s = site();
-    let o = Origin::start();
-    let p = pier(&config(
-        &s,
-        o.addr(),
+    let Fixture {
+        s,
+        o,
+        p,
+        addr: _addr,
+    } = start(
         "[cache.main]\nmemory = \"64m\"\nmax_object = \"8m\"\n",
         "[route.cache]\nzone = \"main\"\nttl = { \"200\" = \"10m\" }\n",
-    ));
+    );
     let n = 3_000_000;
     let big = format!("/bytes/{n}");
     let r = h3(
@@ -558,19 +519,22 @@ fn the_cache_serves_http3_clients() {
 /// Lua reads the subject (`ngx.var.ssl_client_s_dn`) as over TCP.
 #[test]
 fn client_certificates_over_http3() {
-    let s = site();
-    let client = s.ca.client("alice", "alice");
-    let o = Origin::start();
     let lua = "[route.lua]\nheader_filter = '''\nngx.header[\"X-Subject\"] = ngx.var.ssl_client_s_dn or \"none\"\n'''\n";
-    let text = config(&s, o.addr(), "", lua).replace(
-        "[listener.tls]\n",
-        &format!(
-            "[listener.tls]\nclient_ca = \"{}\"\nclient_auth = \"required\"\n",
-            s.ca.cert.display()
-        ),
-    );
-    let p = pier(&text);
-    let addr = p.listener("main");
+    let Fixture {
+        s,
+        o: _o,
+        p: _p,
+        addr,
+    } = start_with("", lua, |s, text| {
+        text.replace(
+            "[listener.tls]\n",
+            &format!(
+                "[listener.tls]\nclient_ca = \"{}\"\nclient_auth = \"required\"\n",
+                s.ca.cert.display()
+            ),
+        )
+    });
+    let client = s.ca.client("alice", "alice");
     let r = run(async {
         let mut c = connect_as(addr, &s.ca.cert, Some(&client)).await;
         let r = request(&mut c.send, addr.port(), "GET", "/hello", b"").await;
