@@ -144,7 +144,9 @@ pub async fn lookup(
     // Made at the first fill: the one allocation of a key on a miss.
     let mut shared: Option<Arc<[u8]>> = None;
     let method = sess.req.method_kind();
-    if !matches!(method, Method::Get | Method::Head) {
+    // An Upgrade let through (WebSocket, over HTTP/1.1 or an HTTP/2
+    // extended CONNECT) is a tunnel: never a stored answer, never a fill.
+    if !matches!(method, Method::Get | Method::Head) || sess.upgrade {
         // Unsafe methods invalidate once answered (`after_response`).
         zone.stats.pass.add(1);
         sess.cache = CacheResult::Pass;

@@ -604,3 +604,45 @@ fn the_cache_stores_what_the_origin_steps_left() {
         assert_eq!(e.seen.heads.lock().unwrap().len(), 1, "one origin fetch");
     });
 }
+
+/// An Upgrade request on a cached route goes to the origin: a stored answer
+/// for the same URL is not a switch of protocols, and a tunnel fills nothing.
+#[test]
+fn an_upgrade_is_never_answered_from_the_cache() {
+    run(async {
+        let e = engine_with(
+            "[cache.c]\nmemory = \"1m\"\n",
+            "[route.cache]\nzone = \"c\"\nttl = { \"200\" = \"10m\" }\n",
+            "",
+            None,
+        );
+        let mut c = connect(&e);
+        let mut buf = Vec::new();
+        c.write_all(b"GET /chat HTTP/1.1\r\nHost: c.test\r\n\r\n")
+            .await
+            .unwrap();
+        let (status, head, _) = response(&mut c, &mut buf).await.expect("response");
+        assert_eq!(status, 200);
+        assert!(head.contains("stored"), "{head}");
+        let mut c = connect(&e);
+        c.write_all(
+            b"GET /chat HTTP/1.1\r\nHost: c.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let mut got = Vec::new();
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let mut chunk = [0u8; 1024];
+            let n = c.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "closed before a response head");
+            got.extend_from_slice(&chunk[..n]);
+        }
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with("HTTP/1.1 101 "), "{text}");
+        assert_eq!(
+            e.seen.heads.lock().unwrap().len(),
+            2,
+            "the upgrade reached the origin"
+        );
+    });
+}
