@@ -1873,7 +1873,7 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
     if !upgrade {
         apply_response_rules(state, sess.route, resp);
         crate::cors::apply(state, sess, resp);
-        alt_svc(state, sess, resp);
+        crate::alt_svc::apply(state, sess, resp);
     }
     sess.step = Step::ResponseFilter;
     let mut filtered = true;
@@ -2008,31 +2008,6 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
 }
 
 /// Idle timeout of an upgraded connection.
-/// `Alt-Svc: h3=":PORT"` on a response over TCP from a listener with
-/// `http3` (its UDP port is its TCP port), so a browser moves to HTTP/3.
-fn alt_svc(state: &State, sess: &Session, resp: &mut ResponseHead) {
-    if sess.conn.proto == pier_session::Protocol::Http3 {
-        return;
-    }
-    let http3 = sess
-        .conn
-        .listener
-        .and_then(|i| state.cfg.listeners.get(i))
-        .is_some_and(|l| l.http3);
-    if !http3 || resp.headers.get(b"alt-svc").is_some() {
-        return;
-    }
-    let mut v = [0u8; 32];
-    let mut port = itoa::Buffer::new();
-    let p = port.format(sess.local.port()).as_bytes();
-    let mut n = 0;
-    for part in [&b"h3=\":"[..], p, b"\"; ma=86400"] {
-        v[n..n + part.len()].copy_from_slice(part);
-        n += part.len();
-    }
-    resp.headers.append(b"Alt-Svc", &v[..n]);
-}
-
 /// The route's compression settings (`[route.compress]`), if it has any and
 /// the request may have its response transformed at all: not a Range
 /// request, gRPC or gRPC-web.

@@ -9,6 +9,7 @@
 //! (`pier-admin`) reads [`Shared`] from outside; this crate builds no LuaJIT.
 #![forbid(unsafe_code)]
 
+mod alt_svc;
 pub mod cache;
 pub mod cache_key;
 mod cors;
