@@ -175,6 +175,11 @@ fn run<F: std::future::Future>(f: F) -> F::Output {
         .enable_all()
         .build()
         .unwrap();
+    block(&rt, f)
+}
+
+/// `f` on `rt` (which keeps its connections between calls), bounded at 60 s.
+fn block<F: std::future::Future>(rt: &tokio::runtime::Runtime, f: F) -> F::Output {
     rt.block_on(async {
         tokio::time::timeout(Duration::from_secs(60), f)
             .await
@@ -559,4 +564,122 @@ fn client_certificates_over_http3() {
         matches!(got, Ok(Some(_)))
     });
     assert!(!served, "a client without a certificate was served");
+}
+
+/// An extended CONNECT (RFC 9220) to `path`: the response status, and (when
+/// 200) the frames echoed back for `messages`.
+fn connect_ws(f: &Fixture, path: &str, messages: &[&[u8]]) -> (u16, Vec<Vec<u8>>) {
+    use pier_test_support::ws;
+    run(async {
+        let mut c = connect(f.addr, &f.s.ca.cert).await;
+        let mut req = http::Request::builder()
+            .method("CONNECT")
+            .uri(format!("https://localhost:{}{path}", f.addr.port()))
+            .header("sec-websocket-version", "13")
+            .body(())
+            .unwrap();
+        req.extensions_mut().insert(h3::ext::Protocol::WEBSOCKET);
+        let mut stream = c.send.send_request(req).await.expect("send the CONNECT");
+        let resp = stream.recv_response().await.expect("a response");
+        let status = resp.status().as_u16();
+        let mut echoed = Vec::new();
+        if status == 200 {
+            let mut buf = Vec::new();
+            for m in messages {
+                let frame = ws::encode_frame(true, 1, m, Some([9, 8, 7, 6]));
+                stream.send_data(Bytes::from(frame)).await.unwrap();
+                loop {
+                    if let Ok(Some((f, used))) = ws::decode_frame(&buf, 1 << 20) {
+                        buf.drain(..used);
+                        echoed.push(f.payload);
+                        break;
+                    }
+                    let mut data = stream.recv_data().await.expect("an echo").expect("data");
+                    while data.has_remaining() {
+                        let n = data.chunk().len();
+                        buf.extend_from_slice(data.chunk());
+                        data.advance(n);
+                    }
+                }
+            }
+            stream.finish().await.unwrap();
+        }
+        c.drive.abort();
+        c.conn.close(0u32.into(), b"done");
+        (status, echoed)
+    })
+}
+
+/// WebSocket over HTTP/3 (RFC 9220): the extended CONNECT reaches the
+/// HTTP/1.1 WebSocket origin as an Upgrade, its 101 is the client's 200,
+/// and frames cross the stream both ways (one larger than a QUIC packet
+/// and than the tunnel's 16 KiB buffer).
+#[test]
+fn websocket_over_http3_reaches_an_http1_origin() {
+    let f = start("", "");
+    let (status, echoed) = connect_ws(&f, "/ws", &[b"hello", &[b'x'; 70_000]]);
+    assert_eq!(status, 200, "RFC 9220: the origin's 101 is a 200");
+    assert_eq!(echoed, vec![b"hello".to_vec(), vec![b'x'; 70_000]]);
+    assert_eq!(f.p.metric_value("pier_tunnels_total"), Some(1.0));
+}
+
+/// The `[http] upgrade` allow-list holds over HTTP/3 as over HTTP/1.1: a
+/// WebSocket CONNECT it does not list reaches the origin as a plain GET
+/// (which refuses the handshake), and no tunnel is opened.
+#[test]
+fn websocket_over_http3_obeys_the_upgrade_allow_list() {
+    let f = start("[http]\nupgrade = []\n", "");
+    let (status, _) = connect_ws(&f, "/ws", &[]);
+    assert_eq!(status, 400);
+    assert_eq!(f.p.metric_value("pier_tunnels_total").unwrap_or(0.0), 0.0);
+}
+
+/// A reload (SIGHUP) with a new certificate: the next QUIC handshake gets
+/// it, as the next TLS handshake over TCP does, and a connection opened
+/// before the reload keeps serving.
+#[test]
+fn a_reload_gives_new_quic_handshakes_the_new_certificate() {
+    let Fixture { s, o, mut p, addr } = start("", "");
+    let dir = TempDir::new();
+    let ca2 = TestCa::new(dir.path(), "h3-next");
+    let next = ca2.server("site", &["localhost"], Alg::EcdsaP256, 30);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut open = block(&rt, connect(addr, &s.ca.cert));
+
+    let text = config(&s, o.addr(), "", "")
+        .replace(
+            &s.cert.cert.display().to_string(),
+            &next.cert.display().to_string(),
+        )
+        .replace(
+            &s.cert.key.display().to_string(),
+            &next.key.display().to_string(),
+        );
+    p.rewrite_config(&text);
+    let g = p.generation();
+    p.signal(sig::SIGHUP);
+    p.wait_generation(g + 1);
+
+    let old_ca = block(&rt, try_connect_as(addr, &s.ca.cert, None));
+    assert!(
+        old_ca.is_none(),
+        "a new handshake still got the old certificate"
+    );
+    let mut fresh = block(&rt, try_connect_as(addr, &ca2.cert, None)).expect("new cert");
+    let r = block(
+        &rt,
+        request(&mut fresh.send, addr.port(), "GET", "/hello", b""),
+    );
+    assert_eq!(r.status, 200);
+    let r = block(
+        &rt,
+        request(&mut open.send, addr.port(), "GET", "/hello", b""),
+    );
+    assert_eq!(
+        r.status, 200,
+        "the connection from before the reload serves on"
+    );
 }

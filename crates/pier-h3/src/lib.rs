@@ -4,6 +4,10 @@
 //! server, a connection is one task that accepts request streams and hands
 //! each to the [`Engine`], which runs it through the same steps as any
 //! request; nothing in the engine's driver knows this protocol.
+//! WebSocket rides an extended CONNECT (RFC 9220) as over HTTP/2: the
+//! engine sends the origin an HTTP/1.1 Upgrade and [`H3Downstream`]'s
+//! tunnel carries the bytes in the stream's DATA frames (h3 is patched to
+//! receive `:protocol = websocket`: vendor/h3/PIER-PATCH.md).
 //!
 //! QUIC's own defences, and where they come from:
 //! - address validation: while more than `retry_above` handshakes are in
@@ -77,16 +81,28 @@ pub struct Settings {
     pub retry_above: usize,
 }
 
-/// One worker's QUIC endpoint on a listener's UDP socket: its TLS the
-/// listener's (`tls`: certificates, SNI, client certificates), with ALPN
-/// `h3`, TLS 1.3 only and no early data; `reset_key` is shared by every
-/// worker (stateless resets).
+/// One worker's QUIC endpoint on a listener's UDP socket, serving with
+/// `server` ([`server_config`]); `reset_key` is shared by every worker
+/// (stateless resets).
 pub fn endpoint(
     socket: std::net::UdpSocket,
-    tls: &rustls::ServerConfig,
-    s: &Settings,
+    server: quinn::ServerConfig,
     reset_key: &[u8; 32],
 ) -> std::io::Result<quinn::Endpoint> {
+    let key = aws_lc_rs::hmac::Key::new(aws_lc_rs::hmac::HMAC_SHA256, reset_key);
+    let config = quinn::EndpointConfig::new(Arc::new(key));
+    socket.set_nonblocking(true)?;
+    quinn::Endpoint::new(config, Some(server), socket, Arc::new(quinn::TokioRuntime))
+}
+
+/// What new connections on an endpoint get: QUIC over `tls`, the
+/// listener's (certificates, SNI, client certificates), with ALPN `h3`,
+/// TLS 1.3 only and no early data, and `s`'s stream and idle bounds. Built again on a
+/// reload ([`Current`]).
+pub fn server_config(
+    tls: &rustls::ServerConfig,
+    s: &Settings,
+) -> std::io::Result<quinn::ServerConfig> {
     let io = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
     let mut tls = tls.clone();
     tls.alpn_protocols = vec![b"h3".to_vec()];
@@ -104,11 +120,14 @@ pub fn endpoint(
         ));
     server.transport_config(Arc::new(t));
     server.migration(false);
-    let key = aws_lc_rs::hmac::Key::new(aws_lc_rs::hmac::HMAC_SHA256, reset_key);
-    let config = quinn::EndpointConfig::new(Arc::new(key));
-    socket.set_nonblocking(true)?;
-    quinn::Endpoint::new(config, Some(server), socket, Arc::new(quinn::TokioRuntime))
+    Ok(server)
 }
+
+/// What a new connection is served with: QUIC's configuration (from
+/// [`server_config`]) and the settings. [`serve`] asks for it at each new
+/// connection, so a reload's certificates and bounds apply to the next
+/// handshake, and open connections keep theirs, as TLS over TCP does.
+pub type Current = Rc<(Arc<quinn::ServerConfig>, Settings)>;
 
 /// What a new connection tells the engine before it is served.
 pub struct NewConnection {
@@ -124,11 +143,11 @@ pub struct NewConnection {
 /// Serve `endpoint` until `drain` turns true (then GOAWAY on every
 /// connection, which end as their requests do). `admit` makes the engine of
 /// a connection whose handshake is done, or refuses it (None: closed with
-/// H3_EXCESSIVE_LOAD).
+/// H3_EXCESSIVE_LOAD). `current` is what the next connection gets.
 pub async fn serve<E: Engine>(
     endpoint: quinn::Endpoint,
-    s: Settings,
     mut drain: tokio::sync::watch::Receiver<bool>,
+    current: impl Fn() -> Current + 'static,
     admit: impl Fn(NewConnection) -> Option<E> + 'static,
 ) {
     let admit = Rc::new(admit);
@@ -140,7 +159,8 @@ pub async fn serve<E: Engine>(
             _ = drain.changed() => break,
         };
         let Some(incoming) = incoming else { break };
-        if handshakes.get() >= s.retry_above && !incoming.remote_address_validated() {
+        let now = current();
+        if handshakes.get() >= now.1.retry_above && !incoming.remote_address_validated() {
             // Under load (or always, `quic_retry`): prove the address
             // first, statelessly.
             if incoming.retry().is_ok() {
@@ -148,10 +168,11 @@ pub async fn serve<E: Engine>(
             }
             continue;
         }
-        let (s, admit, handshakes) = (s.clone(), admit.clone(), handshakes.clone());
+        let (admit, handshakes) = (admit.clone(), handshakes.clone());
         let local = local.unwrap_or_else(|| incoming.remote_address());
         tokio::task::spawn_local(async move {
-            let Some(conn) = handshake(incoming, &s, &handshakes).await else {
+            let (config, s) = &*now;
+            let Some(conn) = handshake(incoming, config, s, &handshakes).await else {
                 return;
             };
             let info = NewConnection {
@@ -170,7 +191,7 @@ pub async fn serve<E: Engine>(
                     .and_then(|certs| certs.into_iter().next()),
             };
             match admit(info) {
-                Some(engine) => connection(engine, conn, &s).await,
+                Some(engine) => connection(engine, conn, s).await,
                 None => conn.close(H3_EXCESSIVE_LOAD, b"busy"),
             }
         });
@@ -186,12 +207,13 @@ const H3_EXCESSIVE_LOAD: quinn::VarInt = quinn::VarInt::from_u32(0x107);
 /// The QUIC handshake, within `handshake_timeout`, counted while it runs.
 async fn handshake(
     incoming: quinn::Incoming,
+    config: &Arc<quinn::ServerConfig>,
     s: &Settings,
     handshakes: &Rc<Cell<usize>>,
 ) -> Option<quinn::Connection> {
     let _count = Counted::enter(handshakes);
     use std::sync::atomic::Ordering::Relaxed;
-    let done = match incoming.accept() {
+    let done = match incoming.accept_with(config.clone()) {
         Ok(connecting) => tokio::time::timeout(s.handshake_timeout, connecting).await,
         Err(_) => {
             stats::HANDSHAKE_FAILURES.fetch_add(1, Relaxed);
@@ -230,7 +252,10 @@ impl Drop for Counted {
 /// drain (GOAWAY, then what is open finishes within `client_goaway`).
 async fn connection<E: Engine>(engine: E, conn: quinn::Connection, s: &Settings) {
     let mut b = h3::server::builder();
-    b.max_field_section_size(s.max_field_section_size);
+    // Extended CONNECT (RFC 9220) for WebSocket; the engine's `[http]
+    // upgrade` allow-list decides which protocols pass.
+    b.max_field_section_size(s.max_field_section_size)
+        .enable_extended_connect(true);
     let built = tokio::time::timeout(
         s.client_header,
         b.build::<_, Bytes>(h3_quinn::Connection::new(conn.clone())),
@@ -307,6 +332,16 @@ async fn request<E: Engine>(engine: E, resolver: Resolver, header: Duration, idl
     };
     let (parts, ()) = req.into_parts();
     let (send, mut recv) = stream.split();
+    // An extended CONNECT (RFC 9220) is the Upgrade it stands for; its
+    // stream's data is the tunnel's, read once the origin switched.
+    let protocol = (parts.method == http::Method::CONNECT)
+        .then(|| parts.extensions.get::<h3::ext::Protocol>().copied())
+        .flatten();
+    if let Some(p) = protocol {
+        let head = HttpHead::upgrade(parts, p.as_str());
+        let down = H3Downstream::new(recv, None, send, idle, false);
+        return pier_session::boxed_in_place(|| engine.serve_stream(down, head)).await;
+    }
     // Whether a body follows: the stream already ended with its head (a
     // bodiless request's FIN comes in the HEADERS frame's packet), or a
     // first piece is here; else what the head says (a length, or a method
@@ -327,24 +362,7 @@ async fn request<E: Engine>(engine: E, resolver: Resolver, header: Duration, idl
         }
     };
     let head = HttpHead::new(parts, has_body);
-    let down = H3Downstream {
-        rx: H3Rx {
-            recv,
-            first,
-            buf: Bytes::new(),
-            trailers: None,
-            received: 0,
-            o: StreamOpts::new(idle),
-            done: ended || !has_body,
-        },
-        tx: H3Tx {
-            send,
-            sent: 0,
-            head_sent: false,
-            finished: false,
-            o: StreamOpts::new(idle),
-        },
-    };
+    let down = H3Downstream::new(recv, first, send, idle, ended || !has_body);
     // The request's future written straight into its box (pier-h2 says why).
     pier_session::boxed_in_place(|| engine.serve_stream(down, head)).await
 }
@@ -376,6 +394,35 @@ pub struct H3Tx {
     o: StreamOpts,
 }
 
+impl H3Downstream {
+    fn new(
+        recv: RecvHalf,
+        first: Option<Bytes>,
+        send: SendHalf,
+        idle: Duration,
+        done: bool,
+    ) -> H3Downstream {
+        H3Downstream {
+            rx: H3Rx {
+                recv,
+                first,
+                buf: Bytes::new(),
+                trailers: None,
+                received: 0,
+                o: StreamOpts::new(idle),
+                done,
+            },
+            tx: H3Tx {
+                send,
+                sent: 0,
+                head_sent: false,
+                finished: false,
+                o: StreamOpts::new(idle),
+            },
+        }
+    }
+}
+
 impl Downstream for H3Downstream {
     type Source<'a> = &'a mut H3Rx;
     type Sink<'a> = &'a mut H3Tx;
@@ -391,16 +438,173 @@ impl Downstream for H3Downstream {
         (&mut self.rx, &mut self.tx)
     }
 
+    /// The origin switched protocols for an extended CONNECT (RFC 9220):
+    /// the client gets a 200 and the stream's DATA frames carry the
+    /// tunnel's bytes both ways (there is no Upgrade in HTTP/3 itself).
     async fn tunnel<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
         &mut self,
-        _head: &ResponseHead,
-        _early: &[u8],
-        _ur: &mut R,
-        _uw: &mut W,
-        _idle: Duration,
+        head: &ResponseHead,
+        early: &[u8],
+        ur: &mut R,
+        uw: &mut W,
+        idle: Duration,
     ) -> Result<u64, Error> {
-        // No Upgrade in HTTP/3 (RFC 9114 §4.5); the driver never asks.
-        Err(Error::new(Kind::UpstreamProtocol))
+        use tokio::io::AsyncWriteExt;
+        let mut ok = head.clone();
+        ok.set_status(200);
+        ok.headers.remove_known(pier_http::known::UPGRADE);
+        ok.headers.remove(b"sec-websocket-accept");
+        let resp = http_types::response_fields(&ok);
+        gone(tokio::time::timeout(idle, self.tx.send.send_response(resp)).await)?;
+        self.tx.head_sent = true;
+        if !early.is_empty() {
+            let early = Bytes::copy_from_slice(early);
+            gone(tokio::time::timeout(idle, self.tx.send.send_data(early)).await)?;
+        }
+        if let Some(first) = self.rx.first.take() {
+            if uw.write_all(&first).await.is_err() {
+                return Err(Error::answered(Kind::UpstreamClosed));
+            }
+        }
+        let mut cr = H3Read {
+            recv: &mut self.rx.recv,
+            buf: Bytes::new(),
+        };
+        let mut cw = H3Write(WriteState::Ready(&mut self.tx.send));
+        pier_session::tunnel(&mut cr, &mut cw, ur, uw, idle).await;
+        self.tx.finished = true;
+        Ok(0)
+    }
+}
+
+/// A tunnelled stream's receiving half as a byte stream.
+struct H3Read<'a> {
+    recv: &'a mut RecvHalf,
+    buf: Bytes,
+}
+
+impl AsyncRead for H3Read<'_> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        out: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        let me = self.get_mut();
+        if me.buf.is_empty() {
+            match me.recv.poll_recv_data(cx) {
+                Poll::Pending => return Poll::Pending,
+                // The client ended its side: end of the stream.
+                Poll::Ready(Ok(None)) => return Poll::Ready(Ok(())),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(std::io::Error::other(e))),
+                Poll::Ready(Ok(Some(mut b))) => me.buf = b.copy_to_bytes(b.remaining()),
+            }
+        }
+        let n = me.buf.len().min(out.remaining());
+        out.put_slice(&me.buf.split_to(n));
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// A send in flight on a tunnelled stream; it hands the stream back.
+type Sending<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = (&'a mut SendHalf, bool)> + 'a>>;
+
+enum WriteState<'a> {
+    Ready(&'a mut SendHalf),
+    Busy(Sending<'a>),
+    Gone,
+}
+
+/// A tunnelled stream's sending half as a byte stream. h3 sends only
+/// from async functions, so a write is taken whole into one send in
+/// flight (its future holds the stream and gives it back), which the
+/// next write, a flush or the shutdown finishes first: one write
+/// buffered, as a `BufWriter` of one chunk.
+struct H3Write<'a>(WriteState<'a>);
+
+impl<'a> H3Write<'a> {
+    /// Finish the send in flight; Ok with the stream when it is idle.
+    fn settle(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<&'a mut SendHalf>> {
+        use std::task::Poll;
+        match std::mem::replace(&mut self.0, WriteState::Gone) {
+            WriteState::Ready(s) => Poll::Ready(Ok(s)),
+            WriteState::Gone => Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into())),
+            WriteState::Busy(mut f) => match f.as_mut().poll(cx) {
+                Poll::Pending => {
+                    self.0 = WriteState::Busy(f);
+                    Poll::Pending
+                }
+                Poll::Ready((s, true)) => Poll::Ready(Ok(s)),
+                Poll::Ready((_, false)) => Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into())),
+            },
+        }
+    }
+}
+
+impl AsyncWrite for H3Write<'_> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        data: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        use std::task::Poll;
+        let me = self.get_mut();
+        let send = match me.settle(cx) {
+            Poll::Ready(Ok(s)) => s,
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending => return Poll::Pending,
+        };
+        if data.is_empty() {
+            me.0 = WriteState::Ready(send);
+            return Poll::Ready(Ok(0));
+        }
+        let chunk = Bytes::copy_from_slice(data);
+        me.0 = WriteState::Busy(Box::pin(async move {
+            let ok = send.send_data(chunk).await.is_ok();
+            (send, ok)
+        }));
+        Poll::Ready(Ok(data.len()))
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let me = self.get_mut();
+        me.settle(cx).map(|r| {
+            r.map(|s| {
+                me.0 = WriteState::Ready(s);
+            })
+        })
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        let me = self.get_mut();
+        // A finish in flight is a Busy whose stream comes back as Gone.
+        let send = match me.settle(cx) {
+            Poll::Ready(Ok(s)) => s,
+            Poll::Ready(Err(_)) => return Poll::Ready(Ok(())),
+            Poll::Pending => return Poll::Pending,
+        };
+        let mut fin: Sending<'_> = Box::pin(async move {
+            let _ = send.finish().await;
+            (send, false)
+        });
+        match fin.as_mut().poll(cx) {
+            Poll::Ready(_) => Poll::Ready(Ok(())),
+            Poll::Pending => {
+                me.0 = WriteState::Busy(fin);
+                Poll::Pending
+            }
+        }
     }
 }
 

@@ -101,31 +101,13 @@ fn reset_key() -> &'static [u8; 32] {
 /// (`limits.max_connections`, per-IP caps), until a drain.
 pub async fn serve_h3<P: Phases>(w: Arc<Worker<P>>, name: String, socket: std::net::UdpSocket) {
     let state = w.shared.state.load_full();
-    let Some(index) = state.cfg.listeners.iter().position(|l| l.name == name) else {
-        return;
-    };
-    let (Some(tls), Some(lt)) = (
-        state.listener_tls.get(index).cloned().flatten(),
-        state.cfg.listeners[index].tls.as_ref(),
-    ) else {
+    let Some((index, tls, s)) = h3_settings(&state, &name) else {
         tracing::error!("listener {name}: http3 without TLS");
         return;
     };
-    let t = &state.cfg.timeouts;
-    let s = pier_h3::Settings {
-        max_streams: state.cfg.http2.max_concurrent_streams,
-        max_field_section_size: state.cfg.http2.max_header_list_size as u64,
-        handshake_timeout: lt.handshake_timeout,
-        client_header: t.client_header,
-        client_idle: t.client_idle,
-        client_goaway: t.client_goaway,
-        retry_above: if state.cfg.listeners[index].quic_retry {
-            0
-        } else {
-            RETRY_ABOVE
-        },
-    };
-    let endpoint = match pier_h3::endpoint(socket, tls.config(), &s, reset_key()) {
+    let (endpoint, config) = match pier_h3::server_config(tls.config(), &s)
+        .and_then(|c| Ok((pier_h3::endpoint(socket, c.clone(), reset_key())?, c)))
+    {
         Ok(e) => e,
         Err(e) => {
             tracing::error!("listener {name}: http3: {e}");
@@ -133,6 +115,30 @@ pub async fn serve_h3<P: Phases>(w: Arc<Worker<P>>, name: String, socket: std::n
         }
     };
     let drain = w.shared.drain_rx();
+    // A reload's certificates and bounds, for the next QUIC connection (as
+    // the next TLS handshake over TCP gets them): built again when the
+    // state's generation moved. Listeners are bound once and keep their
+    // place in the list, so `index` stays valid for admission.
+    let current = {
+        let shared = w.shared.clone();
+        let config = Arc::new(config);
+        let built = RefCell::new((state.generation, std::rc::Rc::new((config, s))));
+        move || {
+            let state = shared.state.load();
+            let mut b = built.borrow_mut();
+            if b.0 != state.generation {
+                b.0 = state.generation;
+                match h3_settings(&state, &name)
+                    .map(|(_, tls, s)| pier_h3::server_config(tls.config(), &s).map(|c| (c, s)))
+                {
+                    Some(Ok((c, s))) => b.1 = std::rc::Rc::new((Arc::new(c), s)),
+                    Some(Err(e)) => tracing::error!("listener {name}: http3 reload: {e}"),
+                    None => tracing::error!("listener {name}: http3 reload: no TLS"),
+                }
+            }
+            b.1.clone()
+        }
+    };
     let admit = {
         let w = w.clone();
         move |c: pier_h3::NewConnection| {
@@ -163,5 +169,28 @@ pub async fn serve_h3<P: Phases>(w: Arc<Worker<P>>, name: String, socket: std::n
             })
         }
     };
-    pier_h3::serve(endpoint, s, drain, admit).await
+    pier_h3::serve(endpoint, drain, current, admit).await
+}
+
+/// Listener `name`'s index, TLS and HTTP/3 settings in `state`; None when
+/// it is not there or has no TLS.
+fn h3_settings(
+    state: &crate::state::State,
+    name: &str,
+) -> Option<(usize, Arc<pier_tls::ServerTls>, pier_h3::Settings)> {
+    let index = state.cfg.listeners.iter().position(|l| l.name == name)?;
+    let l = &state.cfg.listeners[index];
+    let tls = state.listener_tls.get(index).cloned().flatten()?;
+    let lt = l.tls.as_ref()?;
+    let t = &state.cfg.timeouts;
+    let s = pier_h3::Settings {
+        max_streams: state.cfg.http2.max_concurrent_streams,
+        max_field_section_size: state.cfg.http2.max_header_list_size as u64,
+        handshake_timeout: lt.handshake_timeout,
+        client_header: t.client_header,
+        client_idle: t.client_idle,
+        client_goaway: t.client_goaway,
+        retry_above: if l.quic_retry { 0 } else { RETRY_ABOVE },
+    };
+    Some((index, tls, s))
 }

@@ -475,7 +475,9 @@ pub async fn tunnel<CR, CW, UR, UW>(
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
                     last.set(tokio::time::Instant::now());
-                    if w.write_all(&buf[..n]).await.is_err() {
+                    // Flushed: a writer that buffers (an HTTP/3 stream's,
+                    // TLS) sends now, not with the next piece.
+                    if w.write_all(&buf[..n]).await.is_err() || w.flush().await.is_err() {
                         break;
                     }
                 }
