@@ -683,3 +683,194 @@ fn a_reload_gives_new_quic_handshakes_the_new_certificate() {
         "the connection from before the reload serves on"
     );
 }
+
+/// A QUIC variable-length integer at the start of `b`: its value and length.
+fn varint(b: &[u8]) -> Option<(usize, usize)> {
+    let first = *b.first()?;
+    let len = 1usize << (first >> 6);
+    let mut v = (first & 0x3f) as usize;
+    for x in b.get(1..len)? {
+        v = (v << 8) | *x as usize;
+    }
+    Some((v, len))
+}
+
+/// Whether a client's datagram carries a Handshake or a 1-RTT packet (the
+/// client's Finished, or anything after it), walking coalesced long-header
+/// packets (RFC 9000 §17.2). Unparsable: true (held).
+fn past_the_first_flight(d: &[u8]) -> bool {
+    let mut i = 0;
+    while i < d.len() {
+        let Some(step) = (|| {
+            let first = d[i];
+            if first & 0x80 == 0 {
+                return None; // a short header: 1-RTT
+            }
+            let kind = (first >> 4) & 0x03; // 0 Initial, 1 0-RTT, 2 Handshake
+            if kind >= 2 {
+                return None;
+            }
+            let mut j = i + 5;
+            j += 1 + *d.get(j)? as usize;
+            j += 1 + *d.get(j)? as usize;
+            if kind == 0 {
+                let (token, n) = varint(d.get(j..)?)?;
+                j += n + token;
+            }
+            let (len, n) = varint(d.get(j..)?)?;
+            Some(j + n + len)
+        })() else {
+            return true;
+        };
+        i = step;
+    }
+    false
+}
+
+/// A UDP relay to `server` that passes a client's first flight (Initial
+/// and 0-RTT packets) but holds every later datagram of the client (its
+/// Finished and what follows) until `release` turns true: the server
+/// cannot finish the handshake, so whatever it does with the 0-RTT
+/// requests it does while they are still early, however the machine
+/// schedules it.
+async fn holding_relay(
+    server: SocketAddr,
+    mut release: tokio::sync::watch::Receiver<bool>,
+) -> SocketAddr {
+    let front = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let back = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    back.connect(server).await.unwrap();
+    let addr = front.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut a, mut b) = (vec![0u8; 65536], vec![0u8; 65536]);
+        let mut client = None;
+        let mut held: Vec<Vec<u8>> = Vec::new();
+        let mut holding = true;
+        loop {
+            tokio::select! {
+                r = front.recv_from(&mut a) => {
+                    let Ok((n, from)) = r else { return };
+                    client = Some(from);
+                    if holding && past_the_first_flight(&a[..n]) {
+                        held.push(a[..n].to_vec());
+                    } else {
+                        let _ = back.send(&a[..n]).await;
+                    }
+                }
+                r = back.recv(&mut b) => {
+                    let Ok(n) = r else { return };
+                    if let Some(c) = client {
+                        let _ = front.send_to(&b[..n], c).await;
+                    }
+                }
+                r = release.changed(), if holding => {
+                    if r.is_err() || *release.borrow() {
+                        holding = false;
+                        for d in held.drain(..) {
+                            let _ = back.send(&d).await;
+                        }
+                    }
+                }
+            }
+        }
+    });
+    addr
+}
+
+/// A QUIC client endpoint that resumes sessions and offers 0-RTT.
+fn early_client(ca: &std::path::Path) -> quinn::Endpoint {
+    let mut tls = (*TlsClientConfig::new(ca, None, &["h3"], None).0).clone();
+    tls.enable_early_data = true;
+    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
+    ep
+}
+
+/// A full handshake and one request on `ep` (it keeps the session ticket).
+async fn first_visit(ep: &quinn::Endpoint, addr: SocketAddr) {
+    let conn = ep.connect(addr, "localhost").unwrap().await.unwrap();
+    let (mut driver, mut send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
+        .await
+        .unwrap();
+    let drive = tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
+    let r = request(&mut send, addr.port(), "GET", "/hello", b"").await;
+    assert_eq!(r.status, 200);
+    drive.abort();
+    conn.close(0u32.into(), b"done");
+}
+
+/// `quic_early_data = true`: a resumed client's requests in 0-RTT are
+/// served only for replay-safe methods (the GET reaches the origin marked
+/// `Early-Data: 1`, RFC 8470), a POST gets 425 Too Early, and once the
+/// handshake is done the same POST on the same connection is served.
+#[test]
+fn zero_rtt_serves_only_replay_safe_requests() {
+    let Fixture { s, o: _o, p, addr } = start_with("", "", |_, text| {
+        text.replace("http3 = true\n", "http3 = true\nquic_early_data = true\n")
+    });
+    let early = |result: &str| {
+        p.metric_value(&format!(
+            "pier_http3_early_data_total{{result=\"{result}\"}}"
+        ))
+        .unwrap_or(0.0)
+    };
+    run(async {
+        let ep = early_client(&s.ca.cert);
+        first_visit(&ep, addr).await;
+        let (release, hold) = tokio::sync::watch::channel(false);
+        let relay = holding_relay(addr, hold).await;
+        let (conn, _accepted) = ep
+            .connect(relay, "localhost")
+            .unwrap()
+            .into_0rtt()
+            .unwrap_or_else(|_| panic!("the session resumes with 0-RTT"));
+        let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
+            .await
+            .unwrap();
+        let drive =
+            tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
+        let port = addr.port();
+        let (mut s1, mut s2) = (send.clone(), send.clone());
+        let get = tokio::spawn(async move { request(&mut s1, port, "GET", "/headers", b"").await });
+        let post =
+            tokio::spawn(async move { request(&mut s2, port, "POST", "/echo", b"once").await });
+        // Both requests reached Pier in 0-RTT (the relay holds the
+        // client's Finished): wait for Pier to have judged them.
+        while early("served") < 1.0 || early("refused") < 1.0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        release.send(true).unwrap();
+        let (get, post) = (get.await.unwrap(), post.await.unwrap());
+        assert_eq!(get.status, 200);
+        let head = String::from_utf8_lossy(&get.body).to_ascii_lowercase();
+        assert!(head.contains("\r\nearly-data: 1\r\n"), "{head}");
+        assert_eq!(post.status, 425, "a POST in 0-RTT could be a replay");
+        let mut again = send.clone();
+        let r = request(&mut again, port, "POST", "/echo", b"once").await;
+        assert_eq!(r.status, 200, "after the handshake the POST is served");
+        assert_eq!(r.body, b"once");
+        drive.abort();
+        conn.close(0u32.into(), b"done");
+    });
+    assert_eq!(early("served"), 1.0);
+    assert_eq!(early("refused"), 1.0);
+}
+
+/// Without `quic_early_data` a resumed client gets no 0-RTT: the tickets
+/// Pier issues allow no early data.
+#[test]
+fn zero_rtt_is_off_by_default() {
+    let Fixture {
+        s,
+        o: _o,
+        p: _p,
+        addr,
+    } = start("", "");
+    run(async {
+        let ep = early_client(&s.ca.cert);
+        first_visit(&ep, addr).await;
+        let second = ep.connect(addr, "localhost").unwrap();
+        assert!(second.into_0rtt().is_err(), "0-RTT was offered");
+    });
+}

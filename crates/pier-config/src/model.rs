@@ -347,6 +347,9 @@ pub struct Listener {
     pub http3: bool,
     /// `quic_retry`: a Retry for every new QUIC client, not only under load.
     pub quic_retry: bool,
+    /// `quic_early_data`: 0-RTT on QUIC resumptions, for replay-safe
+    /// requests only (others get 425 Too Early).
+    pub quic_early_data: bool,
     /// `trusted_proxies`: clients whose Forwarded / X-Forwarded-* headers
     /// are passed on (extended); from anyone else they are replaced.
     pub trusted_proxies: Vec<Cidr>,
@@ -372,6 +375,7 @@ impl Listener {
             h2c_only: false,
             http3: false,
             quic_retry: false,
+            quic_early_data: false,
             trusted_proxies: Vec::new(),
         }
     }

@@ -165,6 +165,9 @@ pub struct ListenerEntry {
     /// With `http3`: every new QUIC client proves its address first (a
     /// Retry), not only under load (nginx's `quic_retry`).
     pub quic_retry: Option<Spanned<bool>>,
+    /// With `http3`: 0-RTT requests on resumed QUIC connections, the
+    /// replay-safe methods only.
+    pub quic_early_data: Option<Spanned<bool>>,
     pub tls: Option<ListenerTlsSection>,
     /// CIDRs whose Forwarded / X-Forwarded-* headers are kept.
     pub trusted_proxies: Option<Vec<Spanned<String>>>,

@@ -2686,3 +2686,37 @@ fn http3_needs_a_tls_listener() {
     .unwrap();
     assert!(!c.listeners[0].http3);
 }
+
+#[test]
+fn quic_early_data_needs_http3_a_session_cache_and_no_client_certificates() {
+    let listener = |keys: &str, tls: &str| {
+        tls_file(&format!("cert = \"a\"\nkey = \"b\"\n{tls}"), "").replace(
+            "listen = \"127.0.0.1:0\"\n",
+            &format!("listen = \"127.0.0.1:0\"\n{keys}"),
+        )
+    };
+    let c = ok(&listener("http3 = true\nquic_early_data = true\n", ""));
+    assert!(c.listeners[0].quic_early_data);
+    assert!(!ok(&listener("http3 = true\n", "")).listeners[0].quic_early_data);
+    one_error(
+        &listener("quic_early_data = true\n", ""),
+        "4:19",
+        "`quic_early_data` is for listeners with `http3 = true`",
+    );
+    one_error(
+        &listener(
+            "http3 = true\nquic_early_data = true\n",
+            "session_cache = 0",
+        ),
+        "5:19",
+        "needs `session_cache` > 0",
+    );
+    one_error(
+        &listener(
+            "http3 = true\nquic_early_data = true\n",
+            "client_ca = \"ca.pem\"",
+        ),
+        "5:19",
+        "with client certificates",
+    );
+}

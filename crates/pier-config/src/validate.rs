@@ -379,6 +379,29 @@ pub(crate) fn validate(
                     "`quic_retry` is for listeners with `http3 = true`",
                 );
             }
+            let quic_early_data = l.quic_early_data.as_ref().is_some_and(|v| *v.get_ref());
+            if quic_early_data && !http3 {
+                c.err(
+                    l.quic_early_data.as_ref().and_then(sp),
+                    "`quic_early_data` is for listeners with `http3 = true`",
+                );
+            }
+            if quic_early_data
+                && tls
+                    .as_ref()
+                    .is_some_and(|t| !matches!(t.client_auth, ClientAuth::Off))
+            {
+                c.err(
+                    l.quic_early_data.as_ref().and_then(sp),
+                    "`quic_early_data` with client certificates: a 0-RTT request arrives before the client's certificate, so it would pass unauthenticated",
+                );
+            }
+            if quic_early_data && tls.as_ref().is_some_and(|t| t.session_cache == 0) {
+                c.err(
+                    l.quic_early_data.as_ref().and_then(sp),
+                    "`quic_early_data` needs `session_cache` > 0: 0-RTT tickets are single-use entries of the session cache",
+                );
+            }
             let mut trusted_proxies = Vec::new();
             for v in l.trusted_proxies.iter().flatten() {
                 match Cidr::parse(v.get_ref()) {
@@ -395,6 +418,7 @@ pub(crate) fn validate(
                 h2c_only,
                 http3,
                 quic_retry,
+                quic_early_data,
                 trusted_proxies,
             });
         }

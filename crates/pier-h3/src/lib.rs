@@ -25,8 +25,11 @@
 //! - timeouts: the handshake (`handshake_timeout`), the request head
 //!   (`client_header`), an idle connection (QUIC's idle timeout,
 //!   `client_idle`) and a draining one (`client_goaway` after GOAWAY);
-//! - 0-RTT is off (the TLS config's early data is 0): no replayable
-//!   requests;
+//! - 0-RTT is off unless the listener asks (`early_data`); then a resumed
+//!   client's requests that arrive before the handshake is done are
+//!   served only for the replay-safe methods (GET, HEAD, OPTIONS), marked
+//!   `Early-Data: 1` towards the origin (RFC 8470), and any other gets
+//!   425 Too Early, so a replayed 0-RTT packet cannot repeat a POST;
 //! - connection migration is refused: workers share the UDP port by
 //!   `SO_REUSEPORT`, which steers datagrams by address, so a migrated
 //!   client's packets reach a worker that does not know the connection
@@ -58,10 +61,15 @@ pub mod stats {
     pub static HANDSHAKES: AtomicU64 = AtomicU64::new(0);
     /// Handshakes that failed or timed out.
     pub static HANDSHAKE_FAILURES: AtomicU64 = AtomicU64::new(0);
+    /// Requests that arrived in 0-RTT and were served (replay-safe).
+    pub static EARLY_SERVED: AtomicU64 = AtomicU64::new(0);
+    /// Requests that arrived in 0-RTT and got 425 Too Early.
+    pub static EARLY_REFUSED: AtomicU64 = AtomicU64::new(0);
 }
 
 type SendHalf = h3::server::RequestStream<h3_quinn::SendStream<Bytes>, Bytes>;
 type RecvHalf = h3::server::RequestStream<h3_quinn::RecvStream, Bytes>;
+type BidiRequest = h3::server::RequestStream<h3_quinn::BidiStream<Bytes>, Bytes>;
 type Resolver = h3::server::RequestResolver<h3_quinn::Connection, Bytes>;
 
 /// HTTP/3's settings on a listener (from `[http2]`, the timeouts and the
@@ -79,6 +87,8 @@ pub struct Settings {
     /// Handshakes in progress on the endpoint above which new clients must
     /// prove their address first (a Retry); 0: every new client does.
     pub retry_above: usize,
+    /// 0-RTT for resumed clients, replay-safe requests only.
+    pub early_data: bool,
 }
 
 /// One worker's QUIC endpoint on a listener's UDP socket, serving with
@@ -106,7 +116,15 @@ pub fn server_config(
     let io = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
     let mut tls = tls.clone();
     tls.alpn_protocols = vec![b"h3".to_vec()];
-    tls.max_early_data_size = 0;
+    // QUIC takes all of 0-RTT or none (RFC 9001 §4.6.1).
+    tls.max_early_data_size = if s.early_data { u32::MAX } else { 0 };
+    if s.early_data {
+        // rustls allows early data only on stateful resumption: tickets
+        // are ids into the listener's session cache (shared by the
+        // workers), each taken once, so a ticket is good for one 0-RTT
+        // attempt (RFC 8446 §8.1) — on top of the replay-safe methods.
+        tls.ticketer = Arc::new(NoTickets);
+    }
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
         .map_err(|e| io(format!("TLS for QUIC: {e}")))?;
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
@@ -121,6 +139,25 @@ pub fn server_config(
     server.transport_config(Arc::new(t));
     server.migration(false);
     Ok(server)
+}
+
+/// No stateless tickets (see [`server_config`]).
+#[derive(Debug)]
+struct NoTickets;
+
+impl rustls::server::ProducesTickets for NoTickets {
+    fn enabled(&self) -> bool {
+        false
+    }
+    fn lifetime(&self) -> u32 {
+        0
+    }
+    fn encrypt(&self, _: &[u8]) -> Option<Vec<u8>> {
+        None
+    }
+    fn decrypt(&self, _: &[u8]) -> Option<Vec<u8>> {
+        None
+    }
 }
 
 /// What a new connection is served with: QUIC's configuration (from
@@ -172,7 +209,7 @@ pub async fn serve<E: Engine>(
         let local = local.unwrap_or_else(|| incoming.remote_address());
         tokio::task::spawn_local(async move {
             let (config, s) = &*now;
-            let Some(conn) = handshake(incoming, config, s, &handshakes).await else {
+            let Some((conn, early)) = handshake(incoming, config, s, &handshakes).await else {
                 return;
             };
             let info = NewConnection {
@@ -191,7 +228,7 @@ pub async fn serve<E: Engine>(
                     .and_then(|certs| certs.into_iter().next()),
             };
             match admit(info) {
-                Some(engine) => connection(engine, conn, s).await,
+                Some(engine) => connection(engine, conn, s, early).await,
                 None => conn.close(H3_EXCESSIVE_LOAD, b"busy"),
             }
         });
@@ -204,26 +241,58 @@ pub async fn serve<E: Engine>(
 const H3_NO_ERROR: quinn::VarInt = quinn::VarInt::from_u32(0x100);
 const H3_EXCESSIVE_LOAD: quinn::VarInt = quinn::VarInt::from_u32(0x107);
 
+/// Whether a connection's handshake is done yet: a request read before
+/// then came in 0-RTT (it can be a replay).
+type Confirmed = Rc<Cell<bool>>;
+
 /// The QUIC handshake, within `handshake_timeout`, counted while it runs.
+/// With `early_data` the connection is served at once (its 0-RTT requests
+/// with it) and the handshake finishes beside it, setting the
+/// [`Confirmed`] it returns.
 async fn handshake(
     incoming: quinn::Incoming,
     config: &Arc<quinn::ServerConfig>,
     s: &Settings,
     handshakes: &Rc<Cell<usize>>,
-) -> Option<quinn::Connection> {
-    let _count = Counted::enter(handshakes);
+) -> Option<(quinn::Connection, Option<Confirmed>)> {
+    let count = Counted::enter(handshakes);
     use std::sync::atomic::Ordering::Relaxed;
-    let done = match incoming.accept_with(config.clone()) {
-        Ok(connecting) => tokio::time::timeout(s.handshake_timeout, connecting).await,
+    let connecting = match incoming.accept_with(config.clone()) {
+        Ok(c) => c,
         Err(_) => {
             stats::HANDSHAKE_FAILURES.fetch_add(1, Relaxed);
             return None;
         }
     };
-    match done {
+    let connecting = if s.early_data {
+        // A server's `into_0rtt` always succeeds (RFC 9001 0.5-RTT); its
+        // future resolves when the handshake is done.
+        match connecting.into_0rtt() {
+            Ok((conn, done)) => {
+                let confirmed = Rc::new(Cell::new(false));
+                let (c, flag, bound) = (conn.clone(), confirmed.clone(), s.handshake_timeout);
+                tokio::task::spawn_local(async move {
+                    let _count = count;
+                    if tokio::time::timeout(bound, done).await.is_ok() {
+                        flag.set(true);
+                        stats::HANDSHAKES.fetch_add(1, Relaxed);
+                    } else {
+                        stats::HANDSHAKE_FAILURES.fetch_add(1, Relaxed);
+                        c.close(H3_NO_ERROR, b"handshake timeout");
+                    }
+                });
+                return Some((conn, Some(confirmed)));
+            }
+            Err(connecting) => connecting,
+        }
+    } else {
+        connecting
+    };
+    let _count = count;
+    match tokio::time::timeout(s.handshake_timeout, connecting).await {
         Ok(Ok(c)) => {
             stats::HANDSHAKES.fetch_add(1, Relaxed);
-            Some(c)
+            Some((c, None))
         }
         _ => {
             stats::HANDSHAKE_FAILURES.fetch_add(1, Relaxed);
@@ -250,7 +319,12 @@ impl Drop for Counted {
 
 /// One connection: request streams until the client goes, an error, or a
 /// drain (GOAWAY, then what is open finishes within `client_goaway`).
-async fn connection<E: Engine>(engine: E, conn: quinn::Connection, s: &Settings) {
+async fn connection<E: Engine>(
+    engine: E,
+    conn: quinn::Connection,
+    s: &Settings,
+    early: Option<Confirmed>,
+) {
     let mut b = h3::server::builder();
     // Extended CONNECT (RFC 9220) for WebSocket; the engine's `[http]
     // upgrade` allow-list decides which protocols pass.
@@ -289,9 +363,10 @@ async fn connection<E: Engine>(engine: E, conn: quinn::Connection, s: &Settings)
                     let guard = Counted::enter(&open);
                     let ended = ended.clone();
                     let (header, idle) = (s.client_header, s.client_idle);
+                    let early = early.clone();
                     tokio::task::spawn_local(async move {
                         let _guard = guard;
-                        request(engine, resolver, header, idle).await;
+                        request(engine, resolver, header, idle, early).await;
                         ended.notify_one();
                     });
                 }
@@ -325,12 +400,36 @@ async fn evicted(w: Option<&evict::Waiting<'_>>) {
 }
 
 /// One request stream: its head within `client_header`, then the engine.
-async fn request<E: Engine>(engine: E, resolver: Resolver, header: Duration, idle: Duration) {
-    let Ok(Ok((req, stream))) = tokio::time::timeout(header, resolver.resolve_request()).await
+async fn request<E: Engine>(
+    engine: E,
+    resolver: Resolver,
+    header: Duration,
+    idle: Duration,
+    early: Option<Confirmed>,
+) {
+    let Ok(Ok((req, mut stream))) = tokio::time::timeout(header, resolver.resolve_request()).await
     else {
         return;
     };
-    let (parts, ()) = req.into_parts();
+    let (mut parts, ()) = req.into_parts();
+    if early.is_some_and(|done| !done.get()) {
+        // In 0-RTT: whoever captured the packet can send it again.
+        use std::sync::atomic::Ordering::Relaxed;
+        let replay_safe = matches!(
+            parts.method,
+            http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+        );
+        if !replay_safe {
+            stats::EARLY_REFUSED.fetch_add(1, Relaxed);
+            too_early(&mut stream, idle).await;
+            return;
+        }
+        stats::EARLY_SERVED.fetch_add(1, Relaxed);
+        // RFC 8470 §5.1: the origin may answer 425 itself.
+        parts
+            .headers
+            .insert("early-data", http::HeaderValue::from_static("1"));
+    }
     let (send, mut recv) = stream.split();
     // An extended CONNECT (RFC 9220) is the Upgrade it stands for; its
     // stream's data is the tunnel's, read once the origin switched.
@@ -365,6 +464,23 @@ async fn request<E: Engine>(engine: E, resolver: Resolver, header: Duration, idl
     let down = H3Downstream::new(recv, first, send, idle, ended || !has_body);
     // The request's future written straight into its box (pier-h2 says why).
     pier_session::boxed_in_place(|| engine.serve_stream(down, head)).await
+}
+
+/// 425 Too Early (RFC 8470): the client retries once its handshake is done.
+async fn too_early(stream: &mut BidiRequest, idle: Duration) {
+    stream.stop_sending(h3::error::Code::H3_REQUEST_REJECTED);
+    let resp = http::Response::builder()
+        .status(425)
+        .header("content-type", "text/plain")
+        .header("content-length", "10")
+        .body(())
+        .expect("a static response");
+    let _ = tokio::time::timeout(idle, async {
+        stream.send_response(resp).await?;
+        stream.send_data(Bytes::from_static(b"Too Early\n")).await?;
+        stream.finish().await
+    })
+    .await;
 }
 
 /// One HTTP/3 request stream as the engine's downstream: the request body

@@ -151,14 +151,17 @@ impl pier_lb::dns::Running for Shared {
 }
 
 /// QUIC's process-wide counters: Retry packets sent, handshakes done and
-/// failed (`pier_http3_retries_total`, `pier_http3_handshakes_total`).
-pub fn quic_stats() -> (u64, u64, u64) {
+/// failed, 0-RTT requests served and refused (`pier_http3_retries_total`,
+/// `pier_http3_handshakes_total`, `pier_http3_early_data_total`).
+pub fn quic_stats() -> [u64; 5] {
     use pier_h3::stats;
-    (
+    [
         stats::RETRIES.load(Relaxed),
         stats::HANDSHAKES.load(Relaxed),
         stats::HANDSHAKE_FAILURES.load(Relaxed),
-    )
+        stats::EARLY_SERVED.load(Relaxed),
+        stats::EARLY_REFUSED.load(Relaxed),
+    ]
 }
 
 /// Cached body bytes spliced to clients without a copy, process-wide

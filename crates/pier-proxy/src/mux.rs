@@ -191,6 +191,7 @@ fn h3_settings(
         client_idle: t.client_idle,
         client_goaway: t.client_goaway,
         retry_above: if l.quic_retry { 0 } else { RETRY_ABOVE },
+        early_data: l.quic_early_data,
     };
     Some((index, tls, s))
 }
