@@ -874,3 +874,125 @@ fn zero_rtt_is_off_by_default() {
         assert!(second.into_0rtt().is_err(), "0-RTT was offered");
     });
 }
+
+/// Address validation under load: with 64 handshakes in progress on the
+/// worker (clients behind a relay that never lets their Finished through,
+/// as a flood of spoofed Initials would), the next new client is sent a
+/// Retry before Pier spends anything on it, proves its address with the
+/// token and is served; the stalled handshakes end at `handshake_timeout`.
+#[test]
+fn a_retry_is_asked_for_under_handshake_load() {
+    let Fixture { s, o: _o, p, addr } = start_with("", "", |_, text| {
+        text.replace("workers = 2", "workers = 1").replace(
+            "[listener.tls]\n",
+            "[listener.tls]\nhandshake_timeout = \"5s\"\n",
+        )
+    });
+    let in_progress = || {
+        p.metric_value("pier_http3_handshakes_in_progress")
+            .unwrap_or(0.0)
+    };
+    run(async {
+        let (_release, hold) = tokio::sync::watch::channel(false);
+        let relay = holding_relay(addr, hold).await;
+        let tls = TlsClientConfig::new(&s.ca.cert, None, &["h3"], None);
+        let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls.0).unwrap();
+        let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
+        let stalled: Vec<_> = (0..64)
+            .map(|_| ep.connect(relay, "localhost").unwrap())
+            .collect();
+        while in_progress() < 64.0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(p.metric_value("pier_http3_retries_total"), Some(0.0));
+        let mut c = connect(addr, &s.ca.cert).await;
+        let r = request(&mut c.send, addr.port(), "GET", "/hello", b"").await;
+        assert_eq!(r.status, 200, "a validated client is served under load");
+        assert_eq!(p.metric_value("pier_http3_retries_total"), Some(1.0));
+        c.drive.abort();
+        c.conn.close(0u32.into(), b"done");
+        drop(stalled);
+        // The stalled handshakes end by Pier's bound, not by the client.
+        while in_progress() > 0.0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    assert!(
+        p.metric_value("pier_http3_handshakes_total{result=\"failed\"}")
+            .unwrap_or(0.0)
+            >= 64.0
+    );
+}
+
+/// Connection migration is refused, as docs/config.md says: a client that
+/// moves to a new address (here: its socket rebound to a new port) gets
+/// no answer there and its connection ends (its own idle timeout, 1 s);
+/// a new connection from the new address is served.
+#[test]
+fn a_migrating_connection_is_refused() {
+    let Fixture {
+        s,
+        o: _o,
+        p: _p,
+        addr,
+    } = start("", "");
+    run(async {
+        let tls = TlsClientConfig::new(&s.ca.cert, None, &["h3"], None);
+        let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls.0).unwrap();
+        let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
+        let mut t = quinn::TransportConfig::default();
+        t.max_idle_timeout(Some(Duration::from_secs(1).try_into().unwrap()));
+        cfg.transport_config(Arc::new(t));
+        let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        ep.set_default_client_config(cfg);
+        let conn = ep.connect(addr, "localhost").unwrap().await.unwrap();
+        let (mut driver, mut send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
+            .await
+            .unwrap();
+        let drive =
+            tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
+        let r = request(&mut send, addr.port(), "GET", "/hello", b"").await;
+        assert_eq!(r.status, 200);
+
+        ep.rebind(std::net::UdpSocket::bind("127.0.0.1:0").unwrap())
+            .unwrap();
+        let port = addr.port();
+        let after = tokio::spawn(async move {
+            let req = http::Request::get(format!("https://localhost:{port}/hello"))
+                .body(())
+                .unwrap();
+            match send.send_request(req).await {
+                Ok(mut st) => {
+                    let _ = st.finish().await;
+                    st.recv_response().await.is_ok()
+                }
+                Err(_) => false,
+            }
+        });
+        let closed = conn.closed().await;
+        assert!(
+            matches!(
+                closed,
+                quinn::ConnectionError::TimedOut | quinn::ConnectionError::Reset
+            ),
+            "{closed:?}"
+        );
+        assert!(
+            !after.await.unwrap(),
+            "a request after the move was answered"
+        );
+        drive.abort();
+
+        let conn = ep.connect(addr, "localhost").unwrap().await.unwrap();
+        let (mut driver, mut send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
+            .await
+            .unwrap();
+        let drive =
+            tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
+        let r = request(&mut send, addr.port(), "GET", "/hello", b"").await;
+        assert_eq!(r.status, 200, "a new connection from the new address");
+        drive.abort();
+        conn.close(0u32.into(), b"done");
+    });
+}

@@ -754,10 +754,11 @@ pub fn render_metrics(shared: &Shared) -> String {
         }
     }
     pier_tls::stats::stats().render(&mut out);
-    let [retries, handshakes, failed, early_served, early_refused] = pier_proxy::quic_stats();
+    let [retries, handshakes, failed, early_served, early_refused, in_progress] =
+        pier_proxy::quic_stats();
     let _ = writeln!(
         out,
-        "# HELP pier_http3_retries_total QUIC Retry packets sent (address validation).\n# TYPE pier_http3_retries_total counter\npier_http3_retries_total {retries}\n# HELP pier_http3_handshakes_total QUIC handshakes, by result.\n# TYPE pier_http3_handshakes_total counter\npier_http3_handshakes_total{{result=\"ok\"}} {handshakes}\npier_http3_handshakes_total{{result=\"failed\"}} {failed}\n# HELP pier_http3_early_data_total Requests received in 0-RTT: served (replay-safe methods) or refused with 425.\n# TYPE pier_http3_early_data_total counter\npier_http3_early_data_total{{result=\"served\"}} {early_served}\npier_http3_early_data_total{{result=\"refused\"}} {early_refused}"
+        "# HELP pier_http3_retries_total QUIC Retry packets sent (address validation).\n# TYPE pier_http3_retries_total counter\npier_http3_retries_total {retries}\n# HELP pier_http3_handshakes_total QUIC handshakes, by result.\n# TYPE pier_http3_handshakes_total counter\npier_http3_handshakes_total{{result=\"ok\"}} {handshakes}\npier_http3_handshakes_total{{result=\"failed\"}} {failed}\n# HELP pier_http3_early_data_total Requests received in 0-RTT: served (replay-safe methods) or refused with 425.\n# TYPE pier_http3_early_data_total counter\npier_http3_early_data_total{{result=\"served\"}} {early_served}\npier_http3_early_data_total{{result=\"refused\"}} {early_refused}\n# HELP pier_http3_handshakes_in_progress QUIC handshakes in progress (above 64 on a worker, new clients get a Retry).\n# TYPE pier_http3_handshakes_in_progress gauge\npier_http3_handshakes_in_progress {in_progress}"
     );
     if !state.cache_zones.is_empty() {
         out.push_str("# HELP pier_cache_lookups_total Cache lookups by result.\n# TYPE pier_cache_lookups_total counter\n");

@@ -61,6 +61,8 @@ pub mod stats {
     pub static HANDSHAKES: AtomicU64 = AtomicU64::new(0);
     /// Handshakes that failed or timed out.
     pub static HANDSHAKE_FAILURES: AtomicU64 = AtomicU64::new(0);
+    /// Handshakes in progress now, every worker's endpoint together.
+    pub static IN_PROGRESS: AtomicU64 = AtomicU64::new(0);
     /// Requests that arrived in 0-RTT and were served (replay-safe).
     pub static EARLY_SERVED: AtomicU64 = AtomicU64::new(0);
     /// Requests that arrived in 0-RTT and got 425 Too Early.
@@ -255,7 +257,7 @@ async fn handshake(
     s: &Settings,
     handshakes: &Rc<Cell<usize>>,
 ) -> Option<(quinn::Connection, Option<Confirmed>)> {
-    let count = Counted::enter(handshakes);
+    let count = InHandshake::enter(handshakes);
     use std::sync::atomic::Ordering::Relaxed;
     let connecting = match incoming.accept_with(config.clone()) {
         Ok(c) => c,
@@ -314,6 +316,27 @@ impl Counted {
 impl Drop for Counted {
     fn drop(&mut self) {
         self.0.set(self.0.get().saturating_sub(1));
+    }
+}
+
+/// A handshake in progress: the endpoint's count (which decides Retry)
+/// and the process's gauge, both released on every path.
+struct InHandshake {
+    _endpoint: Counted,
+}
+
+impl InHandshake {
+    fn enter(c: &Rc<Cell<usize>>) -> InHandshake {
+        stats::IN_PROGRESS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        InHandshake {
+            _endpoint: Counted::enter(c),
+        }
+    }
+}
+
+impl Drop for InHandshake {
+    fn drop(&mut self) {
+        stats::IN_PROGRESS.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -151,9 +151,10 @@ impl pier_lb::dns::Running for Shared {
 }
 
 /// QUIC's process-wide counters: Retry packets sent, handshakes done and
-/// failed, 0-RTT requests served and refused (`pier_http3_retries_total`,
-/// `pier_http3_handshakes_total`, `pier_http3_early_data_total`).
-pub fn quic_stats() -> [u64; 5] {
+/// failed, 0-RTT requests served and refused, handshakes in progress
+/// (`pier_http3_retries_total`, `pier_http3_handshakes_total`,
+/// `pier_http3_early_data_total`, `pier_http3_handshakes_in_progress`).
+pub fn quic_stats() -> [u64; 6] {
     use pier_h3::stats;
     [
         stats::RETRIES.load(Relaxed),
@@ -161,6 +162,7 @@ pub fn quic_stats() -> [u64; 5] {
         stats::HANDSHAKE_FAILURES.load(Relaxed),
         stats::EARLY_SERVED.load(Relaxed),
         stats::EARLY_REFUSED.load(Relaxed),
+        stats::IN_PROGRESS.load(Relaxed),
     ]
 }
 
