@@ -26,9 +26,8 @@ fn cache_scenario(route_extra: &str) -> Scenario {
     scenario().top(CACHE_TOP).route(&cache_route(route_extra))
 }
 
-#[test]
-fn hits_age_head_and_cache_status() {
-    let s = cache_scenario("").start();
+fn hits_age_head_and_cache_status_over(p: Proto) {
+    let s = cache_scenario("").over(p).start();
     let mut c = s.conn();
     let first = c
         .get("/cache/60")
@@ -59,6 +58,16 @@ fn hits_age_head_and_cache_status() {
         .expect_status(200);
     assert_eq!(s.origin_requests(), 3);
     assert!(s.metrics().contains("pier_cache_lookups_total"));
+}
+
+#[test]
+fn hits_age_head_and_cache_status() {
+    hits_age_head_and_cache_status_over(Proto::Http1)
+}
+
+#[test]
+fn hits_age_head_and_cache_status_h3() {
+    hits_age_head_and_cache_status_over(Proto::Http3)
 }
 
 /// The cache step's result reaches the access log (`"cache"`, nginx's
@@ -102,9 +111,8 @@ fn cache_results_are_logged() {
     assert_eq!(got, want, "{lines:?}");
 }
 
-#[test]
-fn a_head_miss_is_not_stored_as_the_get() {
-    let s = cache_scenario("").start();
+fn a_head_miss_is_not_stored_as_the_get_over(p: Proto) {
+    let s = cache_scenario("").over(p).start();
     let mut c = s.conn();
     c.request("HEAD", "/cache/60", &[], b"").expect_status(200);
     // The GET after it gets the whole body (from the origin, then stored).
@@ -117,8 +125,17 @@ fn a_head_miss_is_not_stored_as_the_get() {
 }
 
 #[test]
-fn conditional_requests_get_304_from_the_cache() {
-    let s = cache_scenario("").start();
+fn a_head_miss_is_not_stored_as_the_get() {
+    a_head_miss_is_not_stored_as_the_get_over(Proto::Http1)
+}
+
+#[test]
+fn a_head_miss_is_not_stored_as_the_get_h3() {
+    a_head_miss_is_not_stored_as_the_get_over(Proto::Http3)
+}
+
+fn conditional_requests_get_304_from_the_cache_over(p: Proto) {
+    let s = cache_scenario("").over(p).start();
     let mut c = s.conn();
     c.get("/cache/60");
     c.request("GET", "/cache/60", &[("If-None-Match", "\"v1\"")], b"")
@@ -136,8 +153,17 @@ fn conditional_requests_get_304_from_the_cache() {
 }
 
 #[test]
-fn unsafe_methods_invalidate_and_big_objects_stream_through() {
-    let s = cache_scenario("").start();
+fn conditional_requests_get_304_from_the_cache() {
+    conditional_requests_get_304_from_the_cache_over(Proto::Http1)
+}
+
+#[test]
+fn conditional_requests_get_304_from_the_cache_h3() {
+    conditional_requests_get_304_from_the_cache_over(Proto::Http3)
+}
+
+fn unsafe_methods_invalidate_and_big_objects_stream_through_over(p: Proto) {
+    let s = cache_scenario("").over(p).start();
     let mut c = s.conn();
     c.get("/cache/60");
     c.get("/cache/60");
@@ -151,6 +177,16 @@ fn unsafe_methods_invalidate_and_big_objects_stream_through() {
         c.get("/bytes/200000").expect_body(pattern(0, 200_000));
     }
     assert_eq!(s.origin_requests(), 5);
+}
+
+#[test]
+fn unsafe_methods_invalidate_and_big_objects_stream_through() {
+    unsafe_methods_invalidate_and_big_objects_stream_through_over(Proto::Http1)
+}
+
+#[test]
+fn unsafe_methods_invalidate_and_big_objects_stream_through_h3() {
+    unsafe_methods_invalidate_and_big_objects_stream_through_over(Proto::Http3)
 }
 
 #[test]

@@ -21,8 +21,7 @@ fn req(p: &PierProcess, method: &str, path: &str, headers: &[(&str, &str)]) -> R
         .unwrap_or_else(|e| panic!("{method} {path}: {e}\n{}", p.logs()))
 }
 
-#[test]
-fn access_reads_headers_denies_redirects_and_rewrites() {
+fn access_reads_headers_denies_redirects_and_rewrites_over(p: Proto) {
     let access = r#"
 local ua = pier.req.get_header("User-Agent")
 if pier.req.get_header("X-Block") then
@@ -40,6 +39,7 @@ pier.req.clear_header("X-Secret")
 pier.resp.set_header("x-lua", "1")
 "#;
     let s = scenario()
+        .over(p)
         .routes(&lua_route("a", "/a/", "app", &hook("access", access)))
         .start();
 
@@ -80,9 +80,20 @@ pier.resp.set_header("x-lua", "1")
     assert_eq!(s.origin_requests(), 2);
 }
 
+#[test]
+fn access_reads_headers_denies_redirects_and_rewrites() {
+    access_reads_headers_denies_redirects_and_rewrites_over(Proto::Http1)
+}
+
+#[test]
+fn access_reads_headers_denies_redirects_and_rewrites_h3() {
+    access_reads_headers_denies_redirects_and_rewrites_over(Proto::Http3)
+}
+
 /// Content routes: `/c/` (content before an upstream), `/teapot` (content only),
 /// `/st/` (status from `pier.resp.set_status`).
-fn content_scenario() -> Running {
+/// Over `p`.
+fn content_scenario(p: Proto) -> Running {
     let content = r#"
 pier.resp.set_header("x-content", "yes")
 pier.say("hello from ", pier.req.get_method(), " ", pier.req.get_path())
@@ -96,6 +107,7 @@ pier.resp.set_status(201)
 pier.say("created")
 "#;
     scenario()
+        .over(p)
         // content first even though the route has an upstream.
         .routes(&lua_route("c", "/c/", "app", &hook("content", content)))
         .routes(&lua_route(
@@ -108,9 +120,8 @@ pier.say("created")
         .start()
 }
 
-#[test]
-fn content_answers_without_calling_the_origin() {
-    let s = content_scenario();
+fn content_answers_without_calling_the_origin_over(p: Proto) {
+    let s = content_scenario(p);
     let mut conn = s.conn();
     for _ in 0..3 {
         conn.get("/c/x/y?a=7")
@@ -129,13 +140,32 @@ fn content_answers_without_calling_the_origin() {
     assert_eq!(s.origin().connections(), 0);
 }
 
+#[test]
+fn content_answers_without_calling_the_origin() {
+    content_answers_without_calling_the_origin_over(Proto::Http1)
+}
+
+#[test]
+fn content_answers_without_calling_the_origin_h3() {
+    content_answers_without_calling_the_origin_over(Proto::Http3)
+}
+
 /// docs/lua.md: "A `content` hook always answers (status: `pier.exit`'s, else
 /// `pier.resp.set_status`'s, else 200)".
-#[test]
-fn content_status_comes_from_resp_set_status() {
-    let s = content_scenario();
+fn content_status_comes_from_resp_set_status_over(p: Proto) {
+    let s = content_scenario(p);
     s.get("/st/x").expect_status(201).expect_body("created\n");
     assert_eq!(s.origin_requests(), 0);
+}
+
+#[test]
+fn content_status_comes_from_resp_set_status() {
+    content_status_comes_from_resp_set_status_over(Proto::Http1)
+}
+
+#[test]
+fn content_status_comes_from_resp_set_status_h3() {
+    content_status_comes_from_resp_set_status_over(Proto::Http3)
 }
 
 #[test]
@@ -173,14 +203,14 @@ pier.balancer.set_peer("127.0.0.1", {})
     assert_eq!(names, ["alpha", "beta"], "without the hook both serve");
 }
 
-#[test]
-fn upstream_request_edits_what_the_origin_gets() {
+fn upstream_request_edits_what_the_origin_gets_over(p: Proto) {
     let ur = r#"
 pier.req.set_header("x-upstream-req", pier.req.get_method() .. " " .. pier.var.remote_addr)
 pier.req.add_header("x-multi", "one")
 pier.req.add_header("x-multi", "two")
 "#;
     scenario()
+        .over(p)
         .routes(&lua_route(
             "ur",
             "/ur/",
@@ -196,7 +226,16 @@ pier.req.add_header("x-multi", "two")
 }
 
 #[test]
-fn header_filter_sets_clears_and_changes_status() {
+fn upstream_request_edits_what_the_origin_gets() {
+    upstream_request_edits_what_the_origin_gets_over(Proto::Http1)
+}
+
+#[test]
+fn upstream_request_edits_what_the_origin_gets_h3() {
+    upstream_request_edits_what_the_origin_gets_over(Proto::Http3)
+}
+
+fn header_filter_sets_clears_and_changes_status_over(p: Proto) {
     let hf = r#"
 pier.resp.set_header("x-hf", tostring(pier.resp.get_status()) .. " " .. (pier.resp.get_header("x-origin") or "none"))
 pier.resp.clear_header("x-origin")
@@ -205,6 +244,7 @@ pier.resp.add_header("x-added", "b")
 pier.resp.set_status(202)
 "#;
     let s = scenario()
+        .over(p)
         .origin_named("orig")
         .routes(&lua_route("hf", "/hf/", "app", &hook("header_filter", hf)))
         .start();
@@ -218,6 +258,16 @@ pier.resp.set_status(202)
             .expect_body("hello world\n");
         assert_eq!(r.header_all("x-added"), ["a", "b"]);
     }
+}
+
+#[test]
+fn header_filter_sets_clears_and_changes_status() {
+    header_filter_sets_clears_and_changes_status_over(Proto::Http1)
+}
+
+#[test]
+fn header_filter_sets_clears_and_changes_status_h3() {
+    header_filter_sets_clears_and_changes_status_over(Proto::Http3)
 }
 
 #[test]
@@ -271,8 +321,7 @@ pier.arg[1] = c
     assert_eq!(r.body_str(), "HELLO WORLD\n[eof]");
 }
 
-#[test]
-fn log_phase_writes_a_shared_dict_a_later_request_reads() {
+fn log_phase_writes_a_shared_dict_a_later_request_reads_over(p: Proto) {
     let log = r#"
 pier.shared.logd:incr("n", 1, 0)
 pier.shared.logd:set("last", pier.var.uri .. " " .. tostring(pier.var.status))
@@ -281,6 +330,7 @@ pier.shared.logd:set("last", pier.var.uri .. " " .. tostring(pier.var.status))
 pier.say(pier.shared.logd:get("last") or "none", " ", pier.shared.logd:get("n") or 0)
 "#;
     let s = scenario()
+        .over(p)
         .top("[lua.shared]\nlogd = \"1m\"\n")
         .routes(&lua_route("lg", "/lg/", "app", &hook("log", log)))
         .routes(&lua_route("read", "/read", "", &hook("content", read)))
@@ -291,6 +341,16 @@ pier.say(pier.shared.logd:get("last") or "none", " ", pier.shared.logd:get("n") 
     s.wait_body("/read", "/lg/hello 200 1\n");
     s.get("/lg/status/404").expect_status(404);
     s.wait_body("/read", "/lg/status/404 404 2\n");
+}
+
+#[test]
+fn log_phase_writes_a_shared_dict_a_later_request_reads() {
+    log_phase_writes_a_shared_dict_a_later_request_reads_over(Proto::Http1)
+}
+
+#[test]
+fn log_phase_writes_a_shared_dict_a_later_request_reads_h3() {
+    log_phase_writes_a_shared_dict_a_later_request_reads_over(Proto::Http3)
 }
 
 #[test]
@@ -581,8 +641,7 @@ if c then pier.arg[1] = c:upper() end
     assert_eq!(r.body_str(), "HELLO WORLD\n");
 }
 
-#[test]
-fn log_phase_runs_for_hook_answers_too() {
+fn log_phase_runs_for_hook_answers_too_over(p: Proto) {
     let access = r#"
 if pier.req.get_header("x-deny") then pier.exit(401) end
 "#;
@@ -593,6 +652,7 @@ pier.shared.seen:set("last", pier.var.request_uri .. " " .. tostring(pier.var.st
 pier.print(pier.shared.seen:get("last") or "none")
 "#;
     let s = scenario()
+        .over(p)
         .top("[lua.shared]\nseen = \"64k\"\n")
         .routes(&lua_route(
             "l",
@@ -608,6 +668,16 @@ pier.print(pier.shared.seen:get("last") or "none")
     s.wait_body("/read", "/l/hello?x=1 401");
     s.get("/l/status/503").expect_status(503);
     s.wait_body("/read", "/l/status/503 503");
+}
+
+#[test]
+fn log_phase_runs_for_hook_answers_too() {
+    log_phase_runs_for_hook_answers_too_over(Proto::Http1)
+}
+
+#[test]
+fn log_phase_runs_for_hook_answers_too_h3() {
+    log_phase_runs_for_hook_answers_too_over(Proto::Http3)
 }
 
 #[test]

@@ -14,6 +14,7 @@
 pub mod browser;
 mod client;
 mod config;
+mod h3client;
 mod origin;
 mod process;
 mod scenario;
@@ -28,9 +29,10 @@ pub use serde_json;
 
 pub use client::{curl, get, run_with_timeout, try_get, BodySink, RawConn, Response};
 pub use config::{base_config, hook, lua_route, route_config, servers, simple_config};
+pub use h3client::H3Conn;
 pub use origin::Origin;
 pub use process::{parse_metric_line, rss_kib, MetricSample, PierProcess, TempDir};
-pub use scenario::{Conn, Exchange, Running, Scenario};
+pub use scenario::{Conn, Exchange, Proto, Running, Scenario};
 pub use script::{Gate, RawReply, Reply, Request, Script};
 
 /// Signal numbers for [`PierProcess::signal`], so tests need no `libc` of their own.

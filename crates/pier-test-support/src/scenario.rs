@@ -15,7 +15,9 @@
 //! ```
 //!
 //! Without [`Scenario::origin`] the stock [`Origin`] serves (`/hello`, `/echo`,
-//! `/status/N`…). Every expectation panics with the whole response; Pier's
+//! `/status/N`…). [`Scenario::over`] names the protocol the client speaks
+//! to Pier (HTTP/1.1 by default, or HTTP/3 on a TLS listener made for the
+//! scenario), so one test body runs over each. Every expectation panics with the whole response; Pier's
 //! output follows when the test fails ([`PierProcess`] prints it on drop).
 
 use std::net::SocketAddr;
@@ -30,9 +32,20 @@ use crate::origin::Origin;
 use crate::process::PierProcess;
 use crate::script::{Reply, Request, Script, ScriptFn};
 
+/// The protocol a scenario's client speaks to Pier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proto {
+    /// HTTP/1.1 over TCP (the listener as configured).
+    Http1,
+    /// HTTP/3 over QUIC: the `main` listener gets TLS (a test CA's
+    /// certificate for `pier.test`) and `http3 = true`.
+    Http3,
+}
+
 /// What a scenario says before Pier starts.
 pub struct Scenario {
     bin: PathBuf,
+    proto: Proto,
     script: Option<Arc<ScriptFn>>,
     origin_name: String,
     top: String,
@@ -59,6 +72,7 @@ impl Scenario {
     pub fn new(bin: &Path) -> Scenario {
         Scenario {
             bin: bin.to_path_buf(),
+            proto: Proto::Http1,
             script: None,
             origin_name: "origin".into(),
             top: String::new(),
@@ -67,6 +81,12 @@ impl Scenario {
             upstream: String::new(),
             config: None,
         }
+    }
+
+    /// The protocol the client speaks (HTTP/1.1 unless told).
+    pub fn over(mut self, proto: Proto) -> Self {
+        self.proto = proto;
+        self
     }
 
     /// A scripted origin: `answer` says what to reply to each request.
@@ -143,8 +163,41 @@ impl Scenario {
             ),
             None => route_config(&[addr], &self.top, &self.route, &self.upstream),
         };
+        let (config, tls) = match self.proto {
+            Proto::Http1 => (config, None),
+            Proto::Http3 => {
+                let dir = crate::TempDir::new();
+                let ca = crate::tls::TestCa::new(dir.path(), "scenario");
+                let cert = ca.server(
+                    "pier",
+                    &["pier.test", "localhost"],
+                    crate::tls::Alg::EcdsaP256,
+                    30,
+                );
+                let listener = "[[listener]]\nname = \"main\"\nlisten = \"127.0.0.1:0\"\n";
+                assert!(
+                    config.contains(listener),
+                    "an HTTP/3 scenario needs its `main` listener as base_config writes it"
+                );
+                let config = config.replacen(
+                    listener,
+                    &format!(
+                        "{listener}http3 = true\n[listener.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+                        cert.cert.display(),
+                        cert.key.display()
+                    ),
+                    1,
+                );
+                (config, Some((dir, ca)))
+            }
+        };
         let pier = PierProcess::start(&self.bin, &config);
-        Running { pier, origin }
+        Running {
+            pier,
+            origin,
+            proto: self.proto,
+            tls,
+        }
     }
 }
 
@@ -157,6 +210,9 @@ enum Backend {
 pub struct Running {
     pier: PierProcess,
     origin: Backend,
+    proto: Proto,
+    /// HTTP/3: the certificate's directory and the CA the client trusts.
+    tls: Option<(crate::TempDir, crate::tls::TestCa)>,
 }
 
 impl std::fmt::Debug for Running {
@@ -222,9 +278,20 @@ impl Running {
         self.conn().request(method, path, headers, body)
     }
 
-    /// A keep-alive client connection.
+    /// A keep-alive client connection (over HTTP/3: one QUIC connection).
     pub fn conn(&self) -> Conn {
-        Conn(RawConn::connect(self.addr()))
+        match (&self.proto, &self.tls) {
+            (Proto::Http3, Some((_, ca))) => Conn(Kind::H3(Box::new(
+                crate::H3Conn::connect(self.addr(), &ca.cert)
+                    .unwrap_or_else(|e| panic!("HTTP/3 connection: {e}")),
+            ))),
+            _ => Conn(Kind::H1(RawConn::connect(self.addr()))),
+        }
+    }
+
+    /// The protocol the client speaks.
+    pub fn proto(&self) -> Proto {
+        self.proto
     }
 
     /// Polls `GET path` (on new connections) until its body is `want`, 5 s at
@@ -246,9 +313,15 @@ impl Running {
     }
 }
 
-/// A client connection of a scenario: requests on one socket, in order.
+/// A client connection of a scenario: requests on one connection, in order.
 #[derive(Debug)]
-pub struct Conn(RawConn);
+pub struct Conn(Kind);
+
+#[derive(Debug)]
+enum Kind {
+    H1(RawConn),
+    H3(Box<crate::H3Conn>),
+}
 
 impl Conn {
     #[track_caller]
@@ -265,16 +338,20 @@ impl Conn {
         body: &[u8],
     ) -> Exchange {
         let what = format!("{method} {path}");
-        let resp = self
-            .0
-            .request(method, path, headers, body)
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let resp = match &mut self.0 {
+            Kind::H1(c) => c.request(method, path, headers, body),
+            Kind::H3(c) => c.request(method, path, headers, body),
+        }
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
         Exchange { what, resp }
     }
 
-    /// The raw connection (to send bytes, check it closed…).
+    /// The raw connection (to send bytes, check it closed…); HTTP/1 only.
     pub fn raw(&mut self) -> &mut RawConn {
-        &mut self.0
+        match &mut self.0 {
+            Kind::H1(c) => c,
+            Kind::H3(_) => panic!("an HTTP/3 scenario has no raw TCP connection"),
+        }
     }
 }
 
