@@ -996,3 +996,70 @@ fn a_migrating_connection_is_refused() {
         conn.close(0u32.into(), b"done");
     });
 }
+
+/// Compression, a rate limit and the access log work over HTTP/3 as over
+/// TCP: the same route steps, and the log line names the protocol.
+#[test]
+fn compression_limits_and_the_access_log_over_http3() {
+    use std::io::Read;
+    let dir = TempDir::new();
+    let log = dir.path().join("access.log");
+    let f = start_with(
+        "[[limit]]\nname = \"few\"\nkey = \"client_ip\"\nrate = \"3/m\"\n",
+        "[route.compress]\nalgorithms = [\"gzip\"]\ntypes = [\"*\"]\nmin_size = 1\n",
+        |_, text| {
+            text.replace(
+                "access = \"off\"",
+                &format!("access = \"{}\"", log.display()),
+            )
+        },
+    );
+    let mut c = H3Conn::connect_named(f.addr, &f.s.ca.cert, "localhost").unwrap();
+    let host = format!("localhost:{}", f.addr.port());
+    let h = [("host", host.as_str()), ("accept-encoding", "gzip")];
+    let text = "a line of text that compresses\n".repeat(64);
+    let echo = [h[0], h[1], ("content-type", "text/plain")];
+    let r = c.request("POST", "/echo", &echo, text.as_bytes()).unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-encoding"), Some("gzip"), "{r:?}");
+    assert!(r.body.len() < text.len() / 4, "{} bytes", r.body.len());
+    let mut plain = String::new();
+    flate2::read::GzDecoder::new(&r.body[..])
+        .read_to_string(&mut plain)
+        .unwrap();
+    assert_eq!(plain, text);
+    for _ in 0..2 {
+        assert_eq!(c.request("GET", "/hello", &h, b"").unwrap().status, 200);
+    }
+    let refused = c.request("GET", "/hello", &h, b"").unwrap();
+    assert_eq!(refused.status, 429, "the fourth in a minute: {refused:?}");
+    assert!(refused.header("retry-after").is_some());
+    let lines = wait_for_lines(&log, 4);
+    for l in &lines {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert_eq!(v["protocol"], "HTTP/3.0", "{l}");
+        assert_eq!(v["tls"]["alpn"], "h3", "{l}");
+    }
+    let statuses: Vec<_> = lines
+        .iter()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["status"].clone())
+        .collect();
+    assert_eq!(statuses, [200, 200, 200, 429]);
+}
+
+/// The first `n` lines of the access log at `path`, waited for (the log is
+/// written by its own thread, flushed every second).
+fn wait_for_lines(path: &std::path::Path, n: usize) -> Vec<String> {
+    let mut lines = Vec::new();
+    let ok = wait_until(Duration::from_secs(10), || {
+        lines = std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .map(String::from)
+            .collect();
+        lines.len() >= n
+    });
+    assert!(ok, "{n} access log lines; got {lines:?}");
+    lines.truncate(n);
+    lines
+}

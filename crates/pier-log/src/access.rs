@@ -16,6 +16,9 @@ pub struct AccessRecord<'a> {
     pub client: &'a [u8],
     pub method: &'a [u8],
     pub uri: &'a [u8],
+    /// The request's protocol as HTTP spells it (`HTTP/1.1`, `HTTP/2.0`,
+    /// `HTTP/3.0`; nginx's `$server_protocol`).
+    pub protocol: &'a str,
     pub host: &'a [u8],
     pub status: u16,
     pub bytes_sent: u64,
@@ -122,6 +125,8 @@ fn write_record(b: &mut Vec<u8>, r: &AccessRecord<'_>) {
     escape(b, r.method);
     b.extend_from_slice(b"\",\"uri\":\"");
     escape(b, r.uri);
+    b.extend_from_slice(b"\",\"protocol\":\"");
+    escape(b, r.protocol.as_bytes());
     b.extend_from_slice(b"\",\"host\":\"");
     escape(b, r.host);
     b.extend_from_slice(b"\",\"status\":");
@@ -190,6 +195,7 @@ mod tests {
                 client: b"127.0.0.1",
                 method: b"GET",
                 uri: b"/a\"b\x01\xff",
+                protocol: "HTTP/1.1",
                 host: b"h",
                 status: 200,
                 bytes_sent: 12,
@@ -204,7 +210,7 @@ mod tests {
         let s = String::from_utf8(b).unwrap();
         assert_eq!(
             s,
-            "{\"ts_ms\":1,\"client\":\"127.0.0.1\",\"method\":\"GET\",\"uri\":\"/a\\\"b\\u0001\\u00ff\",\"host\":\"h\",\"status\":200,\"bytes\":12,\"duration_us\":5,\"route\":\"r\",\"upstream\":\"127.0.0.1:9000\",\"reason\":\"\"}\n"
+            "{\"ts_ms\":1,\"client\":\"127.0.0.1\",\"method\":\"GET\",\"uri\":\"/a\\\"b\\u0001\\u00ff\",\"protocol\":\"HTTP/1.1\",\"host\":\"h\",\"status\":200,\"bytes\":12,\"duration_us\":5,\"route\":\"r\",\"upstream\":\"127.0.0.1:9000\",\"reason\":\"\"}\n"
         );
         // A cached route's record says what the cache did.
         let mut b = Vec::new();
@@ -215,6 +221,7 @@ mod tests {
                 client: b"::1",
                 method: b"GET",
                 uri: b"/",
+                protocol: "HTTP/2.0",
                 host: b"",
                 status: 200,
                 bytes_sent: 0,

@@ -698,6 +698,7 @@ pub(crate) fn finish<P: Phases>(
             client: sess.client_ip.as_bytes(),
             method: sess.req.method(),
             uri: sess.req.uri(),
+            protocol: sess.conn.proto.version(sess.req.version),
             host: sess.req.host().unwrap_or(b""),
             status: sess.status,
             bytes_sent: sess.bytes_sent,

@@ -37,6 +37,12 @@ fn io(e: impl std::fmt::Display) -> std::io::Error {
 impl H3Conn {
     /// A connection to `addr` (UDP), trusting `ca`, asking for `pier.test`.
     pub fn connect(addr: SocketAddr, ca: &Path) -> std::io::Result<H3Conn> {
+        H3Conn::connect_named(addr, ca, "pier.test")
+    }
+
+    /// As [`H3Conn::connect`], asking for `name` (SNI and the certificate's
+    /// name).
+    pub fn connect_named(addr: SocketAddr, ca: &Path, name: &str) -> std::io::Result<H3Conn> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -46,11 +52,7 @@ impl H3Conn {
             tokio::time::timeout(BOUND, async {
                 let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap())?;
                 ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
-                let conn = ep
-                    .connect(addr, "pier.test")
-                    .map_err(io)?
-                    .await
-                    .map_err(io)?;
+                let conn = ep.connect(addr, name).map_err(io)?.await.map_err(io)?;
                 let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
                     .await
                     .map_err(io)?;
