@@ -19,6 +19,8 @@
 
 mod certs;
 mod client;
+#[cfg(not(feature = "ring"))]
+mod hkdf;
 mod server;
 pub mod stats;
 
@@ -50,7 +52,7 @@ pub struct TlsInfo {
 pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     static P: std::sync::OnceLock<Arc<rustls::crypto::CryptoProvider>> = std::sync::OnceLock::new();
     #[cfg(not(feature = "ring"))]
-    let make = rustls::crypto::aws_lc_rs::default_provider;
+    let make = || hkdf::keyed(rustls::crypto::aws_lc_rs::default_provider());
     #[cfg(feature = "ring")]
     let make = rustls::crypto::ring::default_provider;
     P.get_or_init(|| Arc::new(make())).clone()
