@@ -754,6 +754,11 @@ pub fn render_metrics(shared: &Shared) -> String {
         }
     }
     pier_tls::stats::stats().render(&mut out);
+    out.push_str("# HELP pier_proxy_protocol_total Connections on proxy_protocol listeners, by what their PROXY header did: ok (a client named), local (the balancer's own), untrusted (not from trusted_proxies: closed), invalid, timeout.\n# TYPE pier_proxy_protocol_total counter\n");
+    for (i, r) in pier_proxy::proxy_protocol::RESULTS.iter().enumerate() {
+        let n = pier_proxy::proxy_protocol::COUNTS[i].load(std::sync::atomic::Ordering::Relaxed);
+        let _ = writeln!(out, "pier_proxy_protocol_total{{result=\"{r}\"}} {n}");
+    }
     let [retries, handshakes, failed, early_served, early_refused, in_progress] =
         pier_proxy::quic_stats();
     let _ = writeln!(

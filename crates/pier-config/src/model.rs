@@ -350,6 +350,9 @@ pub struct Listener {
     /// `quic_early_data`: 0-RTT on QUIC resumptions, for replay-safe
     /// requests only (others get 425 Too Early).
     pub quic_early_data: bool,
+    /// `proxy_protocol`: a PROXY protocol header (v1 or v2) opens every
+    /// connection, from one of `trusted_proxies`.
+    pub proxy_protocol: bool,
     /// `trusted_proxies`: clients whose Forwarded / X-Forwarded-* headers
     /// are passed on (extended); from anyone else they are replaced.
     pub trusted_proxies: Vec<Cidr>,
@@ -376,6 +379,7 @@ impl Listener {
             http3: false,
             quic_retry: false,
             quic_early_data: false,
+            proxy_protocol: false,
             trusted_proxies: Vec::new(),
         }
     }

@@ -168,6 +168,9 @@ pub struct ListenerEntry {
     /// With `http3`: 0-RTT requests on resumed QUIC connections, the
     /// replay-safe methods only.
     pub quic_early_data: Option<Spanned<bool>>,
+    /// Every connection opens with a PROXY protocol header (v1 or v2)
+    /// from one of `trusted_proxies`.
+    pub proxy_protocol: Option<Spanned<bool>>,
     pub tls: Option<ListenerTlsSection>,
     /// CIDRs whose Forwarded / X-Forwarded-* headers are kept.
     pub trusted_proxies: Option<Vec<Spanned<String>>>,

@@ -2720,3 +2720,22 @@ fn quic_early_data_needs_http3_a_session_cache_and_no_client_certificates() {
         "with client certificates",
     );
 }
+
+#[test]
+fn proxy_protocol_needs_trusted_proxies() {
+    let text = |keys: &str| {
+        format!(
+            "[[listener]]\nlisten = \"127.0.0.1:0\"\n{keys}[[route]]\nupstream = \"b\"\n[upstream.b]\nservers = [\"127.0.0.1:9000\"]\n"
+        )
+    };
+    let c = ok(&text(
+        "proxy_protocol = true\ntrusted_proxies = [\"10.0.0.0/8\"]\n",
+    ));
+    assert!(c.listeners[0].proxy_protocol);
+    assert!(!ok(&text("")).listeners[0].proxy_protocol);
+    one_error(
+        &text("proxy_protocol = true\n"),
+        "3:18",
+        "`proxy_protocol` needs `trusted_proxies`",
+    );
+}

@@ -409,6 +409,13 @@ pub(crate) fn validate(
                     Err(e) => c.err(sp(v), format!("`trusted_proxies`: {e}")),
                 }
             }
+            let proxy_protocol = l.proxy_protocol.as_ref().is_some_and(|v| *v.get_ref());
+            if proxy_protocol && trusted_proxies.is_empty() {
+                c.err(
+                    l.proxy_protocol.as_ref().and_then(sp),
+                    "`proxy_protocol` needs `trusted_proxies`: the balancers whose headers are believed (anyone else could name any address)",
+                );
+            }
             listeners.push(Listener {
                 name,
                 addr,
@@ -419,6 +426,7 @@ pub(crate) fn validate(
                 http3,
                 quic_retry,
                 quic_early_data,
+                proxy_protocol,
                 trusted_proxies,
             });
         }

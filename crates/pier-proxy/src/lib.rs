@@ -18,6 +18,7 @@ pub mod forward;
 pub mod local;
 pub mod mux;
 pub mod phases;
+pub mod proxy_protocol;
 pub mod req_body;
 pub mod session;
 pub mod state;
@@ -349,21 +350,16 @@ impl<P: Phases> Admission for Admit<P> {
                 }
             }
         }
-        // Per-client-IP connection cap (a sketch: fixed memory whatever the IP count).
-        let max_ip = w.shared.state.load().cfg.limits.max_connections_per_ip;
-        let per_ip = if max_ip > 0 {
-            let ip = pier_config::normalize(peer.ip());
-            let (g, n) = match ip {
-                std::net::IpAddr::V4(v4) => w.shared.per_ip.incr(&v4.octets()[..]),
-                std::net::IpAddr::V6(v6) => w.shared.per_ip.incr(&v6.octets()[..]),
-            };
-            if n > max_ip as isize {
-                w.shared.metrics.refused_connection();
-                return Admitted::No;
-            }
-            Some(g)
-        } else {
+        // Per-client-IP connection cap (a sketch: fixed memory whatever the
+        // IP count). Behind the PROXY protocol the peer is the balancer:
+        // the cap is taken once the header names the client (`serve`).
+        let per_ip = if self.proxy_protocol() {
             None
+        } else {
+            match per_ip(w, peer) {
+                Ok(g) => g,
+                Err(()) => return Admitted::No,
+            }
         };
         Admitted::Yes(Slot {
             _active: active,
@@ -371,10 +367,93 @@ impl<P: Phases> Admission for Admit<P> {
         })
     }
 
-    fn serve(&self, stream: tokio::net::TcpStream, peer: std::net::SocketAddr, slot: Slot) {
+    fn serve(&self, mut stream: tokio::net::TcpStream, peer: std::net::SocketAddr, mut slot: Slot) {
         let w = self.0.clone();
         let listener = self.1;
         let _ = stream.set_nodelay(true);
+        if self.proxy_protocol() {
+            // The header first, then the connection as any other, its
+            // client the one the balancer named.
+            let me = Admit(w.clone(), listener);
+            tokio::task::spawn_local(async move {
+                let (trusted, within) = {
+                    let state = w.shared.state.load();
+                    let l = listener.and_then(|i| state.cfg.listeners.get(i));
+                    let ip = pier_config::normalize(peer.ip());
+                    let trusted = l.is_some_and(|l| pier_config::denied(&l.trusted_proxies, ip));
+                    (trusted, state.cfg.timeouts.client_header)
+                };
+                let header = if trusted {
+                    // Waiting for the header is waiting for a head:
+                    // evictable when the worker is full.
+                    let waiting = evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
+                    tokio::select! {
+                        h = proxy_protocol::read(&mut stream, within) => h,
+                        _ = waiting.evicted() => Err(proxy_protocol::Refused::Timeout),
+                    }
+                } else {
+                    Err(proxy_protocol::Refused::Untrusted)
+                };
+                proxy_protocol::count(header.as_ref().map_err(|e| *e));
+                let client = match header {
+                    Ok(proxy_protocol::Header::Proxied { src, .. }) => src,
+                    Ok(proxy_protocol::Header::Local) => peer,
+                    Err(_) => return,
+                };
+                match per_ip(&w, client) {
+                    Ok(g) => slot._per_ip = g,
+                    Err(()) => return,
+                }
+                me.dispatch(stream, client, slot);
+            });
+            return;
+        }
+        self.dispatch(stream, peer, slot);
+    }
+}
+
+/// The per-IP connection count of `peer` (`limits.max_connections_per_ip`);
+/// Err (counted as refused) past it.
+fn per_ip<P: Phases>(
+    w: &Arc<Worker<P>>,
+    peer: std::net::SocketAddr,
+) -> Result<Option<pier_limits::Guard>, ()> {
+    let max_ip = w.shared.state.load().cfg.limits.max_connections_per_ip;
+    if max_ip == 0 {
+        return Ok(None);
+    }
+    let ip = pier_config::normalize(peer.ip());
+    let (g, n) = match ip {
+        std::net::IpAddr::V4(v4) => w.shared.per_ip.incr(&v4.octets()[..]),
+        std::net::IpAddr::V6(v6) => w.shared.per_ip.incr(&v6.octets()[..]),
+    };
+    if n > max_ip as isize {
+        w.shared.metrics.refused_connection();
+        return Err(());
+    }
+    Ok(Some(g))
+}
+
+impl<P: Phases> Admit<P> {
+    /// The listener reads a PROXY protocol header first.
+    fn proxy_protocol(&self) -> bool {
+        self.1.is_some_and(|i| {
+            self.0
+                .shared
+                .state
+                .load()
+                .cfg
+                .listeners
+                .get(i)
+                .is_some_and(|l| l.proxy_protocol)
+        })
+    }
+
+    /// Serve an admitted connection whose client is `peer`: HTTP/1, h2c or
+    /// TLS, as its listener says.
+    fn dispatch(&self, stream: tokio::net::TcpStream, peer: std::net::SocketAddr, slot: Slot) {
+        let w = self.0.clone();
+        let listener = self.1;
         let local = stream.local_addr().unwrap_or(peer);
         // The listener's TLS as of now: a reload changes it for later
         // connections only.

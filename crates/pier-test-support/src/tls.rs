@@ -187,7 +187,21 @@ impl TlsClient {
         sni: &str,
         cfg: &TlsClientConfig,
     ) -> std::io::Result<TlsClient> {
-        let tcp = std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(10))?;
+        TlsClient::connect_after(addr, sni, cfg, b"")
+    }
+
+    /// As [`TlsClient::connect`], sending `preface` on the TCP connection
+    /// before the handshake (a PROXY protocol header, as a balancer does).
+    pub fn connect_after(
+        addr: std::net::SocketAddr,
+        sni: &str,
+        cfg: &TlsClientConfig,
+        preface: &[u8],
+    ) -> std::io::Result<TlsClient> {
+        use std::io::Write;
+        let mut tcp =
+            std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(10))?;
+        tcp.write_all(preface)?;
         tcp.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
         tcp.set_write_timeout(Some(std::time::Duration::from_secs(10)))?;
         let name = rustls::pki_types::ServerName::try_from(sni.to_string())
