@@ -68,6 +68,14 @@ enum Cmd {
         /// --tls-cert certificate; TCP responses get Alt-Svc.
         #[arg(long, requires = "tls_cert")]
         http3: bool,
+        /// Every connection on --listen opens with a PROXY protocol header
+        /// (v1 or v2) from a --trusted-proxy.
+        #[arg(long, requires = "trusted_proxy")]
+        proxy_protocol: bool,
+        /// A balancer (CIDR) whose PROXY headers and Forwarded /
+        /// X-Forwarded-* headers are believed; repeatable.
+        #[arg(long, value_name = "CIDR")]
+        trusted_proxy: Vec<String>,
         /// Convert gRPC-web requests to gRPC for the origins and the answers
         /// back (needs h2c:// or https:// origins).
         #[arg(long)]
@@ -268,6 +276,8 @@ fn main() -> ExitCode {
             tls_key,
             h2c,
             http3,
+            proxy_protocol,
+            trusted_proxy,
             grpc_web,
             upstream_ca,
             cache,
@@ -327,8 +337,17 @@ fn main() -> ExitCode {
                     if let Err(e) = cfg.enable_quick_http2(h2c, grpc_web) {
                         return usage_error(&e);
                     }
+                    let mut trusted = Vec::new();
+                    for c in &trusted_proxy {
+                        match pier_config::Cidr::parse(c) {
+                            Ok(c) => trusted.push(c),
+                            Err(e) => return usage_error(&format!("--trusted-proxy {c}: {e}")),
+                        }
+                    }
                     for l in &mut cfg.listeners {
                         l.http3 = http3;
+                        l.proxy_protocol = proxy_protocol;
+                        l.trusted_proxies = trusted.clone();
                     }
                     let token = admin_token.or_else(|| {
                         std::env::var("PIER_ADMIN_TOKEN")

@@ -224,3 +224,32 @@ fn tls_follows_the_header() {
     );
     assert_eq!(counted(&p, "ok"), 1.0);
 }
+
+/// Quick mode: `--proxy-protocol` with `--trusted-proxy CIDR`.
+#[test]
+fn quick_mode_takes_proxy_protocol() {
+    let o = Origin::start();
+    let to = o.addr().to_string();
+    let p = PierProcess::start_args(
+        bin(),
+        &[
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--to",
+            &to,
+            "--proxy-protocol",
+            "--trusted-proxy",
+            "127.0.0.0/8",
+        ],
+    );
+    let mut c = RawConn::connect(p.listeners()[0].1);
+    c.send(b"PROXY TCP4 192.0.2.44 127.0.0.1 9 80\r\n");
+    let r = c.get("/headers").unwrap();
+    assert_eq!(r.status, 200);
+    let seen = r.body_str().to_ascii_lowercase();
+    assert!(
+        seen.contains("\r\nx-forwarded-for: 192.0.2.44\r\n"),
+        "{seen}"
+    );
+}
