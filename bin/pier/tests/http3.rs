@@ -107,21 +107,50 @@ async fn connect_as(addr: SocketAddr, ca: &std::path::Path, client: Option<&Cert
         .expect("QUIC handshake and HTTP/3 connection")
 }
 
+/// A QUIC client endpoint trusting `ca` (presenting `client` when given),
+/// offering ALPN h3; `early`: it resumes sessions with 0-RTT; `idle`: its
+/// own idle timeout (quinn's default otherwise).
+fn client_endpoint(
+    ca: &std::path::Path,
+    client: Option<&CertPair>,
+    early: bool,
+    idle: Option<Duration>,
+) -> quinn::Endpoint {
+    let mut tls = (*TlsClientConfig::new(ca, client, &["h3"], None).0).clone();
+    tls.enable_early_data = early;
+    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
+    if let Some(idle) = idle {
+        let mut t = quinn::TransportConfig::default();
+        t.max_idle_timeout(Some(idle.try_into().unwrap()));
+        cfg.transport_config(Arc::new(t));
+    }
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(cfg);
+    ep
+}
+
+/// HTTP/3 on a QUIC connection: its request sender and the task driving
+/// it; None when the HTTP/3 connection fails.
+async fn h3_on(
+    conn: &quinn::Connection,
+) -> Option<(Send, tokio::task::JoinHandle<h3::error::ConnectionError>)> {
+    let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
+        .await
+        .ok()?;
+    let drive = tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
+    Some((send, drive))
+}
+
 /// As [`connect_as`]; None when the handshake or the HTTP/3 connection fails.
 async fn try_connect_as(
     addr: SocketAddr,
     ca: &std::path::Path,
     client: Option<&CertPair>,
 ) -> Option<Client> {
-    let tls = TlsClientConfig::new(ca, client, &["h3"], None);
-    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls.0).unwrap();
-    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
+    let ep = client_endpoint(ca, client, false, None);
     let conn = ep.connect(addr, "localhost").unwrap().await.ok()?;
-    let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
-        .await
-        .ok()?;
-    let drive = tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
+    let (send, drive) = h3_on(&conn).await?;
     Some(Client {
         _ep: ep,
         conn,
@@ -779,21 +808,13 @@ async fn holding_relay(
 
 /// A QUIC client endpoint that resumes sessions and offers 0-RTT.
 fn early_client(ca: &std::path::Path) -> quinn::Endpoint {
-    let mut tls = (*TlsClientConfig::new(ca, None, &["h3"], None).0).clone();
-    tls.enable_early_data = true;
-    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
-    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
-    ep
+    client_endpoint(ca, None, true, None)
 }
 
 /// A full handshake and one request on `ep` (it keeps the session ticket).
 async fn first_visit(ep: &quinn::Endpoint, addr: SocketAddr) {
     let conn = ep.connect(addr, "localhost").unwrap().await.unwrap();
-    let (mut driver, mut send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
-        .await
-        .unwrap();
-    let drive = tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
+    let (mut send, drive) = h3_on(&conn).await.unwrap();
     let r = request(&mut send, addr.port(), "GET", "/hello", b"").await;
     assert_eq!(r.status, 200);
     drive.abort();
@@ -825,11 +846,7 @@ fn zero_rtt_serves_only_replay_safe_requests() {
             .unwrap()
             .into_0rtt()
             .unwrap_or_else(|_| panic!("the session resumes with 0-RTT"));
-        let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
-            .await
-            .unwrap();
-        let drive =
-            tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
+        let (send, drive) = h3_on(&conn).await.unwrap();
         let port = addr.port();
         let (mut s1, mut s2) = (send.clone(), send.clone());
         let get = tokio::spawn(async move { request(&mut s1, port, "GET", "/headers", b"").await });
@@ -895,10 +912,7 @@ fn a_retry_is_asked_for_under_handshake_load() {
     run(async {
         let (_release, hold) = tokio::sync::watch::channel(false);
         let relay = holding_relay(addr, hold).await;
-        let tls = TlsClientConfig::new(&s.ca.cert, None, &["h3"], None);
-        let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls.0).unwrap();
-        let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-        ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
+        let ep = client_endpoint(&s.ca.cert, None, false, None);
         let stalled: Vec<_> = (0..64)
             .map(|_| ep.connect(relay, "localhost").unwrap())
             .collect();
@@ -938,20 +952,9 @@ fn a_migrating_connection_is_refused() {
         addr,
     } = start("", "");
     run(async {
-        let tls = TlsClientConfig::new(&s.ca.cert, None, &["h3"], None);
-        let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls.0).unwrap();
-        let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
-        let mut t = quinn::TransportConfig::default();
-        t.max_idle_timeout(Some(Duration::from_secs(1).try_into().unwrap()));
-        cfg.transport_config(Arc::new(t));
-        let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-        ep.set_default_client_config(cfg);
+        let ep = client_endpoint(&s.ca.cert, None, false, Some(Duration::from_secs(1)));
         let conn = ep.connect(addr, "localhost").unwrap().await.unwrap();
-        let (mut driver, mut send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
-            .await
-            .unwrap();
-        let drive =
-            tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
+        let (mut send, drive) = h3_on(&conn).await.unwrap();
         let r = request(&mut send, addr.port(), "GET", "/hello", b"").await;
         assert_eq!(r.status, 200);
 
@@ -985,11 +988,7 @@ fn a_migrating_connection_is_refused() {
         drive.abort();
 
         let conn = ep.connect(addr, "localhost").unwrap().await.unwrap();
-        let (mut driver, mut send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
-            .await
-            .unwrap();
-        let drive =
-            tokio::spawn(async move { std::future::poll_fn(|cx| driver.poll_close(cx)).await });
+        let (mut send, drive) = h3_on(&conn).await.unwrap();
         let r = request(&mut send, addr.port(), "GET", "/hello", b"").await;
         assert_eq!(r.status, 200, "a new connection from the new address");
         drive.abort();
