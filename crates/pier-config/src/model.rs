@@ -353,9 +353,21 @@ pub struct Listener {
     /// `proxy_protocol`: a PROXY protocol header (v1 or v2) opens every
     /// connection, from one of `trusted_proxies`.
     pub proxy_protocol: bool,
+    /// `real_ip_header`: the client is the right-most address of this
+    /// header that is not one of `trusted_proxies` (nginx's `real_ip_header`
+    /// with `set_real_ip_from` and `real_ip_recursive on`).
+    pub real_ip_header: Option<RealIpHeader>,
     /// `trusted_proxies`: clients whose Forwarded / X-Forwarded-* headers
     /// are passed on (extended); from anyone else they are replaced.
     pub trusted_proxies: Vec<Cidr>,
+}
+
+/// `[[listener]] real_ip_header`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RealIpHeader {
+    XForwardedFor,
+    /// RFC 7239's `for=` parameters.
+    Forwarded,
 }
 
 /// `[http] escaped_slashes`.
@@ -380,6 +392,7 @@ impl Listener {
             quic_retry: false,
             quic_early_data: false,
             proxy_protocol: false,
+            real_ip_header: None,
             trusted_proxies: Vec::new(),
         }
     }

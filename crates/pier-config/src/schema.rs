@@ -171,6 +171,9 @@ pub struct ListenerEntry {
     /// Every connection opens with a PROXY protocol header (v1 or v2)
     /// from one of `trusted_proxies`.
     pub proxy_protocol: Option<Spanned<bool>>,
+    /// The header a trusted proxy names the client in (`X-Forwarded-For`
+    /// or `Forwarded`).
+    pub real_ip_header: Option<Spanned<String>>,
     pub tls: Option<ListenerTlsSection>,
     /// CIDRs whose Forwarded / X-Forwarded-* headers are kept.
     pub trusted_proxies: Option<Vec<Spanned<String>>>,

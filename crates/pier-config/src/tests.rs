@@ -2739,3 +2739,33 @@ fn proxy_protocol_needs_trusted_proxies() {
         "`proxy_protocol` needs `trusted_proxies`",
     );
 }
+
+#[test]
+fn real_ip_header_needs_trusted_proxies_and_a_known_header() {
+    let text = |keys: &str| {
+        format!(
+            "[[listener]]\nlisten = \"127.0.0.1:0\"\n{keys}[[route]]\nupstream = \"b\"\n[upstream.b]\nservers = [\"127.0.0.1:9000\"]\n"
+        )
+    };
+    let trusted = "trusted_proxies = [\"10.0.0.0/8\"]\n";
+    let c = ok(&text(&format!(
+        "real_ip_header = \"x-forwarded-for\"\n{trusted}"
+    )));
+    assert_eq!(
+        c.listeners[0].real_ip_header,
+        Some(RealIpHeader::XForwardedFor)
+    );
+    let c = ok(&text(&format!("real_ip_header = \"Forwarded\"\n{trusted}")));
+    assert_eq!(c.listeners[0].real_ip_header, Some(RealIpHeader::Forwarded));
+    assert_eq!(ok(&text("")).listeners[0].real_ip_header, None);
+    one_error(
+        &text("real_ip_header = \"X-Forwarded-For\"\n"),
+        "3:18",
+        "`real_ip_header` needs `trusted_proxies`",
+    );
+    one_error(
+        &text(&format!("real_ip_header = \"X-Real-IP\"\n{trusted}")),
+        "3:18",
+        "\"X-Forwarded-For\" or \"Forwarded\"",
+    );
+}

@@ -416,6 +416,28 @@ pub(crate) fn validate(
                     "`proxy_protocol` needs `trusted_proxies`: the balancers whose headers are believed (anyone else could name any address)",
                 );
             }
+            let real_ip_header = match l.real_ip_header.as_ref() {
+                None => None,
+                Some(v) => {
+                    match v.get_ref().to_ascii_lowercase().as_str() {
+                        "x-forwarded-for" => Some(crate::model::RealIpHeader::XForwardedFor),
+                        "forwarded" => Some(crate::model::RealIpHeader::Forwarded),
+                        other => {
+                            c.err(
+                            sp(v),
+                            format!("real_ip_header {other:?}: \"X-Forwarded-For\" or \"Forwarded\""),
+                        );
+                            None
+                        }
+                    }
+                }
+            };
+            if real_ip_header.is_some() && trusted_proxies.is_empty() {
+                c.err(
+                    l.real_ip_header.as_ref().and_then(sp),
+                    "`real_ip_header` needs `trusted_proxies`: the proxies whose header is believed",
+                );
+            }
             listeners.push(Listener {
                 name,
                 addr,
@@ -427,6 +449,7 @@ pub(crate) fn validate(
                 quic_retry,
                 quic_early_data,
                 proxy_protocol,
+                real_ip_header,
                 trusted_proxies,
             });
         }

@@ -28,6 +28,9 @@ pub struct AccessRecord<'a> {
     pub reason: &'a str,
     /// What the connection's TLS handshake agreed on (None: cleartext).
     pub tls: Option<TlsFields<'a>>,
+    /// The connection's peer when it is not `client` (a proxy that named
+    /// the client, `real_ip_header`); "" otherwise, and then not written.
+    pub peer: &'a [u8],
     /// The cache step's result (`HIT`, `MISS`, …; nginx's
     /// `$upstream_cache_status`); "" on a route without a cache, and then
     /// not written.
@@ -142,6 +145,11 @@ fn write_record(b: &mut Vec<u8>, r: &AccessRecord<'_>) {
     b.extend_from_slice(b"\",\"reason\":\"");
     escape(b, r.reason.as_bytes());
     b.push(b'"');
+    if !r.peer.is_empty() {
+        b.extend_from_slice(b",\"peer\":\"");
+        escape(b, r.peer);
+        b.push(b'"');
+    }
     if !r.cache.is_empty() {
         b.extend_from_slice(b",\"cache\":\"");
         escape(b, r.cache.as_bytes());
@@ -204,6 +212,7 @@ mod tests {
                 upstream: b"127.0.0.1:9000",
                 reason: "",
                 tls: None,
+                peer: b"",
                 cache: "",
             },
         );
@@ -230,6 +239,7 @@ mod tests {
                 upstream: b"",
                 reason: "",
                 tls: None,
+                peer: b"",
                 cache: "HIT",
             },
         );

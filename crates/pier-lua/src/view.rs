@@ -37,6 +37,11 @@ pub trait HttpView {
     fn add_req_header(&mut self, name: &[u8], value: &[u8]);
     /// The client's address.
     fn client_addr(&self) -> SocketAddr;
+    /// The connection's peer: the client, or the proxy that named it
+    /// (`real_ip_header`; nginx's `$realip_remote_addr`).
+    fn peer_addr(&self) -> SocketAddr {
+        self.client_addr()
+    }
     /// `http` or `https`.
     fn scheme(&self) -> &[u8];
     /// TLS facts of the connection by nginx variable name (`https`,

@@ -230,11 +230,17 @@ struct Lent {
 impl Lent {
     fn lend(&mut self, bz: &mut Busy) {
         bz.sess.client = self.client;
+        bz.sess.peer = self.client;
         bz.sess.local = self.local;
         std::mem::swap(&mut bz.sess.conn, &mut self.conn);
         std::mem::swap(&mut bz.sess.client_ip, &mut self.client_ip);
     }
     fn take_back(&mut self, bz: &mut Busy) {
+        if bz.sess.client != self.client {
+            // A proxy named the request's client: the connection's is
+            // the next request's starting point.
+            bz.sess.client_ip = self.client.ip().to_string();
+        }
         std::mem::swap(&mut bz.sess.conn, &mut self.conn);
         std::mem::swap(&mut bz.sess.client_ip, &mut self.client_ip);
     }
@@ -603,6 +609,8 @@ fn spawn_refresh<P: Phases>(
     };
     let state = state.clone();
     let mut s = Box::new(Session::new(sess.client, sess.local));
+    s.peer = sess.peer;
+    s.client_ip.clone_from(&sess.client_ip);
     // Not from a listener: listener-level rules (an https redirect) do not
     // apply, and the cache step knows it for Pier's own.
     s.conn = crate::session::ConnInfo {
@@ -693,6 +701,12 @@ pub(crate) fn finish<P: Phases>(
     if log.enabled() {
         let mut up = [0u8; 64];
         let up_len = sess.upstream.map(|a| fmt_addr(&mut up, a)).unwrap_or(0);
+        let mut peer = [0u8; 64];
+        let peer_len = if sess.client != sess.peer {
+            fmt_addr(&mut peer, sess.peer)
+        } else {
+            0
+        };
         let dropped = log.log(&pier_log::AccessRecord {
             ts_ms: sess.now_ns / 1_000_000,
             client: sess.client_ip.as_bytes(),
@@ -713,6 +727,7 @@ pub(crate) fn finish<P: Phases>(
                 alpn: t.alpn.as_deref().unwrap_or(""),
                 client: t.client_subject.as_deref().unwrap_or(""),
             }),
+            peer: &peer[..peer_len],
             cache: sess.cache.as_str(),
         });
         if dropped > 0 {
@@ -924,6 +939,7 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
     ctx: &mut P::Ctx,
 ) -> bool {
     sess.client_keep = sess.req.keep_alive();
+    crate::forward::real_client(state, sess);
     let mut walk = Walk {
         body_pending: sess.req.body_len() != BodyLen::None,
         route: 0,

@@ -190,8 +190,79 @@ pub(crate) fn trusted(state: &State, sess: &Session) -> bool {
         .and_then(|i| state.cfg.listeners.get(i))
         .is_some_and(|l| {
             !l.trusted_proxies.is_empty()
-                && pier_config::denied(&l.trusted_proxies, pier_config::normalize(sess.client.ip()))
+                && pier_config::denied(&l.trusted_proxies, pier_config::normalize(sess.peer.ip()))
         })
+}
+
+/// `real_ip_header`: when the connection's peer is one of the listener's
+/// `trusted_proxies`, the request's client becomes the right-most address
+/// of the header that is not (or the left-most, when all are): a client
+/// can write anything to the left of what its proxies append, never to
+/// the right. An element that is not an address (`unknown`, an obfuscated
+/// `_name`) ends the search where it stands. Done once, before routing,
+/// so every step reads the one client.
+pub(crate) fn real_client(state: &State, sess: &mut Session) {
+    use pier_config::RealIpHeader;
+    let Some(l) = sess.conn.listener.and_then(|i| state.cfg.listeners.get(i)) else {
+        return;
+    };
+    let Some(which) = l.real_ip_header else {
+        return;
+    };
+    let is_trusted =
+        |ip: std::net::IpAddr| pier_config::denied(&l.trusted_proxies, pier_config::normalize(ip));
+    if !is_trusted(sess.peer.ip()) {
+        return;
+    }
+    let lines: Vec<&[u8]> = match which {
+        RealIpHeader::XForwardedFor => sess
+            .req
+            .headers
+            .get_all_known(known::X_FORWARDED_FOR)
+            .collect(),
+        RealIpHeader::Forwarded => sess.req.headers.get_all(b"forwarded").collect(),
+    };
+    let mut found = None;
+    'lines: for line in lines.iter().rev() {
+        for item in line.rsplit(|&c| c == b',') {
+            let addr = match which {
+                RealIpHeader::XForwardedFor => address(item),
+                RealIpHeader::Forwarded => forwarded_for(item).and_then(address),
+            };
+            let Some(ip) = addr else { break 'lines };
+            found = Some(ip);
+            if !is_trusted(ip) {
+                break 'lines;
+            }
+        }
+    }
+    if let Some(ip) = found {
+        let ip = pier_config::normalize(ip);
+        sess.client = std::net::SocketAddr::new(ip, 0);
+        sess.client_ip = ip.to_string();
+    }
+}
+
+/// An address as proxies write it: `192.0.2.1`, `2001:db8::1`, with a
+/// port (`192.0.2.1:80`, `[2001:db8::1]:80`) or in brackets.
+fn address(item: &[u8]) -> Option<std::net::IpAddr> {
+    let s = std::str::from_utf8(item).ok()?.trim();
+    let s = s.trim_matches('"');
+    if let Ok(ip) = s.parse() {
+        return Some(ip);
+    }
+    if let Ok(a) = s.parse::<std::net::SocketAddr>() {
+        return Some(a.ip());
+    }
+    s.strip_prefix('[')?.strip_suffix(']')?.parse().ok()
+}
+
+/// The `for=` value of one `Forwarded` element (`for=…;proto=…`).
+fn forwarded_for(element: &[u8]) -> Option<&[u8]> {
+    element.split(|&c| c == b';').find_map(|p| {
+        let p = p.trim_ascii();
+        (p.len() > 4 && p[..4].eq_ignore_ascii_case(b"for=")).then(|| &p[4..])
+    })
 }
 
 /// The body as it goes upstream, which its framing describes: the
@@ -223,7 +294,14 @@ pub(crate) fn x_forwarded_for(out: &mut Vec<u8>, sess: &Session, trusted: bool) 
             out.extend_from_slice(b", ");
         }
     }
-    out.extend_from_slice(sess.client_ip.as_bytes());
+    if sess.client != sess.peer && trusted {
+        // The client is in the chain already (`real_ip_header`): this
+        // hop adds whom it heard from, as every proxy before it did.
+        use std::io::Write;
+        let _ = write!(out, "{}", pier_config::normalize(sess.peer.ip()));
+    } else {
+        out.extend_from_slice(sess.client_ip.as_bytes());
+    }
 }
 
 /// `Forwarded` (RFC 7239, `[http] forwarded`): a trusted proxy's elements,
@@ -237,7 +315,14 @@ pub(crate) fn forwarded(out: &mut Vec<u8>, sess: &Session, trusted: bool) {
         }
     }
     out.extend_from_slice(b"for=");
-    if sess.client.is_ipv6() {
+    if sess.client != sess.peer && trusted {
+        // The client is in the elements already (`real_ip_header`).
+        use std::io::Write;
+        let _ = match pier_config::normalize(sess.peer.ip()) {
+            ip @ std::net::IpAddr::V6(_) => write!(out, "\"[{ip}]\""),
+            ip => write!(out, "{ip}"),
+        };
+    } else if sess.client.is_ipv6() {
         out.extend_from_slice(b"\"[");
         out.extend_from_slice(sess.client_ip.as_bytes());
         out.extend_from_slice(b"]\"");

@@ -28,7 +28,13 @@ pub struct Session {
     pub up_req: RequestHead,
     /// The step the request is at (docs/phases.md; logs of a failure).
     pub step: crate::phases::Step,
+    /// The client: the connection's peer, or the address a trusted proxy
+    /// named (`real_ip_header`; its port then 0). Limits, logs, Lua and
+    /// the forwarding headers' client read it.
     pub client: SocketAddr,
+    /// The connection's peer (the proxy, when `real_ip_header` named
+    /// another client): whom `trusted_proxies` is asked about.
+    pub peer: SocketAddr,
     pub local: SocketAddr,
     /// The connection's listener and TLS.
     pub conn: ConnInfo,
@@ -70,6 +76,7 @@ impl Session {
             up_req: RequestHead::default(),
             step: crate::phases::Step::ReadHead,
             client,
+            peer: client,
             local,
             conn: ConnInfo::default(),
             client_ip: client.ip().to_string(),

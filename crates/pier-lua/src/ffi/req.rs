@@ -288,6 +288,8 @@ pub(super) unsafe extern "C" fn var(
             let ok = match name {
                 b"remote_addr" => write!(s.bytes, "{}", v.client_addr().ip()).is_ok(),
                 b"remote_port" => push_int(&mut s.bytes, v.client_addr().port()),
+                b"realip_remote_addr" => write!(s.bytes, "{}", v.peer_addr().ip()).is_ok(),
+                b"realip_remote_port" => push_int(&mut s.bytes, v.peer_addr().port()),
                 b"server_port" => push_int(&mut s.bytes, v.server_port()),
                 b"status" => push_int(&mut s.bytes, v.status()),
                 _ => false,
