@@ -22,6 +22,7 @@
 #   bash bench/tls_instructions.sh                          # pier, nginx; N1=200 N2=1200 C=4
 #   PIER_BIN=/tmp/pier-hs PROXIES=pier KEEP=1 bash bench/tls_instructions.sh
 #   COUNT=syscalls bash bench/tls_instructions.sh           # system calls per handshake (strace -f -c)
+#   RESUMED=1 bash bench/tls_instructions.sh                # resumed handshakes instead of full ones
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BENCH="$ROOT/bench"
@@ -29,6 +30,9 @@ PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
 N1="${N1:-200}"
 N2="${N2:-1200}"
 C="${C:-4}"
+# RESUMED=1: every handshake but each client's first resumes its previous session (TLS 1.3
+# tickets; the tool counts a full one as an error): what resumption saves against the default.
+FULL="--full"; [ "${RESUMED:-0}" = 1 ] && FULL=""
 PROXIES="${PROXIES:-pier nginx}"
 COUNT="${COUNT:-instructions}"   # instructions (callgrind) or syscalls (strace)
 case "$COUNT" in
@@ -96,7 +100,7 @@ counted() {
   { printf 'GET /hello HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n'; sleep 3; } |
     timeout 60 openssl s_client -connect "127.0.0.1:$p" -servername localhost -brief -msg \
       >"$dir/s_client.log" 2>&1 || true
-  python3 "$BENCH/tool.py" resume --full --proxy "$proxy" --out "$dir/resume.jsonl" --pid "$vp" \
+  python3 "$BENCH/tool.py" resume $FULL --proxy "$proxy" --out "$dir/resume.jsonl" --pid "$vp" \
     --port "$p" --origin-pid "$ORIGIN_PID" --origin-port "$ORIGIN_PORT" --conns "$C" \
     --duration 3600 --n "$n" --tls 1.3 --rep 1 >"$dir/resume.log" 2>&1 || cat "$dir/resume.log" >&2
   if [ "$COUNT" = syscalls ]; then
