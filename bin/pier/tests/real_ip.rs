@@ -161,3 +161,30 @@ fn limits_count_the_named_client() {
         "another client behind the same proxy"
     );
 }
+
+/// Pipelined requests on one connection: each is judged by its own
+/// header, so one without it is the connection's peer again.
+#[test]
+fn each_request_names_its_own_client() {
+    let o = Origin::start();
+    let p = pier(&config(o.addr(), "X-Forwarded-For", "\"127.0.0.1/32\"", ""));
+    let mut c = RawConn::connect(p.listener("main"));
+    c.send(
+        b"GET /who HTTP/1.1\r\nHost: a\r\nX-Forwarded-For: 203.0.113.5\r\n\r\n\
+          GET /who HTTP/1.1\r\nHost: a\r\n\r\n",
+    );
+    assert_eq!(
+        c.read_response().unwrap().body_str(),
+        "203.0.113.5 127.0.0.1\n"
+    );
+    assert_eq!(
+        c.read_response().unwrap().body_str(),
+        "127.0.0.1 127.0.0.1\n"
+    );
+    // And after the pipeline, on the same connection.
+    let r = c
+        .request("GET", "/who", &[("X-Forwarded-For", "203.0.113.6")], b"")
+        .unwrap();
+    assert_eq!(r.body_str(), "203.0.113.6 127.0.0.1\n");
+    assert_eq!(c.get("/who").unwrap().body_str(), "127.0.0.1 127.0.0.1\n");
+}

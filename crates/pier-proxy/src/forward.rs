@@ -209,6 +209,12 @@ pub(crate) fn real_client(state: &State, sess: &mut Session) {
     let Some(which) = l.real_ip_header else {
         return;
     };
+    if sess.client != sess.peer {
+        // A request after one a proxy named a client for (pipelined on
+        // the same connection) starts from the connection's peer again.
+        sess.client = sess.peer;
+        sess.client_ip = sess.peer.ip().to_string();
+    }
     let is_trusted =
         |ip: std::net::IpAddr| pier_config::denied(&l.trusted_proxies, pier_config::normalize(ip));
     if !is_trusted(sess.peer.ip()) {
