@@ -236,11 +236,6 @@ impl Lent {
         std::mem::swap(&mut bz.sess.client_ip, &mut self.client_ip);
     }
     fn take_back(&mut self, bz: &mut Busy) {
-        if bz.sess.client != self.client {
-            // A proxy named the request's client: the connection's is
-            // the next request's starting point.
-            bz.sess.client_ip = self.client.ip().to_string();
-        }
         std::mem::swap(&mut bz.sess.conn, &mut self.conn);
         std::mem::swap(&mut bz.sess.client_ip, &mut self.client_ip);
     }
@@ -341,6 +336,7 @@ async fn connection_loop<P: Phases, S: Stream>(w: Arc<Worker<P>>, mut stream: S,
         })
         .await;
         first = false;
+        bz.sess.forget_named_client();
         if keep && !bz.b.rbuf.is_empty() {
             // Pipelined bytes: the next head is (partly) here already.
             busy = Some(bz);

@@ -209,12 +209,6 @@ pub(crate) fn real_client(state: &State, sess: &mut Session) {
     let Some(which) = l.real_ip_header else {
         return;
     };
-    if sess.client != sess.peer {
-        // A request after one a proxy named a client for (pipelined on
-        // the same connection) starts from the connection's peer again.
-        sess.client = sess.peer;
-        sess.client_ip = sess.peer.ip().to_string();
-    }
     let is_trusted =
         |ip: std::net::IpAddr| pier_config::denied(&l.trusted_proxies, pier_config::normalize(ip));
     if !is_trusted(sess.peer.ip()) {
@@ -300,13 +294,33 @@ pub(crate) fn x_forwarded_for(out: &mut Vec<u8>, sess: &Session, trusted: bool) 
             out.extend_from_slice(b", ");
         }
     }
-    if sess.client != sess.peer && trusted {
-        // The client is in the chain already (`real_ip_header`): this
-        // hop adds whom it heard from, as every proxy before it did.
+    push_hop(out, sess, trusted, false);
+}
+
+/// This hop's address in a forwarding header: the client; or, when a
+/// trusted proxy named the client (`real_ip_header`: it is in the chain
+/// already), the proxy Pier heard from, as every hop before it wrote
+/// its own. `bracket_v6`: an IPv6 address quoted in brackets (RFC 7239 §6).
+fn push_hop(out: &mut Vec<u8>, sess: &Session, trusted: bool, bracket_v6: bool) {
+    let named = trusted && sess.client != sess.peer;
+    let ip = pier_config::normalize(sess.peer.ip());
+    let quote = bracket_v6
+        && if named {
+            ip.is_ipv6()
+        } else {
+            sess.client.is_ipv6()
+        };
+    if quote {
+        out.extend_from_slice(b"\"[");
+    }
+    if named {
         use std::io::Write;
-        let _ = write!(out, "{}", pier_config::normalize(sess.peer.ip()));
+        let _ = write!(out, "{ip}");
     } else {
         out.extend_from_slice(sess.client_ip.as_bytes());
+    }
+    if quote {
+        out.extend_from_slice(b"]\"");
     }
 }
 
@@ -321,20 +335,7 @@ pub(crate) fn forwarded(out: &mut Vec<u8>, sess: &Session, trusted: bool) {
         }
     }
     out.extend_from_slice(b"for=");
-    if sess.client != sess.peer && trusted {
-        // The client is in the elements already (`real_ip_header`).
-        use std::io::Write;
-        let _ = match pier_config::normalize(sess.peer.ip()) {
-            ip @ std::net::IpAddr::V6(_) => write!(out, "\"[{ip}]\""),
-            ip => write!(out, "{ip}"),
-        };
-    } else if sess.client.is_ipv6() {
-        out.extend_from_slice(b"\"[");
-        out.extend_from_slice(sess.client_ip.as_bytes());
-        out.extend_from_slice(b"]\"");
-    } else {
-        out.extend_from_slice(sess.client_ip.as_bytes());
-    }
+    push_hop(out, sess, trusted, true);
     out.extend_from_slice(b";proto=");
     out.extend_from_slice(sess.scheme().as_bytes());
     if let Some(h) = sess.req.host() {

@@ -97,6 +97,16 @@ impl Session {
         }
     }
 
+    /// The client a proxy named for a request (`real_ip_header`) is that
+    /// request's only: the next one on the connection (pipelined or kept
+    /// alive) starts from the peer again.
+    pub(crate) fn forget_named_client(&mut self) {
+        if self.client != self.peer {
+            self.client = self.peer;
+            self.client_ip = self.peer.ip().to_string();
+        }
+    }
+
     /// `https` when the connection is TLS.
     pub fn scheme(&self) -> &'static str {
         if self.conn.tls.is_some() {
