@@ -127,6 +127,18 @@ enum Cmd {
         #[arg(long, default_value_t = 10_000)]
         max_keys: usize,
     },
+    /// Replace the running Pier with this binary, dropping nothing: the
+    /// config is checked, the running Pier (at `[server] upgrade_socket`)
+    /// hands over its listening sockets, this process starts serving on
+    /// them, and only then does the old one stop accepting and drain. If
+    /// this one fails to start, the old one goes on serving. This process
+    /// then runs in the foreground as `serve` does.
+    Upgrade {
+        #[arg(short = 'c', long = "config")]
+        config: Option<PathBuf>,
+        /// The file may also be given without -c.
+        file: Option<PathBuf>,
+    },
     /// Validate a config file and print every error with its location.
     Check {
         #[arg(short = 'c', long = "config")]
@@ -265,7 +277,51 @@ fn main() -> ExitCode {
                 eprintln!("{e}");
                 return ExitCode::from(1);
             }
-            run(cfg, path)
+            run(cfg, path, None)
+        }
+        Cmd::Upgrade { config, file } => {
+            let Some(path) = config.or(file) else {
+                eprintln!(
+                    "pier upgrade: give the running Pier's config file: pier upgrade -c FILE"
+                );
+                return ExitCode::from(2);
+            };
+            let cfg = match pier_config::load_file(&path) {
+                Ok(c) => c,
+                Err(errs) => {
+                    eprintln!("{}", errs.to_string().trim_end());
+                    eprintln!(
+                        "pier upgrade: configuration {} refused; the running Pier goes on serving",
+                        path.display()
+                    );
+                    return ExitCode::from(1);
+                }
+            };
+            if let Err(e) = check_lua(&cfg) {
+                eprintln!("{e}");
+                eprintln!(
+                    "pier upgrade: configuration {} refused; the running Pier goes on serving",
+                    path.display()
+                );
+                return ExitCode::from(1);
+            }
+            let Some(socket) = cfg.upgrade_socket.clone() else {
+                eprintln!("pier upgrade: {} has no [server] upgrade_socket: the running Pier cannot be asked for its sockets", path.display());
+                return ExitCode::from(2);
+            };
+            match pier_core::handover::Handover::connect(&socket) {
+                Ok(h) => {
+                    eprintln!(
+                        "pier: upgrade: {} listening socket(s) handed over by the running Pier",
+                        h.len()
+                    );
+                    run(cfg, Some(path), Some(h))
+                }
+                Err(e) => {
+                    eprintln!("pier upgrade: {e}");
+                    ExitCode::from(1)
+                }
+            }
         }
         Cmd::Proxy {
             listen,
@@ -374,12 +430,50 @@ fn main() -> ExitCode {
                             cache_set_cookie.as_deref() == Some("store"),
                         );
                     }
-                    run(cfg, None)
+                    run(cfg, None, None)
                 }
                 Err(e) => usage_error(&e),
             }
         }
     }
+}
+
+use pier_core::handover::{Handover, HandoverServer, Kind};
+
+/// The sockets a binary upgrade handed over for a listener, if they are
+/// bound where this config wants it.
+fn inherit(
+    handover: &mut Option<Handover>,
+    kind: Kind,
+    name: &str,
+    addr: SocketAddr,
+) -> Vec<std::os::fd::OwnedFd> {
+    match handover {
+        Some(h) => h.take_bound(kind, name, addr),
+        None => Vec::new(),
+    }
+}
+
+type HandoverSet = Vec<(Kind, String, std::os::fd::OwnedFd)>;
+
+/// Copies of every listening socket (the workers own the originals), in
+/// worker order, for the next binary upgrade.
+fn handover_set(
+    tcp: &[Vec<(String, std::net::TcpListener)>],
+    udp: &[Vec<(String, std::net::UdpSocket)>],
+    admin: Option<&std::net::TcpListener>,
+) -> std::io::Result<HandoverSet> {
+    let mut set = Vec::new();
+    for (name, l) in tcp.iter().flatten() {
+        set.push((Kind::Tcp, name.clone(), l.try_clone()?.into()));
+    }
+    for (name, s) in udp.iter().flatten() {
+        set.push((Kind::Udp, name.clone(), s.try_clone()?.into()));
+    }
+    if let Some(a) = admin {
+        set.push((Kind::Admin, "admin".to_string(), a.try_clone()?.into()));
+    }
+    Ok(set)
 }
 
 /// Compile every Lua chunk of the config in a scratch state (check, start, reload).
@@ -402,8 +496,13 @@ fn usage_error(msg: &str) -> ExitCode {
     ExitCode::from(2)
 }
 
-/// Start everything, then serve signals until exit.
-fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
+/// Start everything, then serve signals until exit. With `handover` (a
+/// binary upgrade), the listening sockets are the old process's.
+fn run(
+    mut cfg: Config,
+    path: Option<PathBuf>,
+    mut handover: Option<pier_core::handover::Handover>,
+) -> ExitCode {
     let workers = cfg.workers.max(1);
     let embedded = path.is_none() && cfg.demo_origin.is_some();
     if let Some(addr) = cfg.demo_origin {
@@ -428,7 +527,12 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
         .iter()
         .map(|l| (l.name.clone(), l.addr))
         .collect();
-    let (sockets, bound) = match pier_core::bind_all(workers, &listeners) {
+    let (sockets, bound) = match pier_core::bind_all(workers, &listeners, &mut |name, addr| {
+        inherit(&mut handover, Kind::Tcp, name, addr)
+            .into_iter()
+            .map(std::net::TcpListener::from)
+            .collect()
+    }) {
         Ok(x) => x,
         Err(e) => {
             eprintln!("pier: {e}");
@@ -444,7 +548,12 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
         .filter(|(name, _)| cfg.listeners.iter().any(|l| &l.name == name && l.http3))
         .cloned()
         .collect();
-    let udp = match pier_core::bind_udp_all(workers, &quic) {
+    let udp = match pier_core::bind_udp_all(workers, &quic, &mut |name, addr| {
+        inherit(&mut handover, Kind::Udp, name, addr)
+            .into_iter()
+            .map(std::net::UdpSocket::from)
+            .collect()
+    }) {
         Ok(u) => u,
         Err(e) => {
             eprintln!("pier: {e}");
@@ -454,7 +563,16 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
     for (name, addr) in &quic {
         eprintln!("pier: listening on https://{addr} over HTTP/3 (udp, listener {name})");
     }
-    let admin_listener = match cfg.admin.map(std::net::TcpListener::bind).transpose() {
+    let admin_listener = match cfg
+        .admin
+        .map(
+            |a| match inherit(&mut handover, Kind::Admin, "admin", a).pop() {
+                Some(fd) => Ok(std::net::TcpListener::from(fd)),
+                None => std::net::TcpListener::bind(a),
+            },
+        )
+        .transpose()
+    {
         Ok(l) => l,
         Err(e) => {
             eprintln!(
@@ -536,6 +654,31 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
     shared.analytics = analytics;
     let shared = Arc::new(shared);
 
+    // Binary upgrades: a copy of every listening socket for the next
+    // binary, and the socket it asks on. Bound before the workers start,
+    // so a start that cannot offer upgrades fails as a bad config does;
+    // after an upgrade, taken over once the old process has let go.
+    let upgrade_path = shared.state.load().cfg.upgrade_socket.clone();
+    let mut upgrade_set = None;
+    let mut upgrade_server = None;
+    if let Some(p) = &upgrade_path {
+        match handover_set(&sockets, &udp, admin_listener.as_ref()) {
+            Ok(s) => upgrade_set = Some(s),
+            Err(e) => {
+                eprintln!("pier: upgrade_socket: cannot keep the listening sockets: {e}");
+                return ExitCode::from(1);
+            }
+        }
+        if handover.is_none() {
+            match HandoverServer::bind(p) {
+                Ok(s) => upgrade_server = Some(s),
+                Err(e) => {
+                    eprintln!("pier: cannot listen on upgrade_socket {}: {e}", p.display());
+                    return ExitCode::from(1);
+                }
+            }
+        }
+    }
     let worker_shared = shared.clone();
     let handles = match pier_core::spawn_workers(sockets, udp, move |ctx| {
         let shared = worker_shared.clone();
@@ -563,6 +706,22 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
     if let Some(a) = admin_addr {
         eprintln!("pier: admin on http://{a} (/metrics, /healthz, /dashboard, /api/analytics)");
     }
+    // The old process stops accepting only now, with these workers
+    // accepting on the same sockets: no connection finds nobody.
+    let upgraded = handover.is_some();
+    if let (Some(h), Some(p)) = (handover.take(), &upgrade_path) {
+        upgrade_server = match h.ready(p) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!("upgrade: the old process did not confirm ({e}); serving anyway");
+                HandoverServer::bind(p)
+                    .map_err(|e| tracing::error!("upgrade_socket {}: {e}", p.display()))
+                    .ok()
+            }
+        };
+        eprintln!("pier: upgrade done: process {} serves", std::process::id());
+    }
+    notify_systemd(upgraded);
     if embedded {
         eprintln!(
             "pier: running the embedded quickstart config; try: curl -i http://{}/",
@@ -582,6 +741,7 @@ fn run(mut cfg: Config, path: Option<PathBuf>) -> ExitCode {
             (admin_listener, admin_tls),
             admin_addr,
             grace,
+            upgrade_server.zip(upgrade_set),
         ),
     );
     drop(handles); // worker threads end with the process
@@ -654,6 +814,7 @@ async fn control(
     ),
     admin_addr: Option<SocketAddr>,
     mut grace: Duration,
+    upgrades: Option<(HandoverServer, HandoverSet)>,
 ) -> ExitCode {
     if let Some(l) = admin_listener {
         let _ = l.set_nonblocking(true);
@@ -672,12 +833,32 @@ async fn control(
     let mut generation = 1u64;
     write_ready(&bound, admin_addr, generation);
 
-    let (mut hup, mut term, mut int) = match (
+    // A binary upgrade's handover runs on a thread of its own (blocking
+    // socket calls); when a new process serves, this one drains and exits.
+    let (upgraded_tx, mut upgraded_rx) = tokio::sync::oneshot::channel::<()>();
+    let upgrade_path = upgrades.as_ref().map(|(s, _)| s.path().to_path_buf());
+    if let Some((server, set)) = upgrades {
+        let shared = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name("pier-upgrade".into())
+            .spawn(move || {
+                server.serve(&set, || {
+                    shared.lifecycle.hand_over();
+                    let _ = upgraded_tx.send(());
+                });
+            });
+        if let Err(e) = spawned {
+            tracing::error!("upgrade socket thread: {e}");
+        }
+    }
+    let exe = std::env::current_exe().ok();
+    let (mut hup, mut term, mut int, mut usr2) = match (
         signal(SignalKind::hangup()),
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
+        signal(SignalKind::user_defined2()),
     ) {
-        (Ok(a), Ok(b), Ok(c)) => (a, b, c),
+        (Ok(a), Ok(b), Ok(c), Ok(d)) => (a, b, c, d),
         _ => {
             eprintln!("pier: cannot install signal handlers");
             return ExitCode::from(1);
@@ -706,32 +887,109 @@ async fn control(
                 let _ = health_stop.send(true);
                 health_stop = start_health(&shared);
             }
+            _ = usr2.recv() => match (&exe, &path, &upgrade_path) {
+                (Some(exe), Some(config), Some(_)) => spawn_upgrade(exe, config),
+                _ => tracing::warn!("SIGUSR2: a binary upgrade needs a config file with [server] upgrade_socket"),
+            },
+            Ok(()) = &mut upgraded_rx => {
+                tracing::info!("upgrade: the new process serves; draining (grace period {grace:?})");
+                return drain_and_exit(&shared, grace).await;
+            }
             _ = term.recv() => {
                 tracing::info!("SIGTERM: draining (grace period {grace:?})");
                 shared.start_drain();
-                let deadline = Instant::now() + grace;
-                while shared.metrics.active_connections.load(Relaxed) > 0 && Instant::now() < deadline {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                if let Some(p) = &upgrade_path {
+                    pier_core::handover::remove_if_ours(p);
                 }
-                let left = shared.metrics.active_connections.load(Relaxed);
-                if left > 0 {
-                    tracing::warn!("grace period over with {left} connection(s) open; exiting");
-                }
-                shared.access.flush();
-                // Give the access log thread a moment to write what it got
-                // (and the workers to hand over their last analytics batch).
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                if let Some(a) = &shared.analytics {
-                    // Writes the minutes still open: a restart keeps them.
-                    a.stop();
-                }
-                return ExitCode::SUCCESS;
+                return drain_and_exit(&shared, grace).await;
             }
             _ = int.recv() => {
                 tracing::info!("SIGINT: exiting now");
                 return ExitCode::from(130);
             }
         }
+    }
+}
+
+/// Wait (up to `grace`) for the open connections to finish, flush the
+/// logs and analytics, and exit.
+async fn drain_and_exit(shared: &Arc<Shared>, grace: Duration) -> ExitCode {
+    let deadline = Instant::now() + grace;
+    while shared.metrics.active_connections.load(Relaxed) > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let left = shared.metrics.active_connections.load(Relaxed);
+    if left > 0 {
+        tracing::warn!("grace period over with {left} connection(s) open; exiting");
+    }
+    shared.access.flush();
+    // Give the access log thread a moment to write what it got
+    // (and the workers to hand over their last analytics batch).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    if let Some(a) = &shared.analytics {
+        // Writes the minutes still open: a restart keeps them.
+        a.stop();
+    }
+    ExitCode::SUCCESS
+}
+
+/// SIGUSR2: start the binary at this process's path (a package upgrade
+/// put the new one there) as `pier upgrade -c CONFIG`; it asks this
+/// process for the sockets. Its exit is waited for, so a failed upgrade
+/// leaves no zombie and is logged.
+fn spawn_upgrade(exe: &Path, config: &Path) {
+    tracing::info!(
+        "SIGUSR2: starting {} upgrade -c {}",
+        exe.display(),
+        config.display()
+    );
+    let child = std::process::Command::new(exe)
+        .arg("upgrade")
+        .arg("-c")
+        .arg(config)
+        .stdin(std::process::Stdio::null())
+        .spawn();
+    match child {
+        Ok(mut c) => {
+            let _ = std::thread::Builder::new()
+                .name("pier-upgrade-child".into())
+                .spawn(move || match c.wait() {
+                    Ok(s) if s.success() => {}
+                    Ok(s) => tracing::error!(
+                        "SIGUSR2: the new binary exited with {s}; this process goes on serving"
+                    ),
+                    Err(e) => tracing::error!("SIGUSR2: waiting for the new binary: {e}"),
+                });
+        }
+        Err(e) => tracing::error!("SIGUSR2: cannot start {}: {e}", exe.display()),
+    }
+}
+
+/// systemd's readiness (`Type=notify`, `NotifyAccess=all`): READY=1 once
+/// serving; after a binary upgrade also MAINPID=, so systemd follows the
+/// new process as the service's main one when the old one exits.
+fn notify_systemd(upgraded: bool) {
+    let Some(addr) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let msg = if upgraded {
+        format!("MAINPID={}\nREADY=1", std::process::id())
+    } else {
+        "READY=1".to_string()
+    };
+    let sent = std::os::unix::net::UnixDatagram::unbound().and_then(|s| {
+        let bytes = addr.as_encoded_bytes();
+        match bytes.strip_prefix(b"@") {
+            Some(name) => {
+                use std::os::linux::net::SocketAddrExt;
+                let a = std::os::unix::net::SocketAddr::from_abstract_name(name)?;
+                s.send_to_addr(msg.as_bytes(), &a)
+            }
+            None => s.send_to(msg.as_bytes(), &addr),
+        }
+    });
+    if let Err(e) = sent {
+        tracing::warn!("NOTIFY_SOCKET: {e}");
     }
 }
 

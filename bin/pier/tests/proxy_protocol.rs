@@ -253,3 +253,184 @@ fn quick_mode_takes_proxy_protocol() {
         "{seen}"
     );
 }
+
+/// A real HAProxy (Debian's) on a free port with `accept-proxy`, in front
+/// of `origin`: it takes the client's address from the PROXY header Pier
+/// sends and hands it to the origin as `x-pp-src` / `x-pp-dst` /
+/// `x-pp-authority`. Killed on drop.
+struct Haproxy {
+    child: std::process::Child,
+    addr: SocketAddr,
+    _dir: TempDir,
+}
+
+impl Drop for Haproxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn haproxy_bin() -> std::path::PathBuf {
+    ["/usr/sbin/haproxy", "/usr/bin/haproxy"]
+        .iter()
+        .map(std::path::PathBuf::from)
+        .find(|p| p.exists())
+        .expect("haproxy is not installed: apt-get install haproxy (.ci/install does)")
+}
+
+impl Haproxy {
+    fn start(origin: SocketAddr) -> Haproxy {
+        let dir = TempDir::new();
+        // A free port: HAProxy cannot say which one port 0 gave it. Taken
+        // again (by a test elsewhere) in between, HAProxy fails to bind and
+        // the next port is tried.
+        for _ in 0..10 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+            let cfg = dir.write(
+                "haproxy.cfg",
+                &format!(
+                    "global\n  maxconn 100\n\
+                     defaults\n  mode http\n  timeout connect 5s\n  timeout client 30s\n  timeout server 30s\n\
+                     frontend fe\n  bind {addr} accept-proxy\n\
+                     \x20 http-request set-header x-pp-src %[src]:%[src_port]\n\
+                     \x20 http-request set-header x-pp-dst %[dst]:%[dst_port]\n\
+                     \x20 http-request set-header x-pp-authority %[fc_pp_authority]\n\
+                     \x20 default_backend be\n\
+                     backend be\n  server o {origin}\n"
+                ),
+            );
+            let mut child = std::process::Command::new(haproxy_bin())
+                .args(["-db", "-f"])
+                .arg(&cfg)
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::fs::File::create(dir.path().join("haproxy.err")).unwrap())
+                .spawn()
+                .expect("start haproxy");
+            let up = wait_until(Duration::from_secs(10), || {
+                matches!(child.try_wait(), Ok(Some(_)))
+                    || std::net::TcpStream::connect(addr).is_ok()
+            });
+            if up && matches!(child.try_wait(), Ok(None)) {
+                return Haproxy {
+                    child,
+                    addr,
+                    _dir: dir,
+                };
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!(
+            "haproxy did not start: {}",
+            std::fs::read_to_string(dir.path().join("haproxy.err")).unwrap_or_default()
+        );
+    }
+}
+
+fn header_of<'a>(body: &'a str, name: &str) -> Option<&'a str> {
+    body.lines().find_map(|l| {
+        let (n, v) = l.split_once(':')?;
+        n.eq_ignore_ascii_case(name).then(|| v.trim())
+    })
+}
+
+#[test]
+fn send_proxy_protocol_names_each_client_to_haproxy() {
+    let origin = Origin::start_named("behind-haproxy");
+    let haproxy = Haproxy::start(origin.addr());
+    let dir = TempDir::new();
+    let ca = TestCa::new(dir.path(), "pier");
+    let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
+    for version in ["v2", "v1"] {
+        let cfg = format!(
+            r#"[log]
+access = "off"
+
+[[listener]]
+name = "main"
+listen = "127.0.0.1:0"
+
+[[listener]]
+name = "tls"
+listen = "127.0.0.1:0"
+[listener.tls]
+cert = "{cert}"
+key = "{key}"
+
+[[route]]
+name = "default"
+upstream = "app"
+
+[upstream.app]
+servers = ["{haproxy}"]
+send_proxy_protocol = "{version}"
+[upstream.app.health_check]
+type = "http"
+path = "/healthz"
+interval = "100ms"
+"#,
+            cert = cert.cert.display(),
+            key = cert.key.display(),
+            haproxy = haproxy.addr,
+        );
+        let p = pier(&cfg);
+        // Health checks carry a LOCAL header: HAProxy takes them, and
+        // passes them to the origin.
+        assert!(
+            wait_until(Duration::from_secs(10), || origin.health_checks() > 0),
+            "{version}: no health check got through HAProxy\n{}",
+            p.logs()
+        );
+        let main = p.listener("main");
+        // Two requests on one client connection: one upstream connection,
+        // its header naming this client.
+        let mut a = RawConn::connect(main);
+        let first = a.get("/headers").unwrap();
+        assert_eq!(first.status, 200, "{version}: {}", first.body_str());
+        let body = first.body_str();
+        assert_eq!(
+            header_of(&body, "x-pp-src"),
+            Some(a.local_addr().to_string().as_str()),
+            "{version}: {body}"
+        );
+        assert_eq!(
+            header_of(&body, "x-pp-dst"),
+            Some(main.to_string().as_str())
+        );
+        let again = a.get("/headers").unwrap().body_str();
+        assert_eq!(
+            header_of(&again, "x-pp-src"),
+            Some(a.local_addr().to_string().as_str())
+        );
+        // Another client is named as itself: the first one's upstream
+        // connection (idle in the pool now) is never lent to it.
+        let mut b = RawConn::connect(main);
+        let other = b.get("/headers").unwrap().body_str();
+        assert_eq!(
+            header_of(&other, "x-pp-src"),
+            Some(b.local_addr().to_string().as_str()),
+            "{version}: a connection named for one client went to another: {other}"
+        );
+        // Over TLS, v2 names the server name the client asked for.
+        if version == "v2" {
+            let tls = p.listener("tls");
+            let cfg = TlsClientConfig::new(&ca.cert, None, &["http/1.1"], None);
+            let mut c = pier_test_support::tls::TlsClient::connect(tls, "site.test", &cfg).unwrap();
+            let r = c.get("site.test", "/headers").unwrap();
+            let body = r.body_str();
+            assert_eq!(
+                header_of(&body, "x-pp-authority"),
+                Some("site.test"),
+                "{body}"
+            );
+            assert_eq!(header_of(&body, "x-pp-dst"), Some(tls.to_string().as_str()));
+        }
+    }
+}

@@ -255,6 +255,7 @@ impl Config {
         Config {
             workers: validate::cores(),
             grace_period: validate::DEFAULT_GRACE_PERIOD,
+            upgrade_socket: None,
             listeners: vec![Listener::plain("main", listen)],
             admin,
             admin_auth: AdminAuth::default(),

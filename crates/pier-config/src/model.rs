@@ -16,6 +16,9 @@ pub struct Config {
     pub workers: usize,
     /// How long SIGTERM waits for in-flight requests before exiting.
     pub grace_period: Duration,
+    /// `[server] upgrade_socket`: where a running Pier hands its listening
+    /// sockets to a new binary (`pier upgrade`, SIGUSR2); None: no upgrades.
+    pub upgrade_socket: Option<std::path::PathBuf>,
     pub listeners: Vec<Listener>,
     pub admin: Option<SocketAddr>,
     /// `[admin]` credentials: a request must carry one of them when set.
@@ -642,6 +645,10 @@ pub struct Upstream {
     pub protocol: UpstreamProtocol,
     /// Streams per HTTP/2 connection before another connection is opened.
     pub h2_max_streams: usize,
+    /// `send_proxy_protocol`: each connection to a server opens with a
+    /// PROXY protocol header naming the client (and is then the client's
+    /// alone: never reused for another).
+    pub send_proxy_protocol: Option<SendProxy>,
     /// Servers given by host name with `resolve = true`: their addresses
     /// (in `servers`, each with `host` set) are re-resolved while running.
     /// Validation does not resolve them: whoever builds the running state
@@ -656,6 +663,13 @@ pub struct NamedServer {
     pub host: std::sync::Arc<str>,
     pub port: u16,
     pub weight: u32,
+}
+
+/// The PROXY protocol version sent to an upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SendProxy {
+    V1,
+    V2,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -27,6 +27,7 @@ use crate::error::RawError;
 pub struct ServerSection {
     pub workers: Option<Spanned<i64>>,
     pub grace_period: Option<Spanned<String>>,
+    pub upgrade_socket: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -464,6 +465,7 @@ pub struct UpstreamEntry {
     pub protocol: Option<Spanned<String>>,
     pub h2_max_streams: Option<Spanned<i64>>,
     pub resolve: Option<bool>,
+    pub send_proxy_protocol: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -452,7 +452,7 @@ fn schema_errors() {
     one_error(
         &format!("[server]\nwokers = 2\n{BASE}"),
         "2:1",
-        "unknown field `wokers`, expected `workers` or `grace_period`",
+        "unknown field `wokers`, expected one of `workers`, `grace_period`, `upgrade_socket`",
     );
     one_error(
         &format!("{BASE}[limits]\nmax_headers = \"x\"\n"),
@@ -2767,5 +2767,29 @@ fn real_ip_header_needs_trusted_proxies_and_a_known_header() {
         &text(&format!("real_ip_header = \"X-Real-IP\"\n{trusted}")),
         "3:18",
         "\"X-Forwarded-For\" or \"Forwarded\"",
+    );
+}
+
+#[test]
+fn upgrade_socket_and_send_proxy_protocol() {
+    let c = ok(BASE);
+    assert_eq!(c.upgrade_socket, None);
+    assert_eq!(c.upstreams["b"].send_proxy_protocol, None);
+    let c = ok(&format!(
+        "[server]\nupgrade_socket = \"/run/pier/upgrade.sock\"\n{BASE}send_proxy_protocol = \"v2\"\n"
+    ));
+    assert_eq!(
+        c.upgrade_socket.as_deref(),
+        Some(std::path::Path::new("/run/pier/upgrade.sock"))
+    );
+    assert_eq!(c.upstreams["b"].send_proxy_protocol, Some(SendProxy::V2));
+    let c = ok(&format!("{BASE}send_proxy_protocol = \"v1\"\n"));
+    assert_eq!(c.upstreams["b"].send_proxy_protocol, Some(SendProxy::V1));
+    let c = ok(&format!("{BASE}send_proxy_protocol = \"off\"\n"));
+    assert_eq!(c.upstreams["b"].send_proxy_protocol, None);
+    one_error(
+        &format!("{BASE}send_proxy_protocol = \"v3\"\n"),
+        "8:23",
+        "unknown send_proxy_protocol \"v3\"",
     );
 }

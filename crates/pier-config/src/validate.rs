@@ -87,6 +87,7 @@ impl Upstream {
             tls: None,
             protocol: UpstreamProtocol::Http1,
             h2_max_streams: 100,
+            send_proxy_protocol: None,
             resolve: Vec::new(),
         }
     }
@@ -258,6 +259,11 @@ pub(crate) fn validate(
         n => n as usize,
     };
     let grace_period = c.duration(&server.grace_period, "grace_period", DEFAULT_GRACE_PERIOD);
+    let upgrade_socket = server
+        .upgrade_socket
+        .as_ref()
+        .filter(|p| !p.get_ref().is_empty())
+        .map(|p| path_of(base, p));
     // Every socket Pier binds, to catch two things on one port.
     let mut bound = Bound::default();
     let mut admin_auth = AdminAuth::default();
@@ -553,6 +559,7 @@ pub(crate) fn validate(
     Ok(Config {
         workers,
         grace_period,
+        upgrade_socket,
         listeners,
         admin,
         routes,
@@ -1863,6 +1870,24 @@ fn upstream(
             1,
             10_000,
         ) as usize,
+        send_proxy_protocol: match e
+            .send_proxy_protocol
+            .as_ref()
+            .map(|v| (v, v.get_ref().as_str()))
+        {
+            None | Some((_, "off")) => None,
+            Some((_, "v1")) => Some(SendProxy::V1),
+            Some((_, "v2")) => Some(SendProxy::V2),
+            Some((v, other)) => {
+                c.err(
+                    sp(v),
+                    format!(
+                        "unknown send_proxy_protocol {other:?}: expected \"v1\", \"v2\" or \"off\""
+                    ),
+                );
+                None
+            }
+        },
         resolve: resolve_names,
     }
 }

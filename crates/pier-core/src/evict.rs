@@ -62,6 +62,11 @@ struct Entry {
     /// What kind of wait (0: a request head; a TLS listener's ClientHello
     /// waits use their own, so one listener's flood evicts its own first).
     tag: u32,
+    /// A kept-alive connection idle between requests: what a drain
+    /// closes. Every other wait (a new connection's first bytes, a
+    /// handshake, a head arriving) is left to end on its own bounds, so a
+    /// client that connected just before a drain is still served.
+    kept: bool,
     mark: Mark,
     waker: Option<Waker>,
 }
@@ -97,7 +102,7 @@ impl Default for Sweeper {
 }
 
 impl Registry {
-    fn enter(&mut self, now_ms: u64, deadline_ms: u64, tag: u32) -> usize {
+    fn enter(&mut self, now_ms: u64, deadline_ms: u64, tag: u32, kept: bool) -> usize {
         self.waiting += 1;
         if deadline_ms < self.sweeper.planned_ms {
             self.sweeper.planned_ms = deadline_ms;
@@ -110,6 +115,7 @@ impl Registry {
             since_ms: now_ms,
             deadline_ms,
             tag,
+            kept,
             mark: Mark::Waiting,
             waker: None,
         };
@@ -184,10 +190,21 @@ impl Registry {
             .map(|t| min_age_ms.saturating_sub(now_ms.saturating_sub(t)))
     }
 
-    /// Evict every waiting connection (the worker drains: idle ones close
-    /// now, quietly, as nginx's do at a graceful stop).
-    pub fn evict_all(&mut self) {
-        self.expire(NO_DEADLINE);
+    /// Evict every kept-alive connection idle between requests (the
+    /// worker drains: they close now, quietly, as nginx's do at a graceful
+    /// stop). Connections not yet served a request are not evicted: at a
+    /// binary upgrade they were accepted from a queue the new process
+    /// shares, and their clients are owed an answer.
+    pub fn evict_kept(&mut self) {
+        for e in &mut self.entries {
+            if e.mark == Mark::Waiting && e.kept {
+                e.mark = Mark::Evicted;
+                self.waiting -= 1;
+                if let Some(w) = e.waker.take() {
+                    w.wake();
+                }
+            }
+        }
     }
 
     /// Evict the waiting connections whose deadline is at or before
@@ -231,20 +248,27 @@ pub struct Waiting<'a> {
 
 impl<'a> Waiting<'a> {
     pub fn enter(reg: &'a RefCell<Registry>, now_ms: u64) -> Self {
-        let i = reg.borrow_mut().enter(now_ms, NO_DEADLINE, 0);
+        let i = reg.borrow_mut().enter(now_ms, NO_DEADLINE, 0, false);
         Waiting { reg, i }
     }
 
     /// As `enter`, with a tag that [`Registry::evict_oldest_tagged`] picks.
     pub fn enter_tagged(reg: &'a RefCell<Registry>, now_ms: u64, tag: u32) -> Self {
-        let i = reg.borrow_mut().enter(now_ms, NO_DEADLINE, tag);
+        let i = reg.borrow_mut().enter(now_ms, NO_DEADLINE, tag, false);
         Waiting { reg, i }
     }
 
     /// As `enter`, and evicted by the sweeper at `deadline_ms` (the caller
     /// starts one when `Registry::claim_sweeper` says so).
     pub fn enter_until(reg: &'a RefCell<Registry>, now_ms: u64, deadline_ms: u64) -> Self {
-        let i = reg.borrow_mut().enter(now_ms, deadline_ms, 0);
+        let i = reg.borrow_mut().enter(now_ms, deadline_ms, 0, false);
+        Waiting { reg, i }
+    }
+
+    /// As `enter_until`, for a kept-alive connection idle between
+    /// requests: also evicted by a drain ([`Registry::evict_kept`]).
+    pub fn enter_kept_until(reg: &'a RefCell<Registry>, now_ms: u64, deadline_ms: u64) -> Self {
+        let i = reg.borrow_mut().enter(now_ms, deadline_ms, 0, true);
         Waiting { reg, i }
     }
 

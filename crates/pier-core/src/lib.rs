@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 pub mod evict;
+pub mod handover;
 pub mod lifecycle;
 pub mod pool;
 pub mod server;

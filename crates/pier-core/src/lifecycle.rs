@@ -11,6 +11,7 @@ use tokio::sync::watch;
 pub struct Lifecycle {
     drain_tx: watch::Sender<bool>,
     reload_tx: watch::Sender<u64>,
+    handed_over: std::sync::atomic::AtomicBool,
 }
 
 impl Lifecycle {
@@ -18,6 +19,7 @@ impl Lifecycle {
         Lifecycle {
             drain_tx: watch::channel(false).0,
             reload_tx: watch::channel(generation).0,
+            handed_over: Default::default(),
         }
     }
     pub fn drain_rx(&self) -> watch::Receiver<bool> {
@@ -26,6 +28,18 @@ impl Lifecycle {
     /// Stop accepting; idle connections close, in-flight requests finish.
     pub fn start_drain(&self) {
         self.drain_tx.send_replace(true);
+    }
+    /// A binary upgrade: the listening sockets now belong to the new
+    /// process too. Drains as [`Self::start_drain`]; what shares a socket
+    /// by reading it (QUIC's UDP) must stop reading at once, or the two
+    /// processes would take each other's packets.
+    pub fn hand_over(&self) {
+        self.handed_over
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.start_drain();
+    }
+    pub fn handed_over(&self) -> bool {
+        self.handed_over.load(std::sync::atomic::Ordering::SeqCst)
     }
     pub fn draining(&self) -> bool {
         *self.drain_tx.borrow()

@@ -26,15 +26,23 @@ pub fn bind_udp_reuseport(addr: SocketAddr) -> io::Result<std::net::UdpSocket> {
 }
 
 /// `workers` UDP sockets per address (each already resolved: the port of
-/// the TCP listener it serves beside).
+/// the TCP listener it serves beside). `inherit` gives the sockets a
+/// binary upgrade handed over for a listener (see [`bind_all`]).
 pub fn bind_udp_all(
     workers: usize,
     addrs: &[(String, SocketAddr)],
+    inherit: &mut dyn FnMut(&str, SocketAddr) -> Vec<std::net::UdpSocket>,
 ) -> io::Result<Vec<Vec<(String, std::net::UdpSocket)>>> {
     let mut per_worker: Vec<Vec<(String, std::net::UdpSocket)>> =
         (0..workers).map(|_| Vec::new()).collect();
     for (name, addr) in addrs {
-        for w in per_worker.iter_mut() {
+        let got = inherit(name, *addr);
+        let have = got.len();
+        for (i, s) in got.into_iter().enumerate() {
+            s.set_nonblocking(true)?;
+            per_worker[i % workers].push((name.clone(), s));
+        }
+        for w in per_worker.iter_mut().skip(have) {
             let s = bind_udp_reuseport(*addr).map_err(|e| {
                 io::Error::new(
                     e.kind(),
@@ -63,10 +71,18 @@ pub fn bind_reuseport(addr: SocketAddr, backlog: i32) -> io::Result<std::net::Tc
 
 /// Bind `workers` sockets per listener (port 0 is resolved by the first and
 /// reused by the rest). Returns per-worker socket sets and the bound addresses.
+///
+/// `inherit` gives, for a listener, the accept sockets the process this one
+/// replaces handed over (a binary upgrade; empty otherwise). They are used
+/// as they are, shared round robin when this process has fewer workers, and
+/// joined by new ones in the same reuseport group when it has more: the
+/// queues of the handed-over sockets are never closed, so no connection
+/// waiting in one is lost.
 #[allow(clippy::type_complexity)]
 pub fn bind_all(
     workers: usize,
     listeners: &[(String, SocketAddr)],
+    inherit: &mut dyn FnMut(&str, SocketAddr) -> Vec<std::net::TcpListener>,
 ) -> io::Result<(
     Vec<Vec<(String, std::net::TcpListener)>>,
     Vec<(String, SocketAddr)>,
@@ -75,16 +91,28 @@ pub fn bind_all(
         (0..workers).map(|_| Vec::new()).collect();
     let mut bound = Vec::new();
     for (name, addr) in listeners {
-        let first = bind_reuseport(*addr, 4096).map_err(|e| {
-            io::Error::new(
-                e.kind(),
-                format!("cannot listen on {addr} (listener {name}): {e}"),
-            )
-        })?;
-        let real = first.local_addr()?;
+        let got = inherit(name, *addr);
+        let have = got.len();
+        let real = match got.first() {
+            Some(l) => l.local_addr()?,
+            None => {
+                let first = bind_reuseport(*addr, 4096).map_err(|e| {
+                    io::Error::new(
+                        e.kind(),
+                        format!("cannot listen on {addr} (listener {name}): {e}"),
+                    )
+                })?;
+                let real = first.local_addr()?;
+                per_worker[0].push((name.clone(), first));
+                real
+            }
+        };
+        for (i, l) in got.into_iter().enumerate() {
+            l.set_nonblocking(true)?;
+            per_worker[i % workers].push((name.clone(), l));
+        }
         bound.push((name.clone(), real));
-        per_worker[0].push((name.clone(), first));
-        for w in per_worker.iter_mut().skip(1) {
+        for w in per_worker.iter_mut().skip(have.max(1)) {
             w.push((name.clone(), bind_reuseport(real, 4096)?));
         }
     }
@@ -139,8 +167,12 @@ mod tests {
 
     #[test]
     fn port_zero_shared_by_workers() {
-        let (socks, bound) =
-            bind_all(2, &[("main".into(), "127.0.0.1:0".parse().unwrap())]).unwrap();
+        let (socks, bound) = bind_all(
+            2,
+            &[("main".into(), "127.0.0.1:0".parse().unwrap())],
+            &mut |_, _| Vec::new(),
+        )
+        .unwrap();
         let port = bound[0].1.port();
         assert_ne!(port, 0);
         for w in &socks {

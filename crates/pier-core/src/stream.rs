@@ -149,6 +149,10 @@ pub struct PeerKey {
     /// TLS server name (SNI); `None` for cleartext.
     pub sni: Option<Arc<str>>,
     pub alpn: Alpn,
+    /// A PROXY protocol header to send first (`send_proxy_protocol`): it
+    /// names one client connection, so the connection is that client's
+    /// alone, and the pool keeps it under this key only.
+    pub proxy: Option<Arc<[u8]>>,
 }
 
 impl PeerKey {
@@ -158,6 +162,7 @@ impl PeerKey {
             addr,
             sni: None,
             alpn: Alpn::Http1,
+            proxy: None,
         }
     }
 }
@@ -210,8 +215,12 @@ impl Connector {
             return dial(key).map(Conn::Mem);
         }
         let open = async {
-            let s = TcpStream::connect(key.addr).await?;
+            let mut s = TcpStream::connect(key.addr).await?;
             let _ = s.set_nodelay(true);
+            if let Some(h) = &key.proxy {
+                // Before TLS and HTTP: what the server reads first.
+                tokio::io::AsyncWriteExt::write_all(&mut s, h).await?;
+            }
             match (tls, &key.sni) {
                 (Some(cfg), Some(name)) => {
                     let name = rustls::pki_types::ServerName::try_from(name.to_string())

@@ -239,6 +239,13 @@ pub async fn serve<E: Engine>(
     endpoint.set_server_config(None);
 }
 
+/// Close every connection of `endpoint` now (H3_NO_ERROR, `reason`) and
+/// wait until they are gone, so the UDP socket is no longer read.
+pub async fn close_all(endpoint: &quinn::Endpoint, reason: &[u8]) {
+    endpoint.close(H3_NO_ERROR, reason);
+    endpoint.wait_idle().await;
+}
+
 /// RFC 9114 §8.1 error codes.
 const H3_NO_ERROR: quinn::VarInt = quinn::VarInt::from_u32(0x100);
 const H3_EXCESSIVE_LOAD: quinn::VarInt = quinn::VarInt::from_u32(0x107);

@@ -115,6 +115,14 @@ async fn check_loop(
         }
         HealthKind::Grpc { .. } => Vec::new(),
     };
+    // A server that takes PROXY headers (`send_proxy_protocol`) wants one
+    // on every connection: the check's says it is the proxy's own (v2
+    // LOCAL, v1 UNKNOWN), as HAProxy's `check-send-proxy` does.
+    let preface: &[u8] = match group.config().send_proxy_protocol {
+        None => b"",
+        Some(pier_config::SendProxy::V1) => b"PROXY UNKNOWN\r\n",
+        Some(pier_config::SendProxy::V2) => b"\r\n\r\n\0\r\nQUIT\n\x20\x00\x00\x00",
+    };
     let rise = hc.rise.max(1);
     let fall = hc.fall.max(1);
     let mut tick = tokio::time::interval(hc.interval.max(Duration::from_millis(1)));
@@ -135,7 +143,7 @@ async fn check_loop(
             }
         }
         let result = tokio::select! {
-            r = check(peer.addr, tls.as_ref(), &hc.kind, &request, hc.timeout) => r,
+            r = check(peer.addr, tls.as_ref(), &hc.kind, preface, &request, hc.timeout) => r,
             _ = shutdown.changed() => continue,
         };
         let up = peer.is_healthy();
@@ -215,14 +223,20 @@ pub(crate) async fn check(
         rustls::pki_types::ServerName<'static>,
     )>,
     kind: &HealthKind,
+    preface: &[u8],
     request: &[u8],
     timeout: Duration,
 ) -> Result<(), CheckError> {
     let run = async {
-        let stream = TcpStream::connect(addr)
+        let mut stream = TcpStream::connect(addr)
             .await
             .map_err(|e| CheckError::Connect(e.kind()))?;
         let _ = stream.set_nodelay(true);
+        if !preface.is_empty() {
+            tokio::io::AsyncWriteExt::write_all(&mut stream, preface)
+                .await
+                .map_err(|e| CheckError::Connect(e.kind()))?;
+        }
         match tls {
             None => probe(stream, "http", addr, kind, request).await,
             Some((connector, name)) => {

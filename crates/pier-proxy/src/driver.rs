@@ -290,14 +290,24 @@ async fn connection_loop<P: Phases, S: Stream>(w: Arc<Worker<P>>, mut stream: S,
             };
             let now = pier_lb::recent_ms();
             let deadline = now.saturating_add(idle.as_millis().min(u64::MAX as u128) as u64);
-            let waiting = pier_core::evict::Waiting::enter_until(&w.waiting, now, deadline);
+            let waiting = if first {
+                pier_core::evict::Waiting::enter_until(&w.waiting, now, deadline)
+            } else {
+                pier_core::evict::Waiting::enter_kept_until(&w.waiting, now, deadline)
+            };
             if w.waiting.borrow_mut().claim_sweeper() {
                 let w = w.clone();
                 tokio::task::spawn_local(async move {
                     pier_core::evict::sweep(&w.waiting, pier_lb::recent_ms).await
                 });
             }
-            if *drain.borrow() {
+            // A drain closes kept-alive connections between requests (the
+            // drainer evicts them), but not one accepted and not yet
+            // heard: its client connected to be served (at a binary
+            // upgrade, to a socket both processes share) and is probably
+            // sending its first request right now. It gets that one
+            // request (with `Connection: close`), within `client_header`.
+            if *drain.borrow() && !first {
                 break;
             }
             // A drain reaches an idle connection as an eviction too
@@ -411,7 +421,7 @@ async fn serve_request<P: Phases, S: Stream>(
         // A head still arriving is evictable too (a slowloris).
         let waiting = pier_core::evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
         tokio::select! {
-            r = read_head(stream, &mut b.rbuf, &w.bufs, sess, state, drain, first) => r,
+            r = read_head(stream, &mut b.rbuf, &w.bufs, sess, state, first) => r,
             _ = waiting.evicted() => Ok(false),
         }
     };
@@ -798,15 +808,14 @@ fn fmt_addr(buf: &mut [u8; 64], a: SocketAddr) -> usize {
 // === reading the request head ===
 
 /// `Ok(true)`: a head is parsed into `sess.req` and consumed from `rbuf`.
-/// `Ok(false)`: the client went away or idled out between requests, or we
-/// are draining: close quietly.
+/// `Ok(false)`: the client went away or idled out between requests: close
+/// quietly.
 async fn read_head<S: Stream>(
     stream: &mut S,
     rbuf: &mut BytesMut,
     pool: &RefCell<BufPool>,
     sess: &mut Session,
     state: &State,
-    drain: &mut tokio::sync::watch::Receiver<bool>,
     first: bool,
 ) -> Result<bool, Kind> {
     let t = &state.cfg.timeouts;
@@ -833,9 +842,10 @@ async fn read_head<S: Stream>(
             // them coming): a buffer only now. Then
             // `read_buf`, not `try_read_buf`: a short read must clear the
             // readiness, or the next idle wait would wake at once.
-            if *drain.borrow() {
-                return Ok(false);
-            }
+            // Not stopped by a drain: the head's first bytes are here or
+            // on their way (connection_loop saw the socket readable, or
+            // the connection is new), and the request is answered, with
+            // `Connection: close`.
             let first_bytes = async {
                 stream.readable().await?;
                 if rbuf.capacity() == 0 {
@@ -844,12 +854,9 @@ async fn read_head<S: Stream>(
                 rbuf.reserve(4096);
                 stream.read_buf(rbuf).await
             };
-            tokio::select! {
-                r = timeout(idle, first_bytes) => match r {
-                    Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Ok(false),
-                    Ok(Ok(_)) => header_deadline = Some(pier_clock::tokio_deadline(t.client_header)),
-                },
-                _ = drain.changed() => return Ok(false),
+            match timeout(idle, first_bytes).await {
+                Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Ok(false),
+                Ok(Ok(_)) => header_deadline = Some(pier_clock::tokio_deadline(t.client_header)),
             }
         } else {
             rbuf.reserve(4096);

@@ -258,7 +258,7 @@ pub async fn run_worker<P: Phases>(ctx: WorkerContext, shared: Arc<Shared>, phas
                 }
             }
             if let Some(w) = weak.upgrade() {
-                w.waiting.borrow_mut().evict_all();
+                w.waiting.borrow_mut().evict_kept();
             }
         })
     };

@@ -169,7 +169,15 @@ pub async fn serve_h3<P: Phases>(w: Arc<Worker<P>>, name: String, socket: std::n
             })
         }
     };
-    pier_h3::serve(endpoint, drain, current, admit).await
+    let ep = endpoint.clone();
+    pier_h3::serve(endpoint, drain, current, admit).await;
+    if w.shared.lifecycle.handed_over() {
+        // A binary upgrade: the new process reads this UDP socket too, so
+        // this one stops reading it as soon as it can. QUIC connections
+        // cannot drain across two readers; they are closed (H3_NO_ERROR)
+        // and their clients connect again, to the new process.
+        pier_h3::close_all(&ep, b"upgrade").await;
+    }
 }
 
 /// Listener `name`'s index, TLS and HTTP/3 settings in `state`; None when

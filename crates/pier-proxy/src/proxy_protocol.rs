@@ -220,6 +220,92 @@ pub(crate) fn count(r: Result<&Header, Refused>) {
     COUNTS[i].fetch_add(1, Relaxed);
 }
 
+/// Which header Pier sends an upstream (`[upstream.NAME] send_proxy_protocol`).
+pub use pier_config::SendProxy;
+
+/// The header Pier sends an upstream before its own bytes (TLS or HTTP):
+/// the client's connection as Pier took it — `src` the client (the
+/// address a trusted balancer or `real_ip_header` named, else the peer),
+/// `dst` the address it connected to. v2 carries the TLS server name the
+/// client asked for (PP2_TYPE_AUTHORITY) and, for a TLS client, its
+/// version and cipher (PP2_TYPE_SSL), as HAProxy's `send-proxy-v2-ssl`.
+pub fn encode(
+    version: SendProxy,
+    src: SocketAddr,
+    dst: SocketAddr,
+    authority: Option<&str>,
+    tls: Option<(&str, &str)>,
+) -> Vec<u8> {
+    // Both addresses in one family: a v4 client on a v6 listener (or the
+    // reverse) is written as v4-mapped v6.
+    let (src, dst) = match (src, dst) {
+        (SocketAddr::V4(_), SocketAddr::V4(_)) | (SocketAddr::V6(_), SocketAddr::V6(_)) => {
+            (src, dst)
+        }
+        _ => (v6(src), v6(dst)),
+    };
+    match version {
+        SendProxy::V1 => {
+            let fam = if src.is_ipv4() { "TCP4" } else { "TCP6" };
+            format!(
+                "PROXY {fam} {} {} {} {}\r\n",
+                src.ip(),
+                dst.ip(),
+                src.port(),
+                dst.port()
+            )
+            .into_bytes()
+        }
+        SendProxy::V2 => {
+            let mut b = Vec::with_capacity(64);
+            b.extend_from_slice(V2_SIGNATURE);
+            b.push(0x21); // version 2, PROXY
+            b.push(if src.is_ipv4() { 0x11 } else { 0x21 }); // TCP over IPv4 / IPv6
+            b.extend_from_slice(&[0, 0]); // length, below
+            match (src.ip(), dst.ip()) {
+                (IpAddr::V4(s), IpAddr::V4(d)) => {
+                    b.extend_from_slice(&s.octets());
+                    b.extend_from_slice(&d.octets());
+                }
+                (IpAddr::V6(s), IpAddr::V6(d)) => {
+                    b.extend_from_slice(&s.octets());
+                    b.extend_from_slice(&d.octets());
+                }
+                _ => unreachable!("one family, above"),
+            }
+            b.extend_from_slice(&src.port().to_be_bytes());
+            b.extend_from_slice(&dst.port().to_be_bytes());
+            if let Some(a) = authority.filter(|a| !a.is_empty() && a.len() <= 255) {
+                tlv(&mut b, 0x02, a.as_bytes());
+            }
+            if let Some((version, cipher)) = tls {
+                // struct pp2_tlv_ssl: client (PP2_CLIENT_SSL), verify (0:
+                // nothing to verify or verified), then sub-TLVs.
+                let mut ssl = vec![0x01, 0, 0, 0, 0];
+                tlv(&mut ssl, 0x21, version.as_bytes()); // PP2_SUBTYPE_SSL_VERSION
+                tlv(&mut ssl, 0x23, cipher.as_bytes()); // PP2_SUBTYPE_SSL_CIPHER
+                tlv(&mut b, 0x20, &ssl);
+            }
+            let len = (b.len() - 16) as u16;
+            b[14..16].copy_from_slice(&len.to_be_bytes());
+            b
+        }
+    }
+}
+
+fn v6(a: SocketAddr) -> SocketAddr {
+    match a {
+        SocketAddr::V4(v4) => SocketAddr::new(IpAddr::V6(v4.ip().to_ipv6_mapped()), v4.port()),
+        v6 => v6,
+    }
+}
+
+fn tlv(b: &mut Vec<u8>, kind: u8, value: &[u8]) {
+    b.push(kind);
+    b.extend_from_slice(&(value.len() as u16).to_be_bytes());
+    b.extend_from_slice(value);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,6 +317,53 @@ mod tests {
         b.extend_from_slice(&(body.len() as u16).to_be_bytes());
         b.extend_from_slice(body);
         b
+    }
+
+    #[test]
+    fn what_pier_sends_upstream_parses_back() {
+        let src: SocketAddr = "192.0.2.7:56324".parse().unwrap();
+        let dst: SocketAddr = "10.0.0.1:443".parse().unwrap();
+        for v in [SendProxy::V1, SendProxy::V2] {
+            let mut h = encode(
+                v,
+                src,
+                dst,
+                Some("site.test"),
+                Some(("TLSv1.3", "TLS13_AES_128_GCM_SHA256")),
+            );
+            let len = h.len();
+            h.extend_from_slice(b"GET / HTTP/1.1\r\n");
+            assert_eq!(
+                parse(&h).unwrap().unwrap(),
+                (Header::Proxied { src, dst }, len),
+                "{v:?}"
+            );
+        }
+        let v1 = encode(SendProxy::V1, src, dst, None, None);
+        assert_eq!(v1, b"PROXY TCP4 192.0.2.7 10.0.0.1 56324 443\r\n");
+        // Mixed families: both as v6.
+        let six: SocketAddr = "[2001:db8::1]:8443".parse().unwrap();
+        let h = encode(SendProxy::V2, src, six, None, None);
+        let (got, _) = parse(&h).unwrap().unwrap();
+        assert_eq!(
+            got,
+            Header::Proxied {
+                src: "[::ffff:192.0.2.7]:56324".parse().unwrap(),
+                dst: six
+            }
+        );
+        // The TLVs: authority, then SSL with version and cipher.
+        let h = encode(
+            SendProxy::V2,
+            src,
+            dst,
+            Some("site.test"),
+            Some(("TLSv1.3", "X")),
+        );
+        let tlvs = &h[16 + 12..];
+        assert_eq!(&tlvs[..3], &[0x02, 0, 9]);
+        assert_eq!(&tlvs[3..12], b"site.test");
+        assert_eq!(tlvs[12], 0x20);
     }
 
     #[test]

@@ -42,6 +42,21 @@ impl Upstream<'_> {
     }
 }
 
+/// `send_proxy_protocol`: the header naming this request's client
+/// connection (its client as Pier took it, the address it reached, its
+/// TLS server name, version and cipher).
+fn proxy_header(v: pier_config::SendProxy, sess: &Session) -> std::sync::Arc<[u8]> {
+    let tls = sess.conn.tls.as_deref();
+    crate::proxy_protocol::encode(
+        v,
+        sess.client,
+        sess.local,
+        tls.and_then(|t| t.sni.as_deref()),
+        tls.map(|t| (t.version, t.cipher)),
+    )
+    .into()
+}
+
 /// The request's buffers an HTTP/1 session reads and writes through.
 pub struct H1Bufs<'b> {
     pub ubuf: &'b mut BytesMut,
@@ -67,9 +82,13 @@ pub async fn connect<'b, P: crate::Phases>(
     let protocol = group.map(|g| g.config().protocol).unwrap_or_default();
     let h2 = protocol != UpstreamProtocol::Http1;
     let alpn = if h2 { Alpn::H2 } else { Alpn::Http1 };
+    let proxy = group
+        .and_then(|g| g.config().send_proxy_protocol)
+        .map(|v| proxy_header(v, sess));
     let mut key = match tls {
         None => PeerKey {
             alpn,
+            proxy,
             ..PeerKey::plain(addr)
         },
         Some(t) => PeerKey {
@@ -80,6 +99,7 @@ pub async fn connect<'b, P: crate::Phases>(
                 addr,
             )),
             alpn,
+            proxy,
         },
     };
     // `auto`: a new connection the server took for HTTP/1.1, or an idle

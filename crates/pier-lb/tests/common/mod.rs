@@ -43,6 +43,7 @@ pub fn upstream_with(
         tls: None,
         protocol: Default::default(),
         h2_max_streams: 100,
+        send_proxy_protocol: None,
         resolve: Vec::new(),
     }
 }
