@@ -461,6 +461,12 @@ pub struct ListenerTls {
     /// Connections still waiting for their ClientHello, all workers
     /// together; past it the oldest is closed for the new one.
     pub max_pending_hellos: usize,
+    /// Staple OCSP responses for certificates whose chain names a
+    /// responder (nginx's `ssl_stapling`, on by default as in Caddy).
+    pub ocsp_stapling: bool,
+    /// A responder URL (`http://…`) used instead of the certificates' own
+    /// (nginx's `ssl_stapling_responder`).
+    pub ocsp_responder: Option<String>,
 }
 
 impl ListenerTls {
@@ -478,6 +484,8 @@ impl ListenerTls {
             handshake_timeout: Duration::from_secs(10),
             max_handshakes: 1024,
             max_pending_hellos: 4096,
+            ocsp_stapling: true,
+            ocsp_responder: None,
         }
     }
 }

@@ -206,6 +206,8 @@ pub struct ListenerTlsSection {
     pub handshake_timeout: Option<Spanned<String>>,
     pub max_handshakes: Option<Spanned<i64>>,
     pub max_pending_hellos: Option<Spanned<i64>>,
+    pub ocsp_stapling: Option<bool>,
+    pub ocsp_responder: Option<Spanned<String>>,
 }
 
 /// `{ cert = "a.pem", key = "a.key" }`.

@@ -1539,6 +1539,18 @@ fn listener_tls(c: &mut Check, name: &str, t: &ListenerTlsSection, base: &Path) 
             format!("listener `{name}`: `client_auth` needs `client_ca` (the CA that signs client certificates)"),
         );
     }
+    let ocsp_responder = t.ocsp_responder.as_ref().and_then(|v| {
+        let u = v.get_ref();
+        if u.strip_prefix("http://").is_some_and(|r| !r.is_empty()) {
+            Some(u.clone())
+        } else {
+            c.err(
+                sp(v),
+                format!("`ocsp_responder` {u:?}: expected an http:// URL (OCSP is fetched over plain HTTP, RFC 6960)"),
+            );
+            None
+        }
+    });
     ListenerTls {
         certificates,
         unknown_sni,
@@ -1561,6 +1573,8 @@ fn listener_tls(c: &mut Check, name: &str, t: &ListenerTlsSection, base: &Path) 
             1,
             10_000_000,
         ) as usize,
+        ocsp_stapling: t.ocsp_stapling.unwrap_or(true),
+        ocsp_responder,
     }
 }
 

@@ -21,6 +21,7 @@ mod certs;
 mod client;
 #[cfg(not(feature = "ring"))]
 mod hkdf;
+mod ocsp;
 mod server;
 pub mod stats;
 

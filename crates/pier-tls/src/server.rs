@@ -2,6 +2,7 @@
 //! the bounded handshake.
 
 use crate::certs::{load_certified_key, roots_from, subject_of, CertSummary};
+use crate::ocsp::{self, Served};
 use crate::stats::{stats, Failure};
 use crate::TlsInfo;
 use pier_config::{ClientAuth, ListenerTls, TlsVersion, UnknownSni};
@@ -23,17 +24,26 @@ pub type Accepted = (TlsStream<TcpStream>, TlsInfo);
 /// in config order: the first whose key can sign with a scheme the client
 /// offers wins (so an ECDSA certificate listed before an RSA one for the
 /// same name serves ECDSA-capable clients, and the RSA one the others).
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Sni {
-    exact: HashMap<String, Vec<Arc<CertifiedKey>>>,
+    exact: HashMap<String, Vec<Arc<Served>>>,
     /// `*.example.com` stored under `example.com`: one label deep, as
     /// RFC 6125 wildcards match.
-    wild: HashMap<String, Vec<Arc<CertifiedKey>>>,
-    default: Vec<Arc<CertifiedKey>>,
+    wild: HashMap<String, Vec<Arc<Served>>>,
+    default: Vec<Arc<Served>>,
+}
+
+impl std::fmt::Debug for Sni {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sni")
+            .field("exact", &self.exact.keys().collect::<Vec<_>>())
+            .field("wild", &self.wild.keys().collect::<Vec<_>>())
+            .finish()
+    }
 }
 
 impl Sni {
-    fn candidates(&self, name: &str) -> Option<&[Arc<CertifiedKey>]> {
+    fn candidates(&self, name: &str) -> Option<&[Arc<Served>]> {
         let name = name.trim_end_matches('.');
         // Names arrive lower-case from rustls-checked SNI almost always;
         // lower-casing only when needed keeps the common case free.
@@ -53,12 +63,12 @@ impl Sni {
 }
 
 /// Signature schemes decide between an RSA and an ECDSA certificate.
-fn pick(list: &[Arc<CertifiedKey>], hello: &ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+fn pick(list: &[Arc<Served>], hello: &ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
     let schemes = hello.signature_schemes();
     list.iter()
-        .find(|c| c.key.choose_scheme(schemes).is_some())
+        .find(|c| c.signs_with(schemes))
         .or(list.first())
-        .cloned()
+        .map(|c| c.get())
 }
 
 impl ResolvesServerCert for Sni {
@@ -125,6 +135,15 @@ impl ServerTls {
         for f in &cfg.certificates {
             let (ck, summary) =
                 load_certified_key(f).map_err(|e| format!("listener `{listener}`: {e}"))?;
+            let ck = Served::new(ck);
+            if cfg.ocsp_stapling {
+                let base = ck.get();
+                match ocsp::target(&base.cert, cfg.ocsp_responder.as_deref(), &summary.name) {
+                    Ok(Some(t)) => ocsp::register(&ck, &base.cert[0], t),
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!("listener `{listener}`: {e}; served without a staple"),
+                }
+            }
             for n in &summary.names {
                 match n.strip_prefix("*.") {
                     Some(parent) => sni.wild.entry(parent.to_string()).or_default(),

@@ -168,5 +168,6 @@ impl Stats {
             self.upstream[1].load(Relaxed),
             self.upstream[2].load(Relaxed)
         );
+        crate::ocsp::render(out);
     }
 }
