@@ -792,14 +792,7 @@ fn open_access_log(a: &pier_config::AccessLog) -> Result<pier_log::AccessLog, St
     Ok(match a {
         pier_config::AccessLog::Off => pier_log::AccessLog::off(),
         pier_config::AccessLog::Stdout => pier_log::AccessLog::start(Box::new(std::io::stdout())),
-        pier_config::AccessLog::File(p) => {
-            let f = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .map_err(|e| format!("cannot open access log {}: {e}", p.display()))?;
-            pier_log::AccessLog::start(Box::new(f))
-        }
+        pier_config::AccessLog::File(p) => pier_log::AccessLog::file(p.clone())?,
     })
 }
 
@@ -852,13 +845,14 @@ async fn control(
         }
     }
     let exe = std::env::current_exe().ok();
-    let (mut hup, mut term, mut int, mut usr2) = match (
+    let (mut hup, mut term, mut int, mut usr2, mut usr1) = match (
         signal(SignalKind::hangup()),
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
         signal(SignalKind::user_defined2()),
+        signal(SignalKind::user_defined1()),
     ) {
-        (Ok(a), Ok(b), Ok(c), Ok(d)) => (a, b, c, d),
+        (Ok(a), Ok(b), Ok(c), Ok(d), Ok(e)) => (a, b, c, d, e),
         _ => {
             eprintln!("pier: cannot install signal handlers");
             return ExitCode::from(1);
@@ -886,6 +880,12 @@ async fn control(
             Some(()) = dns_rx.recv() => {
                 let _ = health_stop.send(true);
                 health_stop = start_health(&shared);
+            }
+            _ = usr1.recv() => {
+                // Log rotation, as nginx's USR1: the access log file is
+                // opened again (error logs go to stderr, the journal's).
+                tracing::info!("SIGUSR1: reopening the access log");
+                shared.access.reopen();
             }
             _ = usr2.recv() => match (&exe, &path, &upgrade_path) {
                 (Some(exe), Some(config), Some(_)) => spawn_upgrade(exe, config),

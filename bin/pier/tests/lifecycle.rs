@@ -297,3 +297,48 @@ fn reload_applies_to_kept_alive_connections() {
         .expect("kept-alive connection dropped by the reload");
     assert_eq!(r.body_str(), "beta");
 }
+
+/// Log rotation as logrotate does it with nginx: the file is moved, SIGUSR1
+/// makes Pier open its path again; what came before stays in the moved
+/// file, what comes after goes to the new one, nothing is lost.
+#[test]
+fn sigusr1_reopens_the_access_log_for_rotation() {
+    let o = Origin::start();
+    let dir = TempDir::new();
+    let log = dir.path().join("access.log");
+    let cfg = simple_config(&[o.addr()], "", "").replace(
+        "access = \"off\"",
+        &format!("access = \"{}\"", log.display()),
+    );
+    assert!(cfg.contains(&log.display().to_string()), "{cfg}");
+    let pier = pier(&cfg);
+    let lines = |p: &std::path::Path| {
+        std::fs::read_to_string(p)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("?before") || l.contains("?after"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let addr = pier.listener("main");
+    for _ in 0..3 {
+        assert_eq!(get(addr, "/hello?before").status, 200);
+    }
+    assert!(wait_until(Duration::from_secs(10), || lines(&log).len() == 3));
+    let rotated = dir.path().join("access.log.1");
+    std::fs::rename(&log, &rotated).unwrap();
+    pier.signal(libc::SIGUSR1);
+    assert!(
+        wait_until(Duration::from_secs(10), || log.exists()),
+        "{}",
+        pier.logs()
+    );
+    for _ in 0..2 {
+        assert_eq!(get(addr, "/hello?after").status, 200);
+    }
+    assert!(wait_until(Duration::from_secs(10), || lines(&log).len() == 2));
+    let old = lines(&rotated);
+    assert_eq!(old.len(), 3, "{old:?}");
+    assert!(old.iter().all(|l| l.contains("?before")));
+    assert!(lines(&log).iter().all(|l| l.contains("?after")));
+}

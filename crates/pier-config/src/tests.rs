@@ -2321,9 +2321,18 @@ fn listener_tls_defaults_and_certificates() {
     ));
     let t = c.listeners[0].tls.as_ref().unwrap();
     assert!(!t.ocsp_stapling);
-    assert_eq!(t.ocsp_responder.as_deref(), Some("http://ocsp.example:8080/x"));
-    let e = errors(&tls_file("cert = \"a\"\nkey = \"b\"\nocsp_responder = \"https://x\"", ""));
-    assert!(e.len() == 1 && e[0].contains("expected an http:// URL"), "{e:?}");
+    assert_eq!(
+        t.ocsp_responder.as_deref(),
+        Some("http://ocsp.example:8080/x")
+    );
+    let e = errors(&tls_file(
+        "cert = \"a\"\nkey = \"b\"\nocsp_responder = \"https://x\"",
+        "",
+    ));
+    assert!(
+        e.len() == 1 && e[0].contains("expected an http:// URL"),
+        "{e:?}"
+    );
     // A client CA alone means "required".
     let c = ok(&tls_file("cert = \"a\"\nkey = \"b\"\nclient_ca = \"ca.pem\"\nmin_version = \"1.3\"\nunknown_sni = \"refuse\"", ""));
     let t = c.listeners[0].tls.as_ref().unwrap();

@@ -7,7 +7,10 @@
 
 use std::cell::RefCell;
 use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::Arc;
 
 const FLUSH_AT: usize = 32 * 1024;
 
@@ -52,6 +55,16 @@ pub struct TlsFields<'a> {
 #[derive(Clone)]
 pub struct AccessLog {
     tx: Option<SyncSender<Vec<u8>>>,
+    /// Set by [`AccessLog::reopen`]; the writer opens its file again before
+    /// its next write.
+    reopen: Arc<AtomicBool>,
+}
+
+fn open_append(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
 }
 
 thread_local! {
@@ -60,22 +73,69 @@ thread_local! {
 
 impl AccessLog {
     pub fn off() -> Self {
-        AccessLog { tx: None }
+        AccessLog {
+            tx: None,
+            reopen: Arc::default(),
+        }
     }
 
-    /// Start the writer thread for `w` (stdout or a file).
-    pub fn start(mut w: Box<dyn Write + Send>) -> Self {
+    /// Start the writer thread for `w` (stdout).
+    pub fn start(w: Box<dyn Write + Send>) -> Self {
+        Self::spawn(w, None)
+    }
+
+    /// Open `path` for appending (created if missing) and start its writer
+    /// thread. [`AccessLog::reopen`] opens it again, for log rotation.
+    pub fn file(path: PathBuf) -> Result<Self, String> {
+        let f = open_append(&path)
+            .map_err(|e| format!("cannot open access log {}: {e}", path.display()))?;
+        Ok(Self::spawn(Box::new(f), Some(path)))
+    }
+
+    fn spawn(mut w: Box<dyn Write + Send>, path: Option<PathBuf>) -> Self {
         let (tx, rx) = sync_channel::<Vec<u8>>(64);
+        let reopen = Arc::new(AtomicBool::new(false));
+        let asked = reopen.clone();
         std::thread::Builder::new()
             .name("pier-access-log".into())
             .spawn(move || {
                 for buf in rx {
+                    if asked.swap(false, Relaxed) {
+                        if let Some(p) = &path {
+                            // logrotate moved the file: what was written
+                            // stays in it, and the rest goes to a new one.
+                            // Not openable (removed directory, permissions):
+                            // keep writing to the old one, and say so.
+                            match open_append(p) {
+                                Ok(f) => w = Box::new(f),
+                                Err(e) => tracing::error!(
+                                    "access log {}: cannot reopen: {e}; writing to the old file",
+                                    p.display()
+                                ),
+                            }
+                        }
+                    }
                     let _ = w.write_all(&buf);
                     let _ = w.flush();
                 }
             })
             .expect("spawn access log thread");
-        AccessLog { tx: Some(tx) }
+        AccessLog {
+            tx: Some(tx),
+            reopen,
+        }
+    }
+
+    /// Open the log file again (SIGUSR1, after logrotate moved it, as
+    /// nginx does): records already handed to the writer go to the old
+    /// file, later ones to the new. Records a worker still buffers (up to a
+    /// second's) land in the new file.
+    pub fn reopen(&self) {
+        let Some(tx) = &self.tx else { return };
+        self.reopen.store(true, Relaxed);
+        // An empty buffer wakes an idle writer so it reopens now, not at
+        // the next record; dropped when the queue is full (it is awake).
+        let _ = tx.try_send(Vec::new());
     }
 
     pub fn enabled(&self) -> bool {

@@ -795,7 +795,10 @@ mod tests {
         // Past halfway: soon, not at once.
         assert_eq!(refresh_in(&s, 1000 + 50_000), Duration::from_secs(5));
         // A week's response is asked for again within a day.
-        let week = Staple { next_update: Some(1000 + 7 * 86_400), ..s };
+        let week = Staple {
+            next_update: Some(1000 + 7 * 86_400),
+            ..s
+        };
         assert_eq!(refresh_in(&week, 1000), Duration::from_secs(86_400));
         let s = week;
         let none = Staple {
