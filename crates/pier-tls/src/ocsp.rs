@@ -666,7 +666,8 @@ impl Stapler {
 const MAX_RESPONSE: usize = 64 * 1024;
 
 /// POST the request to an `http://` responder and return the body of a
-/// 200 answer. Blocking, bounded by 10 s per step and `MAX_RESPONSE`.
+/// 200 answer. Blocking, bounded by 10 s per step, 30 s for the answer,
+/// and `MAX_RESPONSE`.
 fn fetch(url: &str, request: &[u8]) -> Result<Vec<u8>, String> {
     use std::net::ToSocketAddrs;
     let rest = url.strip_prefix("http://").ok_or("not an http:// URL")?;
@@ -704,8 +705,16 @@ fn fetch(url: &str, request: &[u8]) -> Result<Vec<u8>, String> {
     // keeps the connection open), or to EOF without a Content-Length.
     let mut buf = Vec::with_capacity(4096);
     let mut chunk = [0u8; 4096];
+    // A responder dripping its answer is given 30 s in all, not 10 s a read.
+    let deadline = Instant::now() + 3 * step;
+    let read = |s: &mut std::net::TcpStream, chunk: &mut [u8]| {
+        if Instant::now() > deadline {
+            return Err("no answer within 30 s".to_string());
+        }
+        s.read(chunk).map_err(|e| e.to_string())
+    };
     let (head_len, len) = loop {
-        let n = s.read(&mut chunk).map_err(|e| e.to_string())?;
+        let n = read(&mut s, &mut chunk)?;
         buf.extend_from_slice(&chunk[..n]);
         if buf.len() > MAX_RESPONSE {
             return Err(format!("response over {MAX_RESPONSE} bytes"));
@@ -741,7 +750,7 @@ fn fetch(url: &str, request: &[u8]) -> Result<Vec<u8>, String> {
         if len.is_some_and(|l| buf.len() >= head_len + l) {
             break;
         }
-        let n = s.read(&mut chunk).map_err(|e| e.to_string())?;
+        let n = read(&mut s, &mut chunk)?;
         if n == 0 {
             if len.is_some() {
                 return Err("response cut short".into());
