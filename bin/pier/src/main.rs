@@ -587,7 +587,13 @@ fn run(
     let admin_tls = match cfg
         .admin_tls
         .as_ref()
-        .map(|t| pier_tls::ServerTls::build("admin", t))
+        .map(|t| {
+            let s = pier_tls::ServerTls::build("admin", t)?;
+            if let (Some(slot), Some(acme)) = (s.managed(), &t.acme) {
+                pier_acme::manage(slot, acme);
+            }
+            Ok::<_, String>(s)
+        })
         .transpose()
     {
         Ok(t) => t.map(Arc::new),

@@ -467,7 +467,29 @@ pub struct ListenerTls {
     /// A responder URL (`http://…`) used instead of the certificates' own
     /// (nginx's `ssl_stapling_responder`).
     pub ocsp_responder: Option<String>,
+    /// A certificate for these names obtained and renewed from an ACME CA.
+    pub acme: Option<Acme>,
 }
+
+/// `[listener.tls.acme]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Acme {
+    /// DNS names, lower-case; the first names the stored files.
+    pub domains: Vec<String>,
+    pub email: Option<String>,
+    /// The CA's directory URL.
+    pub directory: String,
+    /// CA certificates (PEM) that sign the directory's HTTPS certificate,
+    /// instead of the system's (a test CA such as Pebble).
+    pub directory_ca: Option<PathBuf>,
+    /// Where the account and the certificates are kept.
+    pub storage: PathBuf,
+    /// Renew this long before the certificate expires.
+    pub renew_before: Duration,
+}
+
+/// Let's Encrypt's production directory.
+pub const LETS_ENCRYPT: &str = "https://acme-v02.api.letsencrypt.org/directory";
 
 impl ListenerTls {
     /// One certificate, every other setting at its documented default.
@@ -486,6 +508,7 @@ impl ListenerTls {
             max_pending_hellos: 4096,
             ocsp_stapling: true,
             ocsp_responder: None,
+            acme: None,
         }
     }
 }

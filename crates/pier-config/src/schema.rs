@@ -208,6 +208,19 @@ pub struct ListenerTlsSection {
     pub max_pending_hellos: Option<Spanned<i64>>,
     pub ocsp_stapling: Option<bool>,
     pub ocsp_responder: Option<Spanned<String>>,
+    pub acme: Option<AcmeSection>,
+}
+
+/// `[listener.tls.acme]`: certificates from an ACME CA.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [listener.tls.acme] table")]
+pub struct AcmeSection {
+    pub domains: Vec<Spanned<String>>,
+    pub email: Option<Spanned<String>>,
+    pub directory: Option<Spanned<String>>,
+    pub directory_ca: Option<Spanned<String>>,
+    pub storage: Option<Spanned<String>>,
+    pub renew_before: Option<Spanned<String>>,
 }
 
 /// `{ cert = "a.pem", key = "a.key" }`.

@@ -2342,6 +2342,46 @@ fn listener_tls_defaults_and_certificates() {
 }
 
 #[test]
+fn listener_tls_acme() {
+    let c = ok(&tls_file(
+        "[listener.tls.acme]\ndomains = [\"Example.com\", \"www.example.com.\", \"example.com\"]\nemail = \"ops@example.com\"",
+        "",
+    ));
+    let t = c.listeners[0].tls.as_ref().unwrap();
+    assert!(t.certificates.is_empty());
+    let a = t.acme.as_ref().unwrap();
+    assert_eq!(a.domains, ["example.com", "www.example.com"]);
+    assert_eq!(a.email.as_deref(), Some("ops@example.com"));
+    assert_eq!(a.directory, LETS_ENCRYPT);
+    assert_eq!(a.directory_ca, None);
+    assert!(a.storage.ends_with("acme"));
+    assert_eq!(a.renew_before, Duration::from_secs(30 * 86_400));
+    let c = ok(&tls_file(
+        "cert = \"a\"\nkey = \"b\"\n[listener.tls.acme]\ndomains = [\"x.example\"]\ndirectory = \"https://127.0.0.1:14000/dir\"\ndirectory_ca = \"/ca.pem\"\nstorage = \"/var/lib/pier/acme\"\nrenew_before = \"10d\"",
+        "",
+    ));
+    let a = c.listeners[0].tls.as_ref().unwrap().acme.clone().unwrap();
+    assert_eq!(a.directory, "https://127.0.0.1:14000/dir");
+    assert_eq!(a.directory_ca, Some(std::path::PathBuf::from("/ca.pem")));
+    assert_eq!(a.storage, std::path::PathBuf::from("/var/lib/pier/acme"));
+    assert_eq!(a.renew_before, Duration::from_secs(10 * 86_400));
+    for (acme, why) in [
+        ("domains = [\"*.example.com\"]", "no wildcards"),
+        ("domains = [\"localhost\"]", "expected a DNS name"),
+        ("domains = [\"a_b.example\"]", "expected a DNS name"),
+        ("domains = []", "needs `domains"),
+        (
+            "domains = [\"a.example\"]\ndirectory = \"http://x/dir\"",
+            "expected an https:// URL",
+        ),
+        ("domains = [\"a.example\"]\nport = 1", "unknown field"),
+    ] {
+        let e = errors(&tls_file(&format!("[listener.tls.acme]\n{acme}"), ""));
+        assert!(e.len() == 1 && e[0].contains(why), "{acme}: {e:?}");
+    }
+}
+
+#[test]
 fn listener_tls_mistakes() {
     let e = errors(&tls_file("", ""));
     assert!(

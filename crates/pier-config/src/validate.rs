@@ -1473,10 +1473,11 @@ fn listener_tls(c: &mut Check, name: &str, t: &ListenerTlsSection, base: &Path) 
             key: path_of(base, &e.key),
         });
     }
-    if certificates.is_empty() && t.cert.is_none() && t.key.is_none() {
+    let acme = t.acme.as_ref().map(|a| listener_acme(c, name, a, base));
+    if certificates.is_empty() && t.cert.is_none() && t.key.is_none() && acme.is_none() {
         c.err(
             None,
-            format!("listener `{name}`: [listener.tls] needs a certificate: `cert` and `key`, or `certificates = [{{ cert = \"FILE\", key = \"FILE\" }}]`"),
+            format!("listener `{name}`: [listener.tls] needs a certificate: `cert` and `key`, `certificates = [{{ cert = \"FILE\", key = \"FILE\" }}]`, or `[listener.tls.acme]`"),
         );
     }
     let unknown_sni = match t.unknown_sni.as_ref().map(|v| (v, v.get_ref().as_str())) {
@@ -1575,6 +1576,67 @@ fn listener_tls(c: &mut Check, name: &str, t: &ListenerTlsSection, base: &Path) 
         ) as usize,
         ocsp_stapling: t.ocsp_stapling.unwrap_or(true),
         ocsp_responder,
+        acme,
+    }
+}
+
+fn listener_acme(c: &mut Check, name: &str, a: &AcmeSection, base: &Path) -> Acme {
+    let mut domains: Vec<String> = Vec::new();
+    for d in &a.domains {
+        let n = d.get_ref().trim_end_matches('.').to_ascii_lowercase();
+        let label_ok = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        };
+        if n.len() > 253 || !n.contains('.') || !n.split('.').all(label_ok) {
+            c.err(
+                sp(d),
+                format!("listener `{name}`: acme domain {:?}: expected a DNS name such as \"example.com\" (no wildcards: they need DNS-01)", d.get_ref()),
+            );
+        } else if !domains.contains(&n) {
+            domains.push(n);
+        }
+    }
+    if a.domains.is_empty() {
+        c.err(
+            None,
+            format!(
+                "listener `{name}`: [listener.tls.acme] needs `domains = [\"example.com\", …]`"
+            ),
+        );
+    }
+    let directory = match &a.directory {
+        Some(v) if v.get_ref().starts_with("https://") => v.get_ref().clone(),
+        Some(v) => {
+            c.err(
+                sp(v),
+                format!(
+                    "listener `{name}`: acme `directory` {:?}: expected an https:// URL",
+                    v.get_ref()
+                ),
+            );
+            String::new()
+        }
+        None => LETS_ENCRYPT.to_string(),
+    };
+    let storage = match &a.storage {
+        Some(v) => path_of(base, v),
+        None => base.join("acme"),
+    };
+    Acme {
+        domains,
+        email: a.email.as_ref().map(|e| e.get_ref().clone()),
+        directory,
+        directory_ca: a.directory_ca.as_ref().map(|v| path_of(base, v)),
+        storage,
+        renew_before: c.duration(
+            &a.renew_before,
+            "renew_before",
+            Duration::from_secs(30 * 86_400),
+        ),
     }
 }
 

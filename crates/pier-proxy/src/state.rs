@@ -205,7 +205,14 @@ impl State {
             .listeners
             .iter()
             .map(|l| match &l.tls {
-                Some(t) => ServerTls::build(&l.name, t).map(|s| Some(Arc::new(s))),
+                Some(t) => ServerTls::build(&l.name, t).map(|s| {
+                    // `[listener.tls.acme]`: the stored certificate now, a
+                    // manager to obtain and renew it.
+                    if let (Some(slot), Some(acme)) = (s.managed(), &t.acme) {
+                        pier_acme::manage(slot, acme);
+                    }
+                    Some(Arc::new(s))
+                }),
                 None => Ok(None),
             })
             .collect::<Result<Vec<_>, String>>()?;

@@ -70,6 +70,21 @@ pub fn load_certified_key(f: &CertFiles) -> Result<(Arc<CertifiedKey>, CertSumma
     Ok((Arc::new(ck), summary))
 }
 
+/// A chain and key in PEM text (an ACME CA's answer, or the files Pier
+/// stored it in) → a servable key and the chain's notAfter (Unix seconds).
+pub fn certified_key_from_pem(chain: &str, key: &str) -> Result<(Arc<CertifiedKey>, i64), String> {
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(chain.as_bytes())
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("certificate chain: {e}"))?;
+    let first = chain.first().ok_or("no certificate in the chain")?;
+    let (_, cert) = x509_parser::parse_x509_certificate(first)
+        .map_err(|e| format!("certificate does not parse: {e}"))?;
+    let not_after = cert.validity().not_after.timestamp();
+    let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).map_err(|e| format!("key: {e}"))?;
+    let ck = CertifiedKey::from_der(chain, key, &crate::provider()).map_err(|e| e.to_string())?;
+    Ok((Arc::new(ck), not_after))
+}
+
 fn summarize(file: &Path, der: &CertificateDer<'_>) -> Result<CertSummary, String> {
     let (_, cert) = x509_parser::parse_x509_certificate(der)
         .map_err(|e| format!("{}: certificate does not parse: {e}", file.display()))?;

@@ -21,12 +21,14 @@ mod certs;
 mod client;
 #[cfg(not(feature = "ring"))]
 mod hkdf;
+pub mod managed;
 mod ocsp;
 mod server;
 pub mod stats;
 
-pub use certs::{load_certified_key, subject_of, CertSummary};
+pub use certs::{certified_key_from_pem, load_certified_key, subject_of, CertSummary};
 pub use client::{ClientTls, NoVerify};
+pub use managed::Managed;
 pub use server::{Accepted, ServerTls};
 
 use std::sync::Arc;
@@ -50,7 +52,7 @@ pub struct TlsInfo {
 /// The crypto provider every config is built with: aws-lc-rs, or ring with
 /// the `ring` feature (built only to measure the two side by side:
 /// BENCHMARKS.md, "TLS (issue 9)").
-pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     static P: std::sync::OnceLock<Arc<rustls::crypto::CryptoProvider>> = std::sync::OnceLock::new();
     #[cfg(not(feature = "ring"))]
     let make = || hkdf::keyed(rustls::crypto::aws_lc_rs::default_provider());

@@ -2,6 +2,7 @@
 //! the bounded handshake.
 
 use crate::certs::{load_certified_key, roots_from, subject_of, CertSummary};
+use crate::managed::{self, Managed};
 use crate::ocsp::{self, Served};
 use crate::stats::{stats, Failure};
 use crate::TlsInfo;
@@ -31,6 +32,9 @@ struct Sni {
     /// RFC 6125 wildcards match.
     wild: HashMap<String, Vec<Arc<Served>>>,
     default: Vec<Arc<Served>>,
+    /// `[listener.tls.acme]`: its names are served its certificate, and so
+    /// is every name when there is no other certificate.
+    managed: Option<Arc<Managed>>,
 }
 
 impl std::fmt::Debug for Sni {
@@ -71,15 +75,46 @@ fn pick(list: &[Arc<Served>], hello: &ClientHello<'_>) -> Option<Arc<CertifiedKe
         .map(|c| c.get())
 }
 
+impl Sni {
+    fn managed_for(&self, name: &str) -> Option<&Arc<Managed>> {
+        let m = self.managed.as_ref()?;
+        let name = name.trim_end_matches('.');
+        m.domains
+            .iter()
+            .any(|d| d.eq_ignore_ascii_case(name))
+            .then_some(m)
+    }
+
+    fn known(&self, name: &str) -> bool {
+        self.managed_for(name).is_some() || self.candidates(name).is_some()
+    }
+}
+
 impl ResolvesServerCert for Sni {
     fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        if let Some(m) = hello.server_name().and_then(|n| self.managed_for(n)) {
+            return m.get();
+        }
         // `unknown_sni = "refuse"` is decided before this (accept), where it
         // is counted; here an unknown name gets the default.
         let list = hello
             .server_name()
             .and_then(|n| self.candidates(n))
             .unwrap_or(&self.default);
+        if list.is_empty() {
+            return self.managed.as_ref().and_then(|m| m.get());
+        }
         pick(list, &hello)
+    }
+}
+
+/// The one certificate of a TLS-ALPN-01 answer.
+#[derive(Debug)]
+struct Fixed(Arc<CertifiedKey>);
+
+impl ResolvesServerCert for Fixed {
+    fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.clone())
     }
 }
 
@@ -103,6 +138,8 @@ fn ticketer() -> Result<Arc<dyn rustls::server::ProducesTickets>, String> {
 pub struct ServerTls {
     listener: String,
     config: Arc<ServerConfig>,
+    /// The `[listener.tls.acme]` certificate's slot, which `pier-acme` fills.
+    managed: Option<Arc<Managed>>,
     sni: Arc<Sni>,
     refuse_unknown: bool,
     certs: Vec<CertSummary>,
@@ -153,19 +190,26 @@ impl ServerTls {
             }
             certs.push((ck, summary));
         }
-        let Some((first, first_summary)) = certs.first() else {
-            return Err(format!("listener `{listener}`: no certificate"));
-        };
-        // The default: the first certificate, plus any other certificate for
-        // its first name (its RSA/ECDSA twin).
-        sni.default = match first_summary.names.first() {
-            Some(n) => match n.strip_prefix("*.") {
-                Some(p) => sni.wild.get(p).cloned(),
-                None => sni.exact.get(n).cloned(),
+        sni.managed = cfg.acme.as_ref().map(|a| Managed::new(a.domains.clone()));
+        match certs.first() {
+            None if sni.managed.is_none() => {
+                return Err(format!("listener `{listener}`: no certificate"))
             }
-            .unwrap_or_else(|| vec![first.clone()]),
-            None => vec![first.clone()],
-        };
+            None => {}
+            // The default: the first certificate, plus any other certificate
+            // for its first name (its RSA/ECDSA twin).
+            Some((first, first_summary)) => {
+                sni.default = match first_summary.names.first() {
+                    Some(n) => match n.strip_prefix("*.") {
+                        Some(p) => sni.wild.get(p).cloned(),
+                        None => sni.exact.get(n).cloned(),
+                    }
+                    .unwrap_or_else(|| vec![first.clone()]),
+                    None => vec![first.clone()],
+                };
+            }
+        }
+        let managed = sni.managed.clone();
         let versions: &[&rustls::SupportedProtocolVersion] = match cfg.min_version {
             TlsVersion::Tls13 => &[&rustls::version::TLS13],
             TlsVersion::Tls12 => &[&rustls::version::TLS13, &rustls::version::TLS12],
@@ -207,6 +251,7 @@ impl ServerTls {
         Ok(ServerTls {
             listener: listener.to_string(),
             config: Arc::new(config),
+            managed,
             sni,
             refuse_unknown: cfg.unknown_sni == UnknownSni::Refuse,
             certs: certs.into_iter().map(|(_, s)| s).collect(),
@@ -229,6 +274,11 @@ impl ServerTls {
 
     pub fn config(&self) -> &Arc<ServerConfig> {
         &self.config
+    }
+
+    /// The slot of `[listener.tls.acme]`'s certificate, if it has one.
+    pub fn managed(&self) -> Option<&Arc<Managed>> {
+        self.managed.as_ref()
     }
 
     /// Whether `max_pending_hellos` connections already wait for their
@@ -278,9 +328,12 @@ impl ServerTls {
             let _pending = Count::enter(&self.pending_hellos);
             self.client_hello(tcp).await?
         };
+        if let Some(ck) = managed::challenge_for(&start.client_hello()) {
+            return self.answer_challenge(start, ck).await;
+        }
         if self.refuse_unknown {
             if let Some(name) = start.client_hello().server_name() {
-                if self.sni.candidates(name).is_none() {
+                if !self.sni.known(name) {
                     return Err(Failure::UnknownSni);
                 }
             }
@@ -296,6 +349,27 @@ impl ServerTls {
             .map_err(|e| Failure::of(&e))?;
         let info = info_of(stream.get_ref().1);
         Ok((stream, info))
+    }
+
+    /// A CA's TLS-ALPN-01 validation (RFC 8737): the handshake with the
+    /// challenge certificate and `acme-tls/1`, then close; no HTTP.
+    async fn answer_challenge(
+        &self,
+        start: tokio_rustls::StartHandshake<TcpStream>,
+        ck: Arc<CertifiedKey>,
+    ) -> Result<Accepted, Failure> {
+        let mut config = ServerConfig::builder_with_provider(crate::provider())
+            .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+            .map_err(|_| Failure::Other)?
+            .with_no_client_auth()
+            .with_cert_resolver(Arc::new(Fixed(ck)));
+        config.alpn_protocols = vec![managed::ACME_TLS_ALPN.to_vec()];
+        let mut stream = start
+            .into_stream(Arc::new(config))
+            .await
+            .map_err(|e| Failure::of(&e))?;
+        let _ = stream.shutdown().await;
+        Err(Failure::AcmeChallenge)
     }
 
     /// Read up to the end of the ClientHello (rustls's `Acceptor` buffers

@@ -28,10 +28,13 @@ pub enum Failure {
     Evicted,
     /// Anything else (a malformed message, an internal error).
     Other,
+    /// Not a failure: an ACME CA's TLS-ALPN-01 validation (RFC 8737), answered
+    /// with the challenge certificate, after which the connection closes.
+    AcmeChallenge,
 }
 
 impl Failure {
-    pub const ALL: [Failure; 9] = [
+    pub const ALL: [Failure; 10] = [
         Failure::NoSharedCipher,
         Failure::UnknownSni,
         Failure::BadClientCert,
@@ -41,6 +44,7 @@ impl Failure {
         Failure::Closed,
         Failure::Evicted,
         Failure::Other,
+        Failure::AcmeChallenge,
     ];
     pub fn label(self) -> &'static str {
         match self {
@@ -53,6 +57,7 @@ impl Failure {
             Failure::Closed => "closed",
             Failure::Evicted => "evicted",
             Failure::Other => "other",
+            Failure::AcmeChallenge => "acme_challenge",
         }
     }
 
@@ -83,7 +88,7 @@ const ALPNS: [&str; 3] = ["none", "http/1.1", "h2"];
 pub struct Stats {
     /// [version][alpn][resumed]
     ok: [[[AtomicU64; 2]; 3]; 2],
-    failed: [AtomicU64; 9],
+    failed: [AtomicU64; 10],
     /// Upstream handshakes: [ok, failed, resumed].
     upstream: [AtomicU64; 3],
 }
@@ -97,7 +102,7 @@ const Z32: [[AtomicU64; 2]; 3] = [Z2; 3];
 
 static STATS: Stats = Stats {
     ok: [Z32; 2],
-    failed: [Z; 9],
+    failed: [Z; 10],
     upstream: [Z; 3],
 };
 
@@ -169,5 +174,6 @@ impl Stats {
             self.upstream[2].load(Relaxed)
         );
         crate::ocsp::render(out);
+        crate::managed::render(out);
     }
 }

@@ -1,0 +1,305 @@
+//! ACME (issue 35, item 4) against Pebble, Let's Encrypt's test CA, with
+//! pebble-challtestsrv as its DNS (every name → 127.0.0.1): Pier orders a
+//! certificate for two names, answers Pebble's TLS-ALPN-01 validations on
+//! its own listener, serves what it got (curl verifies it against Pebble's
+//! root), and a restarted Pier serves the stored one without a new order.
+//! `.ci/install` installs both (`go install`) and names them in
+//! PEBBLE, PEBBLE_CHALLTESTSRV and PEBBLE_CERTS.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+fn env_path(var: &str) -> PathBuf {
+    PathBuf::from(std::env::var(var).unwrap_or_else(|_| {
+        panic!(
+            "{var} is not set: run .ci/install (it installs Pebble) and source target/test-env.sh"
+        )
+    }))
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Pebble and its DNS, killed on drop.
+struct Pebble {
+    children: Vec<Child>,
+    directory: String,
+    /// CA file for Pebble's own HTTPS (directory and management).
+    minica: PathBuf,
+    /// The root that signs what Pebble issues (new at every start).
+    root: PathBuf,
+    _dir: TempDir,
+}
+
+impl Drop for Pebble {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Pebble {
+    /// Validations go to `tls_port` on 127.0.0.1.
+    fn start(tls_port: u16) -> Pebble {
+        let dir = TempDir::new();
+        let certs = env_path("PEBBLE_CERTS");
+        let d = dir.path();
+        for (from, to) in [
+            ("localhost/cert.pem", "cert.pem"),
+            ("localhost/key.pem", "key.pem"),
+            ("pebble.minica.pem", "minica.pem"),
+        ] {
+            std::fs::write(d.join(to), std::fs::read(certs.join(from)).unwrap()).unwrap();
+        }
+        let (acme, mgmt, http, dns, cts) = (
+            free_port(),
+            free_port(),
+            free_port(),
+            free_port(),
+            free_port(),
+        );
+        let cfg = d.join("pebble.json");
+        std::fs::write(
+            &cfg,
+            format!(
+                r#"{{"pebble":{{"listenAddress":"127.0.0.1:{acme}","managementListenAddress":"127.0.0.1:{mgmt}",
+"certificate":"{c}","privateKey":"{k}","httpPort":{http},"tlsPort":{tls_port},
+"ocspResponderURL":"","externalAccountBindingRequired":false,"keyAlgorithm":"ecdsa"}}}}"#,
+                c = d.join("cert.pem").display(),
+                k = d.join("key.pem").display(),
+            ),
+        )
+        .unwrap();
+        let log = |name: &str| std::fs::File::create(d.join(name)).unwrap();
+        let dns_addr = format!("127.0.0.1:{dns}");
+        let challtestsrv = Command::new(env_path("PEBBLE_CHALLTESTSRV"))
+            .args(["-dnsserver", &dns_addr])
+            .args(["-management", &format!("127.0.0.1:{cts}")])
+            .args(["-defaultIPv4", "127.0.0.1", "-defaultIPv6", ""])
+            .args(["-http01", "", "-https01", "", "-tlsalpn01", "", "-doh", ""])
+            .stdin(Stdio::null())
+            .stdout(log("challtestsrv.log"))
+            .stderr(log("challtestsrv.err"))
+            .spawn()
+            .expect("start pebble-challtestsrv");
+        let pebble = Command::new(env_path("PEBBLE"))
+            .arg("-config")
+            .arg(&cfg)
+            .args(["-dnsserver", &dns_addr])
+            .env("PEBBLE_VA_NOSLEEP", "1")
+            .env("PEBBLE_WFE_NONCEREJECT", "0")
+            .env("PEBBLE_AUTHZREUSE", "0")
+            .stdin(Stdio::null())
+            .stdout(log("pebble.log"))
+            .stderr(log("pebble.err"))
+            .spawn()
+            .expect("start pebble");
+        let p = Pebble {
+            children: vec![challtestsrv, pebble],
+            directory: format!("https://127.0.0.1:{acme}/dir"),
+            minica: d.join("minica.pem"),
+            root: d.join("root.pem"),
+            _dir: dir,
+        };
+        let d = p._dir.path().to_path_buf();
+        let up = wait_until(Duration::from_secs(20), || {
+            [acme, mgmt, cts]
+                .iter()
+                .all(|port| std::net::TcpStream::connect(("127.0.0.1", *port)).is_ok())
+        });
+        assert!(
+            up,
+            "pebble did not start: {}{}",
+            std::fs::read_to_string(d.join("pebble.log")).unwrap_or_default(),
+            std::fs::read_to_string(d.join("challtestsrv.log")).unwrap_or_default()
+        );
+        let out = curl(&[
+            "-sS",
+            "--cacert",
+            &p.minica.display().to_string(),
+            "-o",
+            &p.root.display().to_string(),
+            &format!("https://127.0.0.1:{mgmt}/roots/0"),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        p
+    }
+}
+
+fn config(origin: SocketAddr, listen: &str, directory: &str, ca: &Path, storage: &Path) -> String {
+    format!(
+        r#"[server]
+workers = 2
+grace_period = "5s"
+[admin]
+listen = "127.0.0.1:0"
+[log]
+access = "off"
+
+[[listener]]
+name = "main"
+listen = "{listen}"
+[listener.tls]
+[listener.tls.acme]
+domains = ["site.test", "www.site.test"]
+email = "ops@site.test"
+directory = "{directory}"
+directory_ca = "{ca}"
+storage = "{storage}"
+
+[[route]]
+name = "default"
+upstream = "app"
+
+[upstream.app]
+servers = ["{origin}"]
+"#,
+        ca = ca.display(),
+        storage = storage.display(),
+    )
+}
+
+/// GET /hello on `name` through Pier at `port`, verifying its certificate
+/// against `root` (curl's own TLS, OpenSSL).
+fn get_verified(name: &str, port: u16, root: &Path) -> std::process::Output {
+    curl(&[
+        "-sS",
+        "--max-time",
+        "10",
+        "--cacert",
+        &root.display().to_string(),
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "--resolve",
+        &format!("{name}:{port}:127.0.0.1"),
+        &format!("https://{name}:{port}/hello"),
+    ])
+}
+
+fn orders(p: &PierProcess, result: &str) -> f64 {
+    p.metric_value(&format!("pier_acme_orders_total{{result=\"{result}\"}}"))
+        .unwrap_or(0.0)
+}
+
+#[test]
+fn certificates_are_obtained_by_tls_alpn_01_served_and_kept_across_a_restart() {
+    let port = free_port();
+    let pebble = Pebble::start(port);
+    let origin = Origin::start_named("behind-acme");
+    let store = TempDir::new();
+    let storage = store.path().join("acme");
+    let cfg = config(
+        origin.addr(),
+        &format!("127.0.0.1:{port}"),
+        &pebble.directory,
+        &pebble.minica,
+        &storage,
+    );
+    let pier = pier(&cfg);
+    assert!(
+        wait_until(Duration::from_secs(60), || orders(&pier, "ok") >= 1.0),
+        "no certificate: ok {} failed {}\n{}",
+        orders(&pier, "ok"),
+        orders(&pier, "failed"),
+        pier.logs()
+    );
+    // Both names, verified against Pebble's root.
+    for name in ["site.test", "www.site.test"] {
+        let out = get_verified(name, port, &pebble.root);
+        assert!(
+            out.status.success(),
+            "{name}: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            pier.logs()
+        );
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
+    }
+    // Each of the two validations was answered (Pebble asks from several
+    // vantage points), then withdrawn.
+    assert!(
+        pier.metric_value("pier_tls_handshake_failures_total{reason=\"acme_challenge\"}")
+            .unwrap_or(0.0)
+            >= 2.0
+    );
+    let expiry = pier
+        .metric_value("pier_acme_certificate_expiry_seconds{name=\"site.test\"}")
+        .unwrap_or(0.0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as f64;
+    assert!(expiry > now + 86_400.0, "expiry {expiry}");
+    // Stored: the key only its owner reads.
+    let key = storage.join("site.test/key.pem");
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&key).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600);
+    assert!(storage.join("site.test/cert.pem").exists());
+    drop(pier);
+
+    // A restart serves the stored certificate at once, without an order.
+    let pier = common::pier(&cfg);
+    let out = get_verified("www.site.test", port, &pebble.root);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
+    assert_eq!(orders(&pier, "ok") + orders(&pier, "failed"), 0.0);
+}
+
+#[test]
+fn an_unreachable_ca_is_counted_and_retried_and_the_listener_refuses_handshakes_meanwhile() {
+    let origin = Origin::start();
+    let store = TempDir::new();
+    let dead = dead_addr();
+    let ca = store.path().join("none.pem");
+    let cfg = config(
+        origin.addr(),
+        "127.0.0.1:0",
+        &format!("https://{dead}/dir"),
+        &ca,
+        &store.path().join("acme"),
+    )
+    // The system's roots: the CA is unreachable anyway.
+    .replace(&format!("directory_ca = \"{}\"\n", ca.display()), "");
+    let pier = pier(&cfg);
+    assert!(
+        wait_until(Duration::from_secs(20), || orders(&pier, "failed") >= 1.0),
+        "{}",
+        pier.logs()
+    );
+    assert!(
+        pier.logs().contains("trying again in 60s"),
+        "{}",
+        pier.logs()
+    );
+    let port = pier.listener("main").port();
+    let out = get_verified("site.test", port, &ca);
+    assert!(!out.status.success());
+    assert!(storage_empty(&store.path().join("acme")));
+}
+
+fn storage_empty(p: &Path) -> bool {
+    !p.join("site.test").exists()
+}

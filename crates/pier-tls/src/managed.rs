@@ -1,0 +1,150 @@
+//! Certificates Pier obtains itself (`[listener.tls.acme]`): the slot a
+//! listener serves them from, swapped in place when one is issued or
+//! renewed, and the TLS-ALPN-01 challenge certificates (RFC 8737) a CA's
+//! validation is answered with. The ACME protocol itself is `pier-acme`'s;
+//! this is the part the handshake reads.
+
+use arc_swap::ArcSwapOption;
+use rustls::sign::CertifiedKey;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// One listener's managed certificate: empty until the first is issued
+/// (handshakes for its names fail until then, as Caddy's do).
+pub struct Managed {
+    /// Lower-case DNS names, as configured.
+    pub domains: Vec<String>,
+    current: ArcSwapOption<CertifiedKey>,
+    /// notAfter of the current certificate, Unix seconds (0: none).
+    not_after: AtomicI64,
+}
+
+impl std::fmt::Debug for Managed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Managed")
+            .field("domains", &self.domains)
+            .field("not_after", &self.not_after())
+            .finish()
+    }
+}
+
+/// Every managed slot alive, for the expiry gauge.
+static ALL: Mutex<Vec<std::sync::Weak<Managed>>> = Mutex::new(Vec::new());
+
+/// Orders that gave a certificate, and those that did not.
+static ORDERS: [std::sync::atomic::AtomicU64; 2] = [
+    std::sync::atomic::AtomicU64::new(0),
+    std::sync::atomic::AtomicU64::new(0),
+];
+
+/// Count an ACME order's outcome (`pier-acme` calls it).
+pub fn count_order(ok: bool) {
+    ORDERS[!ok as usize].fetch_add(1, Relaxed);
+}
+
+/// `pier_acme_*` metrics, Prometheus text.
+pub(crate) fn render(out: &mut String) {
+    use std::fmt::Write as _;
+    let _ = writeln!(
+        out,
+        "# TYPE pier_acme_orders_total counter\npier_acme_orders_total{{result=\"ok\"}} {}\npier_acme_orders_total{{result=\"failed\"}} {}",
+        ORDERS[0].load(Relaxed),
+        ORDERS[1].load(Relaxed)
+    );
+    let mut all = ALL.lock().unwrap_or_else(|e| e.into_inner());
+    all.retain(|w| w.strong_count() > 0);
+    let mut seen: Vec<(String, i64)> = Vec::new();
+    for m in all.iter().filter_map(std::sync::Weak::upgrade) {
+        let Some(name) = m.domains.first() else {
+            continue;
+        };
+        match seen.iter_mut().find(|(n, _)| n == name) {
+            Some(s) => s.1 = s.1.max(m.not_after()),
+            None => seen.push((name.clone(), m.not_after())),
+        }
+    }
+    drop(all);
+    out.push_str("# TYPE pier_acme_certificate_expiry_seconds gauge\n");
+    for (name, t) in seen {
+        let _ = writeln!(
+            out,
+            "pier_acme_certificate_expiry_seconds{{name=\"{name}\"}} {t}"
+        );
+    }
+}
+
+impl Managed {
+    pub fn new(domains: Vec<String>) -> Arc<Managed> {
+        let m = Arc::new(Managed {
+            domains,
+            current: ArcSwapOption::empty(),
+            not_after: AtomicI64::new(0),
+        });
+        let mut all = ALL.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|w| w.strong_count() > 0);
+        all.push(Arc::downgrade(&m));
+        m
+    }
+
+    /// Serve `ck` from the next handshake on.
+    pub fn set(&self, ck: Arc<CertifiedKey>, not_after: i64) {
+        self.current.store(Some(ck));
+        self.not_after.store(not_after, Relaxed);
+    }
+
+    pub fn get(&self) -> Option<Arc<CertifiedKey>> {
+        self.current.load_full()
+    }
+
+    /// notAfter of the certificate served now (0: none yet).
+    pub fn not_after(&self) -> i64 {
+        self.not_after.load(Relaxed)
+    }
+}
+
+/// The ALPN protocol of TLS-ALPN-01 validations.
+pub const ACME_TLS_ALPN: &[u8] = b"acme-tls/1";
+
+fn challenges() -> &'static Mutex<HashMap<String, Arc<CertifiedKey>>> {
+    static C: OnceLock<Mutex<HashMap<String, Arc<CertifiedKey>>>> = OnceLock::new();
+    C.get_or_init(Default::default)
+}
+
+/// Answer TLS-ALPN-01 validations for `name` with `ck` (a self-signed
+/// certificate carrying the acmeIdentifier extension) until
+/// [`remove_challenge`]. Every listener answers them: the CA connects to
+/// port 443 of the name, whichever listener that is.
+pub fn add_challenge(name: &str, ck: Arc<CertifiedKey>) {
+    challenges()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(name.to_ascii_lowercase(), ck);
+}
+
+pub fn remove_challenge(name: &str) {
+    challenges()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&name.to_ascii_lowercase());
+}
+
+/// The challenge certificate for a ClientHello that offers `acme-tls/1`
+/// and names a name under validation.
+pub(crate) fn challenge_for(hello: &rustls::server::ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+    let offers = hello
+        .alpn()
+        .is_some_and(|mut a| a.any(|p| p == ACME_TLS_ALPN));
+    if !offers {
+        return None;
+    }
+    let name = hello
+        .server_name()?
+        .trim_end_matches('.')
+        .to_ascii_lowercase();
+    let g = challenges().lock().unwrap_or_else(|e| e.into_inner());
+    if g.is_empty() {
+        return None;
+    }
+    g.get(&name).cloned()
+}
