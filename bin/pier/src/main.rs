@@ -29,6 +29,8 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+// `Proxy` carries every quick-mode flag; the enum is parsed once at start.
+#[allow(clippy::large_enum_variant)]
 enum Cmd {
     /// Run the proxy on a config file (or the embedded quickstart config).
     Serve {
@@ -60,6 +62,23 @@ enum Cmd {
         /// The private key of --tls-cert (PEM).
         #[arg(long, requires = "tls_cert")]
         tls_key: Option<PathBuf>,
+        /// Serve HTTPS on --listen with a certificate for this name from an
+        /// ACME CA (Let's Encrypt unless --acme-directory), obtained and
+        /// renewed by TLS-ALPN-01; repeatable: one certificate for all.
+        #[arg(long, value_name = "NAME", conflicts_with = "tls_cert")]
+        acme_domain: Vec<String>,
+        /// The ACME account's contact e-mail.
+        #[arg(long, requires = "acme_domain")]
+        acme_email: Option<String>,
+        /// The ACME CA's directory URL (https://).
+        #[arg(long, requires = "acme_domain")]
+        acme_directory: Option<String>,
+        /// CA certificates (PEM) for the directory's HTTPS (a test CA).
+        #[arg(long, requires = "acme_domain")]
+        acme_ca: Option<PathBuf>,
+        /// Where the account and certificates are kept (default ./pier-acme).
+        #[arg(long, requires = "acme_domain")]
+        acme_storage: Option<PathBuf>,
         /// Accept cleartext HTTP/2 with prior knowledge on --listen, beside
         /// HTTP/1.1 (with --tls-cert, HTTP/2 is chosen by ALPN instead).
         #[arg(long)]
@@ -330,6 +349,11 @@ fn main() -> ExitCode {
             admin_token,
             tls_cert,
             tls_key,
+            acme_domain,
+            acme_email,
+            acme_directory,
+            acme_ca,
+            acme_storage,
             h2c,
             http3,
             proxy_protocol,
@@ -388,8 +412,25 @@ fn main() -> ExitCode {
                 Some(Ok(_)) => return usage_error("--cache-disk: at least 1m"),
                 Some(Err(e)) => return usage_error(&format!("--cache-disk: {e}")),
             };
+            let acme = if acme_domain.is_empty() {
+                None
+            } else {
+                match Config::quick_acme(
+                    &acme_domain,
+                    acme_email,
+                    acme_directory,
+                    acme_ca,
+                    acme_storage.unwrap_or_else(|| PathBuf::from("pier-acme")),
+                ) {
+                    Ok(a) => Some(a),
+                    Err(e) => return usage_error(&e),
+                }
+            };
             match Config::quick_with(listen, origins, admin, tls, upstream_ca) {
                 Ok(mut cfg) => {
+                    if let Some(t) = acme {
+                        cfg.listeners[0].tls = Some(t);
+                    }
                     if let Err(e) = cfg.enable_quick_http2(h2c, grpc_web) {
                         return usage_error(&e);
                     }

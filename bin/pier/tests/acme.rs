@@ -303,3 +303,56 @@ fn an_unreachable_ca_is_counted_and_retried_and_the_listener_refuses_handshakes_
 fn storage_empty(p: &Path) -> bool {
     !p.join("site.test").exists()
 }
+
+#[test]
+fn quick_mode_takes_acme_domain() {
+    let port = free_port();
+    let pebble = Pebble::start(port);
+    let origin = Origin::start();
+    let store = TempDir::new();
+    let (listen, to) = (format!("127.0.0.1:{port}"), origin.addr().to_string());
+    let (ca, storage) = (
+        pebble.minica.display().to_string(),
+        store.path().join("acme").display().to_string(),
+    );
+    let pier = PierProcess::start_args(
+        bin(),
+        &[
+            "proxy",
+            "--listen",
+            &listen,
+            "--to",
+            &to,
+            "--admin",
+            "127.0.0.1:0",
+            "--acme-domain",
+            "quick.test",
+            "--acme-directory",
+            &pebble.directory,
+            "--acme-ca",
+            &ca,
+            "--acme-storage",
+            &storage,
+        ],
+    );
+    assert!(
+        wait_until(Duration::from_secs(60), || orders(&pier, "ok") >= 1.0),
+        "{}",
+        pier.logs()
+    );
+    let out = get_verified("quick.test", port, &pebble.root);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
+    // A name that is not a DNS name is refused before anything starts.
+    let out = Command::new(bin())
+        .args(["proxy", "--listen", "127.0.0.1:0", "--to", &to])
+        .args(["--acme-domain", "*.quick.test"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no wildcards"));
+}

@@ -164,6 +164,46 @@ impl Config {
         Ok(c)
     }
 
+    /// `pier proxy --acme-domain NAME…`: the listener's TLS, a certificate
+    /// for those names from an ACME CA (`[listener.tls.acme]`), HTTP/2 or
+    /// HTTP/1.1 by ALPN.
+    pub fn quick_acme(
+        domains: &[String],
+        email: Option<String>,
+        directory: Option<String>,
+        directory_ca: Option<std::path::PathBuf>,
+        storage: std::path::PathBuf,
+    ) -> Result<ListenerTls, String> {
+        let mut names = Vec::new();
+        for d in domains {
+            let n = validate::acme_domain(d).map_err(|e| format!("--acme-domain: {e}"))?;
+            if !names.contains(&n) {
+                names.push(n);
+            }
+        }
+        let directory = directory.unwrap_or_else(|| LETS_ENCRYPT.to_string());
+        if !directory.starts_with("https://") {
+            return Err(format!(
+                "--acme-directory {directory:?}: expected an https:// URL"
+            ));
+        }
+        let mut t = ListenerTls::single(CertFiles {
+            cert: Default::default(),
+            key: Default::default(),
+        });
+        t.certificates.clear();
+        t.alpn = vec!["h2".to_string(), "http/1.1".to_string()];
+        t.acme = Some(Acme {
+            domains: names,
+            email,
+            directory,
+            directory_ca,
+            storage,
+            renew_before: std::time::Duration::from_secs(30 * 86_400),
+        });
+        Ok(t)
+    }
+
     /// `pier proxy --h2c` (cleartext HTTP/2 with prior knowledge on the
     /// listener, beside HTTP/1.1) and `--grpc-web` (gRPC-web clients
     /// converted to gRPC, which needs an HTTP/2 origin: `h2c://` or

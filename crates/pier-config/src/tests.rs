@@ -1021,6 +1021,7 @@ fn documented_tables() -> Vec<(&'static str, Vec<&'static str>)> {
         ("## `[[listener]]`", fields_of::<ListenerEntry>()),
         ("### `[listener.tls]`", fields_of::<ListenerTlsSection>()),
         ("### `certificates` entries", fields_of::<CertTable>()),
+        ("### `[listener.tls.acme]`", fields_of::<AcmeSection>()),
         (
             "### `[upstream.NAME.tls]`",
             fields_of::<UpstreamTlsSection>(),

@@ -1580,24 +1580,30 @@ fn listener_tls(c: &mut Check, name: &str, t: &ListenerTlsSection, base: &Path) 
     }
 }
 
+/// An ACME certificate's name, lower-cased: a DNS name of two labels or
+/// more (no wildcards: those need DNS-01).
+pub fn acme_domain(d: &str) -> Result<String, String> {
+    let n = d.trim_end_matches('.').to_ascii_lowercase();
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+    };
+    if n.len() > 253 || !n.contains('.') || !n.split('.').all(label_ok) {
+        return Err(format!("acme domain {d:?}: expected a DNS name such as \"example.com\" (no wildcards: they need DNS-01)"));
+    }
+    Ok(n)
+}
+
 fn listener_acme(c: &mut Check, name: &str, a: &AcmeSection, base: &Path) -> Acme {
     let mut domains: Vec<String> = Vec::new();
     for d in &a.domains {
-        let n = d.get_ref().trim_end_matches('.').to_ascii_lowercase();
-        let label_ok = |l: &str| {
-            !l.is_empty()
-                && l.len() <= 63
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-        };
-        if n.len() > 253 || !n.contains('.') || !n.split('.').all(label_ok) {
-            c.err(
-                sp(d),
-                format!("listener `{name}`: acme domain {:?}: expected a DNS name such as \"example.com\" (no wildcards: they need DNS-01)", d.get_ref()),
-            );
-        } else if !domains.contains(&n) {
-            domains.push(n);
+        match acme_domain(d.get_ref()) {
+            Err(e) => c.err(sp(d), format!("listener `{name}`: {e}")),
+            Ok(n) if !domains.contains(&n) => domains.push(n),
+            Ok(_) => {}
         }
     }
     if a.domains.is_empty() {
