@@ -153,16 +153,21 @@ fn run(key: Key, shared: Arc<Mutex<Shared>>, cfg: Acme) {
         let due = {
             let mut s = lock(&shared);
             s.users.retain(|w| w.strong_count() > 0);
-            if s.users.is_empty() {
-                // No listener serves these names any more (a reload
-                // dropped them): this manager ends.
-                let mut reg = lock(registry());
+            (!s.users.is_empty()).then(|| renew_at(&cfg, s.current.as_ref().map(|c| c.1)))
+        };
+        let Some(due) = due else {
+            // No listener serves these names any more (a reload dropped
+            // them): this manager ends, unless one registered meanwhile.
+            // Locks in `manage`'s order (registry, then names).
+            let mut reg = lock(registry());
+            let s = lock(&shared);
+            if s.users.iter().all(|w| w.strong_count() == 0) {
                 if reg.get(&key).is_some_and(|r| Arc::ptr_eq(r, &shared)) {
                     reg.remove(&key);
                 }
                 return;
             }
-            renew_at(&cfg, s.current.as_ref().map(|c| c.1))
+            continue;
         };
         let now = unix_now();
         if now < due {
