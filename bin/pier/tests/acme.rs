@@ -266,6 +266,96 @@ fn certificates_are_obtained_by_tls_alpn_01_served_and_kept_across_a_restart() {
     );
     assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
     assert_eq!(orders(&pier, "ok") + orders(&pier, "failed"), 0.0);
+    drop(pier);
+
+    // Renewal: with more than the certificate's life as `renew_before`,
+    // the stored one is due at once; the new one replaces it on disk and
+    // in the handshake, and no second order follows within the hour.
+    let stored = std::fs::read_to_string(storage.join("site.test/cert.pem")).unwrap();
+    let renewing = cfg.replace(
+        &format!("storage = \"{}\"\n", storage.display()),
+        &format!(
+            "storage = \"{}\"\nrenew_before = \"1000d\"\n",
+            storage.display()
+        ),
+    );
+    assert_ne!(renewing, cfg);
+    let pier = common::pier(&renewing);
+    assert!(
+        wait_until(Duration::from_secs(60), || orders(&pier, "ok") >= 1.0),
+        "{}",
+        pier.logs()
+    );
+    let renewed = std::fs::read_to_string(storage.join("site.test/cert.pem")).unwrap();
+    assert_ne!(renewed, stored);
+    let out = get_verified("site.test", port, &pebble.root);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // An order takes Pebble well under a second: without the hour's floor,
+    // a second one would be counted within these 3 s.
+    assert!(!wait_until(Duration::from_secs(3), || orders(&pier, "ok")
+        + orders(&pier, "failed")
+        > 1.0));
+    drop(pier);
+
+    // The CA down when renewal is due: counted, and the certificate Pier
+    // has goes on serving.
+    let root = store.path().join("root.pem");
+    std::fs::copy(&pebble.root, &root).unwrap();
+    drop(pebble);
+    let pier = common::pier(&renewing);
+    assert!(
+        wait_until(Duration::from_secs(30), || orders(&pier, "failed") >= 1.0),
+        "{}",
+        pier.logs()
+    );
+    let out = get_verified("www.site.test", port, &root);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
+}
+
+/// Pebble validates on a port where Pier is not: the order is invalid,
+/// counted as failed, and nothing is stored.
+#[test]
+fn a_failed_validation_is_counted_and_stores_nothing() {
+    let elsewhere = dead_addr();
+    let pebble = Pebble::start(elsewhere.port());
+    let origin = Origin::start();
+    let store = TempDir::new();
+    let storage = store.path().join("acme");
+    let cfg = config(
+        origin.addr(),
+        "127.0.0.1:0",
+        &pebble.directory,
+        &pebble.minica,
+        &storage,
+    );
+    let pier = pier(&cfg);
+    assert!(
+        wait_until(Duration::from_secs(60), || orders(&pier, "failed") >= 1.0),
+        "{}",
+        pier.logs()
+    );
+    assert_eq!(orders(&pier, "ok"), 0.0);
+    assert!(
+        pier.logs().contains("trying again in 60s"),
+        "{}",
+        pier.logs()
+    );
+    assert!(storage_empty(&storage));
+    // The account was made, and is kept for the next attempt.
+    assert!(std::fs::read_dir(&storage).unwrap().any(|e| e
+        .unwrap()
+        .file_name()
+        .to_string_lossy()
+        .starts_with("account-")));
 }
 
 #[test]

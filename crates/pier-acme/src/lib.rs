@@ -12,8 +12,9 @@
 //! swaps the certificate into every slot for those names, so every worker
 //! and a reloaded config serve it from their next handshake. A failed order
 //! is retried after 1 minute, doubling to 6 hours (the CA's rate limits are
-//! tight), and counted (`pier_acme_orders_total`). The account key is kept
-//! beside the certificates and reused.
+//! tight), and counted (`pier_acme_orders_total`); the certificate served
+//! until then stays. Successful orders are an hour apart at least. The
+//! account key is kept beside the certificates and reused.
 //!
 //! The protocol is instant-acme's; what is Pier's is when to ask, where to
 //! keep it and how the listener serves it.
@@ -149,6 +150,9 @@ fn run(key: Key, shared: Arc<Mutex<Shared>>, cfg: Acme) {
     };
     let name = cfg.domains.join(", ");
     let mut failures = 0u32;
+    // Not two orders within an hour: a `renew_before` longer than the CA's
+    // certificates live would otherwise order again at once, forever.
+    let mut earliest = 0i64;
     loop {
         let due = {
             let mut s = lock(&shared);
@@ -169,6 +173,7 @@ fn run(key: Key, shared: Arc<Mutex<Shared>>, cfg: Acme) {
             }
             continue;
         };
+        let due = due.max(earliest);
         let now = unix_now();
         if now < due {
             // Woken each minute to notice a dropped listener.
@@ -179,6 +184,7 @@ fn run(key: Key, shared: Arc<Mutex<Shared>>, cfg: Acme) {
             Ok((ck, not_after)) => {
                 pier_tls::managed::count_order(true);
                 failures = 0;
+                earliest = unix_now() + 3600;
                 tracing::info!(
                     "acme: certificate for {name} issued, valid until {not_after} (Unix time)"
                 );
