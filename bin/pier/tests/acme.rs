@@ -23,14 +23,6 @@ fn env_path(var: &str) -> PathBuf {
     }))
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Pebble and its DNS, killed on drop.
 struct Pebble {
     children: Vec<Child>,

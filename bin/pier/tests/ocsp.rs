@@ -24,15 +24,6 @@ fn openssl(dir: &Path, args: &[&str]) {
     );
 }
 
-/// A free port for a responder named in a certificate before it starts.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// A P-256 key and a certificate for `name` signed by `ca` (`ca.pem`,
 /// `ca.key` in `dir`), its chain file (certificate, then the CA), and its
 /// serial in hex. `ext` are extra x509v3 lines.

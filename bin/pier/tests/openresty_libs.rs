@@ -137,14 +137,6 @@ fn run_clients(
 // ---------------------------------------------------------------- servers
 
 /// A free 127.0.0.1 port: bound on port 0 and released for a server to take.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// A server process the test started; killed (and reaped) on drop.
 struct Server {
     child: Child,

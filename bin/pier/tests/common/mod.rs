@@ -37,6 +37,18 @@ pub fn dead_addr() -> SocketAddr {
     addr
 }
 
+/// A port free a moment ago, for a peer that must be told its port before it
+/// starts (a responder named in a certificate, Pebble's validation port, a
+/// server that cannot report the port 0 gave it). Taken in between by
+/// someone else, that peer fails to bind and says so.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// Asserts a locally generated response: status, `x-pier-reason`, and a plain-text body
 /// starting with the status code.
 #[track_caller]
