@@ -630,8 +630,8 @@ fn run(
         .as_ref()
         .map(|t| {
             let s = pier_tls::ServerTls::build("admin", t)?;
-            if let (Some(slot), Some(acme)) = (s.managed(), &t.acme) {
-                pier_acme::manage(slot, acme);
+            if let Some(acme) = &t.acme {
+                pier_acme::manage_listener(&s, acme);
             }
             Ok::<_, String>(s)
         })

@@ -31,6 +31,8 @@ struct Pebble {
     minica: PathBuf,
     /// The root that signs what Pebble issues (new at every start).
     root: PathBuf,
+    /// `https://127.0.0.1:PORT`, its management address (roots, ARI).
+    mgmt: String,
     _dir: TempDir,
 }
 
@@ -46,6 +48,11 @@ impl Drop for Pebble {
 impl Pebble {
     /// Validations go to `tls_port` on 127.0.0.1.
     fn start(tls_port: u16) -> Pebble {
+        Pebble::start_ports(tls_port, free_port())
+    }
+
+    /// TLS-ALPN-01 validations go to `tls_port`, HTTP-01 to `http`.
+    fn start_ports(tls_port: u16, http: u16) -> Pebble {
         let dir = TempDir::new();
         let certs = env_path("PEBBLE_CERTS");
         let d = dir.path();
@@ -56,13 +63,7 @@ impl Pebble {
         ] {
             std::fs::write(d.join(to), std::fs::read(certs.join(from)).unwrap()).unwrap();
         }
-        let (acme, mgmt, http, dns, cts) = (
-            free_port(),
-            free_port(),
-            free_port(),
-            free_port(),
-            free_port(),
-        );
+        let (acme, mgmt, dns, cts) = (free_port(), free_port(), free_port(), free_port());
         let cfg = d.join("pebble.json");
         std::fs::write(
             &cfg,
@@ -102,6 +103,7 @@ impl Pebble {
         let p = Pebble {
             children: vec![challtestsrv, pebble],
             directory: format!("https://127.0.0.1:{acme}/dir"),
+            mgmt: format!("https://127.0.0.1:{mgmt}"),
             minica: d.join("minica.pem"),
             root: d.join("root.pem"),
             _dir: dir,
@@ -437,4 +439,279 @@ fn quick_mode_takes_acme_domain() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no wildcards"));
+}
+
+/// The serial of the certificate curl is served for `name` at `port`.
+fn served_serial(name: &str, port: u16, root: &Path) -> String {
+    let out = curl(&[
+        "-sS",
+        "--max-time",
+        "10",
+        "--cacert",
+        &root.display().to_string(),
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{certs}",
+        "--resolve",
+        &format!("{name}:{port}:127.0.0.1"),
+        &format!("https://{name}:{port}/hello"),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.lines()
+        .find_map(|l| l.strip_prefix("Serial Number:"))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|| {
+            panic!(
+                "no serial for {name}: {text} {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+}
+
+/// HTTP-01 (RFC 8555 §8.3): Pebble validates on the plain listener, whose
+/// every other request is redirected to https; the challenge is answered
+/// ahead of that redirect, and only while the order runs. Then the CA's
+/// renewal window (ARI, RFC 9773) moved into the past makes the next start
+/// renew a certificate that is far from its `renew_before`.
+#[test]
+fn http_01_is_answered_ahead_of_the_redirect_and_ari_renews_early() {
+    let (tls, http) = (free_port(), free_port());
+    let pebble = Pebble::start_ports(tls, http);
+    let origin = Origin::start_named("behind-acme");
+    let store = TempDir::new();
+    let storage = store.path().join("acme");
+    let cfg = config(
+        origin.addr(),
+        &format!("127.0.0.1:{tls}"),
+        &pebble.directory,
+        &pebble.minica,
+        &storage,
+    )
+    .replace(
+        "[listener.tls.acme]\n",
+        "[listener.tls.acme]\nchallenge = \"http-01\"\n",
+    )
+    .replace(
+        "[[route]]",
+        &format!("[[listener]]\nname = \"plain\"\nlisten = \"127.0.0.1:{http}\"\nredirect_https = 301\nhttps_port = {tls}\n\n[[route]]"),
+    );
+    let pier = pier(&cfg);
+    assert!(
+        wait_until(Duration::from_secs(60), || orders(&pier, "ok") >= 1.0),
+        "no certificate: ok {} failed {}\n{}",
+        orders(&pier, "ok"),
+        orders(&pier, "failed"),
+        pier.logs()
+    );
+    for name in ["site.test", "www.site.test"] {
+        let out = get_verified(name, tls, &pebble.root);
+        assert!(
+            out.status.success(),
+            "{name}: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            pier.logs()
+        );
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
+    }
+    // Validated over HTTP, not TLS-ALPN-01.
+    assert_eq!(
+        pier.metric_value("pier_tls_handshake_failures_total{reason=\"acme_challenge\"}")
+            .unwrap_or(0.0),
+        0.0
+    );
+    // With the order done its tokens are withdrawn: the path is the
+    // listener's like any other (redirected).
+    let out = curl(&[
+        "-s",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        &format!("http://127.0.0.1:{http}/.well-known/acme-challenge/x"),
+    ]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "301");
+    let first = served_serial("site.test", tls, &pebble.root);
+    drop(pier);
+
+    // The CA says: renew now (a window in the past), for a certificate with
+    // weeks left and the default `renew_before` of 30 days.
+    let pem = std::fs::read_to_string(storage.join("site.test/cert.pem")).unwrap();
+    let leaf = &pem[..pem.find("-----END CERTIFICATE-----").unwrap() + 25];
+    let body = serde_json::json!({
+        "Certificate": leaf,
+        "ARIResponse": r#"{"suggestedWindow":{"start":"2020-01-01T00:00:00Z","end":"2020-01-02T00:00:00Z"}}"#,
+    })
+    .to_string();
+    let out = curl(&[
+        "-sS",
+        "-w",
+        "%{http_code}",
+        "--cacert",
+        &pebble.minica.display().to_string(),
+        "-H",
+        "Content-Type: application/json",
+        "--data",
+        &body,
+        &format!("{}/set-renewal-info/", pebble.mgmt),
+    ]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.ends_with("200"),
+        "{said} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pier = common::pier(&cfg);
+    assert!(
+        wait_until(Duration::from_secs(60), || orders(&pier, "ok") >= 1.0),
+        "no ARI renewal: ok {} failed {}\n{}",
+        orders(&pier, "ok"),
+        orders(&pier, "failed"),
+        pier.logs()
+    );
+    assert!(
+        pier.logs().contains("renewal window says renew"),
+        "{}",
+        pier.logs()
+    );
+    let second = served_serial("site.test", tls, &pebble.root);
+    assert_ne!(first, second);
+    // The renewed certificate's own window is in the future: no third order.
+    assert!(!wait_until(Duration::from_secs(3), || orders(&pier, "ok")
+        + orders(&pier, "failed")
+        > 1.0));
+}
+
+/// An `ask` endpoint that approves `allowed.site.test` and nothing else,
+/// and keeps the names it was asked about.
+fn ask_server() -> (SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use std::io::{BufRead, BufReader, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = asked.clone();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            let mut line = String::new();
+            let _ = BufReader::new(&s).read_line(&mut line);
+            let name = line
+                .split_once("domain=")
+                .map(|(_, r)| r.split([' ', '&']).next().unwrap_or("").to_string())
+                .unwrap_or_default();
+            let ok = line.starts_with("GET /check?domain=") && name == "allowed.site.test";
+            seen.lock().unwrap().push(name);
+            let status = if ok { "200 OK" } else { "403 Forbidden" };
+            let _ = write!(
+                s,
+                "HTTP/1.1 {status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            );
+        }
+    });
+    (addr, asked)
+}
+
+fn on_demand(p: &PierProcess, result: &str) -> f64 {
+    p.metric_value(&format!("pier_acme_on_demand_total{{result=\"{result}\"}}"))
+        .unwrap_or(0.0)
+}
+
+/// On-demand TLS: a name outside the certificates is asked about once; an
+/// approved one is issued during its first handshake (which waits for it)
+/// and served from then on; a refused one, a name that is not a DNS name,
+/// and a new name beyond the rate fail their handshakes, counted.
+#[test]
+fn on_demand_names_are_asked_about_issued_in_their_first_handshake_or_refused() {
+    let port = free_port();
+    let pebble = Pebble::start(port);
+    let origin = Origin::start_named("on-demand");
+    let store = TempDir::new();
+    let (ask, asked) = ask_server();
+    let acme = |rate: u32| {
+        format!(
+            "[listener.tls.acme]\non_demand = true\nask = \"http://{ask}/check\"\non_demand_rate = {rate}\nemail = \"ops@site.test\"\ndirectory = \"{}\"\ndirectory_ca = \"{}\"\nstorage = \"{}\"\n",
+            pebble.directory,
+            pebble.minica.display(),
+            store.path().join("acme").display()
+        )
+    };
+    let cfg = format!(
+        r#"[server]
+workers = 2
+[admin]
+listen = "127.0.0.1:0"
+[log]
+access = "off"
+
+[[listener]]
+name = "main"
+listen = "127.0.0.1:{port}"
+[listener.tls]
+handshake_timeout = "60s"
+{main}
+[[listener]]
+name = "strict"
+listen = "127.0.0.1:0"
+[listener.tls]
+{strict}
+[[route]]
+name = "default"
+upstream = "app"
+
+[upstream.app]
+servers = ["{origin}"]
+"#,
+        main = acme(10),
+        strict = acme(1),
+        origin = origin.addr(),
+    );
+    let pier = pier(&cfg);
+    let asked_n = || asked.lock().unwrap().len();
+    // The first handshake for an approved name waits for its certificate.
+    let out = get_verified("allowed.site.test", port, &pebble.root);
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        pier.logs()
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
+    assert_eq!(orders(&pier, "ok"), 1.0);
+    assert_eq!(on_demand(&pier, "approved"), 1.0);
+    // Asked about once: the next handshake is served from the slot.
+    let out = get_verified("allowed.site.test", port, &pebble.root);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
+    assert_eq!(asked_n(), 1);
+    assert!(store
+        .path()
+        .join("acme/allowed.site.test/cert.pem")
+        .exists());
+
+    // Refused by the ask URL: no certificate, no order.
+    let out = get_verified("denied.site.test", port, &pebble.root);
+    assert!(!out.status.success());
+    assert_eq!(asked_n(), 2);
+    assert_eq!(on_demand(&pier, "refused"), 1.0);
+    // Not a DNS name: refused without asking.
+    let out = get_verified("nodot", port, &pebble.root);
+    assert!(!out.status.success());
+    assert_eq!(asked_n(), 2);
+    assert_eq!(on_demand(&pier, "refused"), 2.0);
+    assert_eq!(orders(&pier, "ok") + orders(&pier, "failed"), 1.0);
+    assert!(
+        pier.metric_value("pier_tls_handshake_failures_total{reason=\"acme_refused\"}")
+            .unwrap_or(0.0)
+            >= 2.0
+    );
+
+    // One new name a minute on "strict": the second, right after the
+    // first, is not even asked about.
+    let strict = pier.listener("strict").port();
+    let out = get_verified("one.site.test", strict, &pebble.root);
+    assert!(!out.status.success());
+    assert_eq!(asked_n(), 3);
+    let out = get_verified("two.site.test", strict, &pebble.root);
+    assert!(!out.status.success());
+    assert_eq!(asked_n(), 3);
+    assert_eq!(on_demand(&pier, "rate_limited"), 1.0);
 }

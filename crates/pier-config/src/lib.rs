@@ -27,7 +27,7 @@ pub use cidr::{denied, normalize};
 pub use error::{ConfigError, ConfigErrors, Location};
 pub use model::*;
 pub use units::{parse_duration, parse_size};
-pub use validate::parse_listen_addr;
+pub use validate::{acme_domain, parse_listen_addr};
 
 use error::{Locator, RawError};
 
@@ -200,6 +200,9 @@ impl Config {
             directory_ca,
             storage,
             renew_before: std::time::Duration::from_secs(30 * 86_400),
+            challenge: AcmeChallenge::TlsAlpn01,
+            ari: true,
+            on_demand: None,
         });
         Ok(t)
     }

@@ -486,6 +486,34 @@ pub struct Acme {
     pub storage: PathBuf,
     /// Renew this long before the certificate expires.
     pub renew_before: Duration,
+    /// How the CA's validation is answered.
+    pub challenge: AcmeChallenge,
+    /// Follow the CA's renewal windows (ARI, RFC 9773) when it offers them.
+    pub ari: bool,
+    /// Names outside `domains` get a certificate at their first handshake,
+    /// if the `ask` URL approves them.
+    pub on_demand: Option<OnDemand>,
+}
+
+/// `challenge` of `[listener.tls.acme]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AcmeChallenge {
+    /// RFC 8737, on the TLS listener itself (port 443).
+    TlsAlpn01,
+    /// RFC 8555 §8.3, `/.well-known/acme-challenge/` on a plain HTTP
+    /// listener (port 80).
+    Http01,
+}
+
+/// `on_demand = true` of `[listener.tls.acme]` (Caddy's on-demand TLS).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OnDemand {
+    /// `http://…`: `GET <ask>?domain=NAME`, a 2xx approves the name.
+    pub ask: String,
+    /// New names (asks) per minute, for the process.
+    pub per_minute: u32,
+    /// Names held at most (each has its certificate and its renewals).
+    pub max: usize,
 }
 
 /// Let's Encrypt's production directory.

@@ -215,12 +215,19 @@ pub struct ListenerTlsSection {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a [listener.tls.acme] table")]
 pub struct AcmeSection {
+    #[serde(default)]
     pub domains: Vec<Spanned<String>>,
     pub email: Option<Spanned<String>>,
     pub directory: Option<Spanned<String>>,
     pub directory_ca: Option<Spanned<String>>,
     pub storage: Option<Spanned<String>>,
     pub renew_before: Option<Spanned<String>>,
+    pub challenge: Option<Spanned<String>>,
+    pub ari: Option<bool>,
+    pub on_demand: Option<bool>,
+    pub ask: Option<Spanned<String>>,
+    pub on_demand_rate: Option<Spanned<i64>>,
+    pub on_demand_max: Option<Spanned<i64>>,
 }
 
 /// `{ cert = "a.pem", key = "a.key" }`.

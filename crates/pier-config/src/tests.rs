@@ -2366,7 +2366,37 @@ fn listener_tls_acme() {
     assert_eq!(a.directory_ca, Some(std::path::PathBuf::from("/ca.pem")));
     assert_eq!(a.storage, std::path::PathBuf::from("/var/lib/pier/acme"));
     assert_eq!(a.renew_before, Duration::from_secs(10 * 86_400));
+    assert_eq!(a.challenge, AcmeChallenge::TlsAlpn01);
+    assert!(a.ari && a.on_demand.is_none());
+    let c = ok(&tls_file(
+        "[listener.tls.acme]\nchallenge = \"http-01\"\nari = false\non_demand = true\nask = \"http://127.0.0.1:5555/check\"\non_demand_rate = 3",
+        "",
+    ));
+    let a = c.listeners[0].tls.as_ref().unwrap().acme.clone().unwrap();
+    assert!(a.domains.is_empty() && !a.ari);
+    assert_eq!(a.challenge, AcmeChallenge::Http01);
+    assert_eq!(
+        a.on_demand,
+        Some(OnDemand {
+            ask: "http://127.0.0.1:5555/check".into(),
+            per_minute: 3,
+            max: 100
+        })
+    );
     for (acme, why) in [
+        (
+            "domains = [\"a.example\"]\nchallenge = \"dns-01\"",
+            "expected \"tls-alpn-01\"",
+        ),
+        ("on_demand = true", "needs `ask"),
+        (
+            "on_demand = true\nask = \"https://x/\"",
+            "expected an http:// URL",
+        ),
+        (
+            "on_demand = true\nask = \"http://x/\"\non_demand_max = 0",
+            "`on_demand_max` must be between",
+        ),
         ("domains = [\"*.example.com\"]", "no wildcards"),
         ("domains = [\"localhost\"]", "expected a DNS name"),
         ("domains = [\"a_b.example\"]", "expected a DNS name"),

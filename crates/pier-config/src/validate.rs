@@ -1606,7 +1606,7 @@ fn listener_acme(c: &mut Check, name: &str, a: &AcmeSection, base: &Path) -> Acm
             Ok(_) => {}
         }
     }
-    if a.domains.is_empty() {
+    if a.domains.is_empty() && a.on_demand != Some(true) {
         c.err(
             None,
             format!(
@@ -1632,7 +1632,46 @@ fn listener_acme(c: &mut Check, name: &str, a: &AcmeSection, base: &Path) -> Acm
         Some(v) => path_of(base, v),
         None => base.join("acme"),
     };
+    let challenge = match a.challenge.as_ref().map(|v| v.get_ref().as_str()) {
+        None | Some("tls-alpn-01") => AcmeChallenge::TlsAlpn01,
+        Some("http-01") => AcmeChallenge::Http01,
+        Some(other) => {
+            c.err(
+                a.challenge.as_ref().and_then(sp),
+                format!("listener `{name}`: acme `challenge` {other:?}: expected \"tls-alpn-01\" or \"http-01\""),
+            );
+            AcmeChallenge::TlsAlpn01
+        }
+    };
+    let on_demand = match (a.on_demand, &a.ask) {
+        (Some(true), Some(ask)) if ask.get_ref().starts_with("http://") => Some(OnDemand {
+            ask: ask.get_ref().clone(),
+            per_minute: c.int(&a.on_demand_rate, "on_demand_rate", 10, 1, 100_000) as u32,
+            max: c.int(&a.on_demand_max, "on_demand_max", 100, 1, 100_000) as usize,
+        }),
+        (Some(true), Some(ask)) => {
+            c.err(
+                sp(ask),
+                format!(
+                    "listener `{name}`: acme `ask` {:?}: expected an http:// URL",
+                    ask.get_ref()
+                ),
+            );
+            None
+        }
+        (Some(true), None) => {
+            c.err(
+                None,
+                format!("listener `{name}`: acme `on_demand = true` needs `ask = \"http://…\"`, the URL that approves each name (anyone can send any SNI)"),
+            );
+            None
+        }
+        _ => None,
+    };
     Acme {
+        challenge,
+        ari: a.ari.unwrap_or(true),
+        on_demand,
         domains,
         email: a.email.as_ref().map(|e| e.get_ref().clone()),
         directory,

@@ -1009,6 +1009,22 @@ async fn route<D: Downstream>(
     {
         return Next::Error(Kind::MethodNotAllowed, walk.body_pending);
     }
+    // An ACME CA's HTTP-01 validation (`challenge = "http-01"`) is answered
+    // ahead of routes and of `redirect_https`, on any Host, as Caddy does.
+    if matches!(m, pier_http::Method::Get | pier_http::Method::Head) {
+        if let Some(key_auth) = pier_tls::managed::http_challenge(sess.up_req.path()) {
+            return Next::Answer(LocalResponse {
+                status: 200,
+                headers: vec![(
+                    b"Content-Type".to_vec(),
+                    b"application/octet-stream".to_vec(),
+                )],
+                body: key_auth.into_bytes(),
+                reason: "acme-http-01",
+                kind: None,
+            });
+        }
+    }
     if let Some(r) = sess
         .conn
         .listener

@@ -208,8 +208,8 @@ impl State {
                 Some(t) => ServerTls::build(&l.name, t).map(|s| {
                     // `[listener.tls.acme]`: the stored certificate now, a
                     // manager to obtain and renew it.
-                    if let (Some(slot), Some(acme)) = (s.managed(), &t.acme) {
-                        pier_acme::manage(slot, acme);
+                    if let Some(acme) = &t.acme {
+                        pier_acme::manage_listener(&s, acme);
                     }
                     Some(Arc::new(s))
                 }),

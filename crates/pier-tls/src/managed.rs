@@ -7,7 +7,9 @@
 use arc_swap::ArcSwapOption;
 use rustls::sign::CertifiedKey;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// One listener's managed certificate: empty until the first is issued
@@ -18,6 +20,10 @@ pub struct Managed {
     current: ArcSwapOption<CertifiedKey>,
     /// notAfter of the current certificate, Unix seconds (0: none).
     not_after: AtomicI64,
+    /// Orders for these names that failed, and the handshakes waiting for
+    /// the first certificate (on-demand names) woken by either outcome.
+    failures: AtomicU64,
+    ready: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Managed {
@@ -65,6 +71,14 @@ pub(crate) fn render(out: &mut String) {
         }
     }
     drop(all);
+    out.push_str("# TYPE pier_acme_on_demand_total counter\n");
+    for (name, c) in ON_DEMAND_RESULTS.iter().zip(&ON_DEMAND) {
+        let _ = writeln!(
+            out,
+            "pier_acme_on_demand_total{{result=\"{name}\"}} {}",
+            c.load(Relaxed)
+        );
+    }
     out.push_str("# TYPE pier_acme_certificate_expiry_seconds gauge\n");
     for (name, t) in seen {
         let _ = writeln!(
@@ -80,6 +94,8 @@ impl Managed {
             domains,
             current: ArcSwapOption::empty(),
             not_after: AtomicI64::new(0),
+            failures: AtomicU64::new(0),
+            ready: tokio::sync::Notify::new(),
         });
         let mut all = ALL.lock().unwrap_or_else(|e| e.into_inner());
         all.retain(|w| w.strong_count() > 0);
@@ -91,6 +107,32 @@ impl Managed {
     pub fn set(&self, ck: Arc<CertifiedKey>, not_after: i64) {
         self.current.store(Some(ck));
         self.not_after.store(not_after, Relaxed);
+        self.ready.notify_waiters();
+    }
+
+    /// An order for these names failed (`pier-acme` calls it).
+    pub fn failed(&self) {
+        self.failures.fetch_add(1, Relaxed);
+        self.ready.notify_waiters();
+    }
+
+    /// The certificate, once there is one: `None` if the order for it
+    /// failed (now or before: a name in backoff does not hold handshakes).
+    /// The caller bounds the wait (the handshake's timeout).
+    pub async fn wait(&self) -> Option<Arc<CertifiedKey>> {
+        loop {
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            // Registered before the checks, so a `set` between them wakes it.
+            notified.as_mut().enable();
+            if let Some(ck) = self.get() {
+                return Some(ck);
+            }
+            if self.failures.load(Relaxed) > 0 {
+                return None;
+            }
+            notified.await;
+        }
     }
 
     pub fn get(&self) -> Option<Arc<CertifiedKey>> {
@@ -101,6 +143,82 @@ impl Managed {
     pub fn not_after(&self) -> i64 {
         self.not_after.load(Relaxed)
     }
+}
+
+/// Names outside a listener's `domains` asked for by a ClientHello
+/// (`on_demand = true`): `pier-acme` approves them (the `ask` URL, the
+/// rate) and orders their certificates.
+pub trait OnDemand: Send + Sync {
+    /// The slot serving `name` (lower-case, without a trailing dot), or
+    /// `None` if it is not to have one.
+    fn slot<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> Pin<Box<dyn Future<Output = Option<Arc<Managed>>> + Send + 'a>>;
+}
+
+/// What became of on-demand names: `approved`, `refused` (by the ask URL,
+/// or not a DNS name), `rate_limited`, `full` (`on_demand_max` held),
+/// `ask_failed` (the URL did not answer).
+pub const ON_DEMAND_RESULTS: [&str; 5] =
+    ["approved", "refused", "rate_limited", "full", "ask_failed"];
+
+static ON_DEMAND: [AtomicU64; 5] = [
+    AtomicU64::new(0),
+    AtomicU64::new(0),
+    AtomicU64::new(0),
+    AtomicU64::new(0),
+    AtomicU64::new(0),
+];
+
+/// Count an on-demand decision, by its index in [`ON_DEMAND_RESULTS`].
+pub fn count_on_demand(result: usize) {
+    if let Some(c) = ON_DEMAND.get(result) {
+        c.fetch_add(1, Relaxed);
+    }
+}
+
+/// HTTP-01 answers (RFC 8555 §8.3): token → key authorization.
+fn http_challenges() -> &'static Mutex<HashMap<String, String>> {
+    static C: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
+    C.get_or_init(Default::default)
+}
+
+/// How many HTTP-01 answers are up: the request path reads this one
+/// atomic, not the lock, while no order runs.
+static HTTP_PENDING: AtomicUsize = AtomicUsize::new(0);
+
+/// The prefix of HTTP-01 validation requests.
+pub const HTTP_CHALLENGE_PREFIX: &[u8] = b"/.well-known/acme-challenge/";
+
+/// Answer `GET /.well-known/acme-challenge/<token>` with `key_authorization`
+/// on every plain HTTP listener until [`remove_http_challenge`].
+pub fn add_http_challenge(token: &str, key_authorization: &str) {
+    let mut g = http_challenges().lock().unwrap_or_else(|e| e.into_inner());
+    g.insert(token.to_string(), key_authorization.to_string());
+    HTTP_PENDING.store(g.len(), Relaxed);
+}
+
+pub fn remove_http_challenge(token: &str) {
+    let mut g = http_challenges().lock().unwrap_or_else(|e| e.into_inner());
+    g.remove(token);
+    HTTP_PENDING.store(g.len(), Relaxed);
+}
+
+/// The key authorization for a request to `path`, if it is an HTTP-01
+/// validation of an order in progress. Any Host: the token alone names it
+/// (random, and what it answers is public once asked for).
+pub fn http_challenge(path: &[u8]) -> Option<String> {
+    let token = path.strip_prefix(HTTP_CHALLENGE_PREFIX)?;
+    if HTTP_PENDING.load(Relaxed) == 0 {
+        return None;
+    }
+    let token = std::str::from_utf8(token).ok()?;
+    http_challenges()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(token)
+        .cloned()
 }
 
 /// The ALPN protocol of TLS-ALPN-01 validations.

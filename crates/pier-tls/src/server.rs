@@ -108,7 +108,7 @@ impl ResolvesServerCert for Sni {
     }
 }
 
-/// The one certificate of a TLS-ALPN-01 answer.
+/// The one certificate of a TLS-ALPN-01 answer, or of an on-demand name.
 #[derive(Debug)]
 struct Fixed(Arc<CertifiedKey>);
 
@@ -149,6 +149,9 @@ pub struct ServerTls {
     max_pending_hellos: usize,
     /// Connections waiting for (the rest of) their ClientHello.
     pending_hellos: AtomicUsize,
+    /// `on_demand = true`: certificates for names the ClientHello asks
+    /// for, set once by `pier-acme` after the build.
+    on_demand: OnceLock<Arc<dyn managed::OnDemand>>,
 }
 
 impl std::fmt::Debug for ServerTls {
@@ -260,6 +263,7 @@ impl ServerTls {
             in_progress: AtomicUsize::new(0),
             max_pending_hellos: cfg.max_pending_hellos,
             pending_hellos: AtomicUsize::new(0),
+            on_demand: OnceLock::new(),
         })
     }
 
@@ -279,6 +283,12 @@ impl ServerTls {
     /// The slot of `[listener.tls.acme]`'s certificate, if it has one.
     pub fn managed(&self) -> Option<&Arc<Managed>> {
         self.managed.as_ref()
+    }
+
+    /// Serve names outside the certificates through `issuer` (once; a
+    /// second call is ignored).
+    pub fn set_on_demand(&self, issuer: Arc<dyn managed::OnDemand>) {
+        let _ = self.on_demand.set(issuer);
     }
 
     /// Whether `max_pending_hellos` connections already wait for their
@@ -331,7 +341,28 @@ impl ServerTls {
         if let Some(ck) = managed::challenge_for(&start.client_hello()) {
             return self.answer_challenge(start, ck).await;
         }
-        if self.refuse_unknown {
+        // An on-demand name: its certificate (ordered at its first
+        // handshake, which waits for it within `handshake_timeout`), served
+        // through this listener's config with only the resolver replaced.
+        let mut config = None;
+        if let Some(od) = self.on_demand.get() {
+            let name = start
+                .client_hello()
+                .server_name()
+                .filter(|n| !self.sni.known(n))
+                .map(|n| n.trim_end_matches('.').to_ascii_lowercase());
+            if let Some(name) = name {
+                let ck = match od.slot(&name).await {
+                    Some(slot) => slot.wait().await,
+                    None => None,
+                };
+                let ck = ck.ok_or(Failure::AcmeRefused)?;
+                let mut c = (*self.config).clone();
+                c.cert_resolver = Arc::new(Fixed(ck));
+                config = Some(Arc::new(c));
+            }
+        }
+        if self.refuse_unknown && config.is_none() {
             if let Some(name) = start.client_hello().server_name() {
                 if !self.sni.known(name) {
                     return Err(Failure::UnknownSni);
@@ -344,7 +375,7 @@ impl ServerTls {
             return Err(Failure::Overload);
         }
         let stream = start
-            .into_stream(self.config.clone())
+            .into_stream(config.unwrap_or_else(|| self.config.clone()))
             .await
             .map_err(|e| Failure::of(&e))?;
         let info = info_of(stream.get_ref().1);

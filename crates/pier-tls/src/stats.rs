@@ -31,10 +31,14 @@ pub enum Failure {
     /// Not a failure: an ACME CA's TLS-ALPN-01 validation (RFC 8737), answered
     /// with the challenge certificate, after which the connection closes.
     AcmeChallenge,
+    /// A name outside the certificates, with `on_demand = true`, that was
+    /// not approved (the ask URL, the rate, `on_demand_max`) or whose
+    /// certificate could not be obtained.
+    AcmeRefused,
 }
 
 impl Failure {
-    pub const ALL: [Failure; 10] = [
+    pub const ALL: [Failure; 11] = [
         Failure::NoSharedCipher,
         Failure::UnknownSni,
         Failure::BadClientCert,
@@ -45,6 +49,7 @@ impl Failure {
         Failure::Evicted,
         Failure::Other,
         Failure::AcmeChallenge,
+        Failure::AcmeRefused,
     ];
     pub fn label(self) -> &'static str {
         match self {
@@ -58,6 +63,7 @@ impl Failure {
             Failure::Evicted => "evicted",
             Failure::Other => "other",
             Failure::AcmeChallenge => "acme_challenge",
+            Failure::AcmeRefused => "acme_refused",
         }
     }
 
@@ -88,7 +94,7 @@ const ALPNS: [&str; 3] = ["none", "http/1.1", "h2"];
 pub struct Stats {
     /// [version][alpn][resumed]
     ok: [[[AtomicU64; 2]; 3]; 2],
-    failed: [AtomicU64; 10],
+    failed: [AtomicU64; Failure::ALL.len()],
     /// Upstream handshakes: [ok, failed, resumed].
     upstream: [AtomicU64; 3],
 }
@@ -102,7 +108,7 @@ const Z32: [[AtomicU64; 2]; 3] = [Z2; 3];
 
 static STATS: Stats = Stats {
     ok: [Z32; 2],
-    failed: [Z; 10],
+    failed: [Z; Failure::ALL.len()],
     upstream: [Z; 3],
 };
 
