@@ -350,7 +350,9 @@ fn send_proxy_protocol_names_each_client_to_haproxy() {
     let cert = ca.server("site", &["site.test"], Alg::EcdsaP256, 30);
     for version in ["v2", "v1"] {
         let cfg = format!(
-            r#"[log]
+            r#"[admin]
+listen = "127.0.0.1:0"
+[log]
 access = "off"
 
 [[listener]]
@@ -371,6 +373,7 @@ upstream = "app"
 [upstream.app]
 servers = ["{haproxy}"]
 send_proxy_protocol = "{version}"
+pool_idle_per_server = 3
 [upstream.app.health_check]
 type = "http"
 path = "/healthz"
@@ -418,6 +421,17 @@ interval = "100ms"
             Some(b.local_addr().to_string().as_str()),
             "{version}: a connection named for one client went to another: {other}"
         );
+        // Clients that come and go each leave a private connection idle;
+        // together they stay within the server's one bound, however many
+        // clients (each its own pool key) there were.
+        drop((a, b));
+        for _ in 0..12 {
+            let mut c = RawConn::connect(main);
+            let r = c.get("/headers").unwrap();
+            assert_eq!(r.status, 200);
+        }
+        let idle = p.metric_value("pier_upstream_idle_connections").unwrap();
+        assert!(idle <= 3.0, "{version}: {idle} idle private connections");
         // Over TLS, v2 names the server name the client asked for.
         if version == "v2" {
             let tls = p.listener("tls");

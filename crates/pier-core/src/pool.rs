@@ -21,7 +21,9 @@ use std::collections::HashMap;
 
 /// The pool's maps are looked up twice a request (take and put): foldhash,
 /// not SipHash (which cost ~1,200 instructions a request here). Keys are the
-/// configured origins, not chosen by clients, so flooding is not a concern.
+/// configured origins, not chosen by clients, so flooding is not a concern;
+/// private keys (a PROXY header per client connection) are, but they share
+/// their server's `max_idle_per_server`, so there are never more of them.
 type Map<V> = HashMap<PeerKey, V, foldhash::fast::RandomState>;
 use std::pin::pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -121,13 +123,19 @@ impl Pool {
                     let Some(stack) = map.get_mut(key) else {
                         break;
                     };
-                    match stack.idle.pop() {
+                    let idle = match stack.idle.pop() {
                         Some(i) => {
                             stack.count.fetch_sub(1, Relaxed);
                             i
                         }
                         None => break,
+                    };
+                    // A client's private stack goes with its last connection
+                    // (shared ones stay for the next put, until a sweep).
+                    if key.proxy.is_some() && stack.idle.is_empty() {
+                        map.remove(key);
                     }
+                    idle
                 };
                 self.idle_total.fetch_sub(1, Relaxed);
                 // The worker's last clock read: a connection may look up to
@@ -155,15 +163,54 @@ impl Pool {
         }
         let evicted = {
             let mut map = self.workers[worker % self.workers.len()].map.lock();
-            let stack = match map.get_mut(key) {
-                Some(s) => s,
-                None => {
-                    let count = self.counts.lock().entry(key.clone()).or_default().clone();
-                    map.entry(key.clone()).or_insert(Stack {
+            if !map.contains_key(key) {
+                // A private connection (`send_proxy_protocol`: its key names
+                // one client connection) counts against its server's budget,
+                // not a budget of its own: keys chosen by clients must not
+                // multiply the bound.
+                let budget = PeerKey {
+                    proxy: None,
+                    ..key.clone()
+                };
+                let count = self.counts.lock().entry(budget).or_default().clone();
+                map.insert(
+                    key.clone(),
+                    Stack {
                         idle: Vec::new(),
                         count,
+                    },
+                );
+            }
+            let full = map
+                .get(key)
+                .is_some_and(|s| s.idle.is_empty() && s.count.load(Relaxed) >= max);
+            if full && key.proxy.is_some() {
+                // The budget full of other clients' private connections:
+                // this worker's oldest of them gives way, so clients gone
+                // since do not hold the budget until `idle_timeout`.
+                let victim = map
+                    .iter()
+                    .filter(|(k, s)| {
+                        k.proxy.is_some() && k.addr == key.addr && *k != key && !s.idle.is_empty()
                     })
+                    .min_by_key(|(_, s)| s.idle[0].since)
+                    .map(|(k, _)| k.clone());
+                if let Some(v) = victim {
+                    let old = map.get_mut(&v).map(|s| s.idle.remove(0));
+                    if let Some(s) = map.get_mut(key) {
+                        s.idle.push(Idle {
+                            stream,
+                            since: pier_clock::recent(),
+                        });
+                    }
+                    map.retain(|_, s| !s.idle.is_empty());
+                    drop(map);
+                    drop(old); // closed outside the lock
+                    return;
                 }
+            }
+            let Some(stack) = map.get_mut(key) else {
+                return;
             };
             if stack.count.fetch_add(1, Relaxed) < max {
                 self.idle_total.fetch_add(1, Relaxed);
@@ -304,6 +351,52 @@ mod tests {
             let c = pool.take(&key, 1).expect("worker 0's connection, stolen");
             pool.put(&key, 1, c);
             assert_eq!(pool.idle_count(), 1);
+        });
+    }
+
+    #[test]
+    fn private_connections_share_their_servers_bound() {
+        rt().block_on(async {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            let private = |client: u8| PeerKey {
+                proxy: Some(Arc::from(vec![client; 16])),
+                ..PeerKey::plain(addr)
+            };
+            let pool = Pool::new(PoolConfig {
+                workers: 1,
+                max_idle_per_server: 2,
+                idle_timeout: Duration::from_secs(5),
+            });
+            let mut keep = Vec::new();
+            // Ten clients, one connection each: two kept, the newest.
+            for client in 0..10u8 {
+                let c = TcpStream::connect(addr).await.unwrap();
+                keep.push(l.accept().await.unwrap().0);
+                // Each put stamped after the last (as a worker's clock read
+                // per request does).
+                std::thread::sleep(Duration::from_millis(1));
+                pier_clock::now();
+                pool.put(&private(client), 0, Conn::Tcp(c));
+                assert!(pool.idle_count() <= 2, "client {client}: over the bound");
+            }
+            assert_eq!(pool.idle_count(), 2);
+            assert!(pool.take(&private(0), 0).is_none(), "the oldest gave way");
+            assert!(pool.take(&private(9), 0).is_some(), "the newest kept");
+            assert!(pool.take(&private(8), 0).is_some());
+            assert_eq!(pool.idle_count(), 0);
+            assert_eq!(
+                pool.workers[0].map.lock().len(),
+                0,
+                "no stack per gone client"
+            );
+            // A client's own connection is its own only.
+            let c = TcpStream::connect(addr).await.unwrap();
+            keep.push(l.accept().await.unwrap().0);
+            pool.put(&private(1), 0, Conn::Tcp(c));
+            assert!(pool.take(&private(2), 0).is_none());
+            assert!(pool.take(&PeerKey::plain(addr), 0).is_none());
+            assert!(pool.take(&private(1), 0).is_some());
         });
     }
 
