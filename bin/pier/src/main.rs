@@ -977,6 +977,11 @@ async fn drain_and_exit(shared: &Arc<Shared>, grace: Duration) -> ExitCode {
         // Writes the minutes still open: a restart keeps them.
         a.stop();
     }
+    // The spans of the last requests go to the collector (a second at most:
+    // a collector that is down must not hold the exit).
+    if let Some(t) = shared.state.load().tracer.clone() {
+        let _ = tokio::task::spawn_blocking(move || t.flush(Duration::from_secs(1))).await;
+    }
     ExitCode::SUCCESS
 }
 

@@ -754,6 +754,7 @@ pub fn render_metrics(shared: &Shared) -> String {
         }
     }
     pier_tls::stats::stats().render(&mut out);
+    pier_trace::export::render(&mut out);
     out.push_str("# HELP pier_proxy_protocol_total Connections on proxy_protocol listeners, by what their PROXY header did: ok (a client named), local (the balancer's own), untrusted (not from trusted_proxies: closed), invalid, timeout.\n# TYPE pier_proxy_protocol_total counter\n");
     for (i, r) in pier_proxy::proxy_protocol::RESULTS.iter().enumerate() {
         let n = pier_proxy::proxy_protocol::COUNTS[i].load(std::sync::atomic::Ordering::Relaxed);

@@ -316,6 +316,7 @@ impl Config {
                 cors: None,
                 cache: None,
                 compress: None,
+                trace_sample: None,
             }],
             upstreams: [("default".to_string(), upstream)].into_iter().collect(),
             limits: Limits::default(),
@@ -333,6 +334,7 @@ impl Config {
             http2: Http2::default(),
             caches: Vec::new(),
             resolver: Resolver::default(),
+            tracing: None,
         }
     }
 }

@@ -62,6 +62,20 @@ pub struct Config {
     pub caches: Vec<CacheZone>,
     /// `[resolver]`: re-resolution of upstream host names.
     pub resolver: Resolver,
+    /// `[tracing]`: None = off (no trace context read or written).
+    pub tracing: Option<Tracing>,
+}
+
+/// `[tracing]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tracing {
+    /// Where spans go: OTLP/HTTP (`http://HOST:4318/v1/traces`).
+    pub endpoint: String,
+    /// The ratio of root requests (no sampled parent) that are sampled.
+    pub sample: f64,
+    pub service_name: String,
+    /// Spans waiting for export at most; past it they are dropped, counted.
+    pub queue: usize,
 }
 
 /// Credentials the admin endpoint asks for (it shows client addresses),
@@ -593,6 +607,9 @@ pub struct Route {
     pub cache: Option<RouteCache>,
     /// `[route.compress]`.
     pub compress: Option<Compress>,
+    /// `[route.tracing] sample`: this route's root sampling ratio instead
+    /// of `[tracing] sample`.
+    pub trace_sample: Option<f64>,
 }
 
 /// `[route.cors]`.

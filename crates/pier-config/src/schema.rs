@@ -143,6 +143,23 @@ pub struct ResolverSection {
     pub timeout: Option<Spanned<String>>,
 }
 
+/// `[tracing]`: W3C trace context and OpenTelemetry spans over OTLP.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [tracing] table")]
+pub struct TracingSection {
+    pub endpoint: Option<Spanned<String>>,
+    pub sample: Option<Spanned<f64>>,
+    pub service_name: Option<Spanned<String>>,
+    pub queue: Option<Spanned<i64>>,
+}
+
+/// `[route.tracing]`: the route's own root sampling ratio.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [route.tracing] table")]
+pub struct RouteTracingSection {
+    pub sample: Option<Spanned<f64>>,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a [demo] table")]
 pub struct DemoSection {
@@ -272,6 +289,7 @@ pub struct RouteEntry {
     pub cors: Option<CorsSection>,
     pub cache: Option<RouteCacheSection>,
     pub compress: Option<CompressSection>,
+    pub tracing: Option<RouteTracingSection>,
 }
 
 /// `[route.compress]`: gzip, brotli and zstd by Accept-Encoding.
@@ -630,6 +648,7 @@ pub const SECTIONS: &[&str] = &[
     "limit",
     "cache",
     "analytics",
+    "tracing",
 ];
 
 /// A `[upstream.NAME]` entry: its name (with the key's span) and its body,
@@ -654,6 +673,7 @@ pub struct RawFile {
     pub http2: Option<Http2Section>,
     pub security: Option<SecuritySection>,
     pub resolver: Option<ResolverSection>,
+    pub tracing: Option<TracingSection>,
     pub demo: Option<DemoSection>,
     pub lua: Option<LuaSection>,
     /// Entries that deserialized; `listener_count` counts all of them, so
@@ -694,6 +714,7 @@ pub(crate) fn parse(text: &str) -> Result<(RawFile, Vec<RawError>), RawError> {
             "http2" => file.http2 = section(item, span, &mut errors),
             "security" => file.security = section(item, span, &mut errors),
             "resolver" => file.resolver = section(item, span, &mut errors),
+            "tracing" => file.tracing = section(item, span, &mut errors),
             "demo" => file.demo = section(item, span, &mut errors),
             "lua" => file.lua = section(item, span, &mut errors),
             "limit" => {

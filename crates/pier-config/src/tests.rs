@@ -1017,6 +1017,7 @@ fn documented_tables() -> Vec<(&'static str, Vec<&'static str>)> {
         ("## `[http2]`", fields_of::<Http2Section>()),
         ("## `[security]`", fields_of::<SecuritySection>()),
         ("## `[resolver]`", fields_of::<ResolverSection>()),
+        ("## `[tracing]`", fields_of::<TracingSection>()),
         ("## `[demo]`", fields_of::<DemoSection>()),
         ("## `[[listener]]`", fields_of::<ListenerEntry>()),
         ("### `[listener.tls]`", fields_of::<ListenerTlsSection>()),
@@ -1032,6 +1033,7 @@ fn documented_tables() -> Vec<(&'static str, Vec<&'static str>)> {
         ("### `[route.cache]`", fields_of::<RouteCacheSection>()),
         ("### `[route.cache.key]`", fields_of::<CacheKeySection>()),
         ("### `[route.compress]`", fields_of::<CompressSection>()),
+        ("### `[route.tracing]`", fields_of::<RouteTracingSection>()),
         ("## `[cache.NAME]`", fields_of::<CacheZoneSection>()),
         (
             "### `[route.headers]` and `[upstream.NAME.headers]`",
@@ -2409,6 +2411,38 @@ fn listener_tls_acme() {
     ] {
         let e = errors(&tls_file(&format!("[listener.tls.acme]\n{acme}"), ""));
         assert!(e.len() == 1 && e[0].contains(why), "{acme}: {e:?}");
+    }
+}
+
+#[test]
+fn tracing_section() {
+    let c = ok("[tracing]\nendpoint = \"http://127.0.0.1:4318/v1/traces\"\nsample = 0.01\nservice_name = \"edge\"\n[[listener]]\nlisten = \"127.0.0.1:0\"\n[[route]]\nupstream = \"a\"\n[route.tracing]\nsample = 0.5\n[upstream.a]\nservers = [\"127.0.0.1:1\"]\n");
+    let t = c.tracing.clone().unwrap();
+    assert_eq!(t.endpoint, "http://127.0.0.1:4318/v1/traces");
+    assert_eq!(
+        (t.sample, t.service_name.as_str(), t.queue),
+        (0.01, "edge", 8192)
+    );
+    assert_eq!(c.routes[0].trace_sample, Some(0.5));
+    for (t, why) in [
+        ("", "needs `endpoint"),
+        ("endpoint = \"grpc://127.0.0.1:4317\"", "not built yet"),
+        (
+            "endpoint = \"https://x/v1/traces\"",
+            "expected an http:// URL",
+        ),
+        (
+            "endpoint = \"http://x/\"\nsample = 1.5",
+            "between 0.0 and 1.0",
+        ),
+        (
+            "endpoint = \"http://x/\"\nqueue = 0",
+            "`queue` must be between",
+        ),
+        ("endpoint = \"http://x/\"\nratio = 1", "unknown field"),
+    ] {
+        let e = errors(&format!("[tracing]\n{t}\n[[listener]]\nlisten = \"127.0.0.1:0\"\n[[route]]\nupstream = \"a\"\n[upstream.a]\nservers = [\"127.0.0.1:1\"]\n"));
+        assert!(e.len() == 1 && e[0].contains(why), "{t}: {e:?}");
     }
 }
 

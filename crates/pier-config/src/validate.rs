@@ -315,6 +315,7 @@ pub(crate) fn validate(
     let lua = lua_config(&mut c, file.lua.unwrap_or_default(), base);
 
     let resolver = resolver(&mut c, file.resolver.unwrap_or_default());
+    let tracing = file.tracing.as_ref().and_then(|t| tracing_of(&mut c, t));
     let mut deny_origins = Vec::new();
     for v in file
         .security
@@ -579,6 +580,7 @@ pub(crate) fn validate(
         http2,
         caches,
         resolver,
+        tracing,
         admin_auth,
         admin_tls,
         analytics,
@@ -1239,7 +1241,73 @@ fn route(
         cors,
         cache: None,
         compress,
+        trace_sample: r
+            .tracing
+            .as_ref()
+            .and_then(|t| t.sample.as_ref())
+            .map(|v| ratio(c, v, "route.tracing.sample")),
     }
+}
+
+/// A sampling ratio, 0.0..=1.0.
+fn ratio(c: &mut Check, v: &Spanned<f64>, key: &str) -> f64 {
+    let x = *v.get_ref();
+    if !(0.0..=1.0).contains(&x) {
+        c.err(
+            sp(v),
+            format!("`{key}` must be between 0.0 and 1.0, got {x}"),
+        );
+        return 0.0;
+    }
+    x
+}
+
+/// `[tracing]`.
+fn tracing_of(c: &mut Check, t: &TracingSection) -> Option<Tracing> {
+    let endpoint = match &t.endpoint {
+        None => {
+            c.err(
+                None,
+                "[tracing] needs `endpoint = \"http://HOST:4318/v1/traces\"` (OTLP/HTTP)",
+            );
+            return None;
+        }
+        Some(v) if v.get_ref().starts_with("http://") => v.get_ref().clone(),
+        Some(v) if v.get_ref().starts_with("grpc://") => {
+            c.err(
+                sp(v),
+                format!(
+                    "[tracing] `endpoint` {:?}: OTLP/gRPC is not built yet; use OTLP/HTTP, `http://HOST:4318/v1/traces`",
+                    v.get_ref()
+                ),
+            );
+            return None;
+        }
+        Some(v) => {
+            c.err(
+                sp(v),
+                format!(
+                    "[tracing] `endpoint` {:?}: expected an http:// URL (`http://HOST:4318/v1/traces`)",
+                    v.get_ref()
+                ),
+            );
+            return None;
+        }
+    };
+    Some(Tracing {
+        endpoint,
+        sample: t
+            .sample
+            .as_ref()
+            .map(|v| ratio(c, v, "sample"))
+            .unwrap_or(1.0),
+        service_name: t
+            .service_name
+            .as_ref()
+            .map(|v| v.get_ref().clone())
+            .unwrap_or_else(|| "pier".to_string()),
+        queue: c.int(&t.queue, "queue", 8192, 1, 1 << 24) as usize,
+    })
 }
 
 /// `[route.compress]`.

@@ -38,6 +38,10 @@ pub struct AccessRecord<'a> {
     /// `$upstream_cache_status`); "" on a route without a cache, and then
     /// not written.
     pub cache: &'a str,
+    /// `[tracing]`: the request's trace and server span ids (hex); ""
+    /// without tracing, and then not written.
+    pub trace_id: &'a [u8],
+    pub span_id: &'a [u8],
 }
 
 /// TLS fields of an access record (logged as a `"tls"` object).
@@ -215,6 +219,13 @@ fn write_record(b: &mut Vec<u8>, r: &AccessRecord<'_>) {
         escape(b, r.cache.as_bytes());
         b.push(b'"');
     }
+    if !r.trace_id.is_empty() {
+        b.extend_from_slice(b",\"trace_id\":\"");
+        escape(b, r.trace_id);
+        b.extend_from_slice(b"\",\"span_id\":\"");
+        escape(b, r.span_id);
+        b.push(b'"');
+    }
     if let Some(t) = &r.tls {
         for (k, v) in [
             (&b",\"tls\":{\"version\":\""[..], t.version),
@@ -274,6 +285,8 @@ mod tests {
                 tls: None,
                 peer: b"",
                 cache: "",
+                trace_id: b"",
+                span_id: b"",
             },
         );
         let s = String::from_utf8(b).unwrap();
@@ -301,6 +314,8 @@ mod tests {
                 tls: None,
                 peer: b"",
                 cache: "HIT",
+                trace_id: b"",
+                span_id: b"",
             },
         );
         assert!(String::from_utf8(b)

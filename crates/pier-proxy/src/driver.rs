@@ -484,7 +484,8 @@ async fn serve_request<P: Phases, S: Stream>(
         }
     };
     drop(active);
-    finish(w, state, sess, sess.route);
+    let route = sess.route;
+    finish(w, state, sess, route);
     keep && !*drain.borrow()
 }
 
@@ -556,11 +557,12 @@ pub(crate) async fn serve_stream<P: Phases, D: Downstream>(
     match made {
         Ok(()) => {
             run_guarded(w, &state, &mut down, &mut work, &mut sess).await;
-            finish(w, &state, &sess, sess.route);
+            let route = sess.route;
+            finish(w, &state, &mut sess, route);
         }
         Err(kind) => {
             answer_error(w, &state, &mut down, &mut work, &mut sess, kind).await;
-            finish(w, &state, &sess, None);
+            finish(w, &state, &mut sess, None);
         }
     }
     work.release(&mut sess, &w.bufs);
@@ -630,7 +632,8 @@ fn spawn_refresh<P: Phases>(
         let mut down = crate::cache::NullDownstream::default();
         s.begin(pier_http::date::now_ns());
         run_guarded(&w, &state, &mut down, &mut work, &mut s).await;
-        finish(&w, &state, &s, s.route);
+        let route = s.route;
+        finish(&w, &state, &mut s, route);
         work.release(&mut s, &w.bufs);
     });
 }
@@ -683,13 +686,15 @@ impl<F: Future + Unpin> Future for CatchUnwind<F> {
 pub(crate) fn finish<P: Phases>(
     w: &Worker<P>,
     state: &State,
-    sess: &Session,
+    sess: &mut Session,
     route: Option<usize>,
 ) {
     // The request's second (and last) precise clock read.
     let dur_us = pier_clock::now()
         .saturating_duration_since(sess.started)
         .as_micros() as u64;
+    crate::trace::finish(state, sess, route, dur_us);
+    let sess = &*sess;
     let metric = route
         .map(|r| state.routes[r].metric)
         .unwrap_or(pier_log::metrics::MAX_ROUTES - 1);
@@ -708,6 +713,7 @@ pub(crate) fn finish<P: Phases>(
         let mut up = [0u8; 64];
         let up_len = sess.upstream.map(|a| fmt_addr(&mut up, a)).unwrap_or(0);
         let mut peer = [0u8; 64];
+        let trace = crate::trace::of(sess).map(|t| (t.ctx.trace_hex(), t.ctx.span_hex()));
         let peer_len = if sess.client != sess.peer {
             fmt_addr(&mut peer, sess.peer)
         } else {
@@ -735,6 +741,8 @@ pub(crate) fn finish<P: Phases>(
             }),
             peer: &peer[..peer_len],
             cache: sess.cache.as_str(),
+            trace_id: trace.as_ref().map_or(&b""[..], |t| &t.0[..]),
+            span_id: trace.as_ref().map_or(&b""[..], |t| &t.1[..]),
         });
         if dropped > 0 {
             w.shared.metrics.log_dropped(dropped);
@@ -1034,9 +1042,11 @@ async fn route<D: Downstream>(
         return Next::Answer(https_redirect(sess, r));
     }
     let Some(route) = state.match_route(sess.up_req.host(), sess.up_req.path()) else {
+        crate::trace::start(state, sess);
         return Next::Error(Kind::NoRoute, walk.body_pending);
     };
     sess.route = Some(route);
+    crate::trace::start(state, sess);
     walk.route = route;
     let rc = &state.cfg.routes[route];
     if let Some(cors) = &rc.cors {
@@ -1255,6 +1265,7 @@ async fn connect<P: Phases, D: Downstream>(
         ubuf: &mut b.ubuf,
         head: &mut b.head,
     };
+    crate::trace::begin_attempt(sess, addr, walk.attempt);
     let res =
         match crate::upstream::connect(w, state, sess, addr, walk.stale_retry_used, bufs).await {
             Ok(up) => {
@@ -1274,6 +1285,10 @@ async fn connect<P: Phases, D: Downstream>(
             Err(e) => Err(e),
         };
     drop(inflight);
+    if sess.trace.is_some() {
+        let failed = res.as_ref().err().map(|e| e.kind.reason());
+        crate::trace::end_attempt(sess, failed);
+    }
     match res {
         Ok(keep) => {
             if let Some(i) = idx {
@@ -1655,6 +1670,9 @@ impl<P: Phases, D: Downstream> crate::upstream::OnSession for Attempt<'_, P, D> 
             inflight,
         } = self;
         w.shared.metrics.pool(up.reused());
+        if sess.trace.is_some() {
+            crate::trace::attempt_reused(sess, up.reused());
+        }
         sess.step = Step::Send;
         let bodiless = crate::forward::body(sess) == BodyLen::None;
         let (mut src, mut body_snk) = up.send(&Outgoing::new(state, sess, addr)).await?;

@@ -68,7 +68,14 @@ impl UpstreamRequest for Outgoing<'_> {
     /// authority is written on its own, [`Self::client_authority`]).
     #[inline]
     fn keeps(&self, k: Known, name: &[u8]) -> bool {
-        k != known::HOST && keep_field(k, name, self.trusted, self.state.cfg.forwarded)
+        k != known::HOST
+            && keep_field(k, name, self.trusted, self.state.cfg.forwarded)
+            // With tracing on, the attempt's own `traceparent` replaces it.
+            && !(k == known::UNKNOWN
+                && name.len() == 11
+                && self.sess.trace.is_some()
+                && name.eq_ignore_ascii_case(b"traceparent")
+                && crate::trace::of(self.sess).is_some())
     }
 
     /// The authority the request carries when it is the client's (its Host,
@@ -129,6 +136,9 @@ impl UpstreamRequest for Outgoing<'_> {
         }
         if self.state.cfg.forwarded {
             w.composed(b"Forwarded", |out| forwarded(out, sess, trusted));
+        }
+        if let Some(t) = crate::trace::of(sess) {
+            w.field(b"traceparent", &t.header);
         }
     }
 }

@@ -67,6 +67,9 @@ pub struct Session {
     pub grpc_web: Option<pier_grpc::web::Form>,
     /// What the cache step did with the request (analytics events).
     pub cache: CacheResult,
+    /// `[tracing]`: the request's trace context and spans (kept for the
+    /// connection's next request).
+    pub trace: Option<Box<crate::trace::RequestTrace>>,
 }
 
 impl Session {
@@ -94,6 +97,7 @@ impl Session {
             upgrade: false,
             grpc_web: None,
             cache: CacheResult::None,
+            trace: None,
         }
     }
 
@@ -138,6 +142,9 @@ impl Session {
         self.upstream = None;
         self.upstream_host = None;
         self.reason = "";
+        if let Some(t) = self.trace.as_deref_mut() {
+            t.active = false;
+        }
         self.client_keep = true;
         self.upgrade = false;
         self.grpc_web = None;

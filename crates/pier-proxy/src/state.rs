@@ -26,6 +26,9 @@ pub struct RouteRt {
     pub response_rules: bool,
     /// The Host sent upstream: the route's, else the upstream's.
     pub host_header: HostHeader,
+    /// Root sampling threshold (`pier_trace::threshold`): the route's
+    /// `[route.tracing] sample`, else `[tracing] sample`.
+    pub trace_threshold: u64,
 }
 
 pub struct State {
@@ -59,6 +62,10 @@ pub struct State {
     /// `[cache.NAME]` zones (as `cfg.caches`); a zone whose name and sizes
     /// did not change keeps its contents across reloads.
     pub cache_zones: Vec<Arc<pier_cache::Zone>>,
+    /// `[tracing]`'s exporter (None: tracing off).
+    pub tracer: Option<Arc<pier_trace::Exporter>>,
+    /// `[tracing] sample` as a threshold (requests without a route).
+    pub trace_threshold: u64,
 }
 
 /// A `[[limit]]` rule with its counters.
@@ -156,6 +163,11 @@ impl State {
                         .clone()
                         .or_else(|| up.map(|u| u.host_header.clone()))
                         .unwrap_or_default(),
+                    trace_threshold: pier_trace::threshold(
+                        r.trace_sample
+                            .or(cfg.tracing.as_ref().map(|t| t.sample))
+                            .unwrap_or(0.0),
+                    ),
                 }
             })
             .collect();
@@ -278,7 +290,6 @@ impl State {
             })
             .collect::<Result<Vec<_>, String>>()?;
         Ok(State {
-            cfg,
             routes,
             groups,
             head_limits,
@@ -292,6 +303,12 @@ impl State {
             listener_tls,
             upstream_tls,
             cache_zones,
+            tracer: cfg
+                .tracing
+                .as_ref()
+                .map(|t| pier_trace::exporter(&t.endpoint, &t.service_name, t.queue)),
+            trace_threshold: pier_trace::threshold(cfg.tracing.as_ref().map_or(0.0, |t| t.sample)),
+            cfg,
         })
     }
 
@@ -326,6 +343,8 @@ impl State {
             listener_tls: self.listener_tls.clone(),
             upstream_tls: self.upstream_tls.clone(),
             cache_zones: self.cache_zones.clone(),
+            tracer: self.tracer.clone(),
+            trace_threshold: self.trace_threshold,
         })
     }
 

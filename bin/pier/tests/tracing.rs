@@ -1,0 +1,421 @@
+//! Tracing (issue 36) against a real collector: Jaeger v2, started by each
+//! test on free ports with its OTLP/HTTP receiver and query API, which the
+//! spans are read back from. `.ci/install` builds it and names it in
+//! JAEGER.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+/// Jaeger, killed on drop.
+struct Jaeger {
+    child: Child,
+    otlp: u16,
+    query: u16,
+    _dir: TempDir,
+}
+
+impl Drop for Jaeger {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Jaeger {
+    fn start() -> Jaeger {
+        let bin = PathBuf::from(std::env::var("JAEGER").unwrap_or_else(|_| {
+            panic!("JAEGER is not set: run .ci/install (it builds Jaeger) and source target/test-env.sh")
+        }));
+        let dir = TempDir::new();
+        let (otlp, query, grpc) = (free_port(), free_port(), free_port());
+        let cfg = dir.path().join("jaeger.yaml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "service:
+  extensions: [jaeger_storage, jaeger_query]
+  pipelines:
+    traces:
+      receivers: [otlp]
+      processors: []
+      exporters: [jaeger_storage_exporter]
+  telemetry:
+    metrics:
+      level: none
+extensions:
+  jaeger_query:
+    storage:
+      traces: mem
+    http:
+      endpoint: 127.0.0.1:{query}
+    grpc:
+      endpoint: 127.0.0.1:{grpc}
+  jaeger_storage:
+    backends:
+      mem:
+        memory:
+          max_traces: 10000
+receivers:
+  otlp:
+    protocols:
+      http:
+        endpoint: 127.0.0.1:{otlp}
+exporters:
+  jaeger_storage_exporter:
+    trace_storage: mem
+"
+            ),
+        )
+        .unwrap();
+        let log = std::fs::File::create(dir.path().join("jaeger.log")).unwrap();
+        let child = Command::new(bin)
+            .arg(format!("--config=file:{}", cfg.display()))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start jaeger");
+        let j = Jaeger {
+            child,
+            otlp,
+            query,
+            _dir: dir,
+        };
+        let up = wait_until(Duration::from_secs(30), || {
+            [otlp, query]
+                .iter()
+                .all(|p| std::net::TcpStream::connect(("127.0.0.1", *p)).is_ok())
+        });
+        assert!(
+            up,
+            "jaeger did not start: {}",
+            std::fs::read_to_string(j._dir.path().join("jaeger.log")).unwrap_or_default()
+        );
+        j
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}/v1/traces", self.otlp)
+    }
+
+    /// The trace's spans as Jaeger's query API gives them (empty: none yet).
+    fn spans(&self, trace: &str) -> Vec<serde_json::Value> {
+        let out = curl(&[
+            "-s",
+            &format!("http://127.0.0.1:{}/api/traces/{trace}", self.query),
+        ]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        v["data"][0]["spans"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Wait for `n` spans of `trace`.
+    fn wait_spans(&self, trace: &str, n: usize) -> Vec<serde_json::Value> {
+        let mut last = Vec::new();
+        wait_until(Duration::from_secs(20), || {
+            last = self.spans(trace);
+            last.len() >= n
+        });
+        assert_eq!(last.len(), n, "trace {trace}: {last:#?}");
+        last
+    }
+}
+
+fn tag<'a>(span: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
+    span["tags"]
+        .as_array()?
+        .iter()
+        .find(|t| t["key"] == key)
+        .map(|t| &t["value"])
+}
+
+fn parent_of(span: &serde_json::Value) -> Option<String> {
+    span["references"]
+        .as_array()?
+        .iter()
+        .find(|r| r["refType"] == "CHILD_OF")
+        .and_then(|r| r["spanID"].as_str())
+        .map(str::to_string)
+}
+
+fn by_kind<'a>(spans: &'a [serde_json::Value], kind: &str) -> Vec<&'a serde_json::Value> {
+    spans
+        .iter()
+        .filter(|s| tag(s, "span.kind").and_then(|v| v.as_str()) == Some(kind))
+        .collect()
+}
+
+/// GET `path` through Pier with extra request headers; the status and the
+/// body (the origin's `/headers` echoes the request it got).
+fn get(port: u16, path: &str, headers: &[&str]) -> (u16, String) {
+    let mut args = vec!["-s".to_string(), "-w".into(), "\n%{http_code}".into()];
+    for h in headers {
+        args.push("-H".into());
+        args.push(h.to_string());
+    }
+    args.push(format!("http://127.0.0.1:{port}{path}"));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = curl(&args);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+fn header_of<'a>(body: &'a str, name: &str) -> Option<&'a str> {
+    body.lines().find_map(|l| {
+        let (n, v) = l.split_once(':')?;
+        n.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+    })
+}
+
+fn exported(p: &PierProcess) -> f64 {
+    p.metric_value("pier_tracing_spans_total{result=\"exported\"}")
+        .unwrap_or(0.0)
+}
+
+const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+
+#[test]
+fn traces_are_continued_sampled_by_their_parent_sent_upstream_and_exported() {
+    let jaeger = Jaeger::start();
+    let origin = Origin::start_named("traced");
+    let dead = dead_addr();
+    let logs = TempDir::new();
+    let access = logs.path().join("access.log");
+    let cfg = format!(
+        r#"[admin]
+listen = "127.0.0.1:0"
+[log]
+access = "{access}"
+[tracing]
+endpoint = "{endpoint}"
+service_name = "pier-test"
+sample = 1.0
+
+[[listener]]
+name = "main"
+listen = "127.0.0.1:0"
+
+[[route]]
+name = "quiet"
+path = "/quiet"
+upstream = "app"
+[route.tracing]
+sample = 0.0
+
+[[route]]
+name = "retried"
+path = "/retry"
+upstream = "flaky"
+
+[[route]]
+name = "default"
+upstream = "app"
+
+[upstream.app]
+servers = ["{origin}"]
+
+[upstream.flaky]
+servers = ["{dead}", "{origin}"]
+retries = 1
+"#,
+        access = access.display(),
+        endpoint = jaeger.endpoint(),
+        origin = origin.addr(),
+    );
+    let p = pier(&cfg);
+    let port = p.listener("main").port();
+
+    // A sampled parent: continued. The server span is the client's span's
+    // child, the attempt's client span the server span's, and the origin
+    // is told the attempt's span; tracestate goes on untouched.
+    let (status, body) = get(
+        port,
+        "/headers",
+        &[
+            &format!("traceparent: {PARENT}"),
+            "tracestate: congo=t61rcWkgMzE",
+        ],
+    );
+    assert_eq!(status, 200, "{body}");
+    let spans = jaeger.wait_spans(TRACE, 2);
+    let server = by_kind(&spans, "server");
+    let client = by_kind(&spans, "client");
+    assert_eq!((server.len(), client.len()), (1, 1), "{spans:#?}");
+    let (server, client) = (server[0], client[0]);
+    assert_eq!(parent_of(server).as_deref(), Some("00f067aa0ba902b7"));
+    let server_id = server["spanID"].as_str().unwrap();
+    let client_id = client["spanID"].as_str().unwrap();
+    assert_eq!(parent_of(client).as_deref(), Some(server_id));
+    assert_eq!(server["operationName"], "GET default");
+    assert_eq!(tag(server, "http.response.status_code"), Some(&200.into()));
+    assert_eq!(tag(server, "url.path"), Some(&"/headers".into()));
+    assert_eq!(tag(server, "http.route"), Some(&"default".into()));
+    assert_eq!(
+        tag(client, "server.port"),
+        Some(&i64::from(origin.addr().port()).into())
+    );
+    assert_eq!(tag(client, "pier.attempt"), Some(&0.into()));
+    assert_eq!(
+        header_of(&body, "traceparent"),
+        Some(format!("00-{TRACE}-{client_id}-01").as_str()),
+        "{body}"
+    );
+    assert_eq!(header_of(&body, "tracestate"), Some("congo=t61rcWkgMzE"));
+    assert_eq!(body.matches("traceparent").count(), 1, "{body}");
+    // The access log names the trace and the server span.
+    let line = format!("\"trace_id\":\"{TRACE}\",\"span_id\":\"{server_id}\"");
+    assert!(
+        wait_until(Duration::from_secs(10), || std::fs::read_to_string(&access)
+            .unwrap_or_default()
+            .contains(&line)),
+        "{}",
+        std::fs::read_to_string(&access).unwrap_or_default()
+    );
+
+    // No parent: a new root (sample = 1.0), its id sent on.
+    let (status, body) = get(port, "/headers", &[]);
+    assert_eq!(status, 200);
+    let sent = header_of(&body, "traceparent")
+        .expect("a traceparent upstream")
+        .to_string();
+    let new_trace = &sent[3..35];
+    assert_ne!(new_trace, TRACE);
+    assert!(sent.ends_with("-01"), "{sent}");
+    let spans = jaeger.wait_spans(new_trace, 2);
+    assert!(by_kind(&spans, "server")
+        .iter()
+        .all(|s| parent_of(s).is_none()));
+    // An invalid traceparent is as good as none (W3C: start a new trace).
+    let (_, body) = get(
+        port,
+        "/headers",
+        &["traceparent: 00-XYZ-00f067aa0ba902b7-01"],
+    );
+    let sent = header_of(&body, "traceparent").unwrap().to_string();
+    assert!(sent.starts_with("00-") && &sent[3..35] != TRACE, "{sent}");
+    assert!(!body.contains("XYZ"), "{body}");
+    let after_sampled = 6.0;
+    assert!(wait_until(Duration::from_secs(20), || exported(&p) >= after_sampled));
+
+    // An unsampled parent is honoured: passed on with its trace id and
+    // flags 00, nothing recorded; a route with sample = 0 starts unsampled
+    // roots.
+    let unsampled = format!("00-{}-00f067aa0ba902b7-00", "a".repeat(32));
+    let (_, body) = get(port, "/headers", &[&format!("traceparent: {unsampled}")]);
+    let sent = header_of(&body, "traceparent").unwrap().to_string();
+    assert!(
+        sent.starts_with(&format!("00-{}-", "a".repeat(32))) && sent.ends_with("-00"),
+        "{sent}"
+    );
+    assert!(
+        !sent.contains("00f067aa0ba902b7"),
+        "the attempt's own span: {sent}"
+    );
+    let (_, body) = get(port, "/quiet/headers", &[]);
+    assert!(
+        header_of(&body, "traceparent").unwrap().ends_with("-00"),
+        "{body}"
+    );
+
+    // A retry: the failed attempt and the one that answered, each a client
+    // span under the request's server span (round robin may try the live
+    // server first: a few requests find the dead one).
+    let retries = || p.metric_value("pier_upstream_retries_total").unwrap_or(0.0);
+    let mut retried = None;
+    for _ in 0..6 {
+        let before = retries();
+        let (status, body) = get(port, "/retry/headers", &[]);
+        assert_eq!(status, 200, "{body}");
+        let trace = header_of(&body, "traceparent").unwrap()[3..35].to_string();
+        if retries() > before {
+            retried = Some(jaeger.wait_spans(&trace, 3));
+            break;
+        }
+        jaeger.wait_spans(&trace, 2);
+    }
+    let spans = retried.expect("no request tried the dead server first");
+    let server_id = by_kind(&spans, "server")[0]["spanID"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut attempts: Vec<_> = by_kind(&spans, "client")
+        .into_iter()
+        .map(|s| {
+            assert_eq!(parent_of(s).as_deref(), Some(server_id.as_str()));
+            (
+                tag(s, "pier.attempt").and_then(|v| v.as_i64()).unwrap(),
+                tag(s, "error").is_some(),
+                tag(s, "server.port").and_then(|v| v.as_i64()).unwrap(),
+            )
+        })
+        .collect();
+    attempts.sort();
+    assert_eq!(
+        attempts,
+        [
+            (0, true, i64::from(dead.port())),
+            (1, false, i64::from(origin.addr().port()))
+        ]
+    );
+    // Nothing was dropped or lost on the way.
+    assert_eq!(
+        p.metric_value("pier_tracing_spans_total{result=\"dropped\"}"),
+        Some(0.0)
+    );
+    assert_eq!(
+        p.metric_value("pier_tracing_spans_total{result=\"failed\"}"),
+        Some(0.0)
+    );
+}
+
+/// The collector down: requests are served as ever, the lost spans counted.
+#[test]
+fn a_collector_that_is_down_costs_requests_nothing() {
+    let origin = Origin::start();
+    let dead = dead_addr();
+    let cfg = format!(
+        r#"[admin]
+listen = "127.0.0.1:0"
+[log]
+access = "off"
+[tracing]
+endpoint = "http://{dead}/v1/traces"
+
+[[listener]]
+name = "main"
+listen = "127.0.0.1:0"
+
+[[route]]
+name = "default"
+upstream = "app"
+
+[upstream.app]
+servers = ["{origin}"]
+"#,
+        origin = origin.addr(),
+    );
+    let p = pier(&cfg);
+    let port = p.listener("main").port();
+    for _ in 0..20 {
+        assert_eq!(get(port, "/hello", &[]).0, 200);
+    }
+    let failed = || {
+        p.metric_value("pier_tracing_spans_total{result=\"failed\"}")
+            .unwrap_or(0.0)
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), || failed() >= 40.0),
+        "failed {}",
+        failed()
+    );
+    assert_eq!(exported(&p), 0.0);
+}

@@ -1,0 +1,229 @@
+//! The OTLP/HTTP exporter: a bounded queue every worker hands finished
+//! spans to without waiting (a full queue drops the span, counted), and one
+//! thread that sends them in batches (512 spans, or what came within a
+//! second) as `application/x-protobuf` POSTs. A collector that is slow or
+//! down costs the proxy nothing but the dropped spans: a failed POST drops
+//! its batch, counted, and is not retried.
+
+use crate::span::{encode_request, Span};
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Spans sent per POST at most.
+const BATCH: usize = 512;
+/// A span waits this long at most for its batch to fill.
+const LINGER: Duration = Duration::from_secs(1);
+/// Each step of a POST (connect, write, read) gives up after this.
+const STEP: Duration = Duration::from_secs(5);
+
+enum Msg {
+    Span(Box<Span>),
+    /// Send what is queued now, then answer.
+    Flush(SyncSender<()>),
+}
+
+/// Spans exported, dropped at the queue, and lost in failed POSTs.
+static EXPORTED: AtomicU64 = AtomicU64::new(0);
+static DROPPED: AtomicU64 = AtomicU64::new(0);
+static FAILED: AtomicU64 = AtomicU64::new(0);
+
+/// `pier_tracing_spans_total{result}`, Prometheus text.
+pub fn render(out: &mut String) {
+    use std::fmt::Write as _;
+    let _ = writeln!(
+        out,
+        "# TYPE pier_tracing_spans_total counter\npier_tracing_spans_total{{result=\"exported\"}} {}\npier_tracing_spans_total{{result=\"dropped\"}} {}\npier_tracing_spans_total{{result=\"failed\"}} {}",
+        EXPORTED.load(Relaxed),
+        DROPPED.load(Relaxed),
+        FAILED.load(Relaxed)
+    );
+}
+
+/// A `[tracing]` table's exporter, shared by every worker.
+pub struct Exporter {
+    tx: SyncSender<Msg>,
+    endpoint: String,
+    service: String,
+}
+
+impl std::fmt::Debug for Exporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Exporter")
+            .field("endpoint", &self.endpoint)
+            .finish()
+    }
+}
+
+/// The exporter for (endpoint, service, queue): the one already running
+/// when a reload keeps them, else a new one (the old one's thread ends,
+/// sending what it holds, once the last config using it is gone).
+pub fn exporter(endpoint: &str, service: &str, queue: usize) -> Arc<Exporter> {
+    static CURRENT: OnceLock<Mutex<Option<Arc<Exporter>>>> = OnceLock::new();
+    let mut cur = CURRENT
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(e) = cur.as_ref() {
+        if e.endpoint == endpoint && e.service == service {
+            return e.clone();
+        }
+    }
+    let (tx, rx) = sync_channel(queue.max(1));
+    let (url, svc) = (endpoint.to_string(), service.to_string());
+    let spawned = std::thread::Builder::new()
+        .name("pier-trace".into())
+        .spawn(move || run(rx, &url, &svc));
+    if let Err(e) = spawned {
+        tracing::error!("tracing: cannot start the exporter thread: {e}");
+    }
+    let e = Arc::new(Exporter {
+        tx,
+        endpoint: endpoint.to_string(),
+        service: service.to_string(),
+    });
+    *cur = Some(e.clone());
+    e
+}
+
+impl Exporter {
+    /// Queue a finished span; never waits (a full queue drops it).
+    pub fn submit(&self, span: Span) {
+        match self.tx.try_send(Msg::Span(Box::new(span))) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                DROPPED.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// Send what is queued, waiting at most `timeout` (a drain's last step).
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let (ack, done) = sync_channel(1);
+        if send_within(&self.tx, Msg::Flush(ack), timeout).is_err() {
+            return false;
+        }
+        done.recv_timeout(timeout).is_ok()
+    }
+}
+
+/// `try_send` until `timeout`: a flush waits for room, a span does not.
+fn send_within(tx: &SyncSender<Msg>, mut m: Msg, timeout: Duration) -> Result<(), ()> {
+    let until = Instant::now() + timeout;
+    loop {
+        match tx.try_send(m) {
+            Ok(()) => return Ok(()),
+            Err(TrySendError::Disconnected(_)) => return Err(()),
+            Err(TrySendError::Full(back)) => {
+                if Instant::now() >= until {
+                    return Err(());
+                }
+                m = back;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    }
+}
+
+fn run(rx: Receiver<Msg>, endpoint: &str, service: &str) {
+    let mut batch: Vec<Span> = Vec::with_capacity(BATCH);
+    let mut first: Option<Instant> = None;
+    loop {
+        let wait = first.map_or(LINGER, |t| LINGER.saturating_sub(t.elapsed()));
+        let (flush, ack, closed) = match rx.recv_timeout(wait) {
+            Ok(Msg::Span(s)) => {
+                batch.push(*s);
+                first.get_or_insert_with(Instant::now);
+                (batch.len() >= BATCH, None, false)
+            }
+            Ok(Msg::Flush(ack)) => {
+                // Everything queued before the flush asked.
+                while let Ok(Msg::Span(s)) = rx.try_recv() {
+                    batch.push(*s);
+                }
+                (true, Some(ack), false)
+            }
+            Err(RecvTimeoutError::Timeout) => (true, None, false),
+            Err(RecvTimeoutError::Disconnected) => (true, None, true),
+        };
+        if flush && !batch.is_empty() {
+            for chunk in batch.chunks(BATCH) {
+                let body = encode_request(service, chunk);
+                match post(endpoint, &body) {
+                    Ok(()) => {
+                        EXPORTED.fetch_add(chunk.len() as u64, Relaxed);
+                    }
+                    Err(e) => {
+                        FAILED.fetch_add(chunk.len() as u64, Relaxed);
+                        tracing::debug!("tracing: {endpoint}: {e}; {} spans lost", chunk.len());
+                    }
+                }
+            }
+            batch.clear();
+            first = None;
+        }
+        if let Some(ack) = ack {
+            let _ = ack.try_send(());
+        }
+        if closed {
+            return;
+        }
+    }
+}
+
+/// POST `body` to an `http://` OTLP endpoint; Ok on a 2xx.
+fn post(url: &str, body: &[u8]) -> Result<(), String> {
+    use std::net::ToSocketAddrs;
+    let rest = url.strip_prefix("http://").ok_or("not an http:// URL")?;
+    let (hostport, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/v1/traces"),
+    };
+    let with_port = if hostport
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+        && !hostport.ends_with(']')
+    {
+        hostport.to_string()
+    } else {
+        format!("{hostport}:4318")
+    };
+    let addr = with_port
+        .to_socket_addrs()
+        .map_err(|e| format!("{hostport}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{hostport}: no address"))?;
+    let mut s = std::net::TcpStream::connect_timeout(&addr, STEP).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(STEP)).map_err(|e| e.to_string())?;
+    s.set_write_timeout(Some(STEP)).map_err(|e| e.to_string())?;
+    let mut req = Vec::with_capacity(200 + body.len());
+    let _ = write!(
+        req,
+        "POST {path} HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/x-protobuf\r\nContent-Length: {}\r\nUser-Agent: pier\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    req.extend_from_slice(body);
+    s.write_all(&req).map_err(|e| e.to_string())?;
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    loop {
+        let n = s.read(&mut chunk).map_err(|e| e.to_string())?;
+        buf.extend_from_slice(&chunk[..n]);
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut r = httparse::Response::new(&mut headers);
+        match r.parse(&buf) {
+            Ok(httparse::Status::Complete(_)) => {
+                let code = r.code.unwrap_or(0);
+                return if (200..300).contains(&code) {
+                    Ok(())
+                } else {
+                    Err(format!("HTTP {code}"))
+                };
+            }
+            Ok(httparse::Status::Partial) if n > 0 && buf.len() < 64 * 1024 => {}
+            _ => return Err("bad HTTP response".into()),
+        }
+    }
+}
