@@ -217,6 +217,13 @@ path = "/retry"
 upstream = "flaky"
 
 [[route]]
+name = "lua"
+path = "/lua"
+upstream = "app"
+[route.lua]
+access = 'ngx.req.set_header("x-seen-trace", ngx.var.trace_id .. "/" .. ngx.var.span_id)'
+
+[[route]]
 name = "default"
 upstream = "app"
 
@@ -281,6 +288,22 @@ retries = 1
         std::fs::read_to_string(&access).unwrap_or_default()
     );
 
+    // Lua sees the ids (ngx.var.trace_id, span_id), and may not set them.
+    let (status, body) = get(port, "/lua/headers", &[&format!("traceparent: {PARENT}")]);
+    assert_eq!(status, 200, "{body}");
+    let seen = header_of(&body, "x-seen-trace")
+        .expect("the hook's header")
+        .to_string();
+    assert!(
+        seen.starts_with(&format!("{TRACE}/")) && seen.len() == 32 + 1 + 16,
+        "{seen}"
+    );
+    let spans = jaeger.wait_spans(TRACE, 4);
+    assert!(
+        spans.iter().any(|s| s["spanID"] == seen[33..]),
+        "{spans:#?}"
+    );
+
     // No parent: a new root (sample = 1.0), its id sent on.
     let (status, body) = get(port, "/headers", &[]);
     assert_eq!(status, 200);
@@ -303,7 +326,7 @@ retries = 1
     let sent = header_of(&body, "traceparent").unwrap().to_string();
     assert!(sent.starts_with("00-") && &sent[3..35] != TRACE, "{sent}");
     assert!(!body.contains("XYZ"), "{body}");
-    let after_sampled = 6.0;
+    let after_sampled = 8.0;
     assert!(wait_until(Duration::from_secs(20), || exported(&p) >= after_sampled));
 
     // An unsampled parent is honoured: passed on with its trace id and

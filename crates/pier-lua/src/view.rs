@@ -51,6 +51,11 @@ pub trait HttpView {
     fn tls_var(&self, _name: &[u8]) -> Option<&[u8]> {
         None
     }
+    /// `ngx.var.trace_id` and `span_id` with `[tracing]` (hex); None
+    /// without a trace context.
+    fn trace_var(&self, _name: &[u8]) -> Option<&[u8]> {
+        None
+    }
     /// The request's host (Host header or absolute-form authority, without port).
     fn host(&self) -> &[u8];
     /// The local port the request arrived on.

@@ -713,7 +713,7 @@ pub(crate) fn finish<P: Phases>(
         let mut up = [0u8; 64];
         let up_len = sess.upstream.map(|a| fmt_addr(&mut up, a)).unwrap_or(0);
         let mut peer = [0u8; 64];
-        let trace = crate::trace::of(sess).map(|t| (t.ctx.trace_hex(), t.ctx.span_hex()));
+        let trace = crate::trace::of(sess);
         let peer_len = if sess.client != sess.peer {
             fmt_addr(&mut peer, sess.peer)
         } else {
@@ -741,8 +741,8 @@ pub(crate) fn finish<P: Phases>(
             }),
             peer: &peer[..peer_len],
             cache: sess.cache.as_str(),
-            trace_id: trace.as_ref().map_or(&b""[..], |t| &t.0[..]),
-            span_id: trace.as_ref().map_or(&b""[..], |t| &t.1[..]),
+            trace_id: trace.map_or(&b""[..], |t| t.trace_hex()),
+            span_id: trace.map_or(&b""[..], |t| t.span_hex()),
         });
         if dropped > 0 {
             w.shared.metrics.log_dropped(dropped);

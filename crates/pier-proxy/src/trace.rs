@@ -19,6 +19,9 @@ pub struct RequestTrace {
     pub ctx: Context,
     /// The `traceparent` the current attempt sends upstream.
     pub header: [u8; 55],
+    /// The trace id and the server span id in hex (logs, Lua's
+    /// `ngx.var.trace_id` and `span_id`).
+    pub hex: [u8; 48],
     attempt: Option<Attempt>,
     /// Spans of the attempts that ended (sampled requests only).
     spans: Vec<Span>,
@@ -48,6 +51,7 @@ pub(crate) fn start(state: &State, sess: &mut Session) {
             active: false,
             ctx,
             header: [0; 55],
+            hex: [0; 48],
             attempt: None,
             spans: Vec::new(),
         })
@@ -55,12 +59,23 @@ pub(crate) fn start(state: &State, sess: &mut Session) {
     t.active = true;
     t.ctx = ctx;
     t.header = pier_trace::traceparent(&ctx.trace_id, &ctx.span_id, ctx.sampled);
+    pier_trace::hex_into(&ctx.trace_id, &mut t.hex[..32]);
+    pier_trace::hex_into(&ctx.span_id, &mut t.hex[32..]);
     t.attempt = None;
     t.spans.clear();
 }
 
+impl RequestTrace {
+    pub fn trace_hex(&self) -> &[u8] {
+        &self.hex[..32]
+    }
+    pub fn span_hex(&self) -> &[u8] {
+        &self.hex[32..]
+    }
+}
+
 /// The request's trace, if it has one.
-pub(crate) fn of(sess: &Session) -> Option<&RequestTrace> {
+pub fn of(sess: &Session) -> Option<&RequestTrace> {
     sess.trace.as_deref().filter(|t| t.active)
 }
 

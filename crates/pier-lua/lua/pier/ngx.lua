@@ -687,7 +687,7 @@ local builtin = {
   remote_addr = true, remote_port = true, host = true, request_uri = true, uri = true,
   args = true, query_string = true, is_args = true, scheme = true, request_method = true,
   server_port = true, status = true, https = true,
-  realip_remote_addr = true, realip_remote_port = true,
+  realip_remote_addr = true, realip_remote_port = true, trace_id = true, span_id = true,
 }
 for k in pairs(computed) do builtin[k] = true end
 
