@@ -221,7 +221,12 @@ name = "lua"
 path = "/lua"
 upstream = "app"
 [route.lua]
-access = 'ngx.req.set_header("x-seen-trace", ngx.var.trace_id .. "/" .. ngx.var.span_id)'
+access = '''
+ngx.req.set_header("x-seen-trace", ngx.var.trace_id .. "/" .. ngx.var.span_id)
+local res = pier.http.request{{ url = "http://{origin}/headers" }}
+local tp = res and res.body:match("traceparent: *([^\r\n]+)") or "none"
+ngx.req.set_header("x-sub-traceparent", tp)
+'''
 
 [[route]]
 name = "default"
@@ -302,6 +307,13 @@ retries = 1
     assert!(
         spans.iter().any(|s| s["spanID"] == seen[33..]),
         "{spans:#?}"
+    );
+    // A hook's pier.http request carries the context, its parent the
+    // request's server span.
+    assert_eq!(
+        header_of(&body, "x-sub-traceparent"),
+        Some(format!("00-{TRACE}-{}-01", &seen[33..]).as_str()),
+        "{body}"
     );
 
     // No parent: a new root (sample = 1.0), its id sent on.

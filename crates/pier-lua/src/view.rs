@@ -56,6 +56,11 @@ pub trait HttpView {
     fn trace_var(&self, _name: &[u8]) -> Option<&[u8]> {
         None
     }
+    /// The `traceparent` for a request a hook makes (`pier.http`): the
+    /// request's trace, its server span as the parent; None without one.
+    fn trace_child(&self) -> Option<[u8; 55]> {
+        None
+    }
     /// The request's host (Host header or absolute-form authority, without port).
     fn host(&self) -> &[u8];
     /// The local port the request arrived on.

@@ -637,6 +637,9 @@ impl HttpView for View<'_> {
             _ => None,
         }
     }
+    fn trace_child(&self) -> Option<[u8; 55]> {
+        pier_proxy::trace::of(self.sess).map(|t| t.subrequest())
+    }
     fn trace_var(&self, name: &[u8]) -> Option<&[u8]> {
         let t = pier_proxy::trace::of(self.sess)?;
         match name {

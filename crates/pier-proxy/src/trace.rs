@@ -72,6 +72,11 @@ impl RequestTrace {
     pub fn span_hex(&self) -> &[u8] {
         &self.hex[32..]
     }
+    /// The `traceparent` of a request a hook makes (`pier.http`), which
+    /// has no client span of its own: the server span is its parent.
+    pub fn subrequest(&self) -> [u8; 55] {
+        pier_trace::traceparent(&self.ctx.trace_id, &self.ctx.span_id, self.ctx.sampled)
+    }
 }
 
 /// The request's trace, if it has one.

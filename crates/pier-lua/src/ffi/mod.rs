@@ -240,6 +240,17 @@ pub(crate) fn guard(f: impl FnOnce() -> c_int) -> c_int {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or(E_INTERNAL)
 }
 
+/// The `traceparent` a hook's `pier.http` request carries: its request's
+/// context (the server span as the parent), if the request has one.
+pub(crate) fn trace_header() -> Option<[u8; 55]> {
+    let mut out = None;
+    with_view(crate::phase::mask::REQ_READ, |v, _| {
+        out = v.trace_child();
+        0
+    });
+    out
+}
+
 /// Runs `f` on the current request if the phase is in `mask`.
 #[inline(always)]
 pub(crate) fn with_view(mask: u32, f: impl FnOnce(&mut dyn HttpView, &Current) -> c_int) -> c_int {

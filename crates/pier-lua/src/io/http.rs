@@ -30,6 +30,9 @@ pub(crate) struct Request {
     port: u16,
     path: String,
     headers: Vec<(String, Vec<u8>)>,
+    /// `[tracing]`: the hook's request's context, sent on unless the hook
+    /// gave its own `traceparent`.
+    traceparent: Option<[u8; 55]>,
     body: Option<Vec<u8>>,
     timeout: Duration,
     /// `[lua] http_max_body`.
@@ -170,6 +173,7 @@ impl Request {
             body,
             timeout,
             max_body,
+            traceparent: crate::ffi::trace_header(),
         }))
     }
 
@@ -193,6 +197,9 @@ impl Request {
                 host.push_str(itoa::Buffer::new().format(self.port));
             }
             header(&mut h, b"Host", host.as_bytes());
+        }
+        if let Some(tp) = self.traceparent.as_ref().filter(|_| !has("traceparent")) {
+            header(&mut h, b"traceparent", tp);
         }
         for (k, v) in &self.headers {
             // Framing is Pier's to state.
