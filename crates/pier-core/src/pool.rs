@@ -188,10 +188,16 @@ impl Pool {
                 // The budget full of other clients' private connections:
                 // this worker's oldest of them gives way, so clients gone
                 // since do not hold the budget until `idle_timeout`.
+                // Only one under the same budget (same server, TLS name
+                // and ALPN): the swap leaves the shared count as it is.
+                let budget = map.get(key).map(|s| s.count.clone());
                 let victim = map
                     .iter()
                     .filter(|(k, s)| {
-                        k.proxy.is_some() && k.addr == key.addr && *k != key && !s.idle.is_empty()
+                        k.proxy.is_some()
+                            && *k != key
+                            && !s.idle.is_empty()
+                            && budget.as_ref().is_some_and(|b| Arc::ptr_eq(b, &s.count))
                     })
                     .min_by_key(|(_, s)| s.idle[0].since)
                     .map(|(k, _)| k.clone());
