@@ -15,6 +15,7 @@ use common::*;
 struct Jaeger {
     child: Child,
     otlp: u16,
+    otlp_grpc: u16,
     query: u16,
     _dir: TempDir,
 }
@@ -33,6 +34,7 @@ impl Jaeger {
         }));
         let dir = TempDir::new();
         let (otlp, query, grpc) = (free_port(), free_port(), free_port());
+        let otlp_grpc = free_port();
         let cfg = dir.path().join("jaeger.yaml");
         std::fs::write(
             &cfg,
@@ -65,6 +67,8 @@ receivers:
     protocols:
       http:
         endpoint: 127.0.0.1:{otlp}
+      grpc:
+        endpoint: 127.0.0.1:{otlp_grpc}
 exporters:
   jaeger_storage_exporter:
     trace_storage: mem
@@ -83,11 +87,12 @@ exporters:
         let j = Jaeger {
             child,
             otlp,
+            otlp_grpc,
             query,
             _dir: dir,
         };
         let up = wait_until(Duration::from_secs(30), || {
-            [otlp, query]
+            [otlp, otlp_grpc, query]
                 .iter()
                 .all(|p| std::net::TcpStream::connect(("127.0.0.1", *p)).is_ok())
         });
@@ -101,6 +106,11 @@ exporters:
 
     fn endpoint(&self) -> String {
         format!("http://127.0.0.1:{}/v1/traces", self.otlp)
+    }
+
+    /// The OTLP/gRPC receiver.
+    fn grpc_endpoint(&self) -> String {
+        format!("grpc://127.0.0.1:{}", self.otlp_grpc)
     }
 
     /// The trace's spans as Jaeger's query API gives them (empty: none yet).
@@ -415,15 +425,21 @@ retries = 1
 /// The collector down: requests are served as ever, the lost spans counted.
 #[test]
 fn a_collector_that_is_down_costs_requests_nothing() {
-    let origin = Origin::start();
     let dead = dead_addr();
+    for endpoint in [format!("http://{dead}/v1/traces"), format!("grpc://{dead}")] {
+        collector_down(&endpoint);
+    }
+}
+
+fn collector_down(endpoint: &str) {
+    let origin = Origin::start();
     let cfg = format!(
         r#"[admin]
 listen = "127.0.0.1:0"
 [log]
 access = "off"
 [tracing]
-endpoint = "http://{dead}/v1/traces"
+endpoint = "{endpoint}"
 
 [[listener]]
 name = "main"
@@ -449,8 +465,70 @@ servers = ["{origin}"]
     };
     assert!(
         wait_until(Duration::from_secs(20), || failed() >= 40.0),
-        "failed {}",
+        "{endpoint}: failed {}",
         failed()
     );
     assert_eq!(exported(&p), 0.0);
+}
+
+/// OTLP/gRPC: the same spans reach Jaeger's gRPC receiver, batch after
+/// batch over the one kept HTTP/2 connection.
+#[test]
+fn spans_are_exported_over_otlp_grpc() {
+    let jaeger = Jaeger::start();
+    let origin = Origin::start();
+    let cfg = format!(
+        r#"[admin]
+listen = "127.0.0.1:0"
+[log]
+access = "off"
+[tracing]
+endpoint = "{endpoint}"
+service_name = "pier-grpc"
+
+[[listener]]
+name = "main"
+listen = "127.0.0.1:0"
+
+[[route]]
+name = "default"
+upstream = "app"
+
+[upstream.app]
+servers = ["{origin}"]
+"#,
+        endpoint = jaeger.grpc_endpoint(),
+        origin = origin.addr(),
+    );
+    let p = pier(&cfg);
+    let port = p.listener("main").port();
+    for (i, trace) in [
+        "4bf92f3577b34da6a3ce929d0e0e4736",
+        "5bf92f3577b34da6a3ce929d0e0e4736",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let parent = format!("00-{trace}-00f067aa0ba902b7-01");
+        assert_eq!(
+            get(port, "/hello", &[&format!("traceparent: {parent}")]).0,
+            200
+        );
+        let spans = jaeger.wait_spans(trace, 2);
+        let server = by_kind(&spans, "server");
+        assert_eq!(server.len(), 1, "{spans:#?}");
+        assert_eq!(parent_of(server[0]).as_deref(), Some("00f067aa0ba902b7"));
+        let client = by_kind(&spans, "client");
+        assert_eq!(
+            parent_of(client[0]),
+            server[0]["spanID"].as_str().map(str::to_string)
+        );
+        // The second trace is exported in a later batch than the first.
+        assert!(wait_until(Duration::from_secs(20), || exported(&p)
+            >= 2.0 * (i + 1) as f64));
+    }
+    assert_eq!(
+        p.metric_value("pier_tracing_spans_total{result=\"failed\"}"),
+        Some(0.0)
+    );
 }

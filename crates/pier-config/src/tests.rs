@@ -2424,9 +2424,10 @@ fn tracing_section() {
         (0.01, "edge", 8192)
     );
     assert_eq!(c.routes[0].trace_sample, Some(0.5));
+    let g = ok("[tracing]\nendpoint = \"grpc://127.0.0.1:4317\"\n[[listener]]\nlisten = \"127.0.0.1:0\"\n[[route]]\nupstream = \"a\"\n[upstream.a]\nservers = [\"127.0.0.1:1\"]\n");
+    assert_eq!(g.tracing.unwrap().endpoint, "grpc://127.0.0.1:4317");
     for (t, why) in [
         ("", "needs `endpoint"),
-        ("endpoint = \"grpc://127.0.0.1:4317\"", "not built yet"),
         (
             "endpoint = \"https://x/v1/traces\"",
             "expected an http:// URL",

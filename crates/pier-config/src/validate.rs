@@ -1268,26 +1268,18 @@ fn tracing_of(c: &mut Check, t: &TracingSection) -> Option<Tracing> {
         None => {
             c.err(
                 None,
-                "[tracing] needs `endpoint = \"http://HOST:4318/v1/traces\"` (OTLP/HTTP)",
+                "[tracing] needs `endpoint = \"http://HOST:4318/v1/traces\"` (OTLP/HTTP) or `\"grpc://HOST:4317\"` (OTLP/gRPC)",
             );
             return None;
         }
-        Some(v) if v.get_ref().starts_with("http://") => v.get_ref().clone(),
-        Some(v) if v.get_ref().starts_with("grpc://") => {
-            c.err(
-                sp(v),
-                format!(
-                    "[tracing] `endpoint` {:?}: OTLP/gRPC is not built yet; use OTLP/HTTP, `http://HOST:4318/v1/traces`",
-                    v.get_ref()
-                ),
-            );
-            return None;
+        Some(v) if v.get_ref().starts_with("http://") || v.get_ref().starts_with("grpc://") => {
+            v.get_ref().clone()
         }
         Some(v) => {
             c.err(
                 sp(v),
                 format!(
-                    "[tracing] `endpoint` {:?}: expected an http:// URL (`http://HOST:4318/v1/traces`)",
+                    "[tracing] `endpoint` {:?}: expected an http:// URL (OTLP/HTTP, `http://HOST:4318/v1/traces`) or a grpc:// one (OTLP/gRPC, `grpc://HOST:4317`)",
                     v.get_ref()
                 ),
             );

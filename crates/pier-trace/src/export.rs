@@ -1,9 +1,11 @@
-//! The OTLP/HTTP exporter: a bounded queue every worker hands finished
-//! spans to without waiting (a full queue drops the span, counted), and one
-//! thread that sends them in batches (512 spans, or what came within a
-//! second) as `application/x-protobuf` POSTs. A collector that is slow or
-//! down costs the proxy nothing but the dropped spans: a failed POST drops
-//! its batch, counted, and is not retried.
+//! The OTLP exporter: a bounded queue every worker hands finished spans to
+//! without waiting (a full queue drops the span, counted), and one thread
+//! that sends them in batches (512 spans, or what came within a second):
+//! as `application/x-protobuf` POSTs to an `http://` endpoint (OTLP/HTTP),
+//! or as unary `TraceService/Export` calls over one kept HTTP/2 connection
+//! to a `grpc://` endpoint (OTLP/gRPC). A collector that is slow or down
+//! costs the proxy nothing but the dropped spans: a failed export drops its
+//! batch, counted, and is not retried.
 
 use crate::span::{encode_request, Span};
 use std::io::{Read, Write};
@@ -128,6 +130,16 @@ fn send_within(tx: &SyncSender<Msg>, mut m: Msg, timeout: Duration) -> Result<()
 }
 
 fn run(rx: Receiver<Msg>, endpoint: &str, service: &str) {
+    let mut grpc = match endpoint.strip_prefix("grpc://") {
+        Some(authority) => match Grpc::new(authority) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                tracing::error!("tracing: {endpoint}: {e}; spans will be dropped");
+                None
+            }
+        },
+        None => None,
+    };
     let mut batch: Vec<Span> = Vec::with_capacity(BATCH);
     let mut first: Option<Instant> = None;
     loop {
@@ -151,7 +163,11 @@ fn run(rx: Receiver<Msg>, endpoint: &str, service: &str) {
         if flush && !batch.is_empty() {
             for chunk in batch.chunks(BATCH) {
                 let body = encode_request(service, chunk);
-                match post(endpoint, &body) {
+                let sent = match grpc.as_mut() {
+                    Some(g) => g.export(&body),
+                    None => post(endpoint, &body),
+                };
+                match sent {
                     Ok(()) => {
                         EXPORTED.fetch_add(chunk.len() as u64, Relaxed);
                     }
@@ -173,14 +189,9 @@ fn run(rx: Receiver<Msg>, endpoint: &str, service: &str) {
     }
 }
 
-/// POST `body` to an `http://` OTLP endpoint; Ok on a 2xx.
-fn post(url: &str, body: &[u8]) -> Result<(), String> {
+/// The socket address of `host[:port]`, `port` when none is given.
+fn resolve(hostport: &str, port: u16) -> Result<std::net::SocketAddr, String> {
     use std::net::ToSocketAddrs;
-    let rest = url.strip_prefix("http://").ok_or("not an http:// URL")?;
-    let (hostport, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], &rest[i..]),
-        None => (rest, "/v1/traces"),
-    };
     let with_port = if hostport
         .rsplit_once(':')
         .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
@@ -188,13 +199,173 @@ fn post(url: &str, body: &[u8]) -> Result<(), String> {
     {
         hostport.to_string()
     } else {
-        format!("{hostport}:4318")
+        format!("{hostport}:{port}")
     };
-    let addr = with_port
+    with_port
         .to_socket_addrs()
         .map_err(|e| format!("{hostport}: {e}"))?
         .next()
-        .ok_or_else(|| format!("{hostport}: no address"))?;
+        .ok_or_else(|| format!("{hostport}: no address"))
+}
+
+/// The gRPC method OTLP/gRPC collectors serve.
+const EXPORT_PATH: &str = "/opentelemetry.proto.collector.trace.v1.TraceService/Export";
+
+/// An OTLP/gRPC client: one HTTP/2 connection (h2c), kept between batches
+/// and made again when it breaks, driven by a single-threaded runtime of
+/// the exporter thread's own (the workers' runtimes never see it).
+struct Grpc {
+    rt: tokio::runtime::Runtime,
+    authority: String,
+    uri: http::Uri,
+    conn: Option<h2::client::SendRequest<bytes::Bytes>>,
+}
+
+impl Grpc {
+    fn new(authority: &str) -> Result<Grpc, String> {
+        let authority = authority.trim_end_matches('/');
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("runtime: {e}"))?;
+        let uri = format!("http://{authority}{EXPORT_PATH}")
+            .parse()
+            .map_err(|e| format!("{authority}: {e}"))?;
+        Ok(Grpc {
+            rt,
+            authority: authority.to_string(),
+            uri,
+            conn: None,
+        })
+    }
+
+    /// One `Export` call with `body` (an `ExportTraceServiceRequest`); Ok
+    /// when the collector answers grpc-status 0. A kept connection that
+    /// fails is dropped and the call made once more on a new one.
+    fn export(&mut self, body: &[u8]) -> Result<(), String> {
+        let mut framed = Vec::with_capacity(5 + body.len());
+        framed.push(0); // not compressed
+        framed.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        framed.extend_from_slice(body);
+        let framed = bytes::Bytes::from(framed);
+        let reused = self.conn.is_some();
+        let first = self.call(framed.clone());
+        match first {
+            Err(Failure::Connection(_)) if reused => {
+                self.conn = None;
+                self.call(framed).map_err(Failure::text)
+            }
+            r => r.map_err(Failure::text),
+        }
+    }
+
+    fn call(&mut self, framed: bytes::Bytes) -> Result<(), Failure> {
+        let Grpc {
+            rt,
+            authority,
+            uri,
+            conn,
+        } = self;
+        let r = rt.block_on(async {
+            tokio::time::timeout(2 * STEP, call(conn, authority, uri, framed))
+                .await
+                .unwrap_or_else(|_| Err(Failure::Connection("timed out".into())))
+        });
+        if matches!(r, Err(Failure::Connection(_))) {
+            self.conn = None;
+        }
+        r
+    }
+}
+
+/// Why an export call failed: the connection (worth a new one), or the
+/// collector's answer.
+enum Failure {
+    Connection(String),
+    Answer(String),
+}
+
+impl Failure {
+    fn text(self) -> String {
+        match self {
+            Failure::Connection(s) | Failure::Answer(s) => s,
+        }
+    }
+}
+
+async fn call(
+    conn: &mut Option<h2::client::SendRequest<bytes::Bytes>>,
+    authority: &str,
+    uri: &http::Uri,
+    framed: bytes::Bytes,
+) -> Result<(), Failure> {
+    let io = |e: &dyn std::fmt::Display| Failure::Connection(e.to_string());
+    if conn.is_none() {
+        let addr = resolve(authority, 4317).map_err(Failure::Connection)?;
+        let tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| io(&e))?;
+        let _ = tcp.set_nodelay(true);
+        let (send, connection) = h2::client::handshake(tcp).await.map_err(|e| io(&e))?;
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        *conn = Some(send);
+    }
+    let Some(send) = conn.as_ref() else {
+        return Err(Failure::Connection("no connection".into()));
+    };
+    let mut send = send.clone().ready().await.map_err(|e| io(&e))?;
+    let req = http::Request::builder()
+        .method("POST")
+        .uri(uri.clone())
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("user-agent", "pier")
+        .body(())
+        .map_err(|e| Failure::Answer(e.to_string()))?;
+    let (resp, mut stream) = send.send_request(req, false).map_err(|e| io(&e))?;
+    stream.send_data(framed, true).map_err(|e| io(&e))?;
+    let resp = resp.await.map_err(|e| io(&e))?;
+    if resp.status() != http::StatusCode::OK {
+        return Err(Failure::Answer(format!("HTTP {}", resp.status())));
+    }
+    // A trailers-only answer has grpc-status in its head.
+    if let Some(s) = resp.headers().get("grpc-status") {
+        return grpc_status(s, resp.headers().get("grpc-message"));
+    }
+    let mut body = resp.into_body();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.map_err(|e| io(&e))?;
+        let _ = body.flow_control().release_capacity(chunk.len());
+    }
+    let trailers = body.trailers().await.map_err(|e| io(&e))?;
+    match trailers.as_ref().and_then(|t| t.get("grpc-status")) {
+        Some(s) => grpc_status(s, trailers.as_ref().and_then(|t| t.get("grpc-message"))),
+        None => Err(Failure::Answer("no grpc-status".into())),
+    }
+}
+
+fn grpc_status(s: &http::HeaderValue, msg: Option<&http::HeaderValue>) -> Result<(), Failure> {
+    if s.as_bytes() == b"0" {
+        return Ok(());
+    }
+    let msg = msg.map(|m| String::from_utf8_lossy(m.as_bytes()).into_owned());
+    Err(Failure::Answer(format!(
+        "grpc-status {}: {}",
+        String::from_utf8_lossy(s.as_bytes()),
+        msg.unwrap_or_default()
+    )))
+}
+
+/// POST `body` to an `http://` OTLP endpoint; Ok on a 2xx.
+fn post(url: &str, body: &[u8]) -> Result<(), String> {
+    let rest = url.strip_prefix("http://").ok_or("not an http:// URL")?;
+    let (hostport, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/v1/traces"),
+    };
+    let addr = resolve(hostport, 4318)?;
     let mut s = std::net::TcpStream::connect_timeout(&addr, STEP).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(STEP)).map_err(|e| e.to_string())?;
     s.set_write_timeout(Some(STEP)).map_err(|e| e.to_string())?;
