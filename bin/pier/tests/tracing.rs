@@ -313,7 +313,9 @@ retries = 1
         seen.starts_with(&format!("{TRACE}/")) && seen.len() == 32 + 1 + 16,
         "{seen}"
     );
-    let spans = jaeger.wait_spans(TRACE, 4);
+    // The first request's two, this one's server and client span, and its
+    // `lua access` span.
+    let spans = jaeger.wait_spans(TRACE, 5);
     assert!(
         spans.iter().any(|s| s["spanID"] == seen[33..]),
         "{spans:#?}"
@@ -531,4 +533,124 @@ servers = ["{origin}"]
         p.metric_value("pier_tracing_spans_total{result=\"failed\"}"),
         Some(0.0)
     );
+}
+
+/// What hooks add: attributes and events on the server span, a child span
+/// per Lua phase (with the cosocket call's time in `lua access`), and bad
+/// values refused with an error the hook can catch.
+#[test]
+fn hooks_add_attributes_events_and_lua_phase_spans() {
+    let jaeger = Jaeger::start();
+    let origin = Origin::start();
+    let cfg = format!(
+        r#"[admin]
+listen = "127.0.0.1:0"
+[log]
+access = "off"
+[tracing]
+endpoint = "{endpoint}"
+
+[[listener]]
+name = "main"
+listen = "127.0.0.1:0"
+
+[[route]]
+name = "default"
+upstream = "app"
+[route.lua]
+access = '''
+local res = pier.http.request{{ url = "http://{origin}/hello" }}
+pier.trace.set_attribute("app.user", "u-42")
+pier.trace.set_attribute("app.plan", "free")
+pier.trace.set_attribute("app.plan", "pro")
+pier.trace.set_attribute("app.ratio", 0.25)
+pier.trace.add_event("auth.checked", {{ ok = true, tries = 2 }})
+local bad = {{}}
+bad[#bad + 1] = tostring(pcall(pier.trace.set_attribute, "", 1))
+bad[#bad + 1] = tostring(pcall(pier.trace.set_attribute, "k", {{}}))
+bad[#bad + 1] = tostring(pcall(pier.trace.set_attribute, "k", 1/0))
+bad[#bad + 1] = tostring(pcall(pier.trace.set_attribute, "k", string.rep("x", 2000)))
+local ok_n = 0
+for i = 1, 40 do
+  if pcall(pier.trace.set_attribute, "n" .. i, i) then ok_n = ok_n + 1 end
+end
+local t, s = pier.trace.ids()
+ngx.req.set_header("x-bad", table.concat(bad, ","))
+ngx.req.set_header("x-kept", tostring(ok_n))
+ngx.req.set_header("x-ids", t .. "/" .. s)
+'''
+log = '''
+-- Past the bound, a key already set is still replaced.
+pier.trace.set_attribute("n1", true)
+'''
+
+[upstream.app]
+servers = ["{origin}"]
+"#,
+        endpoint = jaeger.endpoint(),
+        origin = origin.addr(),
+    );
+    let p = pier(&cfg);
+    let port = p.listener("main").port();
+    let trace = "6bf92f3577b34da6a3ce929d0e0e4736";
+    let (status, body) = get(
+        port,
+        "/headers",
+        &[&format!("traceparent: 00-{trace}-00f067aa0ba902b7-01")],
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        header_of(&body, "x-bad"),
+        Some("false,false,false,false"),
+        "{body}"
+    );
+    // 32 hook attributes a span: 3 set above (one twice), 29 of the 40.
+    assert_eq!(header_of(&body, "x-kept"), Some("29"), "{body}");
+    let ids = header_of(&body, "x-ids").unwrap();
+    assert!(ids.starts_with(&format!("{trace}/")), "{ids}");
+    // The server span, its attempt, and the access and log phases.
+    let spans = jaeger.wait_spans(trace, 4);
+    let server = by_kind(&spans, "server");
+    assert_eq!(server.len(), 1, "{spans:#?}");
+    let server = server[0];
+    let sid = server["spanID"].as_str().unwrap();
+    assert_eq!(&ids[33..], sid);
+    assert_eq!(tag(server, "app.user"), Some(&"u-42".into()));
+    assert_eq!(tag(server, "app.plan"), Some(&"pro".into()));
+    assert_eq!(tag(server, "app.ratio"), Some(&0.25.into()));
+    assert_eq!(tag(server, "n1"), Some(&true.into()));
+    assert_eq!(tag(server, "n29"), Some(&29.into()));
+    assert_eq!(tag(server, "n30"), None);
+    let logs = server["logs"].as_array().expect("events");
+    assert_eq!(logs.len(), 1, "{logs:#?}");
+    let fields = logs[0]["fields"].as_array().unwrap();
+    let field = |k: &str| {
+        fields
+            .iter()
+            .find(|f| f["key"] == k)
+            .map(|f| f["value"].clone())
+    };
+    assert_eq!(field("event"), Some("auth.checked".into()));
+    assert_eq!(field("ok"), Some(true.into()));
+    assert_eq!(field("tries"), Some(2.into()));
+    let name = |s: &serde_json::Value| s["operationName"].as_str().unwrap_or("").to_string();
+    let access = spans
+        .iter()
+        .find(|s| name(s) == "lua access")
+        .unwrap_or_else(|| panic!("{spans:#?}"));
+    assert_eq!(parent_of(access).as_deref(), Some(sid));
+    assert!(spans.iter().any(|s| name(s) == "lua log"), "{spans:#?}");
+    // The access hook's cosocket call is inside its span.
+    assert!(access["duration"].as_i64().unwrap() > 0);
+
+    // Not sampled: the same calls succeed and nothing is exported.
+    let quiet = "7bf92f3577b34da6a3ce929d0e0e4736";
+    let (status, body) = get(
+        port,
+        "/headers",
+        &[&format!("traceparent: 00-{quiet}-00f067aa0ba902b7-00")],
+    );
+    assert_eq!(status, 200);
+    assert_eq!(header_of(&body, "x-kept"), Some("40"), "{body}");
+    assert_eq!(header_of(&body, "x-bad"), Some("false,false,false,false"));
 }

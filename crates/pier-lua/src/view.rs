@@ -61,6 +61,14 @@ pub trait HttpView {
     fn trace_child(&self) -> Option<[u8; 55]> {
         None
     }
+    /// `pier.trace.set_attribute` / `add_event`: `op` 0 sets attribute
+    /// `key` of the request's server span, 1 adds an event named `key`, 2
+    /// an attribute of the latest event. Ok(()) also when the request is
+    /// not traced or not sampled (nothing is kept); Err(true) past a bound,
+    /// Err(false) for a bad key or value.
+    fn trace_add(&mut self, _op: u8, _key: &[u8], _value: pier_trace::Value) -> Result<(), bool> {
+        Ok(())
+    }
     /// The request's host (Host header or absolute-form authority, without port).
     fn host(&self) -> &[u8];
     /// The local port the request arrived on.

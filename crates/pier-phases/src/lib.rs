@@ -218,10 +218,12 @@ impl ConfigPhases {
             cache: &mut ctx.cache,
             body: &ctx.body,
         };
-        let c = eng
-            .balancer(route, &mut v, lctx)
-            .await
-            .map_err(hook_error)?;
+        let t0 = pier_proxy::trace::lua_start(v.sess);
+        let c = eng.balancer(route, &mut v, lctx).await;
+        if let Some(t0) = t0 {
+            pier_proxy::trace::lua_phase(s, "balancer", t0);
+        }
+        let c = c.map_err(hook_error)?;
         Ok(match c.peer {
             Some(p) if p != failed => Flow::Retry { peer: Some(p) },
             _ => Flow::Continue,
@@ -311,11 +313,15 @@ impl Phases for ConfigPhases {
                 cache: &mut ctx.cache,
                 body: &ctx.body,
             };
+            let t0 = pier_proxy::trace::lua_start(v.sess);
             let flow = match phase {
                 Phase::Access => e.access(route, &mut v, lctx).await,
                 _ => e.content(route, &mut v, lctx).await,
+            };
+            if let Some(t0) = t0 {
+                pier_proxy::trace::lua_phase(s, phase.name(), t0);
             }
-            .map_err(hook_error)?;
+            let flow = flow.map_err(hook_error)?;
             if let pier_lua::Flow::Respond {
                 status,
                 headers,
@@ -351,7 +357,12 @@ impl Phases for ConfigPhases {
             cache: &mut ctx.cache,
             body: &ctx.body,
         };
-        let c = e.balancer(route, &mut v, lctx).await.map_err(hook_error)?;
+        let t0 = pier_proxy::trace::lua_start(v.sess);
+        let c = e.balancer(route, &mut v, lctx).await;
+        if let Some(t0) = t0 {
+            pier_proxy::trace::lua_phase(s, "balancer", t0);
+        }
+        let c = c.map_err(hook_error)?;
         Ok(PeerChoice {
             addr: c.peer,
             retries: c.retries,
@@ -416,11 +427,12 @@ impl Phases for ConfigPhases {
             cache: &mut ctx.cache,
             body: &ctx.body,
         };
-        match e
-            .upstream_request(route, &mut v, lctx)
-            .await
-            .map_err(hook_error)?
-        {
+        let t0 = pier_proxy::trace::lua_start(v.sess);
+        let flow = e.upstream_request(route, &mut v, lctx).await;
+        if let Some(t0) = t0 {
+            pier_proxy::trace::lua_phase(s, "upstream_request", t0);
+        }
+        match flow.map_err(hook_error)? {
             pier_lua::Flow::Continue => Ok(Flow::Continue),
             pier_lua::Flow::Respond {
                 status,
@@ -466,7 +478,12 @@ impl Phases for ConfigPhases {
             cache: &mut ctx.cache,
             body: &ctx.body,
         };
-        e.header_filter(route, &mut v, lctx).map_err(hook_error)
+        let t0 = pier_proxy::trace::lua_start(v.sess);
+        let r = e.header_filter(route, &mut v, lctx);
+        if let Some(t0) = t0 {
+            pier_proxy::trace::lua_phase(s, "header_filter", t0);
+        }
+        r.map_err(hook_error)
     }
 
     fn cache_ctl<'a>(&self, ctx: &'a mut ConfigCtx) -> Option<&'a mut pier_proxy::CacheCtl> {
@@ -514,8 +531,12 @@ impl Phases for ConfigPhases {
             cache: &mut ctx.cache,
             body: &ctx.body,
         };
-        e.body_filter(route, &mut v, lctx, chunk, eof)
-            .map_err(hook_error)
+        let t0 = pier_proxy::trace::lua_start(v.sess);
+        let r = e.body_filter(route, &mut v, lctx, chunk, eof);
+        if let Some(t0) = t0 {
+            pier_proxy::trace::lua_phase(s, "body_filter", t0);
+        }
+        r.map_err(hook_error)
     }
 
     fn logging(&self, st: &State, s: &mut Session, ctx: &mut ConfigCtx) {
@@ -530,7 +551,11 @@ impl Phases for ConfigPhases {
                 cache: &mut ctx.cache,
                 body: &ctx.body,
             };
+            let t0 = pier_proxy::trace::lua_start(v.sess);
             e.log(route, &mut v, lctx);
+            if let Some(t0) = t0 {
+                pier_proxy::trace::lua_phase(s, "log", t0);
+            }
         }
     }
 }
@@ -639,6 +664,15 @@ impl HttpView for View<'_> {
     }
     fn trace_child(&self) -> Option<[u8; 55]> {
         pier_proxy::trace::of(self.sess).map(|t| t.subrequest())
+    }
+    fn trace_add(&mut self, op: u8, key: &[u8], value: pier_trace::Value) -> Result<(), bool> {
+        use pier_proxy::trace::{hook_add, HookAdd, HookRefused};
+        let add = match op {
+            0 => HookAdd::Attribute(key, value),
+            1 => HookAdd::Event(key),
+            _ => HookAdd::EventAttribute(key, value),
+        };
+        hook_add(self.sess, add).map_err(|e| e == HookRefused::TooMany)
     }
     fn trace_var(&self, name: &[u8]) -> Option<&[u8]> {
         let t = pier_proxy::trace::of(self.sess)?;

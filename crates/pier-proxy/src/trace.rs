@@ -7,7 +7,7 @@
 
 use crate::session::Session;
 use crate::state::State;
-use pier_trace::{Context, Span, SpanKind, Value};
+use pier_trace::{Context, Event, Span, SpanKind, Value};
 use std::net::SocketAddr;
 
 /// A request's tracing state, kept (boxed) in its session and reused by the
@@ -23,8 +23,44 @@ pub struct RequestTrace {
     /// `ngx.var.trace_id` and `span_id`).
     pub hex: [u8; 48],
     attempt: Option<Attempt>,
-    /// Spans of the attempts that ended (sampled requests only).
+    /// Spans of the attempts and Lua phases that ended (sampled requests
+    /// only).
     spans: Vec<Span>,
+    /// What hooks added to the server span (`pier.trace`), sampled only.
+    extra: Vec<(String, Value)>,
+    events: Vec<Event>,
+    /// Time in `body_filter` hooks (one attribute, not a span per chunk).
+    body_filter_ns: u64,
+}
+
+/// Bounds on what hooks add to a request's span (`pier.trace`).
+pub const MAX_HOOK_ATTRIBUTES: usize = 32;
+pub const MAX_HOOK_EVENTS: usize = 32;
+pub const MAX_EVENT_ATTRIBUTES: usize = 16;
+/// A key's length at most (1 at least).
+pub const MAX_KEY: usize = 128;
+/// A string value's length at most.
+pub const MAX_VALUE: usize = 1024;
+
+/// What a hook adds to its request's span.
+#[derive(Debug)]
+pub enum HookAdd<'a> {
+    /// An attribute of the server span (a key set again is replaced).
+    Attribute(&'a [u8], Value),
+    /// An event at the current time.
+    Event(&'a [u8]),
+    /// An attribute of the latest event.
+    EventAttribute(&'a [u8], Value),
+}
+
+/// Why a hook's addition was refused.
+#[derive(Debug, PartialEq, Eq)]
+pub enum HookRefused {
+    /// A key empty, too long or not UTF-8; a value too long; a number not
+    /// finite; an event attribute with no event.
+    Invalid,
+    /// Past a bound above.
+    TooMany,
 }
 
 #[derive(Debug)]
@@ -54,6 +90,9 @@ pub(crate) fn start(state: &State, sess: &mut Session) {
             hex: [0; 48],
             attempt: None,
             spans: Vec::new(),
+            extra: Vec::new(),
+            events: Vec::new(),
+            body_filter_ns: 0,
         })
     });
     t.active = true;
@@ -63,6 +102,131 @@ pub(crate) fn start(state: &State, sess: &mut Session) {
     pier_trace::hex_into(&ctx.span_id, &mut t.hex[32..]);
     t.attempt = None;
     t.spans.clear();
+    t.extra.clear();
+    t.events.clear();
+    t.body_filter_ns = 0;
+}
+
+/// A hook's `pier.trace.set_attribute` / `add_event`: kept for a sampled
+/// request's server span; accepted and dropped for one not sampled (or
+/// without a trace), as OpenTelemetry's non-recording spans do. Every
+/// value is checked: it comes from Lua.
+pub fn hook_add(sess: &mut Session, add: HookAdd<'_>) -> Result<(), HookRefused> {
+    fn key(k: &[u8]) -> Result<String, HookRefused> {
+        match std::str::from_utf8(k) {
+            Ok(s) if !s.is_empty() && s.len() <= MAX_KEY => Ok(s.to_string()),
+            _ => Err(HookRefused::Invalid),
+        }
+    }
+    fn value(v: Value) -> Result<Value, HookRefused> {
+        match &v {
+            Value::Str(s) if s.len() > MAX_VALUE => Err(HookRefused::Invalid),
+            Value::Double(d) if !d.is_finite() => Err(HookRefused::Invalid),
+            _ => Ok(v),
+        }
+    }
+    let Some(t) = sess
+        .trace
+        .as_deref_mut()
+        .filter(|t| t.active && t.ctx.sampled)
+    else {
+        // Checked all the same, so a hook's mistake shows whatever the
+        // sampling.
+        return match add {
+            HookAdd::Attribute(k, v) | HookAdd::EventAttribute(k, v) => {
+                key(k).and(value(v)).map(drop)
+            }
+            HookAdd::Event(k) => key(k).map(drop),
+        };
+    };
+    match add {
+        HookAdd::Attribute(k, v) => {
+            let (k, v) = (key(k)?, value(v)?);
+            if let Some(slot) = t.extra.iter_mut().find(|(n, _)| *n == k) {
+                slot.1 = v;
+            } else if t.extra.len() >= MAX_HOOK_ATTRIBUTES {
+                return Err(HookRefused::TooMany);
+            } else {
+                t.extra.push((k, v));
+            }
+        }
+        HookAdd::Event(name) => {
+            let name = key(name)?;
+            if t.events.len() >= MAX_HOOK_EVENTS {
+                return Err(HookRefused::TooMany);
+            }
+            t.events.push(Event {
+                time_ns: pier_clock::system_ns(),
+                name,
+                attributes: Vec::new(),
+            });
+        }
+        HookAdd::EventAttribute(k, v) => {
+            let (k, v) = (key(k)?, value(v)?);
+            let e = t.events.last_mut().ok_or(HookRefused::Invalid)?;
+            if e.attributes.len() >= MAX_EVENT_ATTRIBUTES {
+                return Err(HookRefused::TooMany);
+            }
+            e.attributes.push((k, v));
+        }
+    }
+    Ok(())
+}
+
+/// When a Lua phase starts, for [`lua_phase`]: a sampled request's only
+/// (an unsampled one reads no clock for its hooks).
+pub fn lua_start(sess: &Session) -> Option<u64> {
+    of(sess)
+        .is_some_and(|t| t.ctx.sampled)
+        .then(pier_clock::system_ns)
+}
+
+/// A Lua phase (`lua access`, …) ran from `start_ns` until now: a child
+/// span of the server span, with the time spent in the hook, its cosocket
+/// waits included. `body_filter`, called per chunk, adds to one attribute
+/// instead (`pier.lua.body_filter.duration_ns`).
+pub fn lua_phase(sess: &mut Session, phase: &'static str, start_ns: u64) {
+    let Some(t) = sess
+        .trace
+        .as_deref_mut()
+        .filter(|t| t.active && t.ctx.sampled)
+    else {
+        return;
+    };
+    let end_ns = pier_clock::system_ns();
+    if phase == "body_filter" {
+        t.body_filter_ns += end_ns.saturating_sub(start_ns);
+        return;
+    }
+    if t.spans.len() >= 64 {
+        return;
+    }
+    t.spans.push(Span {
+        trace_id: t.ctx.trace_id,
+        span_id: pier_trace::span_id(),
+        parent: Some(t.ctx.span_id),
+        name: lua_span_name(phase).to_string(),
+        kind: SpanKind::Internal,
+        start_ns,
+        end_ns,
+        attributes: vec![("pier.lua.phase", Value::Str(phase.to_string()))],
+        extra: Vec::new(),
+        events: Vec::new(),
+        error: None,
+        trace_state: None,
+    });
+}
+
+fn lua_span_name(phase: &str) -> &'static str {
+    match phase {
+        "access" => "lua access",
+        "content" => "lua content",
+        "balancer" => "lua balancer",
+        "upstream_request" => "lua upstream_request",
+        "header_filter" => "lua header_filter",
+        "log" => "lua log",
+        _ => "lua",
+    }
 }
 
 impl RequestTrace {
@@ -146,6 +310,8 @@ pub(crate) fn end_attempt(sess: &mut Session, failed: Option<&str>) {
         start_ns: a.start_ns,
         end_ns: pier_clock::system_ns(),
         attributes,
+        extra: Vec::new(),
+        events: Vec::new(),
         error,
         trace_state: None,
     });
@@ -208,6 +374,12 @@ pub(crate) fn finish(state: &State, sess: &mut Session, route: Option<usize>, du
     let Some(t) = sess.trace.as_deref_mut() else {
         return;
     };
+    if t.body_filter_ns > 0 {
+        attributes.push((
+            "pier.lua.body_filter.duration_ns",
+            Value::Int(t.body_filter_ns.min(i64::MAX as u64) as i64),
+        ));
+    }
     for s in t.spans.drain(..) {
         exporter.submit(s);
     }
@@ -223,6 +395,8 @@ pub(crate) fn finish(state: &State, sess: &mut Session, route: Option<usize>, du
         start_ns,
         end_ns: start_ns + dur_us * 1000,
         attributes,
+        extra: std::mem::take(&mut t.extra),
+        events: std::mem::take(&mut t.events),
         error: (sess.status >= 500).then(|| format!("HTTP {}", sess.status)),
         trace_state,
     });

@@ -18,7 +18,7 @@ pub mod span;
 use std::cell::Cell;
 
 pub use export::{exporter, Exporter};
-pub use span::{Span, SpanKind, Value};
+pub use span::{Event, Span, SpanKind, Value};
 
 /// A request's trace context.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

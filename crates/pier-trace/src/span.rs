@@ -5,6 +5,7 @@
 /// OpenTelemetry's span kinds (the proto's numbers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SpanKind {
+    Internal = 1,
     Server = 2,
     Client = 3,
 }
@@ -13,7 +14,17 @@ pub enum SpanKind {
 pub enum Value {
     Str(String),
     Int(i64),
+    Double(f64),
     Bool(bool),
+}
+
+/// A point in a span's time, with its own attributes (a hook's
+/// `pier.trace.add_event`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub time_ns: u64,
+    pub name: String,
+    pub attributes: Vec<(String, Value)>,
 }
 
 /// One span, built when a sampled request (or one of its attempts) ends.
@@ -29,6 +40,9 @@ pub struct Span {
     /// Attribute names from OpenTelemetry's HTTP semantic conventions
     /// (`http.request.method`, …) and Pier's own (`pier.*`).
     pub attributes: Vec<(&'static str, Value)>,
+    /// Attributes a hook added (`pier.trace.set_attribute`).
+    pub extra: Vec<(String, Value)>,
+    pub events: Vec<Event>,
     /// Status ERROR with this message (a 5xx, a failed attempt).
     pub error: Option<String>,
     /// The request's `tracestate`, kept as the client sent it.
@@ -66,7 +80,7 @@ fn message(out: &mut Vec<u8>, field: u32, f: impl FnOnce(&mut Vec<u8>)) {
 }
 
 /// `KeyValue { key = 1; AnyValue value = 2 }`, `AnyValue { string = 1;
-/// bool = 2; int = 3 }`.
+/// bool = 2; int = 3; double = 4 }`.
 fn key_value(out: &mut Vec<u8>, field: u32, key: &str, v: &Value) {
     message(out, field, |kv| {
         bytes(kv, 1, key.as_bytes());
@@ -80,14 +94,15 @@ fn key_value(out: &mut Vec<u8>, field: u32, key: &str, v: &Value) {
                 tag(any, 3, 0);
                 varint(any, *i as u64);
             }
+            Value::Double(d) => fixed64(any, 4, d.to_bits()),
         });
     });
 }
 
 impl Span {
     /// `Span` (trace_id = 1, span_id = 2, trace_state = 3, parent_span_id
-    /// = 4, name = 5, kind = 6, start = 7, end = 8, attributes = 9, status
-    /// = 15).
+    /// = 4, name = 5, kind = 6, start = 7, end = 8, attributes = 9, events
+    /// = 11, status = 15).
     fn encode(&self, out: &mut Vec<u8>) {
         bytes(out, 1, &self.trace_id);
         bytes(out, 2, &self.span_id);
@@ -104,6 +119,19 @@ impl Span {
         fixed64(out, 8, self.end_ns.max(self.start_ns));
         for (k, v) in &self.attributes {
             key_value(out, 9, k, v);
+        }
+        for (k, v) in &self.extra {
+            key_value(out, 9, k, v);
+        }
+        // Event { time_unix_nano = 1; name = 2; attributes = 3 }.
+        for e in &self.events {
+            message(out, 11, |m| {
+                fixed64(m, 1, e.time_ns);
+                bytes(m, 2, e.name.as_bytes());
+                for (k, v) in &e.attributes {
+                    key_value(m, 3, k, v);
+                }
+            });
         }
         if let Some(msg) = &self.error {
             // Status { message = 2; code = 3 (2: ERROR) }.
@@ -157,6 +185,8 @@ mod tests {
             start_ns: 5,
             end_ns: 7,
             attributes: vec![("http.response.status_code", Value::Int(200))],
+            extra: Vec::new(),
+            events: Vec::new(),
             error: None,
             trace_state: None,
         };
@@ -174,7 +204,32 @@ mod tests {
         // start: field 7 fixed64.
         assert_eq!(b[35], 0x39);
         assert_eq!(&b[36..44], &5u64.to_le_bytes());
-        let req = encode_request("svc", &[s]);
+        let req = encode_request("svc", std::slice::from_ref(&s));
         assert_eq!(req[0], 0x0a);
+
+        // A hook's attribute and event follow the span's own.
+        let mut h = s;
+        h.attributes.clear();
+        h.extra.push(("k".into(), Value::Double(1.5)));
+        h.events.push(Event {
+            time_ns: 6,
+            name: "e".into(),
+            attributes: vec![("a".into(), Value::Bool(true))],
+        });
+        let mut b = Vec::new();
+        h.encode(&mut b);
+        let kv = [
+            0x4a, 14, 0x0a, 1, b'k', 0x12, 9, 0x21, 0, 0, 0, 0, 0, 0, 0xf8, 0x3f,
+        ];
+        let at = b
+            .windows(kv.len())
+            .position(|w| w == kv)
+            .expect("attribute");
+        // event: field 11 (0x5a), time fixed64 6, name "e", attribute a=true.
+        let ev = &b[at + kv.len()..];
+        assert_eq!(ev[0], 0x5a);
+        assert_eq!(&ev[2..11], &[0x09, 6, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(&ev[11..14], &[0x12, 1, b'e']);
+        assert_eq!(&ev[14..16], &[0x1a, 7]);
     }
 }

@@ -55,6 +55,7 @@ typedef struct {
   int (*shdict_llen)(int, const char *, size_t);
   int (*analytics_field)(const char *, size_t, const char *, size_t);
   int (*cache_set)(int, const char *, size_t, double);
+  int (*trace_add)(int, const char *, size_t, int, const char *, size_t, double);
 } pier_api_t;
 ]]
 

@@ -47,6 +47,64 @@ do
   }
 end
 
+-- pier.trace: this request's span ([tracing]; docs/tracing.md).
+-- set_attribute(key, value) on the server span (a key set again is
+-- replaced), add_event(name [, attributes]) at the current time; keys of 1
+-- to 128 bytes of UTF-8, values strings (at most 1024 bytes), finite
+-- numbers or booleans; 32 attributes, 32 events, 16 attributes an event.
+-- Kept for a sampled request, accepted and dropped otherwise. ids() gives
+-- the trace id and the server span id in hex (nil without [tracing]).
+do
+  local C_add = api.trace_add
+  local function add(fname, op, key, value, level)
+    if type(key) ~= "string" then
+      error("bad argument #1 to pier.trace." .. fname .. " (string expected)", level)
+    end
+    local vt, s, n, num = 0, nil, 0, 0
+    local t = type(value)
+    if op == 1 then
+      -- an event: its name only
+    elseif t == "string" then
+      s, n = value, #value
+    elseif t == "number" then
+      vt, num = 1, value
+    elseif t == "boolean" then
+      vt, num = 2, value and 1 or 0
+    else
+      error("bad argument #2 to pier.trace." .. fname .. " (string, number or boolean expected, got " .. t .. ")", level)
+    end
+    local rc = C_add(op, key, #key, vt, s, n, num)
+    if rc == 0 then return true end
+    if rc == -2 then
+      error("API pier.trace." .. fname .. " is disabled in phase " .. base.phase_name(), level)
+    elseif rc == -11 then
+      error("pier.trace." .. fname .. ": too many (32 attributes, 32 events, 16 attributes an event)", level)
+    end
+    error("bad argument to pier.trace." .. fname .. " (key: 1 to 128 bytes of UTF-8; value: at most 1024 bytes, a finite number or a boolean)", level)
+  end
+  pier.trace = {
+    set_attribute = function(key, value)
+      return add("set_attribute", 0, key, value, 3)
+    end,
+    add_event = function(name, attributes)
+      add("add_event", 1, name, nil, 3)
+      if attributes ~= nil then
+        if type(attributes) ~= "table" then
+          error("bad argument #2 to pier.trace.add_event (table expected)", 2)
+        end
+        for k, v in pairs(attributes) do
+          add("add_event", 2, tostring(k), v, 3)
+        end
+      end
+      return true
+    end,
+    ids = function()
+      local var = pier.var
+      return var.trace_id, var.span_id
+    end,
+  }
+end
+
 -- pier.cache: this request's cache controls (docs/cache.md). In access:
 -- bypass(), set_key(key), set_ttl(secs); in header_filter: set_cacheable(bool),
 -- set_ttl(secs). A TTL is a number of seconds from 0 to a year (0: don't store).

@@ -7,7 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::{arg, guard, out, put, OutLen, OutPtr, E_INVAL, E_PHASE, E_TOO_LARGE};
+use super::{arg, guard, out, put, with_view, OutLen, OutPtr, E_INVAL, E_PHASE, E_TOO_LARGE};
 use crate::current::{self, Current};
 use crate::engine::RequestCtx;
 use crate::phase::mask;
@@ -70,6 +70,39 @@ pub(super) unsafe extern "C" fn analytics_field(
         Ok(()) => 0,
         Err(pier_log::fields::Refused::TooMany) => -11,
         Err(_) => E_INVAL,
+    })
+}
+
+/// `pier.trace`: `op` 0 a span attribute, 1 an event, 2 an attribute of
+/// the latest event; the value is a string (`vt` 0), a number (1: an
+/// integer when it is one, else a double) or a boolean (2, `num` 0 or 1).
+/// -11: past a bound.
+pub(super) unsafe extern "C" fn trace_add(
+    op: c_int,
+    kp: *const c_char,
+    kn: usize,
+    vt: c_int,
+    vp: *const c_char,
+    vn: usize,
+    num: f64,
+) -> c_int {
+    // SAFETY: `(ptr, len)` arguments from Lua are valid for the call (ffi contract).
+    let (key, text) = unsafe { (arg(kp, kn), arg(vp, vn)) };
+    let op = match op {
+        0..=2 => op as u8,
+        _ => return E_INVAL,
+    };
+    let value = match vt {
+        0 => pier_trace::Value::Str(String::from_utf8_lossy(text).into_owned()),
+        1 if num.fract() == 0.0 && num.abs() < 9.0e15 => pier_trace::Value::Int(num as i64),
+        1 => pier_trace::Value::Double(num),
+        2 => pier_trace::Value::Bool(num != 0.0),
+        _ => return E_INVAL,
+    };
+    with_view(mask::REQ_READ, |v, _| match v.trace_add(op, key, value) {
+        Ok(()) => 0,
+        Err(true) => -11,
+        Err(false) => E_INVAL,
     })
 }
 

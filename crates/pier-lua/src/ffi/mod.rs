@@ -171,6 +171,16 @@ pub(crate) struct PierApi {
     analytics_field: unsafe extern "C" fn(*const c_char, usize, *const c_char, usize) -> c_int,
     // pier.cache (access, header_filter)
     cache_set: unsafe extern "C" fn(c_int, *const c_char, usize, f64) -> c_int,
+    // pier.trace (request phases)
+    trace_add: unsafe extern "C" fn(
+        c_int,
+        *const c_char,
+        usize,
+        c_int,
+        *const c_char,
+        usize,
+        f64,
+    ) -> c_int,
 }
 
 /// The one API table; its address is what Lua casts.
@@ -223,6 +233,7 @@ static API: PierApi = PierApi {
     shdict_llen: shdict::llen,
     analytics_field: ctx::analytics_field,
     cache_set: cache::set,
+    trace_add: ctx::trace_add,
 };
 
 /// The address Lua casts to `const pier_api_t*` (fits a double: user-space
