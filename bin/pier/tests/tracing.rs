@@ -554,6 +554,30 @@ endpoint = "{endpoint}"
 name = "main"
 listen = "127.0.0.1:0"
 
+[lua]
+package_path = ["{resty_http}/?.lua", "{libs}/?.lua"]
+
+[[route]]
+name = "resty"
+path = "/resty"
+upstream = "app"
+[route.lua]
+access = '''
+-- Debian ships lua-resty-string as nginx.string.
+package.loaded["resty.string"] = package.loaded["resty.string"] or require "nginx.string"
+local http = require "resty.http"
+local c = http.new()
+local res, err = c:request_uri("http://{origin}/headers", {{ headers = {{ ["X-A"] = "1" }} }})
+local tp = res and res.body:match("traceparent: *([^\r\n]+)") or ("none: " .. tostring(err))
+ngx.req.set_header("x-resty-traceparent", tp)
+local given = "00-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-bbbbbbbbbbbbbbbb-01"
+res, err = c:request_uri("http://{origin}/headers", {{ headers = {{ Traceparent = given }} }})
+tp = res and res.body:match("[Tt]raceparent: *([^\r\n]+)") or ("none: " .. tostring(err))
+ngx.req.set_header("x-resty-given", tp)
+local _, lines = (res and res.body or ""):lower():gsub("traceparent:", "")
+ngx.req.set_header("x-resty-given-lines", tostring(lines))
+'''
+
 [[route]]
 name = "default"
 upstream = "app"
@@ -589,9 +613,41 @@ servers = ["{origin}"]
 "#,
         endpoint = jaeger.endpoint(),
         origin = origin.addr(),
+        resty_http = concat!(env!("CARGO_MANIFEST_DIR"), "/../../vendor/lua-resty-http"),
+        libs = std::env::var("PIER_LUA_LIBS")
+            .expect("PIER_LUA_LIBS: source target/test-env.sh (bash .ci/install makes it)"),
     );
     let p = pier(&cfg);
     let port = p.listener("main").port();
+
+    // lua-resty-http on raw cosockets: its requests carry the context (the
+    // server span as the parent, the flags as sampled), unless the hook
+    // gave a traceparent of its own.
+    let resty = "8bf92f3577b34da6a3ce929d0e0e4736";
+    let (status, body) = get(
+        port,
+        "/resty/headers",
+        &[&format!("traceparent: 00-{resty}-00f067aa0ba902b7-01")],
+    );
+    assert_eq!(status, 200, "{body}");
+    let sub = header_of(&body, "x-resty-traceparent").unwrap_or("");
+    assert!(
+        sub.starts_with(&format!("00-{resty}-")) && sub.ends_with("-01"),
+        "{body}"
+    );
+    let spans = jaeger.wait_spans(resty, 3);
+    let server = by_kind(&spans, "server");
+    assert_eq!(
+        Some(&sub[36..52]),
+        server[0]["spanID"].as_str(),
+        "{spans:#?}"
+    );
+    assert_eq!(
+        header_of(&body, "x-resty-given"),
+        Some("00-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-bbbbbbbbbbbbbbbb-01")
+    );
+    assert_eq!(header_of(&body, "x-resty-given-lines"), Some("1"), "{body}");
+
     let trace = "6bf92f3577b34da6a3ce929d0e0e4736";
     let (status, body) = get(
         port,

@@ -18,6 +18,7 @@ pub(crate) const MODULES: &[(&str, &str)] = &[
     ("pier.var", include_str!("../lua/pier/var.lua")),
     ("pier.shared", include_str!("../lua/pier/shared.lua")),
     ("pier.socket", include_str!("../lua/pier/socket.lua")),
+    ("pier.after", include_str!("../lua/pier/after.lua")),
     (
         "ngx.semaphore",
         include_str!("../lua/pier/ngx_semaphore.lua"),
@@ -130,18 +131,27 @@ fn fast_require(lua: &Lua) -> mlua::Result<()> {
     let fast: mlua::Function = lua
         .load(
             r#"
-            local LOADED, c_require, type = ...
+            local LOADED, c_require, type, after = ...
             return function(name, ...)
               if type(name) == "string" then
                 local m = LOADED[name]
                 local t = type(m)
                 if t == "table" or t == "function" then return m end
+                local f = after[name]
+                if f then return f(c_require(name, ...)) end
               end
               return c_require(name, ...)
             end
             "#,
         )
         .set_name("=pier require")
-        .call((loaded, c_require, globals.get::<mlua::Function>("type")?))?;
+        .call((
+            loaded,
+            c_require,
+            globals.get::<mlua::Function>("type")?,
+            lua.load("return require('pier.after')")
+                .set_name("=pier after")
+                .eval::<Table>()?,
+        ))?;
     globals.set("require", fast)
 }

@@ -679,6 +679,7 @@ impl HttpView for View<'_> {
         match name {
             b"trace_id" => Some(t.trace_hex()),
             b"span_id" => Some(t.span_hex()),
+            b"trace_flags" => Some(t.flags_hex()),
             _ => None,
         }
     }

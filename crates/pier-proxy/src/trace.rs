@@ -19,9 +19,9 @@ pub struct RequestTrace {
     pub ctx: Context,
     /// The `traceparent` the current attempt sends upstream.
     pub header: [u8; 55],
-    /// The trace id and the server span id in hex (logs, Lua's
-    /// `ngx.var.trace_id` and `span_id`).
-    pub hex: [u8; 48],
+    /// The trace id, the server span id and the flags in hex (logs, Lua's
+    /// `ngx.var.trace_id`, `span_id` and `trace_flags`).
+    pub hex: [u8; 50],
     attempt: Option<Attempt>,
     /// Spans of the attempts and Lua phases that ended (sampled requests
     /// only).
@@ -87,7 +87,7 @@ pub(crate) fn start(state: &State, sess: &mut Session) {
             active: false,
             ctx,
             header: [0; 55],
-            hex: [0; 48],
+            hex: [0; 50],
             attempt: None,
             spans: Vec::new(),
             extra: Vec::new(),
@@ -99,7 +99,8 @@ pub(crate) fn start(state: &State, sess: &mut Session) {
     t.ctx = ctx;
     t.header = pier_trace::traceparent(&ctx.trace_id, &ctx.span_id, ctx.sampled);
     pier_trace::hex_into(&ctx.trace_id, &mut t.hex[..32]);
-    pier_trace::hex_into(&ctx.span_id, &mut t.hex[32..]);
+    pier_trace::hex_into(&ctx.span_id, &mut t.hex[32..48]);
+    pier_trace::hex_into(&[ctx.sampled as u8], &mut t.hex[48..]);
     t.attempt = None;
     t.spans.clear();
     t.extra.clear();
@@ -234,7 +235,11 @@ impl RequestTrace {
         &self.hex[..32]
     }
     pub fn span_hex(&self) -> &[u8] {
-        &self.hex[32..]
+        &self.hex[32..48]
+    }
+    /// `01` sampled, `00` not (W3C trace-flags).
+    pub fn flags_hex(&self) -> &[u8] {
+        &self.hex[48..]
     }
     /// The `traceparent` of a request a hook makes (`pier.http`), which
     /// has no client span of its own: the server span is its parent.

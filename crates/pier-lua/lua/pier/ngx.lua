@@ -688,6 +688,7 @@ local builtin = {
   args = true, query_string = true, is_args = true, scheme = true, request_method = true,
   server_port = true, status = true, https = true,
   realip_remote_addr = true, realip_remote_port = true, trace_id = true, span_id = true,
+  trace_flags = true,
 }
 for k in pairs(computed) do builtin[k] = true end
 

@@ -265,7 +265,7 @@ pub(super) unsafe extern "C" fn var(
             b"scheme" => Some(v.scheme()),
             b"server_protocol" => Some(v.server_protocol()),
             b"host" => Some(v.host()),
-            b"trace_id" | b"span_id" => v.trace_var(name),
+            b"trace_id" | b"span_id" | b"trace_flags" => v.trace_var(name),
             _ => v.tls_var(name),
         };
         if let Some(val) = direct {
