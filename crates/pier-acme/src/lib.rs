@@ -627,27 +627,15 @@ fn unix_ms() -> i64 {
 /// 5 seconds in all; only the status line is read.
 async fn ask(url: &str, name: &str) -> Result<bool, String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let rest = url.strip_prefix("http://").ok_or("not an http:// URL")?;
-    let (hostport, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], &rest[i..]),
-        None => (rest, "/"),
-    };
-    let addr = if hostport
-        .rsplit_once(':')
-        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
-        && !hostport.ends_with(']')
-    {
-        hostport.to_string()
-    } else {
-        format!("{hostport}:80")
-    };
+    let u = pier_http::url::parse_http(url, 80, "/")?;
+    let (hostport, path, addr) = (u.authority, &*u.path, &*u.connect);
     let sep = if path.contains('?') { '&' } else { '?' };
     // `name` is a checked DNS name: nothing in it needs escaping.
     let request = format!(
         "GET {path}{sep}domain={name} HTTP/1.0\r\nHost: {hostport}\r\nUser-Agent: pier\r\nConnection: close\r\n\r\n"
     );
     let exchange = async {
-        let mut s = tokio::net::TcpStream::connect(&addr)
+        let mut s = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(|e| e.to_string())?;
         s.write_all(request.as_bytes())

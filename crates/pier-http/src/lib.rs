@@ -12,6 +12,7 @@ pub mod date;
 pub mod head;
 pub mod headers;
 pub mod known;
+pub mod url;
 pub mod write;
 
 pub use body::BodyDecoder;

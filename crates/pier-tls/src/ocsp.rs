@@ -670,22 +670,11 @@ const MAX_RESPONSE: usize = 64 * 1024;
 /// and `MAX_RESPONSE`.
 fn fetch(url: &str, request: &[u8]) -> Result<Vec<u8>, String> {
     use std::net::ToSocketAddrs;
-    let rest = url.strip_prefix("http://").ok_or("not an http:// URL")?;
-    let (hostport, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], &rest[i..]),
-        None => (rest, "/"),
-    };
-    let addr_str = if hostport
-        .rsplit_once(':')
-        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
-        && !hostport.ends_with(']')
-    {
-        hostport.to_string()
-    } else {
-        format!("{hostport}:80")
-    };
+    let u = pier_http::url::parse_http(url, 80, "/")?;
+    let (hostport, path) = (u.authority, &*u.path);
     let step = Duration::from_secs(10);
-    let addr = addr_str
+    let addr = u
+        .connect
         .to_socket_addrs()
         .map_err(|e| format!("{hostport}: {e}"))?
         .next()

@@ -189,23 +189,14 @@ fn run(rx: Receiver<Msg>, endpoint: &str, service: &str) {
     }
 }
 
-/// The socket address of `host[:port]`, `port` when none is given.
-fn resolve(hostport: &str, port: u16) -> Result<std::net::SocketAddr, String> {
+/// The first socket address of `host:port`.
+fn resolve(connect: &str) -> Result<std::net::SocketAddr, String> {
     use std::net::ToSocketAddrs;
-    let with_port = if hostport
-        .rsplit_once(':')
-        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
-        && !hostport.ends_with(']')
-    {
-        hostport.to_string()
-    } else {
-        format!("{hostport}:{port}")
-    };
-    with_port
+    connect
         .to_socket_addrs()
-        .map_err(|e| format!("{hostport}: {e}"))?
+        .map_err(|e| format!("{connect}: {e}"))?
         .next()
-        .ok_or_else(|| format!("{hostport}: no address"))
+        .ok_or_else(|| format!("{connect}: no address"))
 }
 
 /// The gRPC method OTLP/gRPC collectors serve.
@@ -301,7 +292,10 @@ async fn call(
 ) -> Result<(), Failure> {
     let io = |e: &dyn std::fmt::Display| Failure::Connection(e.to_string());
     if conn.is_none() {
-        let addr = resolve(authority, 4317).map_err(Failure::Connection)?;
+        let url = format!("http://{authority}");
+        let url = pier_http::url::parse_http(&url, 4317, "/")
+            .map_err(|e| Failure::Connection(e.into()))?;
+        let addr = resolve(&url.connect).map_err(Failure::Connection)?;
         let tcp = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(|e| io(&e))?;
@@ -360,12 +354,9 @@ fn grpc_status(s: &http::HeaderValue, msg: Option<&http::HeaderValue>) -> Result
 
 /// POST `body` to an `http://` OTLP endpoint; Ok on a 2xx.
 fn post(url: &str, body: &[u8]) -> Result<(), String> {
-    let rest = url.strip_prefix("http://").ok_or("not an http:// URL")?;
-    let (hostport, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], &rest[i..]),
-        None => (rest, "/v1/traces"),
-    };
-    let addr = resolve(hostport, 4318)?;
+    let u = pier_http::url::parse_http(url, 4318, "/v1/traces")?;
+    let (hostport, path) = (u.authority, &*u.path);
+    let addr = resolve(&u.connect)?;
     let mut s = std::net::TcpStream::connect_timeout(&addr, STEP).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(STEP)).map_err(|e| e.to_string())?;
     s.set_write_timeout(Some(STEP)).map_err(|e| e.to_string())?;
