@@ -11,7 +11,7 @@ use crate::span::{encode_request, Span};
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 /// Spans sent per POST at most.
@@ -49,6 +49,7 @@ pub struct Exporter {
     tx: SyncSender<Msg>,
     endpoint: String,
     service: String,
+    queue: usize,
 }
 
 impl std::fmt::Debug for Exporter {
@@ -60,20 +61,23 @@ impl std::fmt::Debug for Exporter {
 }
 
 /// The exporter for (endpoint, service, queue): the one already running
-/// when a reload keeps them, else a new one (the old one's thread ends,
-/// sending what it holds, once the last config using it is gone).
+/// when a reload keeps them, else a new one. Only configs hold it: when the
+/// last one using an exporter is gone (a reload that removed or changed
+/// `[tracing]`), its queue's sender drops and its thread ends, sending what
+/// it holds.
 pub fn exporter(endpoint: &str, service: &str, queue: usize) -> Arc<Exporter> {
-    static CURRENT: OnceLock<Mutex<Option<Arc<Exporter>>>> = OnceLock::new();
+    static CURRENT: OnceLock<Mutex<Weak<Exporter>>> = OnceLock::new();
     let mut cur = CURRENT
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    if let Some(e) = cur.as_ref() {
-        if e.endpoint == endpoint && e.service == service {
-            return e.clone();
+    let queue = queue.max(1);
+    if let Some(e) = cur.upgrade() {
+        if e.endpoint == endpoint && e.service == service && e.queue == queue {
+            return e;
         }
     }
-    let (tx, rx) = sync_channel(queue.max(1));
+    let (tx, rx) = sync_channel(queue);
     let (url, svc) = (endpoint.to_string(), service.to_string());
     let spawned = std::thread::Builder::new()
         .name("pier-trace".into())
@@ -85,8 +89,9 @@ pub fn exporter(endpoint: &str, service: &str, queue: usize) -> Arc<Exporter> {
         tx,
         endpoint: endpoint.to_string(),
         service: service.to_string(),
+        queue,
     });
-    *cur = Some(e.clone());
+    *cur = Arc::downgrade(&e);
     e
 }
 
@@ -387,5 +392,26 @@ fn post(url: &str, body: &[u8]) -> Result<(), String> {
             Ok(httparse::Status::Partial) if n > 0 && buf.len() < 64 * 1024 => {}
             _ => return Err("bad HTTP response".into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reload_keeps_an_unchanged_exporter_and_the_last_holder_ends_it() {
+        let a = exporter("http://127.0.0.1:9/v1/traces", "s", 16);
+        let b = exporter("http://127.0.0.1:9/v1/traces", "s", 16);
+        assert!(Arc::ptr_eq(&a, &b));
+        // Another queue size is another exporter.
+        let c = exporter("http://127.0.0.1:9/v1/traces", "s", 32);
+        assert!(!Arc::ptr_eq(&a, &c));
+        // Once no config holds one, its thread sees the queue closed.
+        let weak = Arc::downgrade(&c);
+        drop(c);
+        assert!(weak.upgrade().is_none());
+        let d = exporter("http://127.0.0.1:9/v1/traces", "s", 32);
+        assert!(!Arc::ptr_eq(&a, &d));
     }
 }
