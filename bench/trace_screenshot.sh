@@ -5,8 +5,11 @@
 # Chromium photographs the trace's page. Usage:
 #   JAEGER_UI_ASSETS=DIR bash bench/trace_screenshot.sh [PIER_BIN]
 # Writes docs/img/jaeger-trace.png. A Jaeger built with `go build` (as .ci/install does) has
-# no UI of its own: DIR is a build of jaeger-ui (`npm ci && npm run build` in its
-# packages/jaeger-ui), which this machine cannot fetch prebuilt.
+# no UI of its own: DIR is a build of jaeger-ui at the tag Jaeger pins (v1.76.0, commit
+# 1ceadb6f), which no registry serves prebuilt. It needs Node >= 24 (npm's `node` package
+# gives one: `npm i node@24`, then its node_modules/.bin first on PATH); in a checkout of
+# jaegertracing/jaeger-ui at that tag: `npm ci`, then `npm run build` in packages/jaeger-ui
+# (DIR = packages/jaeger-ui/build). docs/img/jaeger-trace.png was made so on 2026-12-06.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source target/test-env.sh
@@ -63,7 +66,8 @@ retries = 1
 TOML
 "$PIER" serve -c "$DIR/pier.toml" >"$DIR/pier.log" 2>&1 & pids+=($!)
 for _ in $(seq 100); do
-  curl -s -o /dev/null "http://127.0.0.1:$QUERY/" && curl -s -o /dev/null "http://127.0.0.1:$LISTEN/" && break
+  curl -s -o /dev/null "http://127.0.0.1:$QUERY/" && curl -s -o /dev/null "http://127.0.0.1:$ORIGIN/" \
+    && curl -s -o /dev/null "http://127.0.0.1:$LISTEN/" && break
   sleep 0.1
 done
 # Requests until one of them tried the dead server first (a trace with two attempts).
@@ -71,9 +75,11 @@ trace=""
 for i in 1 2 3 4 5 6; do
   t=$(printf '%032x' "$((0x5e1f0000 + i))")
   before=$(curl -s "http://127.0.0.1:$ADMIN/metrics" | awk '/^pier_upstream_retries_total/ {print $2}')
-  curl -s -o /dev/null -H "traceparent: 00-$t-00f067aa0ba902b7-01" "http://127.0.0.1:$LISTEN/api/orders"
+  code=$(curl -s -o /dev/null -w '%{http_code}' -H "traceparent: 00-$t-00f067aa0ba902b7-01" \
+    "http://127.0.0.1:$LISTEN/api/orders")
   after=$(curl -s "http://127.0.0.1:$ADMIN/metrics" | awk '/^pier_upstream_retries_total/ {print $2}')
-  if [ "$after" != "$before" ]; then trace=$t; break; fi
+  # A retry that then reached the origin: one failed attempt, one answered.
+  if [ "$after" != "$before" ] && [ "$code" = 200 ]; then trace=$t; break; fi
 done
 [ -n "$trace" ] || { echo "no request was retried" >&2; exit 1; }
 for _ in $(seq 100); do

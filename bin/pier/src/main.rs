@@ -700,6 +700,18 @@ fn run(
     let mut shared = Shared::new(state, pool, metrics, access);
     shared.analytics = analytics;
     let shared = Arc::new(shared);
+    // A fleet's Redis (`[redis]`, read at start): purges other nodes publish
+    // are applied to this node's cache, on the fleet's own thread.
+    let redis = shared.state.load().cfg.redis.clone();
+    if let Some(redis) = redis {
+        let s = shared.clone();
+        let apply: pier_fleet::Apply =
+            Box::new(move |p| pier_admin::apply_fleet_purge(&s.state.load(), p));
+        if let Err(e) = pier_fleet::start(&redis, apply) {
+            eprintln!("pier: {e}");
+            return ExitCode::from(1);
+        }
+    }
 
     // Binary upgrades: a copy of every listening socket for the next
     // binary, and the socket it asks on. Bound before the workers start,

@@ -574,6 +574,12 @@ linger = "10ms"
 [log]
 access = "off"
 
+# Requests keep the client's trace (unsampled: nothing is exported), and
+# each event names it.
+[tracing]
+endpoint = "http://127.0.0.1:9/v1/traces"
+sample = 0.0
+
 [[listener]]
 name = "main"
 listen = "127.0.0.1:0"
@@ -597,8 +603,14 @@ servers = ["{}"]
         let src = IpAddr::V4(Ipv4Addr::new(127, 0, 2, 1 + (i % 25) as u8));
         let mut c = common::RawConn::connect_from(src, p.listener("main"));
         let path = if i % 4 == 0 { "/status/503" } else { "/hello" };
+        let parent = format!("00-{:032x}-00f067aa0ba902b7-00", 0x7ace_0000 + i);
         let r = c
-            .request("GET", path, &[("host", "shop.example")], b"")
+            .request(
+                "GET",
+                path,
+                &[("host", "shop.example"), ("traceparent", &parent)],
+                b"",
+            )
             .expect("request through pier");
         assert_eq!(r.status, if i % 4 == 0 { 503 } else { 200 });
     }
@@ -685,6 +697,15 @@ servers = ["{}"]
             &[(&b"user"[..], format!("u{ip}").as_bytes())],
             "the log hook's field"
         );
+        // The client's trace id, and the request's own server span.
+        let trace = std::str::from_utf8(e.trace_id).unwrap();
+        assert_eq!(trace.len(), 32, "{trace}");
+        assert!(
+            trace.starts_with("00000000000000000000000007ace"),
+            "{trace}"
+        );
+        assert_eq!(e.span_id.len(), 16);
+        assert_ne!(e.span_id, b"00f067aa0ba902b7", "a span of its own");
     })
     .expect("decode the event");
 }

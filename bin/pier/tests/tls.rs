@@ -948,3 +948,91 @@ fn closed(conns: &mut [RawConn], want: usize) -> usize {
     wait_until(Duration::from_secs(10), || count() >= want);
     count()
 }
+
+/// A fleet's shared session ticket keys (issue 37): a session made on one
+/// Pier resumes on another that reads the same key file; a Pier with other
+/// keys makes a full handshake; during a rotation (new key first, old
+/// second) tickets of the old key still resume, and new tickets are the
+/// new key's.
+#[test]
+fn shared_ticket_keys_resume_a_session_on_another_process() {
+    let Site { dir, ca, cert } = Site::new();
+    let o = Origin::start();
+    let key = |name: &str, seed: u8| {
+        let path = dir.path().join(name);
+        let bytes: Vec<u8> = (0..80u8)
+            .map(|i| i.wrapping_mul(37).wrapping_add(seed))
+            .collect();
+        std::fs::write(&path, bytes).unwrap();
+        path
+    };
+    let (old, new) = (key("old.key", 1), key("new.key", 2));
+    let node = |keys: &[&Path]| {
+        let list: Vec<String> = keys.iter().map(|k| format!("\"{}\"", p(k))).collect();
+        let extra = format!("session_ticket_keys = [{}]", list.join(", "));
+        pier(&tls_config(o.addr(), &tls_lines(&cert, &extra), ""))
+    };
+    let node1 = node(&[&old]);
+    let node2 = node(&[&old]);
+    let stranger = node(&[&new]);
+    let rotated = node(&[&new, &old]);
+    let own_keys = pier(&tls_config(o.addr(), &tls_lines(&cert, ""), ""));
+    // A client's session (its tickets) made on `on`.
+    let session_on = |on: &PierProcess| {
+        let cfg = client(&ca.cert);
+        let mut c = TlsClient::connect(on.listener("main"), "site.test", &cfg).unwrap();
+        // Reading a response takes in the tickets sent after the handshake.
+        assert_eq!(c.get("site.test", "/hello").unwrap().status, 200);
+        assert!(!c.resumed());
+        cfg
+    };
+    let resumes = |cfg: &TlsClientConfig, at: &PierProcess| {
+        let mut c = TlsClient::connect(at.listener("main"), "site.test", cfg).unwrap();
+        assert_eq!(c.get("site.test", "/hello").unwrap().status, 200);
+        c.resumed()
+    };
+    assert!(
+        resumes(&session_on(&node1), &node2),
+        "node 1's session on node 2"
+    );
+    assert!(resumes(&session_on(&node2), &node1), "and the reverse");
+    assert!(
+        !resumes(&session_on(&node1), &stranger),
+        "other keys: full handshake"
+    );
+    assert!(
+        !resumes(&session_on(&node1), &own_keys),
+        "a process's own keys"
+    );
+    assert!(!resumes(&session_on(&own_keys), &node1));
+    assert!(
+        resumes(&session_on(&node1), &rotated),
+        "the old key still decrypts"
+    );
+    assert!(
+        resumes(&session_on(&rotated), &stranger),
+        "the new key encrypts"
+    );
+    assert!(
+        node2.metric_sum("pier_tls_handshakes_total", &[("result", "resumed")]) >= 1.0,
+        "{}",
+        node2.metrics()
+    );
+    // A key file of the wrong size is a config error naming it.
+    let bad = dir.path().join("bad.key");
+    std::fs::write(&bad, [0u8; 32]).unwrap();
+    let cfg_path = dir.path().join("bad.toml");
+    let extra = format!("session_ticket_keys = [\"{}\"]", p(&bad));
+    std::fs::write(
+        &cfg_path,
+        tls_config(o.addr(), &tls_lines(&cert, &extra), ""),
+    )
+    .unwrap();
+    let out = Command::new(bin())
+        .args(["check", "-c", cfg_path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success() && text.contains("bad.key"), "{text}");
+}

@@ -710,3 +710,138 @@ servers = ["{origin}"]
     assert_eq!(header_of(&body, "x-kept"), Some("40"), "{body}");
     assert_eq!(header_of(&body, "x-bad"), Some("false,false,false,false"));
 }
+
+/// Metric exemplars: asked for OpenMetrics (as Prometheus does when it
+/// keeps exemplars), `/metrics` has each duration bucket name the newest
+/// sampled request that fell in it; the whole exposition is read back by
+/// prometheus_client's OpenMetrics parser, which is strict (each family
+/// once, counters by their base name, `# EOF`). The Prometheus text format
+/// stays as it was, without them.
+#[test]
+fn duration_buckets_carry_sampled_traces_as_openmetrics_exemplars() {
+    let origin = Origin::start();
+    let cfg = format!(
+        r#"[admin]
+listen = "127.0.0.1:0"
+[log]
+access = "off"
+[tracing]
+endpoint = "http://{dead}/v1/traces"
+sample = 0.0
+
+[[listener]]
+name = "main"
+listen = "127.0.0.1:0"
+
+[[route]]
+name = "default"
+upstream = "app"
+
+[upstream.app]
+servers = ["{origin}"]
+"#,
+        dead = dead_addr(),
+        origin = origin.addr(),
+    );
+    let p = pier(&cfg);
+    let port = p.listener("main").port();
+    const UNSAMPLED: &str = "00-0000000000000000000000000000abcd-00f067aa0ba902b7-00";
+    assert_eq!(
+        get(port, "/hello", &[&format!("traceparent: {UNSAMPLED}")]).0,
+        200
+    );
+    assert_eq!(
+        get(port, "/hello", &[&format!("traceparent: {PARENT}")]).0,
+        200
+    );
+    assert_eq!(get(port, "/hello", &[]).0, 200, "a root, not sampled");
+
+    let plain = p.metrics();
+    assert!(
+        plain.contains("pier_request_duration_seconds_count 3"),
+        "{plain}"
+    );
+    assert!(
+        !plain.contains("trace_id"),
+        "exemplars in the 0.0.4 format:\n{plain}"
+    );
+
+    let r = RawConn::connect(p.admin())
+        .request(
+            "GET",
+            "/metrics",
+            &[
+                ("host", "127.0.0.1"),
+                (
+                    "accept",
+                    "application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.3",
+                ),
+            ],
+            b"",
+        )
+        .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("content-type"),
+        Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
+    );
+    let body = String::from_utf8(r.body).unwrap();
+    assert!(body.ends_with("# EOF\n"), "{body}");
+    assert!(
+        !body.contains("0000abcd"),
+        "an unsampled request's trace:\n{body}"
+    );
+
+    // The real parser: every exemplar it finds, as "name le trace_id".
+    let script = r#"
+import sys
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+n = 0
+for fam in text_string_to_metric_families(sys.stdin.read()):
+    n += 1
+    for s in fam.samples:
+        if s.exemplar:
+            print(s.name, s.labels.get("le"), s.exemplar.labels["trace_id"], s.exemplar.labels["span_id"], s.exemplar.value)
+print("families", n)
+"#;
+    let python = "/usr/bin/python3";
+    let mut child = std::process::Command::new(python)
+        .args(["-c", script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{python}: {e} (apt-get install python3-prometheus-client)"));
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "prometheus_client refused the exposition (or is missing: apt-get install python3-prometheus-client): {}\n{body}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ex: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter(|l| !l.starts_with("families"))
+        .map(|l| l.split(' ').collect())
+        .collect();
+    assert_eq!(ex.len(), 1, "one sampled request, one exemplar: {stdout}");
+    let e = &ex[0];
+    assert_eq!(e[0], "pier_request_duration_seconds_bucket");
+    assert_eq!(e[2], TRACE, "the client's trace");
+    assert_eq!(e[3].len(), 16);
+    assert_ne!(
+        e[3], "00f067aa0ba902b7",
+        "the server span, not the client's"
+    );
+    // The exemplar's value lies in its bucket.
+    let le: f64 = e[1].parse().unwrap_or(f64::INFINITY);
+    let v: f64 = e[4].parse().unwrap();
+    assert!(v > 0.0 && v <= le, "{stdout}");
+}

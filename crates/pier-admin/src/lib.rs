@@ -359,7 +359,45 @@ async fn read_body<S: AsyncRead + Unpin>(
 /// (`Surrogate-Key`/`Cache-Tag`) or exact `key`, in the query or a JSON
 /// body (`tags` may be a list); `zone` limits it to one zone. Answers how
 /// many keys went.
-fn purge(method: &[u8], qs: &[(String, String)], body: &[u8], state: &pier_proxy::State) -> Reply {
+/// `/api/cache/purge`: applied here, then (with `[redis]`) published to
+/// the fleet, whose answer counts the nodes that received it.
+async fn purge(
+    method: &[u8],
+    qs: &[(String, String)],
+    body: &[u8],
+    state: &pier_proxy::State,
+) -> Reply {
+    let (purged, p) = match purge_here(method, qs, body, state) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let mut answer = serde_json::json!({ "purged": purged });
+    if let Some(fleet) = pier_fleet::get() {
+        let fleet = fleet.clone();
+        // The publish blocks (a Redis round trip, bounded by its timeout):
+        // off the runtime's threads.
+        let sent = tokio::task::spawn_blocking(move || fleet.publish(&p)).await;
+        match sent {
+            Ok(Ok(nodes)) => answer["nodes"] = nodes.into(),
+            Ok(Err(e)) => answer["fleet_error"] = e.into(),
+            Err(e) => answer["fleet_error"] = e.to_string().into(),
+        }
+    }
+    reply("200 OK", "application/json", answer.to_string() + "\n")
+}
+
+/// A purge published by another node of the fleet: the same as one made
+/// here through the API; the objects removed.
+pub fn apply_fleet_purge(state: &pier_proxy::State, p: &pier_fleet::Purge) -> usize {
+    apply_purge(state, p.zone.as_deref(), &p.asks).unwrap_or(0)
+}
+
+fn purge_here(
+    method: &[u8],
+    qs: &[(String, String)],
+    body: &[u8],
+    state: &pier_proxy::State,
+) -> Result<(usize, pier_fleet::Purge), Reply> {
     let json_err = |status, e: &str| {
         reply(
             status,
@@ -370,7 +408,7 @@ fn purge(method: &[u8], qs: &[(String, String)], body: &[u8], state: &pier_proxy
     if method != b"POST" && method != b"PURGE" {
         let mut r = json_err("405 Method Not Allowed", "use POST");
         r.extra.push_str("Allow: POST\r\n");
-        return r;
+        return Err(r);
     }
     // (what, value): what is url, prefix, tag or key.
     let mut asks: Vec<(String, String)> = qs
@@ -382,10 +420,10 @@ fn purge(method: &[u8], qs: &[(String, String)], body: &[u8], state: &pier_proxy
     if !body.iter().all(u8::is_ascii_whitespace) {
         let v: serde_json::Value = match serde_json::from_slice(body) {
             Ok(v) => v,
-            Err(e) => return json_err("400 Bad Request", &format!("body: {e}")),
+            Err(e) => return Err(json_err("400 Bad Request", &format!("body: {e}"))),
         };
         let Some(o) = v.as_object() else {
-            return json_err("400 Bad Request", "body: expected a JSON object");
+            return Err(json_err("400 Bad Request", "body: expected a JSON object"));
         };
         for (k, v) in o {
             let what = match k.as_str() {
@@ -397,7 +435,12 @@ fn purge(method: &[u8], qs: &[(String, String)], body: &[u8], state: &pier_proxy
                     zone = v.as_str().map(str::to_string);
                     continue;
                 }
-                _ => return json_err("400 Bad Request", &format!("body: unknown field {k:?}")),
+                _ => {
+                    return Err(json_err(
+                        "400 Bad Request",
+                        &format!("body: unknown field {k:?}"),
+                    ))
+                }
             };
             let vals: Vec<&serde_json::Value> = match v {
                 serde_json::Value::Array(a) => a.iter().collect(),
@@ -405,38 +448,58 @@ fn purge(method: &[u8], qs: &[(String, String)], body: &[u8], state: &pier_proxy
             };
             for x in vals {
                 let Some(x) = x.as_str() else {
-                    return json_err("400 Bad Request", &format!("body: {k} must be strings"));
+                    return Err(json_err(
+                        "400 Bad Request",
+                        &format!("body: {k} must be strings"),
+                    ));
                 };
                 asks.push((what.to_string(), x.to_string()));
             }
         }
     }
     if asks.is_empty() {
-        return json_err("400 Bad Request", "give url, prefix, tag or key");
+        return Err(json_err("400 Bad Request", "give url, prefix, tag or key"));
     }
-    if asks.len() > 1000 {
-        return json_err("400 Bad Request", "at most 1000 purges a request");
+    if asks.len() > pier_fleet::MAX_ASKS {
+        return Err(json_err("400 Bad Request", "at most 1000 purges a request"));
     }
+    match apply_purge(state, zone.as_deref(), &asks) {
+        Ok(n) => Ok((n, pier_fleet::Purge { zone, asks })),
+        Err((status, e)) => Err(json_err(status, &e)),
+    }
+}
+
+/// Purges `asks` from `zone` (or every zone): the objects removed, or the
+/// status and reason of a refusal (nothing is purged then).
+fn apply_purge(
+    state: &pier_proxy::State,
+    zone: Option<&str>,
+    asks: &[(String, String)],
+) -> Result<usize, (&'static str, String)> {
     let zones: Vec<&std::sync::Arc<pier_cache::Zone>> = state
         .cache_zones
         .iter()
-        .filter(|z| zone.as_deref().is_none_or(|n| z.name == n))
+        .filter(|z| zone.is_none_or(|n| z.name == n))
         .collect();
     if zones.is_empty() {
-        return json_err("404 Not Found", "no such cache zone");
+        return Err(("404 Not Found", "no such cache zone".into()));
     }
-    let mut purged = 0usize;
-    for (what, v) in &asks {
+    // Every ask is checked before any is applied.
+    let mut keys = Vec::with_capacity(asks.len());
+    for (what, v) in asks {
         if v.is_empty() {
-            return json_err("400 Bad Request", &format!("empty {what}"));
+            return Err(("400 Bad Request", format!("empty {what}")));
         }
-        let url_key = match what.as_str() {
+        keys.push(match what.as_str() {
             "url" => match pier_proxy::cache_key::url_keys(state, v) {
                 Ok(k) => Some(k),
-                Err(e) => return json_err("400 Bad Request", e),
+                Err(e) => return Err(("400 Bad Request", e.to_string())),
             },
             _ => None,
-        };
+        });
+    }
+    let mut purged = 0usize;
+    for ((what, v), url_key) in asks.iter().zip(keys) {
         for z in &zones {
             purged += match what.as_str() {
                 "url" => {
@@ -451,11 +514,7 @@ fn purge(method: &[u8], qs: &[(String, String)], body: &[u8], state: &pier_proxy
             };
         }
     }
-    reply(
-        "200 OK",
-        "application/json",
-        serde_json::json!({ "purged": purged }).to_string() + "\n",
-    )
+    Ok(purged)
 }
 
 /// Endpoints that change state (they answer only with credentials).
@@ -517,6 +576,15 @@ async fn handle(
         );
     }
     match path.as_str() {
+        // Prometheus asks for OpenMetrics when it keeps exemplars: the
+        // duration buckets then name a sampled request's trace.
+        "/metrics" if pier_log::openmetrics::wanted(req.headers.get(b"accept").unwrap_or(b"")) => {
+            reply(
+                "200 OK",
+                pier_log::openmetrics::CONTENT_TYPE,
+                pier_log::openmetrics::convert(&render_metrics_with(shared, true)),
+            )
+        }
         "/metrics" => reply(
             "200 OK",
             "text/plain; version=0.0.4",
@@ -531,7 +599,7 @@ async fn handle(
             r
         }
         "/api/status" => reply("200 OK", "application/json", status_json(shared)),
-        "/api/cache/purge" => purge(req.method(), &qs, body, &state),
+        "/api/cache/purge" => purge(req.method(), &qs, body, &state).await,
         "/api/analytics" => {
             let Some(hub) = shared.analytics.clone() else {
                 return reply(
@@ -716,8 +784,13 @@ fn status_json(shared: &Shared) -> String {
 }
 
 pub fn render_metrics(shared: &Shared) -> String {
+    render_metrics_with(shared, false)
+}
+
+/// The Prometheus text; `exemplars` only for OpenMetrics.
+fn render_metrics_with(shared: &Shared, exemplars: bool) -> String {
     let mut out = String::with_capacity(8192);
-    shared.metrics.render(&mut out);
+    shared.metrics.render(&mut out, exemplars);
     let state = shared.state.load();
     out.push_str("# HELP pier_upstream_healthy 1 if the server is eligible for traffic.\n# TYPE pier_upstream_healthy gauge\n");
     for g in &state.groups {
@@ -755,6 +828,9 @@ pub fn render_metrics(shared: &Shared) -> String {
     }
     pier_tls::stats::stats().render(&mut out);
     pier_trace::export::render(&mut out);
+    if let Some(f) = pier_fleet::get() {
+        f.render(&mut out);
+    }
     out.push_str("# HELP pier_proxy_protocol_total Connections on proxy_protocol listeners, by what their PROXY header did: ok (a client named), local (the balancer's own), untrusted (not from trusted_proxies: closed), invalid, timeout.\n# TYPE pier_proxy_protocol_total counter\n");
     for (i, r) in pier_proxy::proxy_protocol::RESULTS.iter().enumerate() {
         let n = pier_proxy::proxy_protocol::COUNTS[i].load(std::sync::atomic::Ordering::Relaxed);

@@ -51,6 +51,11 @@ pub struct EventRef<'a> {
     pub tls_version: &'a str,
     /// Fields a log hook added (`pier.analytics.field(name, value)`).
     pub extra: &'a [(&'a [u8], &'a [u8])],
+    /// The request's W3C trace id as 32 lowercase hex chars, or empty when
+    /// the request had no trace context (`[tracing]` not configured).
+    pub trace_id: &'a [u8],
+    /// The request's server span id as 16 lowercase hex chars, or empty.
+    pub span_id: &'a [u8],
 }
 
 impl EventRef<'_> {
@@ -74,6 +79,8 @@ impl EventRef<'_> {
         protocol: "",
         tls_version: "",
         extra: &[],
+        trace_id: b"",
+        span_id: b"",
     };
 }
 

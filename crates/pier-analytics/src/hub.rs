@@ -53,6 +53,9 @@ struct Fixed {
     cache: &'static str,
     /// `extras[extra.0 .. extra.0 + extra.1]`: fields a log hook added.
     extra: (u32, u32),
+    /// Hex trace and span ids in the arena (empty without a trace).
+    trace_id: (u32, u32),
+    span_id: (u32, u32),
 }
 
 /// A hook's field: (name, value) in the arena.
@@ -109,6 +112,8 @@ impl Batch {
             tls_version: tls,
             cache: cache_status(e.cache),
             extra: (first, e.extra.len() as u32),
+            trace_id: self.put(e.trace_id),
+            span_id: self.put(e.span_id),
         };
         self.events.push(f);
     }
@@ -157,6 +162,8 @@ impl Batch {
                 protocol: e.protocol,
                 tls_version: e.tls_version,
                 extra: &extra,
+                trace_id: self.get(e.trace_id),
+                span_id: self.get(e.span_id),
             });
         }
     }
@@ -664,6 +671,8 @@ mod tests {
                 user_agent: b"ua",
                 cache: "HIT",
                 extra: &[(b"user", b"alice")],
+                trace_id: b"0af7651916cd43dd8448eb211c80319c",
+                span_id: b"b7ad6b7169203331",
                 ..EventRef::EMPTY
             },
             "HTTP/1.1",
@@ -684,7 +693,15 @@ mod tests {
                 ("HIT", "HTTP/1.1", "TLSv1.3")
             );
             assert_eq!(e.extra, &[(&b"user"[..], &b"alice"[..])]);
+            assert_eq!(e.trace_id, b"0af7651916cd43dd8448eb211c80319c");
+            assert_eq!(e.span_id, b"b7ad6b7169203331");
         });
         assert_eq!(seen, 1);
+        // Without a trace context, the ids come back empty.
+        let mut b = Batch::default();
+        b.push(&EventRef::EMPTY, "HTTP/1.1", "", None);
+        b.for_each(false, |e| {
+            assert_eq!((e.trace_id, e.span_id), (&b""[..], &b""[..]))
+        });
     }
 }

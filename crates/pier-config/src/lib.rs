@@ -335,6 +335,7 @@ impl Config {
             caches: Vec::new(),
             resolver: Resolver::default(),
             tracing: None,
+            redis: None,
         }
     }
 }

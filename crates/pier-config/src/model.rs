@@ -64,6 +64,8 @@ pub struct Config {
     pub resolver: Resolver,
     /// `[tracing]`: None = off (no trace context read or written).
     pub tracing: Option<Tracing>,
+    /// `[redis]`: the fleet's Redis; None = this Pier is on its own.
+    pub redis: Option<Redis>,
 }
 
 /// `[tracing]`.
@@ -76,6 +78,17 @@ pub struct Tracing {
     pub service_name: String,
     /// Spans waiting for export at most; past it they are dropped, counted.
     pub queue: usize,
+}
+
+/// `[redis]`: the Redis every Pier of a fleet talks to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Redis {
+    /// `redis://[:password@]HOST[:PORT][/DB]` (or `rediss://`).
+    pub url: String,
+    /// The pub/sub channel purges and bans travel on.
+    pub channel: String,
+    /// Connecting to Redis and each command give up after this.
+    pub timeout: Duration,
 }
 
 /// Credentials the admin endpoint asks for (it shows client addresses),
@@ -466,6 +479,9 @@ pub struct ListenerTls {
     pub session_cache: usize,
     /// Stateless resumption tickets (keys shared by all workers, rotated).
     pub session_tickets: bool,
+    /// Ticket key files shared by a fleet (the first encrypts); empty:
+    /// the process makes its own keys.
+    pub session_ticket_keys: Vec<PathBuf>,
     pub client_ca: Option<PathBuf>,
     pub client_auth: ClientAuth,
     pub handshake_timeout: Duration,
@@ -543,6 +559,7 @@ impl ListenerTls {
             alpn: vec!["http/1.1".to_string()],
             session_cache: 20_000,
             session_tickets: true,
+            session_ticket_keys: Vec::new(),
             client_ca: None,
             client_auth: ClientAuth::Off,
             handshake_timeout: Duration::from_secs(10),

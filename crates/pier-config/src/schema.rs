@@ -153,6 +153,15 @@ pub struct TracingSection {
     pub queue: Option<Spanned<i64>>,
 }
 
+/// `[redis]`: the Redis a fleet of Piers shares (fleet-wide purges).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [redis] table")]
+pub struct RedisSection {
+    pub url: Option<Spanned<String>>,
+    pub channel: Option<Spanned<String>>,
+    pub timeout: Option<Spanned<String>>,
+}
+
 /// `[route.tracing]`: the route's own root sampling ratio.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a [route.tracing] table")]
@@ -218,6 +227,7 @@ pub struct ListenerTlsSection {
     pub alpn: Option<Vec<Spanned<String>>>,
     pub session_cache: Option<Spanned<i64>>,
     pub session_tickets: Option<bool>,
+    pub session_ticket_keys: Option<Vec<Spanned<String>>>,
     pub client_ca: Option<Spanned<String>>,
     pub client_auth: Option<Spanned<String>>,
     pub handshake_timeout: Option<Spanned<String>>,
@@ -649,6 +659,7 @@ pub const SECTIONS: &[&str] = &[
     "cache",
     "analytics",
     "tracing",
+    "redis",
 ];
 
 /// A `[upstream.NAME]` entry: its name (with the key's span) and its body,
@@ -674,6 +685,7 @@ pub struct RawFile {
     pub security: Option<SecuritySection>,
     pub resolver: Option<ResolverSection>,
     pub tracing: Option<TracingSection>,
+    pub redis: Option<RedisSection>,
     pub demo: Option<DemoSection>,
     pub lua: Option<LuaSection>,
     /// Entries that deserialized; `listener_count` counts all of them, so
@@ -715,6 +727,7 @@ pub(crate) fn parse(text: &str) -> Result<(RawFile, Vec<RawError>), RawError> {
             "security" => file.security = section(item, span, &mut errors),
             "resolver" => file.resolver = section(item, span, &mut errors),
             "tracing" => file.tracing = section(item, span, &mut errors),
+            "redis" => file.redis = section(item, span, &mut errors),
             "demo" => file.demo = section(item, span, &mut errors),
             "lua" => file.lua = section(item, span, &mut errors),
             "limit" => {

@@ -1018,6 +1018,7 @@ fn documented_tables() -> Vec<(&'static str, Vec<&'static str>)> {
         ("## `[security]`", fields_of::<SecuritySection>()),
         ("## `[resolver]`", fields_of::<ResolverSection>()),
         ("## `[tracing]`", fields_of::<TracingSection>()),
+        ("## `[redis]`", fields_of::<RedisSection>()),
         ("## `[demo]`", fields_of::<DemoSection>()),
         ("## `[[listener]]`", fields_of::<ListenerEntry>()),
         ("### `[listener.tls]`", fields_of::<ListenerTlsSection>()),

@@ -316,6 +316,7 @@ pub(crate) fn validate(
 
     let resolver = resolver(&mut c, file.resolver.unwrap_or_default());
     let tracing = file.tracing.as_ref().and_then(|t| tracing_of(&mut c, t));
+    let redis = file.redis.as_ref().and_then(|r| redis_of(&mut c, r));
     let mut deny_origins = Vec::new();
     for v in file
         .security
@@ -581,6 +582,7 @@ pub(crate) fn validate(
         caches,
         resolver,
         tracing,
+        redis,
         admin_auth,
         admin_tls,
         analytics,
@@ -1302,6 +1304,35 @@ fn tracing_of(c: &mut Check, t: &TracingSection) -> Option<Tracing> {
     })
 }
 
+/// `[redis]`.
+fn redis_of(c: &mut Check, r: &RedisSection) -> Option<Redis> {
+    let url = match &r.url {
+        Some(v) if v.get_ref().starts_with("redis://") || v.get_ref().starts_with("rediss://") => {
+            v.get_ref().clone()
+        }
+        other => {
+            c.err(
+                other.as_ref().and_then(sp),
+                "[redis] needs `url = \"redis://HOST:6379\"` (or rediss:// for TLS)",
+            );
+            return None;
+        }
+    };
+    let channel = match &r.channel {
+        None => "pier:purge".to_string(),
+        Some(v) if !v.get_ref().is_empty() && v.get_ref().len() <= 256 => v.get_ref().clone(),
+        Some(v) => {
+            c.err(sp(v), "[redis] `channel`: 1 to 256 bytes");
+            return None;
+        }
+    };
+    Some(Redis {
+        url,
+        channel,
+        timeout: c.duration(&r.timeout, "timeout", Duration::from_secs(1)),
+    })
+}
+
 /// `[route.compress]`.
 fn compress(c: &mut Check, route: &str, x: &CompressSection) -> Compress {
     let coding = |c: &mut Check, v: &Spanned<String>| {
@@ -1612,6 +1643,26 @@ fn listener_tls(c: &mut Check, name: &str, t: &ListenerTlsSection, base: &Path) 
             None
         }
     });
+    let session_ticket_keys: Vec<PathBuf> = t
+        .session_ticket_keys
+        .iter()
+        .flatten()
+        .map(|v| path_of(base, v))
+        .collect();
+    if let Some(list) = &t.session_ticket_keys {
+        let at = list.first().and_then(sp);
+        if list.is_empty() || list.len() > 16 {
+            c.err(
+                at,
+                format!("listener `{name}`: `session_ticket_keys` takes 1 to 16 files"),
+            );
+        } else if t.session_tickets == Some(false) {
+            c.err(
+                at,
+                format!("listener `{name}`: `session_ticket_keys` with `session_tickets = false`"),
+            );
+        }
+    }
     ListenerTls {
         certificates,
         unknown_sni,
@@ -1619,6 +1670,7 @@ fn listener_tls(c: &mut Check, name: &str, t: &ListenerTlsSection, base: &Path) 
         alpn,
         session_cache: c.int(&t.session_cache, "session_cache", 20_000, 0, 10_000_000) as usize,
         session_tickets: t.session_tickets.unwrap_or(true),
+        session_ticket_keys,
         client_ca,
         client_auth,
         handshake_timeout: c.duration(

@@ -71,6 +71,8 @@ fn event(i: u64, ts_ms: u64, host: &[u8], f: impl FnOnce(&EventRef)) {
         protocol: "HTTP/1.1",
         tls_version: "TLSv1.3",
         extra: &[],
+        trace_id: b"",
+        span_id: b"",
     })
 }
 

@@ -32,6 +32,8 @@ struct Event {
   clientIp @15 :Data;      # 16 bytes: IPv6, or IPv4 mapped (::ffff:a.b.c.d)
   userAgent @16 :Data;
   extra @17 :List(Field);  # fields a log hook added
+  traceId @18 :Data;       # W3C trace id, 16 bytes; empty without [tracing]
+  spanId @19 :Data;        # the request's server span id, 8 bytes; or empty
 
   struct Field {
     name @0 :Data;

@@ -104,6 +104,14 @@ fn fill(mut b: event::Builder, e: &EventRef) {
     b.set_tls_version(e.tls_version);
     b.set_client_ip(&ip_bytes(e.client_ip));
     b.set_user_agent(e.user_agent);
+    // The ids travel as raw bytes (24, not 48), and come back as hex.
+    let mut raw = [0u8; 16];
+    if let Some(n) = unhex(e.trace_id, &mut raw) {
+        b.set_trace_id(&raw[..n]);
+    }
+    if let Some(n) = unhex(e.span_id, &mut raw) {
+        b.set_span_id(&raw[..n]);
+    }
     if !e.extra.is_empty() {
         let n = e.extra.len().min(u32::MAX as usize);
         let mut list = b.init_extra(n as u32);
@@ -112,6 +120,42 @@ fn fill(mut b: event::Builder, e: &EventRef) {
             f.set_name(name);
             f.set_value(value);
         }
+    }
+}
+
+/// Lower-case hex of at most 32 digits into `out`; the byte count, or None
+/// for an empty or malformed id (nothing is sent for it).
+fn unhex(hex: &[u8], out: &mut [u8; 16]) -> Option<usize> {
+    if hex.is_empty() || !hex.len().is_multiple_of(2) || hex.len() > 32 {
+        return None;
+    }
+    fn digit(c: u8) -> Option<u8> {
+        match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            _ => None,
+        }
+    }
+    for (i, pair) in hex.chunks_exact(2).enumerate() {
+        out[i] = digit(pair[0])? << 4 | digit(pair[1])?;
+    }
+    Some(hex.len() / 2)
+}
+
+/// Raw id bytes (16 or 8, or none) back to hex in `out`; a record whose
+/// id has another length is malformed.
+fn id_hex<'a>(raw: &[u8], want: usize, out: &'a mut [u8; 32]) -> Result<&'a [u8], DecodeError> {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    match raw.len() {
+        0 => Ok(&out[..0]),
+        n if n == want => {
+            for (i, b) in raw.iter().enumerate() {
+                out[2 * i] = HEX[(b >> 4) as usize];
+                out[2 * i + 1] = HEX[(b & 15) as usize];
+            }
+            Ok(&out[..2 * n])
+        }
+        n => Err(DecodeError(format!("trace or span id of {n} bytes"))),
     }
 }
 
@@ -147,6 +191,9 @@ pub fn decode<R>(bytes: &[u8], f: impl FnOnce(&EventRef) -> R) -> Result<R, Deco
     for field in extra_list.iter() {
         extra.push((field.get_name()?, field.get_value()?));
     }
+    let (mut trace_buf, mut span_buf) = ([0u8; 32], [0u8; 32]);
+    let trace_id = id_hex(r.get_trace_id()?, 16, &mut trace_buf)?;
+    let span_id = id_hex(r.get_span_id()?, 8, &mut span_buf)?;
     let e = EventRef {
         ts_ms: r.get_ts_ms(),
         host: r.get_host()?,
@@ -166,6 +213,8 @@ pub fn decode<R>(bytes: &[u8], f: impl FnOnce(&EventRef) -> R) -> Result<R, Deco
         protocol: text(r.get_protocol())?,
         tls_version: text(r.get_tls_version())?,
         extra: &extra,
+        trace_id,
+        span_id,
     };
     Ok(f(&e))
 }
@@ -191,6 +240,9 @@ pub struct Event {
     pub client_ip: Option<IpAddr>,
     pub user_agent: Vec<u8>,
     pub extra: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Hex, as in the access log; empty without a trace.
+    pub trace_id: Vec<u8>,
+    pub span_id: Vec<u8>,
 }
 
 impl Event {
@@ -218,6 +270,8 @@ impl Event {
                 .iter()
                 .map(|(k, v)| (k.to_vec(), v.to_vec()))
                 .collect(),
+            trace_id: e.trace_id.into(),
+            span_id: e.span_id.into(),
         }
     }
 
@@ -251,6 +305,8 @@ impl Event {
             protocol: &self.protocol,
             tls_version: &self.tls_version,
             extra: &extra,
+            trace_id: &self.trace_id,
+            span_id: &self.span_id,
         })
     }
 }
@@ -283,6 +339,8 @@ mod tests {
                 (b"tenant".to_vec(), b"42".to_vec()),
                 (b"".to_vec(), b"".to_vec()),
             ],
+            trace_id: b"0af7651916cd43dd8448eb211c80319c".to_vec(),
+            span_id: b"b7ad6b7169203331".to_vec(),
         }
     }
 
@@ -308,11 +366,29 @@ mod tests {
     }
 
     #[test]
+    fn trace_ids_travel_as_bytes_and_malformed_ones_not_at_all() {
+        let mut e = full();
+        let with = e.with_ref(encode);
+        e.trace_id = b"not hex at all, not hex at all!!".to_vec();
+        e.span_id = b"B7AD6B7169203331".to_vec(); // upper case: not Pier's
+        let without = e.with_ref(encode);
+        let back = Event::decode(&without).unwrap();
+        assert!(back.trace_id.is_empty() && back.span_id.is_empty());
+        assert!(
+            with.len() > without.len() + 16,
+            "{} {}",
+            with.len(),
+            without.len()
+        );
+    }
+
+    #[test]
     fn compact() {
         let e = full();
         let bytes = e.with_ref(encode);
-        // Strings are ~70 bytes; fixed fields and pointers pack well.
-        assert!(bytes.len() < 200, "{} bytes", bytes.len());
+        // Strings are ~70 bytes and the trace ids 24; fixed fields and
+        // pointers pack well.
+        assert!(bytes.len() < 240, "{} bytes", bytes.len());
     }
 
     #[test]

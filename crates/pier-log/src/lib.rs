@@ -7,6 +7,7 @@
 pub mod access;
 pub mod fields;
 pub mod metrics;
+pub mod openmetrics;
 
 pub use access::{AccessLog, AccessRecord, TlsFields};
 pub use metrics::{Metrics, WORKER_ID};

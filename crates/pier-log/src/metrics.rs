@@ -52,6 +52,22 @@ struct Shard {
     goaway_timeouts: AtomicU64,
     admin_refused: [AtomicU64; ADMIN_REFUSALS.len()],
     log_dropped: AtomicU64,
+    /// The latest sampled request per latency bucket (OpenMetrics
+    /// exemplars). Written by traced, sampled requests only, so the lock is
+    /// off the common path; uncontended but for a scrape.
+    exemplars: Mutex<[Option<Exemplar>; BUCKETS_US.len() + 1]>,
+}
+
+/// A sampled request that fell in a latency bucket: `pier_request_duration_
+/// seconds_bucket` names its trace in the OpenMetrics exposition, so a slow
+/// bucket leads to a trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Exemplar {
+    pub trace_id: [u8; 16],
+    pub span_id: [u8; 8],
+    pub dur_us: u64,
+    /// Unix time, milliseconds.
+    pub ts_ms: u64,
 }
 
 /// Why the admin endpoint refused a request (`pier_admin_refused_total`).
@@ -76,6 +92,7 @@ impl Shard {
             goaway_timeouts: AtomicU64::new(0),
             admin_refused: Default::default(),
             log_dropped: AtomicU64::new(0),
+            exemplars: Mutex::new([None; BUCKETS_US.len() + 1]),
         }
     }
 }
@@ -164,12 +181,30 @@ impl Metrics {
         let s = self.shard();
         let class = (status / 100).min(5) as usize;
         s.requests[route.min(OVERFLOW_ROUTE)][class].fetch_add(1, Relaxed);
-        let b = BUCKETS_US
-            .iter()
-            .position(|&ub| dur_us <= ub)
-            .unwrap_or(BUCKETS_US.len());
-        s.buckets[b].fetch_add(1, Relaxed);
+        s.buckets[bucket(dur_us)].fetch_add(1, Relaxed);
         s.latency_sum_us.fetch_add(dur_us, Relaxed);
+    }
+
+    /// A sampled request's trace becomes its latency bucket's exemplar
+    /// (after [`Metrics::request`] counted it).
+    pub fn exemplar(&self, e: Exemplar) {
+        self.shard().exemplars.lock()[bucket(e.dur_us)] = Some(e);
+    }
+
+    /// Each bucket's newest exemplar over the shards.
+    fn exemplars(&self) -> [Option<Exemplar>; BUCKETS_US.len() + 1] {
+        let mut out = [None; BUCKETS_US.len() + 1];
+        for s in &self.shards {
+            let ex = *s.exemplars.lock();
+            for (o, e) in out.iter_mut().zip(ex) {
+                if let Some(e) = e {
+                    if o.is_none_or(|o: Exemplar| o.ts_ms < e.ts_ms) {
+                        *o = Some(e);
+                    }
+                }
+            }
+        }
+        out
     }
 
     #[inline]
@@ -265,7 +300,10 @@ impl Metrics {
     }
 
     /// Prometheus text exposition (admin listener; not a hot path).
-    pub fn render(&self, out: &mut String) {
+    /// The Prometheus text format; with `exemplars`, the duration buckets
+    /// carry OpenMetrics exemplars (` # {trace_id=…} value timestamp`),
+    /// which only the OpenMetrics format allows ([`crate::openmetrics`]).
+    pub fn render(&self, out: &mut String, exemplars: bool) {
         let routes = self.routes.lock().clone();
         out.push_str("# HELP pier_requests_total Requests answered, by route and status class.\n# TYPE pier_requests_total counter\n");
         const CLASSES: [&str; 6] = ["0xx", "1xx", "2xx", "3xx", "4xx", "5xx"];
@@ -413,6 +451,11 @@ impl Metrics {
             self.panics.load(Relaxed)
         );
         out.push_str("# HELP pier_request_duration_seconds Time from request head to last response byte.\n# TYPE pier_request_duration_seconds histogram\n");
+        let ex = if exemplars {
+            self.exemplars()
+        } else {
+            [None; BUCKETS_US.len() + 1]
+        };
         let mut cum = 0u64;
         for (i, ub) in BUCKETS_US.iter().enumerate() {
             cum += self
@@ -420,27 +463,69 @@ impl Metrics {
                 .iter()
                 .map(|s| s.buckets[i].load(Relaxed))
                 .sum::<u64>();
-            let _ = writeln!(
+            let _ = write!(
                 out,
                 "pier_request_duration_seconds_bucket{{le=\"{}\"}} {cum}",
                 *ub as f64 / 1e6
             );
+            write_exemplar(out, ex[i]);
         }
         cum += self
             .shards
             .iter()
             .map(|s| s.buckets[BUCKETS_US.len()].load(Relaxed))
             .sum::<u64>();
-        let _ = writeln!(
+        let _ = write!(
             out,
             "pier_request_duration_seconds_bucket{{le=\"+Inf\"}} {cum}"
         );
+        write_exemplar(out, ex[BUCKETS_US.len()]);
         let _ = writeln!(
             out,
             "pier_request_duration_seconds_sum {}",
             sum!(self, latency_sum_us) as f64 / 1e6
         );
         let _ = writeln!(out, "pier_request_duration_seconds_count {cum}");
+    }
+}
+
+/// The latency bucket of a duration.
+#[inline]
+fn bucket(dur_us: u64) -> usize {
+    BUCKETS_US
+        .iter()
+        .position(|&ub| dur_us <= ub)
+        .unwrap_or(BUCKETS_US.len())
+}
+
+/// ` # {trace_id="…",span_id="…"} 0.000123 1700000000.123` and the line's
+/// end (OpenMetrics: the exemplar's value in the metric's unit, a
+/// timestamp in seconds).
+fn write_exemplar(out: &mut String, e: Option<Exemplar>) {
+    if let Some(e) = e {
+        let mut t = [0u8; 32];
+        let mut sp = [0u8; 16];
+        hex(&e.trace_id, &mut t);
+        hex(&e.span_id, &mut sp);
+        // Hex digits are ASCII.
+        let t = std::str::from_utf8(&t).unwrap_or("");
+        let sp = std::str::from_utf8(&sp).unwrap_or("");
+        let _ = write!(
+            out,
+            " # {{trace_id=\"{t}\",span_id=\"{sp}\"}} {} {}.{:03}",
+            e.dur_us as f64 / 1e6,
+            e.ts_ms / 1000,
+            e.ts_ms % 1000
+        );
+    }
+    out.push('\n');
+}
+
+fn hex(b: &[u8], out: &mut [u8]) {
+    const H: &[u8; 16] = b"0123456789abcdef";
+    for (i, x) in b.iter().enumerate() {
+        out[2 * i] = H[(x >> 4) as usize];
+        out[2 * i + 1] = H[(x & 15) as usize];
     }
 }
 
@@ -470,7 +555,7 @@ mod tests {
             h.join().unwrap();
         }
         let mut s = String::new();
-        m.render(&mut s);
+        m.render(&mut s, false);
         assert!(
             s.contains("pier_requests_total{route=\"api\",class=\"2xx\"} 3000"),
             "{s}"
@@ -481,5 +566,42 @@ mod tests {
         );
         assert!(s.contains("pier_request_duration_seconds_bucket{le=\"0.001\"} 3000"));
         assert!(s.contains("pier_request_duration_seconds_count 3000"));
+    }
+
+    #[test]
+    fn a_bucket_names_its_newest_sampled_request() {
+        let m = Metrics::new(2);
+        let ex = |id: u8, dur_us, ts_ms| Exemplar {
+            trace_id: [id; 16],
+            span_id: [id; 8],
+            dur_us,
+            ts_ms,
+        };
+        for (w, e) in [
+            (1, ex(0xa1, 700, 1_000)),
+            (2, ex(0xb2, 900, 2_500)), // same bucket (≤ 1 ms), newer
+            (1, ex(0xc3, 30_000_000, 3_000)),
+        ] {
+            WORKER_ID.with(|c| c.set(w));
+            m.request(0, 200, e.dur_us);
+            m.exemplar(e);
+        }
+        let mut plain = String::new();
+        m.render(&mut plain, false);
+        assert!(!plain.contains("trace_id"), "{plain}");
+        let mut s = String::new();
+        m.render(&mut s, true);
+        let b2 = "b2".repeat(16);
+        let line = format!(
+            "pier_request_duration_seconds_bucket{{le=\"0.001\"}} 2 # {{trace_id=\"{b2}\",span_id=\"{}\"}} 0.0009 2.500\n",
+            "b2".repeat(8)
+        );
+        assert!(s.contains(&line), "{s}");
+        assert!(
+            !s.contains(&"a1".repeat(16)),
+            "older exemplar in the same bucket"
+        );
+        assert!(s.contains("le=\"+Inf\"} 3 # {trace_id=\"c3c3"), "{s}");
+        assert!(s.contains("le=\"0.0005\"} 0\n"), "{s}");
     }
 }

@@ -25,6 +25,7 @@ pub mod managed;
 mod ocsp;
 mod server;
 pub mod stats;
+pub mod tickets;
 
 pub use certs::{certified_key_from_pem, load_certified_key, subject_of, CertSummary};
 pub use client::{ClientTls, NoVerify};

@@ -248,7 +248,12 @@ impl ServerTls {
         } else {
             Arc::new(rustls::server::NoServerSessionStorage {})
         };
-        if cfg.session_tickets {
+        if !cfg.session_ticket_keys.is_empty() {
+            // Read again at every reload: that is how keys rotate.
+            config.ticketer = Arc::new(crate::tickets::FileTicketer::from_files(
+                &cfg.session_ticket_keys,
+            )?);
+        } else if cfg.session_tickets {
             config.ticketer = ticketer()?;
         }
         Ok(ServerTls {

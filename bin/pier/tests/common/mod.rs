@@ -2,8 +2,11 @@
 //! not every helper is used by every file).
 #![allow(dead_code)]
 
-use std::net::SocketAddr;
-use std::path::Path;
+use std::io::Read;
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 pub use pier_test_support::*;
 
@@ -128,4 +131,93 @@ pub fn wait_logged(p: &PierProcess, n: f64) -> f64 {
         last >= n
     });
     last
+}
+
+// ---------------------------------------------------------------- servers the tests start
+
+/// A server binary (`redis-server`, `memcached`): required when the libraries are.
+pub fn server_bin(name: &str) -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")])
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!("{name} not found: apt-get install {name} (./test.sh and .ci/install do)")
+        })
+}
+
+/// A server process the test started; killed (and reaped) on drop.
+pub struct Server {
+    pub child: Child,
+    pub addr: SocketAddr,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    /// Starts `bin` with `args(port)` on a free port and waits (10 s at most) until it
+    /// accepts; tries a few ports in case another process took the chosen one meanwhile.
+    pub fn start(bin: &Path, args: impl Fn(u16) -> Vec<String>) -> Server {
+        let mut last = String::new();
+        for _ in 0..3 {
+            let port = free_port();
+            let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+            let mut child = Command::new(bin)
+                .args(args(port))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()));
+            let mut exited = None;
+            let up = wait_until(Duration::from_secs(10), || {
+                if let Ok(Some(st)) = child.try_wait() {
+                    exited = Some(st);
+                    return true;
+                }
+                TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+            });
+            if up && exited.is_none() {
+                return Server { child, addr };
+            }
+            let mut err = String::new();
+            if exited.is_none() {
+                let _ = child.kill();
+            }
+            let _ = child.wait();
+            if let Some(mut e) = child.stderr.take() {
+                let _ = e.read_to_string(&mut err);
+            }
+            last = format!("{} on port {port}: {exited:?} {err}", bin.display());
+        }
+        panic!("server did not start: {last}");
+    }
+}
+
+/// A redis-server of the test's own (no persistence), on a free port.
+pub fn redis_server() -> Server {
+    Server::start(&server_bin("redis-server"), |port| {
+        [
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--maxclients",
+            "1000",
+        ]
+        .map(String::from)
+        .to_vec()
+    })
 }

@@ -196,6 +196,8 @@ pub fn synth(i: u64, step_ms: u64, clients: u64, f: impl FnOnce(&EventRef)) {
         protocol: "HTTP/1.1",
         tls_version: "",
         extra: &extra,
+        trace_id: b"",
+        span_id: b"",
     })
 }
 
