@@ -17,6 +17,7 @@
 #   PROXIES=pier PATHS=/4k.bin bash bench/instructions.sh
 #   PROXIES="pier-lua nginx-lua" bash bench/instructions.sh   # bench/run.sh's Lua access hook
 #   PROXIES=pier-cache PATHS="/hello /4k.bin" bash bench/instructions.sh   # cache hits (bench/cache.sh's config)
+#   PROXIES="pier pier-trace1 pier-trace100" bash bench/instructions.sh   # tracing off / 1% / 100%
 #   PROXIES=pier-h2c bash bench/instructions.sh   # HTTP/2 (cleartext, 10 streams a connection) to the HTTP/1.1 origin
 #   COUNT=syscalls PROXIES="pier-lua nginx-lua" bash bench/instructions.sh
 #       system calls per request by kind instead (strace -f -c, same harness). strace slows
@@ -75,6 +76,16 @@ counted() {
       sed -e "s/@PORT@/$p/g" -e "s/@ORIGIN@/$ORIGIN_PORT/g" -e 's/^workers = 2/workers = 1/' \
         "$BENCH/peers/pier/pier.toml" >"$dir/pier.toml"
       [ "$proxy" = pier-noanalytics ] && printf '\n[analytics]\nenabled = false\n' >>"$dir/pier.toml"
+      cmd=("$PIER_BIN" serve -c "$dir/pier.toml") ;;
+    pier-trace1 | pier-trace100)
+      # bench/tracing.sh's question without its noise: [tracing] on, 1% or every root
+      # sampled. The collector is an address nothing listens on (each batch fails at
+      # connect and is counted as failed): the request path's cost, ids, context,
+      # traceparent upstream, spans built and their encoding, not a collector's.
+      sed -e "s/@PORT@/$p/g" -e "s/@ORIGIN@/$ORIGIN_PORT/g" -e 's/^workers = 2/workers = 1/' \
+        "$BENCH/peers/pier/pier.toml" >"$dir/pier.toml"
+      local ratio=0.01; [ "$proxy" = pier-trace100 ] && ratio=1.0
+      printf '\n[tracing]\nendpoint = "http://127.0.0.1:9/v1/traces"\nsample = %s\n' "$ratio" >>"$dir/pier.toml"
       cmd=("$PIER_BIN" serve -c "$dir/pier.toml") ;;
     pier-h2c)
       # The plain config with cleartext HTTP/2 (prior knowledge) on the listener: what a

@@ -365,7 +365,7 @@ retries = 1
     );
     assert!(
         !sent.contains("00f067aa0ba902b7"),
-        "the attempt's own span: {sent}"
+        "a span of Pier's own (unsampled: the server span): {sent}"
     );
     let (_, body) = get(port, "/quiet/headers", &[]);
     assert!(

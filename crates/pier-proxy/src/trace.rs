@@ -98,9 +98,10 @@ pub(crate) fn start(state: &State, sess: &mut Session) {
     t.active = true;
     t.ctx = ctx;
     t.header = pier_trace::traceparent(&ctx.trace_id, &ctx.span_id, ctx.sampled);
-    pier_trace::hex_into(&ctx.trace_id, &mut t.hex[..32]);
-    pier_trace::hex_into(&ctx.span_id, &mut t.hex[32..48]);
-    pier_trace::hex_into(&[ctx.sampled as u8], &mut t.hex[48..]);
+    // The same hex, copied out of `00-<trace>-<span>-<flags>`.
+    t.hex[..32].copy_from_slice(&t.header[3..35]);
+    t.hex[32..48].copy_from_slice(&t.header[36..52]);
+    t.hex[48..].copy_from_slice(&t.header[53..55]);
     t.attempt = None;
     t.spans.clear();
     t.extra.clear();
@@ -259,9 +260,11 @@ pub(crate) fn begin_attempt(sess: &mut Session, peer: SocketAddr, number: u32) {
     let Some(t) = sess.trace.as_deref_mut().filter(|t| t.active) else {
         return;
     };
-    let span_id = pier_trace::span_id();
-    t.header = pier_trace::traceparent(&t.ctx.trace_id, &span_id, t.ctx.sampled);
+    // Unsampled, no client span is recorded: the attempt names the server
+    // span as its parent, the header `start` made (no id, no formatting).
     if t.ctx.sampled {
+        let span_id = pier_trace::span_id();
+        t.header = pier_trace::traceparent(&t.ctx.trace_id, &span_id, true);
         t.attempt = Some(Attempt {
             span_id,
             start_ns: pier_clock::system_ns(),
@@ -282,11 +285,17 @@ pub(crate) fn attempt_reused(sess: &mut Session, reused: bool) {
 /// The attempt ended: with the status it relayed, or how it failed.
 pub(crate) fn end_attempt(sess: &mut Session, failed: Option<&str>) {
     let status = sess.status;
-    let method = String::from_utf8_lossy(sess.req.method()).into_owned();
-    let Some(t) = sess.trace.as_deref_mut().filter(|t| t.active) else {
+    // Only sampled attempts are recorded: nothing is allocated for others.
+    let Some(a) = sess
+        .trace
+        .as_deref_mut()
+        .filter(|t| t.active)
+        .and_then(|t| t.attempt.take())
+    else {
         return;
     };
-    let Some(a) = t.attempt.take() else {
+    let method = String::from_utf8_lossy(sess.req.method()).into_owned();
+    let Some(t) = sess.trace.as_deref_mut() else {
         return;
     };
     let mut attributes = vec![
