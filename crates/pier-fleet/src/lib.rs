@@ -172,17 +172,16 @@ impl Fleet {
                 // Stopped.
                 Ok(()) => return,
                 Err(e) => {
+                    // A subscription that was up starts the backoff over.
                     if self.stats.connected.swap(false, Relaxed) {
                         tracing::warn!("fleet: lost Redis ({e}); reconnecting");
+                        backoff = BACKOFF_MIN;
                     }
                     self.stats.reconnects.fetch_add(1, Relaxed);
                 }
             }
             std::thread::sleep(backoff);
             backoff = (backoff * 2).min(BACKOFF_MAX);
-            if self.stats.connected.load(Relaxed) {
-                backoff = BACKOFF_MIN;
-            }
         }
     }
 
