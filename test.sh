@@ -3,7 +3,7 @@
 # OpenResty's Lua libraries, h2spec, grpc-go's interop binaries, Kafka's jars, PostgreSQL,
 # the HTTP cache suite, a gRPC-web client; kept between runs), then runs every test.
 #
-#   ./test.sh                          # cargo test --workspace
+#   ./test.sh                          # cargo test --workspace --no-fail-fast (every test binary runs)
 #   ./test.sh -p pier --test cache     # arguments go to cargo test instead of --workspace
 #   PIER_SKIP_INSTALL=1 ./test.sh …    # reuse target/test-env.sh as the last install wrote it
 #
@@ -19,7 +19,7 @@ fi
 source target/test-env.sh
 
 if [ $# -eq 0 ]; then
-  set -- --workspace
+  set -- --workspace --no-fail-fast
 fi
 echo "== cargo test $*"
 exec cargo test "$@"
