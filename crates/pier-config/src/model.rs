@@ -83,7 +83,7 @@ pub struct Tracing {
 /// `[redis]`: the Redis every Pier of a fleet talks to.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Redis {
-    /// `redis://[:password@]HOST[:PORT][/DB]` (or `rediss://`).
+    /// `redis://[:password@]HOST[:PORT][/DB]`.
     pub url: String,
     /// The pub/sub channel purges and bans travel on.
     pub channel: String,

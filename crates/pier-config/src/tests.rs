@@ -2449,6 +2449,32 @@ fn tracing_section() {
 }
 
 #[test]
+fn redis_section() {
+    let rest = "[[listener]]\nlisten = \"127.0.0.1:0\"\n[[route]]\nupstream = \"a\"\n[upstream.a]\nservers = [\"127.0.0.1:1\"]\n";
+    let c = ok(&format!("[redis]\nurl = \"redis://10.0.0.5:6379\"\n{rest}"));
+    let r = c.redis.unwrap();
+    assert_eq!(
+        (r.url.as_str(), r.channel.as_str(), r.timeout),
+        (
+            "redis://10.0.0.5:6379",
+            "pier:purge",
+            Duration::from_secs(1)
+        )
+    );
+    assert!(ok(rest).redis.is_none());
+    for (t, why) in [
+        ("", "needs `url"),
+        ("url = \"rediss://x\"", "not supported"),
+        ("url = \"http://x\"", "needs `url"),
+        ("url = \"redis://x\"\nchannel = \"\"", "1 to 256 bytes"),
+        ("url = \"redis://x\"\nnodes = []", "unknown field"),
+    ] {
+        let e = errors(&format!("[redis]\n{t}\n{rest}"));
+        assert!(e.len() == 1 && e[0].contains(why), "{t}: {e:?}");
+    }
+}
+
+#[test]
 fn listener_tls_mistakes() {
     let e = errors(&tls_file("", ""));
     assert!(

@@ -1307,13 +1307,13 @@ fn tracing_of(c: &mut Check, t: &TracingSection) -> Option<Tracing> {
 /// `[redis]`.
 fn redis_of(c: &mut Check, r: &RedisSection) -> Option<Redis> {
     let url = match &r.url {
-        Some(v) if v.get_ref().starts_with("redis://") || v.get_ref().starts_with("rediss://") => {
-            v.get_ref().clone()
-        }
+        // Plain TCP only: the fleet's Redis is on its private network
+        // (docs/fleet.md); rediss:// (TLS) is not built in.
+        Some(v) if v.get_ref().starts_with("redis://") => v.get_ref().clone(),
         other => {
             c.err(
                 other.as_ref().and_then(sp),
-                "[redis] needs `url = \"redis://HOST:6379\"` (or rediss:// for TLS)",
+                "[redis] needs `url = \"redis://HOST:6379\"` (rediss://, Redis over TLS, is not supported)",
             );
             return None;
         }
