@@ -357,10 +357,9 @@ async fn read_body<S: AsyncRead + Unpin>(
 /// `POST /api/cache/purge`: by `url` (its key and the keys a route's
 /// header or cookie parts extend it with), `prefix` (of keys), `tag`
 /// (`Surrogate-Key`/`Cache-Tag`) or exact `key`, in the query or a JSON
-/// body (`tags` may be a list); `zone` limits it to one zone. Answers how
-/// many keys went.
-/// `/api/cache/purge`: applied here, then (with `[redis]`) published to
-/// the fleet, whose answer counts the nodes that received it.
+/// body (`tags` may be a list); `zone` limits it to one zone. Applied
+/// here, then (with `[redis]`) published to the fleet. Answers how many
+/// keys went and how many nodes received it.
 async fn purge(
     method: &[u8],
     qs: &[(String, String)],
