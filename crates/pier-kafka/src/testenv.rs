@@ -13,7 +13,6 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::ClientConfig;
 use std::fs;
 use std::io::Write as _;
-use std::net::TcpListener;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -31,12 +30,11 @@ pub fn required_env(name: &str, what: &str) -> PathBuf {
     }
 }
 
-/// A port nothing listens on now.
+/// A port nothing listens on now, below the ephemeral range, from the
+/// tests' one allocator (so Kafka's and PostgreSQL's ports and the test's
+/// own never collide, and no outgoing connection takes one meanwhile).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind 127.0.0.1:0")
+    pier_test_support::free_port()
 }
 
 fn unique_dir(prefix: &str) -> PathBuf {

@@ -16,6 +16,7 @@ mod client;
 mod config;
 mod h3client;
 mod origin;
+pub mod ports;
 mod process;
 mod scenario;
 mod script;
@@ -31,6 +32,7 @@ pub use client::{curl, get, run_with_timeout, try_get, BodySink, RawConn, Respon
 pub use config::{base_config, hook, lua_route, route_config, servers, simple_config};
 pub use h3client::H3Conn;
 pub use origin::Origin;
+pub use ports::free_port;
 pub use process::{parse_metric_line, rss_kib, MetricSample, PierProcess, TempDir};
 pub use scenario::{Conn, Exchange, Proto, Running, Scenario};
 pub use script::{Gate, RawReply, Reply, Request, Script};
