@@ -63,8 +63,9 @@ struct Shard {
 /// bucket leads to a trace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Exemplar {
-    pub trace_id: [u8; 16],
-    pub span_id: [u8; 8],
+    /// The trace id (32) and the server span id (16) in lower-case hex, as
+    /// the request already holds them for its log line.
+    pub ids_hex: [u8; 48],
     pub dur_us: u64,
     /// Unix time, milliseconds.
     pub ts_ms: u64,
@@ -503,13 +504,9 @@ fn bucket(dur_us: u64) -> usize {
 /// timestamp in seconds).
 fn write_exemplar(out: &mut String, e: Option<Exemplar>) {
     if let Some(e) = e {
-        let mut t = [0u8; 32];
-        let mut sp = [0u8; 16];
-        hex(&e.trace_id, &mut t);
-        hex(&e.span_id, &mut sp);
         // Hex digits are ASCII.
-        let t = std::str::from_utf8(&t).unwrap_or("");
-        let sp = std::str::from_utf8(&sp).unwrap_or("");
+        let t = std::str::from_utf8(&e.ids_hex[..32]).unwrap_or("");
+        let sp = std::str::from_utf8(&e.ids_hex[32..]).unwrap_or("");
         let _ = write!(
             out,
             " # {{trace_id=\"{t}\",span_id=\"{sp}\"}} {} {}.{:03}",
@@ -519,14 +516,6 @@ fn write_exemplar(out: &mut String, e: Option<Exemplar>) {
         );
     }
     out.push('\n');
-}
-
-fn hex(b: &[u8], out: &mut [u8]) {
-    const H: &[u8; 16] = b"0123456789abcdef";
-    for (i, x) in b.iter().enumerate() {
-        out[2 * i] = H[(x >> 4) as usize];
-        out[2 * i + 1] = H[(x & 15) as usize];
-    }
 }
 
 #[cfg(test)]
@@ -571,16 +560,19 @@ mod tests {
     #[test]
     fn a_bucket_names_its_newest_sampled_request() {
         let m = Metrics::new(2);
-        let ex = |id: u8, dur_us, ts_ms| Exemplar {
-            trace_id: [id; 16],
-            span_id: [id; 8],
-            dur_us,
-            ts_ms,
+        let ex = |id: &str, dur_us, ts_ms| {
+            let mut ids_hex = [0u8; 48];
+            ids_hex.copy_from_slice(id.repeat(24).as_bytes());
+            Exemplar {
+                ids_hex,
+                dur_us,
+                ts_ms,
+            }
         };
         for (w, e) in [
-            (1, ex(0xa1, 700, 1_000)),
-            (2, ex(0xb2, 900, 2_500)), // same bucket (≤ 1 ms), newer
-            (1, ex(0xc3, 30_000_000, 3_000)),
+            (1, ex("a1", 700, 1_000)),
+            (2, ex("b2", 900, 2_500)), // same bucket (≤ 1 ms), newer
+            (1, ex("c3", 30_000_000, 3_000)),
         ] {
             WORKER_ID.with(|c| c.set(w));
             m.request(0, 200, e.dur_us);

@@ -699,14 +699,7 @@ pub(crate) fn finish<P: Phases>(
         .map(|r| state.routes[r].metric)
         .unwrap_or(pier_log::metrics::MAX_ROUTES - 1);
     w.shared.metrics.request(metric, sess.status, dur_us);
-    if let Some(t) = crate::trace::of(sess).filter(|t| t.ctx.sampled) {
-        w.shared.metrics.exemplar(pier_log::metrics::Exemplar {
-            trace_id: t.ctx.trace_id,
-            span_id: t.ctx.span_id,
-            dur_us,
-            ts_ms: sess.now_ns / 1_000_000 + dur_us / 1000,
-        });
-    }
+    crate::trace::exemplar(&w.shared.metrics, sess, dur_us);
     if sess.conn.proto != pier_session::Protocol::Http1 {
         // Only the multiplexed protocols are counted apart: HTTP/1.x is the
         // rest of pier_requests_total, and its hot path pays no shared atomic.

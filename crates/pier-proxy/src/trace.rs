@@ -331,6 +331,20 @@ pub(crate) fn end_attempt(sess: &mut Session, failed: Option<&str>) {
     });
 }
 
+/// A sampled request becomes its latency bucket's exemplar (OpenMetrics),
+/// named by the hex ids it already holds.
+pub(crate) fn exemplar(m: &pier_log::metrics::Metrics, sess: &Session, dur_us: u64) {
+    if let Some(t) = of(sess).filter(|t| t.ctx.sampled) {
+        let mut ids_hex = [0u8; 48];
+        ids_hex.copy_from_slice(&t.hex[..48]);
+        m.exemplar(pier_log::metrics::Exemplar {
+            ids_hex,
+            dur_us,
+            ts_ms: sess.now_ns / 1_000_000 + dur_us / 1000,
+        });
+    }
+}
+
 /// The request is done: its spans go to the exporter (sampled only).
 pub(crate) fn finish(state: &State, sess: &mut Session, route: Option<usize>, dur_us: u64) {
     let Some(exporter) = &state.tracer else {
