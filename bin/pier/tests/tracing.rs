@@ -185,6 +185,17 @@ fn header_of<'a>(body: &'a str, name: &str) -> Option<&'a str> {
     })
 }
 
+/// One listener, one route to `origin`, no access log, and `[tracing]`
+/// with `tracing` as its lines.
+fn one_route(origin: std::net::SocketAddr, tracing: &str) -> String {
+    format!(
+        "[admin]\nlisten = \"127.0.0.1:0\"\n[log]\naccess = \"off\"\n[tracing]\n{tracing}\n\n\
+         [[listener]]\nname = \"main\"\nlisten = \"127.0.0.1:0\"\n\n\
+         [[route]]\nname = \"default\"\nupstream = \"app\"\n\n\
+         [upstream.app]\nservers = [\"{origin}\"]\n"
+    )
+}
+
 fn exported(p: &PierProcess) -> f64 {
     p.metric_value("pier_tracing_spans_total{result=\"exported\"}")
         .unwrap_or(0.0)
@@ -435,28 +446,10 @@ fn a_collector_that_is_down_costs_requests_nothing() {
 
 fn collector_down(endpoint: &str) {
     let origin = Origin::start();
-    let cfg = format!(
-        r#"[admin]
-listen = "127.0.0.1:0"
-[log]
-access = "off"
-[tracing]
-endpoint = "{endpoint}"
-
-[[listener]]
-name = "main"
-listen = "127.0.0.1:0"
-
-[[route]]
-name = "default"
-upstream = "app"
-
-[upstream.app]
-servers = ["{origin}"]
-"#,
-        origin = origin.addr(),
-    );
-    let p = pier(&cfg);
+    let p = pier(&one_route(
+        origin.addr(),
+        &format!("endpoint = \"{endpoint}\""),
+    ));
     let port = p.listener("main").port();
     for _ in 0..20 {
         assert_eq!(get(port, "/hello", &[]).0, 200);
@@ -479,30 +472,11 @@ servers = ["{origin}"]
 fn spans_are_exported_over_otlp_grpc() {
     let jaeger = Jaeger::start();
     let origin = Origin::start();
-    let cfg = format!(
-        r#"[admin]
-listen = "127.0.0.1:0"
-[log]
-access = "off"
-[tracing]
-endpoint = "{endpoint}"
-service_name = "pier-grpc"
-
-[[listener]]
-name = "main"
-listen = "127.0.0.1:0"
-
-[[route]]
-name = "default"
-upstream = "app"
-
-[upstream.app]
-servers = ["{origin}"]
-"#,
-        endpoint = jaeger.grpc_endpoint(),
-        origin = origin.addr(),
+    let tracing = format!(
+        "endpoint = \"{}\"\nservice_name = \"pier-grpc\"",
+        jaeger.grpc_endpoint()
     );
-    let p = pier(&cfg);
+    let p = pier(&one_route(origin.addr(), &tracing));
     let port = p.listener("main").port();
     for (i, trace) in [
         "4bf92f3577b34da6a3ce929d0e0e4736",
@@ -720,30 +694,11 @@ servers = ["{origin}"]
 #[test]
 fn duration_buckets_carry_sampled_traces_as_openmetrics_exemplars() {
     let origin = Origin::start();
-    let cfg = format!(
-        r#"[admin]
-listen = "127.0.0.1:0"
-[log]
-access = "off"
-[tracing]
-endpoint = "http://{dead}/v1/traces"
-sample = 0.0
-
-[[listener]]
-name = "main"
-listen = "127.0.0.1:0"
-
-[[route]]
-name = "default"
-upstream = "app"
-
-[upstream.app]
-servers = ["{origin}"]
-"#,
-        dead = dead_addr(),
-        origin = origin.addr(),
+    let tracing = format!(
+        "endpoint = \"http://{}/v1/traces\"\nsample = 0.0",
+        dead_addr()
     );
-    let p = pier(&cfg);
+    let p = pier(&one_route(origin.addr(), &tracing));
     let port = p.listener("main").port();
     const UNSAMPLED: &str = "00-0000000000000000000000000000abcd-00f067aa0ba902b7-00";
     assert_eq!(
