@@ -701,13 +701,16 @@ fn run(
     shared.analytics = analytics;
     let shared = Arc::new(shared);
     // A fleet's Redis (`[redis]`, read at start): purges other nodes publish
-    // are applied to this node's cache, on the fleet's own thread.
+    // are applied to this node's cache, on the fleet's own thread; global
+    // limits exchange their counts on another.
     let redis = shared.state.load().cfg.redis.clone();
     if let Some(redis) = redis {
         let s = shared.clone();
         let apply: pier_fleet::Apply =
             Box::new(move |p| pier_admin::apply_fleet_purge(&s.state.load(), p));
-        if let Err(e) = pier_fleet::start(&redis, apply) {
+        let started = pier_fleet::start(&redis, apply)
+            .and_then(|f| pier_fleet::start_limits(&redis, f.node()));
+        if let Err(e) = started {
             eprintln!("pier: {e}");
             return ExitCode::from(1);
         }

@@ -2,7 +2,9 @@
 //! the test starts. A purge on one node's admin API reaches the others
 //! through Redis pub/sub and is acknowledged by count; Redis gone: the
 //! purge is still made locally and the API says the fleet was not told;
-//! Redis back: the nodes subscribe again.
+//! Redis back: the nodes subscribe again. A global rate limit sent to all
+//! three at once admits about its rate for the fleet, fails open or
+//! closed as configured while Redis is gone, and recovers with it.
 
 mod common;
 
@@ -13,6 +15,14 @@ use common::*;
 const TOKEN: &str = "fleet-token-0123";
 
 fn node(origin: std::net::SocketAddr, redis: std::net::SocketAddr) -> PierProcess {
+    node_with(origin, redis, "")
+}
+
+fn node_with(
+    origin: std::net::SocketAddr,
+    redis: std::net::SocketAddr,
+    extra: &str,
+) -> PierProcess {
     pier(&format!(
         r#"[server]
 workers = 1
@@ -43,7 +53,7 @@ zone = "main"
 
 [upstream.app]
 servers = ["{origin}"]
-"#
+{extra}"#
     ))
 }
 
@@ -196,4 +206,146 @@ fn a_purge_on_one_node_reaches_every_node() {
     for n in [&nodes[0], &nodes[2]] {
         assert!(wait_until(Duration::from_secs(10), || !is_hit(n, paths[0])));
     }
+}
+
+/// A GET with one header: the status, or 0 when the connection failed.
+fn status_with(p: &PierProcess, header: (&str, &str)) -> u16 {
+    let Ok(mut c) = RawConn::try_connect(p.listener("main")) else {
+        return 0;
+    };
+    c.request("GET", "/hello", &[("host", "fleet.test"), header], b"")
+        .map(|r| r.status)
+        .unwrap_or(0)
+}
+
+const GLOBAL_LIMITS: &str = r#"
+[[limit]]
+name = "closed"
+key = "header:x-closed"
+rate = "20/s"
+scope = "global"
+fail = "closed"
+
+[[limit]]
+name = "open"
+key = "header:x-open"
+rate = "20/s"
+scope = "global"
+"#;
+
+#[test]
+fn a_global_rate_limit_holds_across_three_nodes() {
+    let redis = redis_server();
+    let origin = Origin::start();
+    let nodes: Vec<PierProcess> = (0..3)
+        .map(|_| node_with(origin.addr(), redis.addr, GLOBAL_LIMITS))
+        .collect();
+    let fleet_of =
+        |p: &PierProcess, l: &str| metric(p, &format!("pier_limit_global_nodes{{limit=\"{l}\"}}"));
+    assert!(
+        wait_until(Duration::from_secs(20), || nodes.iter().all(|n| fleet_of(
+            n, "closed"
+        ) == Some(
+            3.0
+        ) && fleet_of(n, "open")
+            == Some(3.0))),
+        "each node learns the fleet's size from its heartbeat"
+    );
+
+    // 20/s for the fleet: three clients, one per node, each offering about
+    // 100 requests a second for 3 seconds (15 times the rate).
+    let started = std::time::Instant::now();
+    let admitted: u64 = std::thread::scope(|s| {
+        let hs: Vec<_> = nodes
+            .iter()
+            .map(|n| {
+                s.spawn(move || {
+                    let mut ok = 0u64;
+                    let t0 = std::time::Instant::now();
+                    for _ in 0..1000 {
+                        if t0.elapsed() >= Duration::from_secs(3) {
+                            break;
+                        }
+                        match status_with(n, ("x-closed", "client-1")) {
+                            200 => ok += 1,
+                            429 => {}
+                            other => panic!("status {other}"),
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    ok
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).sum()
+    });
+    let secs = started.elapsed().as_secs_f64();
+    eprintln!("global limit: {admitted} admitted in {secs:.2}s at 20/s over 3 nodes");
+    // A sliding window admits about rate x seconds, plus up to one more
+    // interval's worth where the run starts in a fresh window (3 s can
+    // touch 4 windows); three nodes counting alone would admit three
+    // times that.
+    let most = 20.0 * (secs + 1.0);
+    assert!(
+        (admitted as f64) >= 0.5 * 20.0 * secs && (admitted as f64) <= 1.3 * most,
+        "admitted {admitted} in {secs:.1}s, expected at most about {most:.0} (alone: {:.0})",
+        3.0 * most
+    );
+
+    // Redis gone: once the last totals are older than two exchanges and
+    // a timeout, "closed" refuses and "open" admits on each node's own
+    // count; both counted.
+    let port = redis.addr.port();
+    drop(redis);
+    let unavailable = |p: &PierProcess, l: &str| {
+        metric(
+            p,
+            &format!("pier_limit_global_unavailable_total{{limit=\"{l}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    for (i, n) in nodes.iter().enumerate() {
+        assert!(
+            wait_until(Duration::from_secs(20), || {
+                status_with(n, ("x-closed", &format!("cut-{i}"))) == 429
+                    && unavailable(n, "closed") >= 1.0
+            }),
+            "fail closed"
+        );
+        // A key never seen: refused all the same.
+        assert_eq!(status_with(n, ("x-closed", &format!("new-{i}"))), 429);
+        assert_eq!(
+            status_with(n, ("x-open", &format!("new-{i}"))),
+            200,
+            "fail open"
+        );
+        assert!(unavailable(n, "open") >= 1.0);
+    }
+    assert!(
+        metric(
+            &nodes[0],
+            "pier_limit_global_syncs_total{limit=\"closed\",result=\"error\"}"
+        ) >= Some(1.0)
+    );
+
+    // Redis back on its port: the limits decide on the fleet's count again.
+    let child = std::process::Command::new(server_bin("redis-server"))
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let _redis = Server { child, addr };
+    assert!(
+        wait_until(Duration::from_secs(30), || status_with(
+            &nodes[0],
+            ("x-closed", "client-4")
+        ) == 200),
+        "recovers when Redis returns"
+    );
+    let before = unavailable(&nodes[0], "closed");
+    assert_eq!(status_with(&nodes[0], ("x-closed", "client-5")), 200);
+    assert_eq!(unavailable(&nodes[0], "closed"), before);
 }

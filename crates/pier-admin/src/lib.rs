@@ -930,6 +930,7 @@ fn render_metrics_with(shared: &Shared, exemplars: bool) -> String {
             l.denied_total()
         );
     }
+    global_limit_metrics(&state, &mut out);
     let _ = writeln!(
         out,
         "# TYPE pier_upstream_idle_connections gauge\npier_upstream_idle_connections {}",
@@ -968,4 +969,57 @@ fn render_metrics_with(shared: &Shared, exemplars: bool) -> String {
         }
     }
     out
+}
+
+/// `pier_limit_global_*`: the fleet's counts behind `scope = "global"`.
+fn global_limit_metrics(state: &pier_proxy::State, out: &mut String) {
+    let globals: Vec<&pier_limits::GlobalRate> = state
+        .limits
+        .iter()
+        .filter_map(|l| l.global.as_deref())
+        .collect();
+    if globals.is_empty() {
+        return;
+    }
+    out.push_str("# HELP pier_limit_global_unavailable_total Requests of a global limit decided while Redis was out of reach (admitted on the node's own count with fail = \"open\", refused with \"closed\").\n# TYPE pier_limit_global_unavailable_total counter\n");
+    for g in &globals {
+        let _ = writeln!(
+            out,
+            "pier_limit_global_unavailable_total{{limit=\"{}\"}} {}",
+            g.name(),
+            g.stats().unavailable.load(Relaxed)
+        );
+    }
+    out.push_str("# HELP pier_limit_global_overflow_total Requests of new keys past the global limit's key table, decided on the node's own count.\n# TYPE pier_limit_global_overflow_total counter\n");
+    for g in &globals {
+        let _ = writeln!(
+            out,
+            "pier_limit_global_overflow_total{{limit=\"{}\"}} {}",
+            g.name(),
+            g.stats().overflow.load(Relaxed)
+        );
+    }
+    out.push_str("# HELP pier_limit_global_syncs_total Exchanges of counts with Redis.\n# TYPE pier_limit_global_syncs_total counter\n");
+    for g in &globals {
+        let s = g.stats();
+        let _ = writeln!(out, "pier_limit_global_syncs_total{{limit=\"{}\",result=\"ok\"}} {}\npier_limit_global_syncs_total{{limit=\"{}\",result=\"error\"}} {}", g.name(), s.syncs.load(Relaxed), g.name(), s.sync_errors.load(Relaxed));
+    }
+    out.push_str("# HELP pier_limit_global_nodes Nodes in the fleet as of the last exchange.\n# TYPE pier_limit_global_nodes gauge\n");
+    for g in &globals {
+        let _ = writeln!(
+            out,
+            "pier_limit_global_nodes{{limit=\"{}\"}} {}",
+            g.name(),
+            g.nodes()
+        );
+    }
+    out.push_str("# HELP pier_limit_global_keys Keys a global limit holds on this node.\n# TYPE pier_limit_global_keys gauge\n");
+    for g in &globals {
+        let _ = writeln!(
+            out,
+            "pier_limit_global_keys{{limit=\"{}\"}} {}",
+            g.name(),
+            g.keys()
+        );
+    }
 }

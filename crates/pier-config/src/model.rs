@@ -89,6 +89,18 @@ pub struct Redis {
     pub channel: String,
     /// Connecting to Redis and each command give up after this.
     pub timeout: Duration,
+    /// How often a node exchanges its global limits' counts with Redis.
+    pub sync_interval: Duration,
+    /// Prefix of the keys global limits count under (`PREFIX:rl:...`).
+    pub key_prefix: String,
+}
+
+impl Redis {
+    /// How long a global limit decides on its last totals from Redis
+    /// before it counts as cut off: two missed exchanges and one timeout.
+    pub fn stale_after(&self) -> Duration {
+        self.sync_interval * 2 + self.timeout
+    }
 }
 
 /// Credentials the admin endpoint asks for (it shows client addresses),
@@ -984,6 +996,20 @@ pub struct LimitRule {
     pub dry_run: bool,
     /// Status of a refused request (429 for rate, 503 for concurrent by default).
     pub status: u16,
+    /// `scope = "global"`: counted across the fleet through `[redis]`.
+    pub global: bool,
+    /// With `global`: what to do while Redis is out of reach.
+    pub fail: LimitFail,
+}
+
+/// `[[limit]] fail`: a global limit's answer while Redis is out of reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LimitFail {
+    /// Decide on this node's counts alone (each node admits up to the rate).
+    #[default]
+    Open,
+    /// Refuse the requests the limit applies to, with its `status`.
+    Closed,
 }
 
 impl RouteLua {

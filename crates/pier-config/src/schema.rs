@@ -160,6 +160,8 @@ pub struct RedisSection {
     pub url: Option<Spanned<String>>,
     pub channel: Option<Spanned<String>>,
     pub timeout: Option<Spanned<String>>,
+    pub sync_interval: Option<Spanned<String>>,
+    pub key_prefix: Option<Spanned<String>>,
 }
 
 /// `[route.tracing]`: the route's own root sampling ratio.
@@ -492,6 +494,8 @@ pub struct LimitEntry {
     pub routes: Option<Spanned<Vec<Spanned<String>>>>,
     pub dry_run: Option<bool>,
     pub status: Option<Spanned<i64>>,
+    pub scope: Option<Spanned<String>>,
+    pub fail: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -1559,6 +1559,8 @@ concurrent = 100
             routes: None,
             dry_run: false,
             status: 429,
+            global: false,
+            fail: LimitFail::Open,
         }
     );
     assert_eq!(r[1].name, "limit-2");
@@ -1834,6 +1836,8 @@ fn examples_say_what_they_do() {
             routes: None,
             dry_run: false,
             status: 429,
+            global: false,
+            fail: LimitFail::Open,
         }]
     );
     assert!(c
@@ -2468,8 +2472,60 @@ fn redis_section() {
         ("url = \"http://x\"", "needs `url"),
         ("url = \"redis://x\"\nchannel = \"\"", "1 to 256 bytes"),
         ("url = \"redis://x\"\nnodes = []", "unknown field"),
+        ("url = \"redis://x\"\nsync_interval = \"1ms\"", "5ms to 10s"),
+        ("url = \"redis://x\"\nkey_prefix = \"\"", "1 to 64 bytes"),
     ] {
         let e = errors(&format!("[redis]\n{t}\n{rest}"));
+        assert!(e.len() == 1 && e[0].contains(why), "{t}: {e:?}");
+    }
+    assert_eq!(
+        (r.sync_interval, r.key_prefix.as_str()),
+        (Duration::from_millis(50), "pier")
+    );
+}
+
+#[test]
+fn global_limits() {
+    let rest = "[[listener]]\nlisten = \"127.0.0.1:0\"\n[[route]]\nupstream = \"a\"\n[upstream.a]\nservers = [\"127.0.0.1:1\"]\n";
+    let redis = "[redis]\nurl = \"redis://127.0.0.1:6379\"\n";
+    let c = ok(&format!(
+        "{redis}[[limit]]\nkey = \"client_ip\"\nrate = \"10/s\"\nscope = \"global\"\nfail = \"closed\"\n{rest}"
+    ));
+    assert_eq!(
+        (c.rate_limits[0].global, c.rate_limits[0].fail),
+        (true, LimitFail::Closed)
+    );
+    let c = ok(&format!(
+        "[[limit]]\nkey = \"client_ip\"\nrate = \"10/s\"\nscope = \"local\"\n{rest}"
+    ));
+    assert!(!c.rate_limits[0].global);
+    for (t, why) in [
+        ("rate = \"1/s\"\nscope = \"global\"", "add a [redis] table"),
+        (
+            "rate = \"1/s\"\nscope = \"fleet\"",
+            "\"local\" or \"global\"",
+        ),
+        (
+            "rate = \"1/s\"\nfail = \"closed\"",
+            "applies to `scope = \"global\"`",
+        ),
+    ] {
+        let e = errors(&format!("[[limit]]\nkey = \"client_ip\"\n{t}\n{rest}"));
+        assert!(e.len() == 1 && e[0].contains(why), "{t}: {e:?}");
+    }
+    for (t, why) in [
+        (
+            "concurrent = 5\nscope = \"global\"",
+            "applies to `rate` limits",
+        ),
+        (
+            "rate = \"1/s\"\nscope = \"global\"\nfail = \"maybe\"",
+            "\"open\" or \"closed\"",
+        ),
+    ] {
+        let e = errors(&format!(
+            "{redis}[[limit]]\nkey = \"client_ip\"\n{t}\n{rest}"
+        ));
         assert!(e.len() == 1 && e[0].contains(why), "{t}: {e:?}");
     }
 }

@@ -550,7 +550,7 @@ pub(crate) fn validate(
     let mut limit_names = HashSet::new();
     for (i, (e, span)) in file.limit_rules.iter().enumerate() {
         let name = unique_name(&mut c, &e.name, "limit", i, &mut limit_names);
-        if let Some(rule) = limit_rule(&mut c, name, e, span.clone(), &routes) {
+        if let Some(rule) = limit_rule(&mut c, name, e, span.clone(), &routes, redis.is_some()) {
             rate_limits.push(rule);
         }
     }
@@ -1326,10 +1326,27 @@ fn redis_of(c: &mut Check, r: &RedisSection) -> Option<Redis> {
             return None;
         }
     };
+    let key_prefix = match &r.key_prefix {
+        None => "pier".to_string(),
+        Some(v) if !v.get_ref().is_empty() && v.get_ref().len() <= 64 => v.get_ref().clone(),
+        Some(v) => {
+            c.err(sp(v), "[redis] `key_prefix`: 1 to 64 bytes");
+            return None;
+        }
+    };
+    let sync_interval = c.duration(&r.sync_interval, "sync_interval", Duration::from_millis(50));
+    if !(Duration::from_millis(5)..=Duration::from_secs(10)).contains(&sync_interval) {
+        c.err(
+            r.sync_interval.as_ref().and_then(sp),
+            "[redis] `sync_interval`: 5ms to 10s",
+        );
+    }
     Some(Redis {
         url,
         channel,
         timeout: c.duration(&r.timeout, "timeout", Duration::from_secs(1)),
+        sync_interval,
+        key_prefix,
     })
 }
 
@@ -2509,6 +2526,7 @@ fn limit_rule(
     e: &LimitEntry,
     span: Span,
     routes: &[Route],
+    has_redis: bool,
 ) -> Option<LimitRule> {
     if !name
         .bytes()
@@ -2614,6 +2632,48 @@ fn limit_rule(
         _ => 429,
     };
     let status = c.int(&e.status, "status", default_status, 400, 599) as u16;
+    let global = match e.scope.as_ref().map(|v| v.get_ref().as_str()) {
+        None | Some("local") => false,
+        Some("global") => {
+            if matches!(kind, Some(LimitKind::Concurrent { .. })) {
+                c.err(
+                    e.scope.as_ref().and_then(sp),
+                    format!("limit `{name}`: `scope = \"global\"` applies to `rate` limits"),
+                );
+            }
+            if !has_redis {
+                c.err(
+                    e.scope.as_ref().and_then(sp),
+                    format!("limit `{name}`: `scope = \"global\"` counts through Redis: add a [redis] table"),
+                );
+            }
+            true
+        }
+        Some(other) => {
+            c.err(
+                e.scope.as_ref().and_then(sp),
+                format!("limit `{name}`: scope {other:?}: \"local\" or \"global\""),
+            );
+            false
+        }
+    };
+    let fail = match e.fail.as_ref().map(|v| v.get_ref().as_str()) {
+        None | Some("open") => LimitFail::Open,
+        Some("closed") => LimitFail::Closed,
+        Some(other) => {
+            c.err(
+                e.fail.as_ref().and_then(sp),
+                format!("limit `{name}`: fail {other:?}: \"open\" or \"closed\""),
+            );
+            LimitFail::Open
+        }
+    };
+    if e.fail.is_some() && !global {
+        c.err(
+            e.fail.as_ref().and_then(sp),
+            format!("limit `{name}`: `fail` applies to `scope = \"global\"` limits"),
+        );
+    }
     Some(LimitRule {
         name,
         key,
@@ -2621,6 +2681,8 @@ fn limit_rule(
         routes: rule_routes,
         dry_run: e.dry_run.unwrap_or(false),
         status,
+        global,
+        fail,
     })
 }
 

@@ -17,6 +17,9 @@
 //! the API returns: Redis delivers to a live subscription or reports it
 //! absent, so a node that was disconnected is not counted.
 
+pub mod limits;
+pub use limits::start_limits;
+
 use parking_lot::Mutex;
 use pier_config::Redis;
 use serde::{Deserialize, Serialize};
@@ -237,6 +240,11 @@ impl Fleet {
         self.stats.purged_objects.fetch_add(n as u64, Relaxed);
     }
 
+    /// This process's id in the fleet (random per start).
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
     /// True while the subscription is up.
     pub fn connected(&self) -> bool {
         self.stats.connected.load(Relaxed)
@@ -270,6 +278,8 @@ mod tests {
             url: "redis://127.0.0.1:9".into(),
             channel: "c".into(),
             timeout: Duration::from_millis(200),
+            sync_interval: Duration::from_millis(50),
+            key_prefix: "pier".into(),
         };
         Fleet {
             client: redis::Client::open(cfg.url.as_str()).unwrap(),

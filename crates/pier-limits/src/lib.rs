@@ -96,11 +96,13 @@
 
 pub mod clock;
 pub mod estimator;
+pub mod global;
 pub mod inflight;
 pub mod limiter;
 pub mod rate;
 
 pub use estimator::{Estimator, KeyHash};
+pub use global::GlobalRate;
 pub use inflight::{Guard, Inflight};
 pub use limiter::{
     ConcurrencyLimit, ConcurrencyLimiter, Decision, RateLimit, RateLimiter, Rejected,

@@ -175,6 +175,17 @@ impl ConfigPhases {
                     }
                 }
             }
+            if let Some(g) = &rule.global {
+                match g.check(&buf, now_ms) {
+                    Decision::Allow => {}
+                    Decision::DryRunDeny { .. } => {
+                        tracing::debug!("global limit {} would refuse (dry run)", rule.rule.name);
+                    }
+                    Decision::Deny { retry_after_secs } => {
+                        return Some(refusal(rule, Kind::RateLimited, retry_after_secs));
+                    }
+                }
+            }
             if let Some(c) = &rule.conc {
                 match c.acquire(&buf) {
                     Ok(g) => ctx.guards.push(g),

@@ -1,11 +1,12 @@
 //! The running config: what a request consults, swapped whole on reload.
 
 use pier_config::{
-    Config, HeaderRules, HostHeader, HostMatch, LimitKeyPart, LimitKind, LimitRule, PathMatch,
+    Config, HeaderRules, HostHeader, HostMatch, LimitFail, LimitKeyPart, LimitKind, LimitRule,
+    PathMatch,
 };
 use pier_http::HeadLimits;
 use pier_lb::Group;
-use pier_limits::{ConcurrencyLimit, ConcurrencyLimiter, RateLimit, RateLimiter};
+use pier_limits::{ConcurrencyLimit, ConcurrencyLimiter, GlobalRate, RateLimit, RateLimiter};
 use pier_log::Metrics;
 use pier_shdict::Registry;
 use pier_tls::{ClientTls, ServerTls};
@@ -73,19 +74,36 @@ pub struct LimitRt {
     pub rule: LimitRule,
     pub rate: Option<RateLimiter>,
     pub conc: Option<ConcurrencyLimiter>,
+    /// `scope = "global"`: the fleet's count, checked after `rate` (the
+    /// first tier, which holds each node to the rate on its own).
+    pub global: Option<Arc<GlobalRate>>,
 }
 
 impl LimitRt {
-    fn new(rule: &LimitRule) -> Self {
+    fn new(rule: &LimitRule, redis: Option<&pier_config::Redis>) -> Self {
+        let mut global = None;
         let (rate, conc) = match rule.kind {
-            LimitKind::Rate { per_sec, burst } => (
-                Some(RateLimiter::new(RateLimit {
+            LimitKind::Rate { per_sec, burst } => {
+                let cfg = RateLimit {
                     rate_per_sec: per_sec,
                     burst,
                     dry_run: rule.dry_run,
-                })),
-                None,
-            ),
+                };
+                // Validated: a global rule comes with [redis].
+                if let (true, Some(r)) = (rule.global, redis) {
+                    let g = Arc::new(GlobalRate::new(
+                        &rule.name,
+                        cfg,
+                        rule.fail == LimitFail::Closed,
+                        r.stale_after().as_millis() as u64,
+                        pier_limits::global::DEFAULT_MAX_KEYS,
+                        pier_limits::clock::now_ms(),
+                    ));
+                    g.register();
+                    global = Some(g);
+                }
+                (Some(RateLimiter::new(cfg)), None)
+            }
             LimitKind::Concurrent { max } => {
                 let mut c = ConcurrencyLimit::new(max as usize);
                 c.dry_run = rule.dry_run;
@@ -96,12 +114,18 @@ impl LimitRt {
             rule: rule.clone(),
             rate,
             conc,
+            global,
         }
     }
 
     pub fn denied_total(&self) -> u64 {
         self.rate.as_ref().map(|r| r.denied_total()).unwrap_or(0)
             + self.conc.as_ref().map(|c| c.denied_total()).unwrap_or(0)
+            + self
+                .global
+                .as_ref()
+                .map(|g| g.stats().denied.load(std::sync::atomic::Ordering::Relaxed))
+                .unwrap_or(0)
     }
 }
 
@@ -192,7 +216,7 @@ impl State {
             .iter()
             .map(|rule| {
                 prev.and_then(|p| p.limits.iter().find(|l| l.rule == *rule).cloned())
-                    .unwrap_or_else(|| Arc::new(LimitRt::new(rule)))
+                    .unwrap_or_else(|| Arc::new(LimitRt::new(rule, cfg.redis.as_ref())))
             })
             .collect();
         let per_route = |peer: bool| -> Vec<Vec<usize>> {
