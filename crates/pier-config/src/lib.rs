@@ -259,6 +259,7 @@ impl Config {
                 min_ttl: Duration::from_secs(60),
                 queue: 256,
             }),
+            parents: Vec::new(),
         });
         let zone = self.caches.len() - 1;
         for r in &mut self.routes {

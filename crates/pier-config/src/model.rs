@@ -229,6 +229,21 @@ pub struct CacheZone {
     pub max_variants: usize,
     /// `disk_dir` and its settings: a disk tier behind the memory tier.
     pub disk: Option<CacheDisk>,
+    /// `parents`: a tiered cache; a miss asks the parent Pier that owns the
+    /// key on a consistent-hash ring before the origin (docs/fleet.md).
+    pub parents: Vec<SocketAddr>,
+}
+
+impl CacheZone {
+    /// Whether `other` stores the same way, so that a reload keeps the
+    /// contents (a change of `parents` does not empty the cache).
+    pub fn same_storage(&self, other: &CacheZone) -> bool {
+        self.name == other.name
+            && self.memory == other.memory
+            && self.max_object == other.max_object
+            && self.max_variants == other.max_variants
+            && self.disk == other.disk
+    }
 }
 
 /// A zone's disk tier (`disk_dir`, `disk`, `promote_hits`, `disk_min_ttl`,

@@ -362,6 +362,8 @@ pub struct CacheZoneSection {
     pub disk_min_ttl: Option<Spanned<String>>,
     /// Disk writes (and reads) waiting for the I/O threads, each.
     pub disk_queue: Option<Spanned<i64>>,
+    /// Parent Piers a miss asks first (a tiered cache).
+    pub parents: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 /// `[route.cors]`: CORS preflights answered by Pier, and the CORS fields of

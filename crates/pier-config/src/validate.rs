@@ -501,12 +501,34 @@ pub(crate) fn validate(
             }
             (None, None) => None,
         };
+        let mut parents = Vec::new();
+        if let Some(list) = &z.parents {
+            if list.get_ref().is_empty() || list.get_ref().len() > 64 {
+                c.err(
+                    sp(list),
+                    format!("cache `{name}`: `parents`: 1 to 64 \"HOST:PORT\" (leave it out for no parents)"),
+                );
+            }
+            for v in list.get_ref() {
+                match resolve_upstream_addr(v.get_ref()) {
+                    Ok(addrs) => {
+                        for a in addrs {
+                            if !parents.contains(&a) {
+                                parents.push(a);
+                            }
+                        }
+                    }
+                    Err(e) => c.err(sp(v), format!("cache `{name}`: parent: {e}")),
+                }
+            }
+        }
         caches.push(CacheZone {
             name: name.clone(),
             memory,
             max_object,
             max_variants: c.int(&z.max_variants, "max_variants", 32, 1, 1024) as usize,
             disk,
+            parents,
         });
     }
 

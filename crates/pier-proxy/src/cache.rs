@@ -82,6 +82,13 @@ fn pooled_copy(h: &Headers) -> Headers {
     c
 }
 
+impl CacheFill {
+    /// The cache key (the tiered cache hashes it to a parent).
+    pub fn key(&self) -> &Arc<[u8]> {
+        &self.key
+    }
+}
+
 impl Drop for CacheFill {
     fn drop(&mut self) {
         let h = std::mem::take(&mut self.req_headers);

@@ -903,6 +903,8 @@ struct Walk {
     forced: Option<SocketAddr>,
     /// The attempt `Step::Fail` decides about: its peer, and how it failed.
     failed: Option<(SocketAddr, Error)>,
+    /// A miss asking the zone's cache parents first (`crate::tier`).
+    tier: Option<crate::tier::Tier>,
 }
 
 impl Walk {
@@ -966,6 +968,7 @@ pub(crate) async fn handle_request<P: Phases, D: Downstream>(
         last: Kind::NoHealthyUpstream,
         forced: None,
         failed: None,
+        tier: None,
     };
     let mut step = Step::Route;
     loop {
@@ -1169,6 +1172,7 @@ async fn cache_lookup<P: Phases, D: Downstream>(
         }
         crate::cache::Lookup::NotCached => Next::Error(Kind::UpstreamTimeout, walk.body_pending),
         crate::cache::Lookup::Miss(fill) => {
+            walk.tier = crate::tier::begin(state, sess, route, fill.as_ref().map(|f| f.key()));
             b.cache = fill;
             Next::Go(Step::UpstreamPeer)
         }
@@ -1208,10 +1212,21 @@ async fn connect<P: Phases, D: Downstream>(
     ctx: &mut P::Ctx,
     walk: &mut Walk,
 ) -> Next {
-    let group = &state.groups[state.routes[walk.route].group];
-    let (addr, idx) = match walk.forced {
-        Some(a) => (a, None),
-        None => {
+    // A miss of a zone with parents asks the parent owning its key first
+    // (`crate::tier`); none left: the origin.
+    let parent = walk.tier.as_ref().and_then(|t| crate::tier::pick(state, t));
+    if parent.is_none() {
+        crate::tier::give_up(&mut walk.tier, sess);
+    }
+    sess.to_parent = parent.is_some();
+    let group = match parent {
+        Some((g, _)) => g,
+        None => &state.groups[state.routes[walk.route].group],
+    };
+    let (addr, idx) = match (parent, walk.forced) {
+        (Some((g, i)), _) => (g.peers()[i].addr, Some(i)),
+        (None, Some(a)) => (a, None),
+        (None, None) => {
             let key = group.hash_key().and_then(|k| {
                 pier_lb::extract_hash_key(
                     k,
@@ -1313,7 +1328,14 @@ async fn connect<P: Phases, D: Downstream>(
             if f.answered {
                 return Next::Done(false);
             }
-            if let Some(i) = idx {
+            if let (Some(t), Some(i)) = (walk.tier.as_mut(), idx) {
+                // A parent that failed before answering: the next parent,
+                // or the origin; not a retry of the route's.
+                if f.retryable && t.tried(i) {
+                    return Next::Go(Step::Connect);
+                }
+                crate::tier::give_up(&mut walk.tier, sess);
+            } else if let Some(i) = idx {
                 walk.tried(i);
             }
             walk.failed = Some((addr, f));

@@ -39,10 +39,13 @@ pub struct Outgoing<'a> {
 
 impl<'a> Outgoing<'a> {
     pub fn new(state: &'a State, sess: &'a Session, addr: SocketAddr) -> Self {
-        let host_is_peer = matches!(
-            sess.route.map(|r| &state.routes[r].host_header),
-            Some(HostHeader::Upstream)
-        );
+        // A cache parent routes the request as this node did: by the
+        // client's Host.
+        let host_is_peer = !sess.to_parent
+            && matches!(
+                sess.route.map(|r| &state.routes[r].host_header),
+                Some(HostHeader::Upstream)
+            );
         Outgoing {
             state,
             sess,

@@ -22,6 +22,7 @@ pub mod proxy_protocol;
 pub mod req_body;
 pub mod session;
 pub mod state;
+pub mod tier;
 pub mod trace;
 pub mod upstream;
 

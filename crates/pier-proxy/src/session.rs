@@ -57,6 +57,9 @@ pub struct Session {
     /// The host name of the chosen peer (a server given by name): the SNI
     /// and the Host sent to it. None for an IP literal or a hook's address.
     pub upstream_host: Option<Arc<str>>,
+    /// The attempt goes to a cache parent (`crate::tier`): plain HTTP/1,
+    /// the client's Host, whatever the route's upstream says.
+    pub to_parent: bool,
     pub reason: &'static str,
     /// The client asked to keep the connection (read before hop-by-hop
     /// headers are stripped for the upstream request).
@@ -92,6 +95,7 @@ impl Session {
             bytes_received: 0,
             upstream: None,
             upstream_host: None,
+            to_parent: false,
             reason: "",
             client_keep: true,
             upgrade: false,

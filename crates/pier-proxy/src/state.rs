@@ -63,6 +63,9 @@ pub struct State {
     /// `[cache.NAME]` zones (as `cfg.caches`); a zone whose name and sizes
     /// did not change keeps its contents across reloads.
     pub cache_zones: Vec<Arc<pier_cache::Zone>>,
+    /// Per zone (as `cache_zones`): its `parents`, a group hashed on the
+    /// cache key (`crate::tier`).
+    pub cache_parents: Vec<Option<Arc<Group>>>,
     /// `[tracing]`'s exporter (None: tracing off).
     pub tracer: Option<Arc<pier_trace::Exporter>>,
     /// `[tracing] sample` as a threshold (requests without a route).
@@ -284,7 +287,7 @@ impl State {
                     p.cfg
                         .caches
                         .iter()
-                        .position(|o| o == z)
+                        .position(|o| o.same_storage(z))
                         .map(|i| p.cache_zones[i].clone())
                 });
                 match old {
@@ -313,6 +316,7 @@ impl State {
                 }
             })
             .collect::<Result<Vec<_>, String>>()?;
+        let cache_parents = crate::tier::groups(&cfg, prev);
         Ok(State {
             routes,
             groups,
@@ -327,6 +331,7 @@ impl State {
             listener_tls,
             upstream_tls,
             cache_zones,
+            cache_parents,
             tracer: cfg
                 .tracing
                 .as_ref()
@@ -367,6 +372,7 @@ impl State {
             listener_tls: self.listener_tls.clone(),
             upstream_tls: self.upstream_tls.clone(),
             cache_zones: self.cache_zones.clone(),
+            cache_parents: self.cache_parents.clone(),
             tracer: self.tracer.clone(),
             trace_threshold: self.trace_threshold,
         })

@@ -75,10 +75,10 @@ pub async fn connect<'b, P: crate::Phases>(
     bufs: H1Bufs<'b>,
 ) -> Result<Upstream<'b>, Error> {
     let t = &state.cfg.timeouts;
-    let tls = sess
-        .route
-        .and_then(|r| state.upstream_tls[state.routes[r].group].as_ref());
-    let group = sess.route.map(|r| &state.groups[state.routes[r].group]);
+    // A cache parent is a Pier: plain HTTP/1, whatever the origin speaks.
+    let route = sess.route.filter(|_| !sess.to_parent);
+    let tls = route.and_then(|r| state.upstream_tls[state.routes[r].group].as_ref());
+    let group = route.map(|r| &state.groups[state.routes[r].group]);
     let protocol = group.map(|g| g.config().protocol).unwrap_or_default();
     let h2 = protocol != UpstreamProtocol::Http1;
     let alpn = if h2 { Alpn::H2 } else { Alpn::Http1 };
