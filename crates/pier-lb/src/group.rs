@@ -153,6 +153,42 @@ impl Group {
         self.pick(key, tried, &Cell::new(now_ms.max(1)))
     }
 
+    /// [`Group::select_at`] with bounded loads on a hash ring (Mirrokni,
+    /// Thorup and Zadimoghaddam, "Consistent Hashing with Bounded Loads",
+    /// as Vimeo and HAProxy's `hash-balance-factor` use it): a peer whose
+    /// requests in flight have reached `factor` times the average over the
+    /// healthy peers (this request counted), and at least `floor`, is
+    /// passed over for the next one on the ring, so one hot key's owner
+    /// does not take the whole load. Keys stay where they are below that.
+    /// Other policies: [`Group::select_at`].
+    pub fn select_bounded(
+        &self,
+        key: Option<&[u8]>,
+        tried: &[usize],
+        now_ms: u64,
+        factor: f64,
+        floor: usize,
+    ) -> Option<usize> {
+        let Selector::Hash(ring) = &self.selector else {
+            return self.select_at(key, tried, now_ms);
+        };
+        let now = Cell::new(now_ms.max(1));
+        let (mut total, mut up) = (0usize, 0usize);
+        for p in &self.peers {
+            if p.healthy.load(Ordering::Acquire) {
+                total += p.active();
+                up += 1;
+            }
+        }
+        let cap = ((factor * (total + 1) as f64 / up.max(1) as f64).ceil() as usize).max(floor);
+        let point = key_point(key);
+        ring.walk(point, |i| {
+            self.peers[i].active() < cap && self.avail(i, tried, &now) != Avail::No
+        })
+        // Every peer at its bound (threads racing past it): the owner.
+        .or_else(|| ring.walk(point, |i| self.avail(i, tried, &now) != Avail::No))
+    }
+
     fn pick(&self, key: Option<&[u8]>, tried: &[usize], now: &Cell<u64>) -> Option<usize> {
         let n = self.peers.len();
         if n == 0 {

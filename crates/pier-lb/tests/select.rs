@@ -472,3 +472,34 @@ fn reload_keeps_state_of_unchanged_servers() {
         assert!(p == 1 || p == 3, "{p}");
     }
 }
+
+#[test]
+fn bounded_loads_pass_an_overloaded_owner_over_and_keep_keys_below_the_bound() {
+    let g = Group::new(&upstream(Balance::Hash(HashKey::Path), &[1, 1, 1, 1]));
+    let now = clock_ms();
+    let key: &[u8] = b"http://shop.example/hot";
+    let owner = g.select_at(Some(key), &[], now).unwrap();
+    // Below the bound (the floor here), the owner takes every request.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        assert_eq!(g.select_bounded(Some(key), &[], now, 1.25, 4), Some(owner));
+        held.push(g.begin(owner));
+    }
+    // At 4 in flight on the owner and none elsewhere: the average with
+    // this request is 5/4, the bound max(ceil(1.25 x 1.25), 4) = 4, so the
+    // next goes to the next peer on the ring, the one a failure would move
+    // the key to.
+    let next = g.select_at(Some(key), &[owner], now).unwrap();
+    assert_eq!(g.select_bounded(Some(key), &[], now, 1.25, 4), Some(next));
+    // Load spread out again: back to the owner.
+    held.clear();
+    assert_eq!(g.select_bounded(Some(key), &[], now, 1.25, 4), Some(owner));
+    // Other keys keep their owners while the bound is not reached.
+    for i in 0..200u32 {
+        let k = format!("/k/{i}");
+        assert_eq!(
+            g.select_bounded(Some(k.as_bytes()), &[], now, 1.25, 4),
+            g.select_at(Some(k.as_bytes()), &[], now)
+        );
+    }
+}

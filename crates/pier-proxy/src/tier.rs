@@ -15,6 +15,8 @@
 //! `parents` sends a key to the same parent, and a parent that fails moves
 //! only its own keys, to the next parent on the ring (passive health: one
 //! failed connection marks it down for 5 s, then one request probes it).
+//! Loads are bounded (`LOAD_FACTOR`): a parent far above the average is
+//! passed over for the next on the ring.
 //! The request carries `Pier-Tier: 1`; a Pier that receives it fills from
 //! its origin and never from its own parents, so tiers cannot loop. The
 //! mark is removed before the origin sees the request. A client that sends
@@ -27,6 +29,16 @@ use pier_config::{Balance, Config, HashKey, Upstream, UpstreamServer};
 use pier_lb::Group;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Bounded loads: a parent with this many times the average of this
+/// node's requests in flight to the parents (and at least `LOAD_FLOOR`)
+/// is passed over for the next on the ring (Vimeo's 1.25). The key's
+/// owner then does not see that miss: the next parent fills it from the
+/// origin, one more origin request, in exchange for no parent drowning
+/// under one hot key. Below the floor keys never move, so a quiet fleet
+/// fetches each object once.
+const LOAD_FACTOR: f64 = 1.25;
+const LOAD_FLOOR: usize = 32;
 
 /// The loop-prevention mark on a request to a parent.
 pub const HOP: &[u8] = b"pier-tier";
@@ -105,7 +117,13 @@ pub(crate) fn begin(
 /// key: one of its own listeners is the parent).
 pub(crate) fn pick<'s>(state: &'s State, t: &Tier) -> Option<(&'s Arc<Group>, usize)> {
     let g = state.cache_parents.get(t.zone)?.as_ref()?;
-    let i = g.select_at(Some(&t.key), &t.tried[..t.ntried], pier_lb::recent_ms())?;
+    let i = g.select_bounded(
+        Some(&t.key),
+        &t.tried[..t.ntried],
+        pier_lb::recent_ms(),
+        LOAD_FACTOR,
+        LOAD_FLOOR,
+    )?;
     let addr = g.peers()[i].addr;
     if state.cfg.listeners.iter().any(|l| l.addr == addr) {
         return None;
