@@ -19,6 +19,7 @@
 #   PROXIES=pier-cache PATHS="/hello /4k.bin" bash bench/instructions.sh   # cache hits (bench/cache.sh's config)
 #   PROXIES="pier pier-trace1 pier-trace100" bash bench/instructions.sh   # tracing off / 1% / 100%
 #   PROXIES=pier-h2c bash bench/instructions.sh   # HTTP/2 (cleartext, 10 streams a connection) to the HTTP/1.1 origin
+#   PROXIES="pier-limit-local pier-limit-global" bash bench/instructions.sh   # a [[limit]] per client, local or global (Redis)
 #   COUNT=syscalls PROXIES="pier-lua nginx-lua" bash bench/instructions.sh
 #       system calls per request by kind instead (strace -f -c, same harness). strace slows
 #       the proxy, so this counts kinds of calls, not time.
@@ -65,6 +66,15 @@ if [[ " $PROXIES " == *" pier-cache "* ]]; then
   python3 "$BENCH/tool.py" wait-port "$CACHE_ORIGIN_PORT" 10
 fi
 
+# pier-limit-global: the fleet's Redis (a redis-server of its own).
+if [[ " $PROXIES " == *" pier-limit-global "* ]]; then
+  command -v redis-server >/dev/null || { echo "needs redis-server (apt-get install redis-server)" >&2; exit 1; }
+  REDIS_PORT="$(port)"
+  redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >"$RUN/redis.log" 2>&1 &
+  PIDS+=($!)
+  python3 "$BENCH/tool.py" wait-port "$REDIS_PORT" 10
+fi
+
 # counted PROXY PATH N: one run of PROXY serving N requests for PATH; prints its total Ir
 # (COUNT=instructions) or the path of its strace summary (COUNT=syscalls)
 counted() {
@@ -86,6 +96,20 @@ counted() {
         "$BENCH/peers/pier/pier.toml" >"$dir/pier.toml"
       local ratio=0.01; [ "$proxy" = pier-trace100 ] && ratio=1.0
       printf '\n[tracing]\nendpoint = "http://127.0.0.1:9/v1/traces"\nsample = %s\n' "$ratio" >>"$dir/pier.toml"
+      cmd=("$PIER_BIN" serve -c "$dir/pier.toml") ;;
+    pier-limit-local | pier-limit-global)
+      # A rate limit per client address, high enough never to refuse (the cost of counting,
+      # not of refusing): local (the count-min sketch), or global (the sketch, then the
+      # fleet's count from the last exchange with Redis; the exchange thread's own work,
+      # every 50 ms, is counted too).
+      sed -e "s/@PORT@/$p/g" -e "s/@ORIGIN@/$ORIGIN_PORT/g" -e 's/^workers = 2/workers = 1/' \
+        "$BENCH/peers/pier/pier.toml" >"$dir/pier.toml"
+      local scope=local
+      if [ "$proxy" = pier-limit-global ]; then
+        scope=global
+        printf '\n[redis]\nurl = "redis://127.0.0.1:%s"\n' "$REDIS_PORT" >>"$dir/pier.toml"
+      fi
+      printf '\n[[limit]]\nname = "per-client"\nkey = "client_ip"\nrate = "10000000/s"\nscope = "%s"\n' "$scope" >>"$dir/pier.toml"
       cmd=("$PIER_BIN" serve -c "$dir/pier.toml") ;;
     pier-h2c)
       # The plain config with cleartext HTTP/2 (prior knowledge) on the listener: what a
