@@ -157,6 +157,40 @@ fn a_purge_on_one_node_reaches_every_node() {
         assert!(wait_until(Duration::from_secs(10), || !is_hit(n, paths[1])));
     }
 
+    // A ban (a regular expression over keys) from node 2 takes the keys it
+    // matches everywhere, and only those.
+    let ban_paths = ["/cache/602", "/cache/603"];
+    for n in &nodes {
+        for p in ban_paths {
+            cache_status(n, p);
+            assert!(is_hit(n, p));
+        }
+    }
+    let answer = purge(&nodes[1], "?ban=%5Ehttp://fleet%5C.test/cache/602");
+    assert_eq!(
+        (answer["purged"].as_u64(), answer["nodes"].as_u64()),
+        (Some(1), Some(3)),
+        "{answer}"
+    );
+    for n in [&nodes[0], &nodes[2]] {
+        assert!(wait_until(Duration::from_secs(10), || !is_hit(
+            n,
+            ban_paths[0]
+        )));
+        assert!(is_hit(n, ban_paths[1]), "not matched, kept");
+    }
+    // A ban that does not compile is refused before anything is purged.
+    let auth = format!("Bearer {TOKEN}");
+    let r = RawConn::connect(nodes[0].admin())
+        .request(
+            "POST",
+            "/api/cache/purge?ban=%28",
+            &[("host", "127.0.0.1"), ("authorization", &auth)],
+            b"",
+        )
+        .unwrap();
+    assert_eq!(r.status, 400, "{}", r.body_str());
+
     // Redis gone: the purge is made here and the answer says the fleet
     // was not told; nothing else changes for clients.
     let port = redis.addr.port();

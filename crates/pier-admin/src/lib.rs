@@ -412,7 +412,7 @@ fn purge_here(
     // (what, value): what is url, prefix, tag or key.
     let mut asks: Vec<(String, String)> = qs
         .iter()
-        .filter(|(k, _)| matches!(k.as_str(), "url" | "prefix" | "tag" | "key"))
+        .filter(|(k, _)| matches!(k.as_str(), "url" | "prefix" | "tag" | "key" | "ban"))
         .cloned()
         .collect();
     let mut zone = qs.iter().find(|(k, _)| k == "zone").map(|(_, v)| v.clone());
@@ -430,6 +430,7 @@ fn purge_here(
                 "prefix" | "prefixes" => "prefix",
                 "tag" | "tags" => "tag",
                 "key" | "keys" => "key",
+                "ban" | "bans" => "ban",
                 "zone" => {
                     zone = v.as_str().map(str::to_string);
                     continue;
@@ -457,7 +458,10 @@ fn purge_here(
         }
     }
     if asks.is_empty() {
-        return Err(json_err("400 Bad Request", "give url, prefix, tag or key"));
+        return Err(json_err(
+            "400 Bad Request",
+            "give url, prefix, tag, key or ban",
+        ));
     }
     if asks.len() > pier_fleet::MAX_ASKS {
         return Err(json_err("400 Bad Request", "at most 1000 purges a request"));
@@ -491,29 +495,57 @@ fn apply_purge(
         }
         keys.push(match what.as_str() {
             "url" => match pier_proxy::cache_key::url_keys(state, v) {
-                Ok(k) => Some(k),
+                Ok(k) => Purging::Key(k),
                 Err(e) => return Err(("400 Bad Request", e.to_string())),
             },
-            _ => None,
+            "ban" => match ban_regex(v) {
+                Ok(re) => Purging::Ban(re),
+                Err(e) => return Err(("400 Bad Request", e)),
+            },
+            _ => Purging::Plain,
         });
     }
     let mut purged = 0usize;
     for ((what, v), url_key) in asks.iter().zip(keys) {
         for z in &zones {
-            purged += match what.as_str() {
-                "url" => {
-                    let k = url_key.as_deref().unwrap_or_default();
+            purged += match (what.as_str(), &url_key) {
+                ("url", Purging::Key(k)) => {
                     let mut ext = k.to_vec();
                     ext.push(b'\n');
                     usize::from(z.invalidate(k)) + z.purge_prefix(&ext)
                 }
-                "prefix" => z.purge_prefix(v.as_bytes()),
-                "tag" => z.purge_tag(v.as_bytes()),
+                ("ban", Purging::Ban(re)) => z.purge_where(|k| re.is_match(k)),
+                ("prefix", _) => z.purge_prefix(v.as_bytes()),
+                ("tag", _) => z.purge_tag(v.as_bytes()),
                 _ => usize::from(z.invalidate(v.as_bytes())),
             };
         }
     }
     Ok(purged)
+}
+
+/// What an ask needs beyond its text, checked before anything is purged.
+enum Purging {
+    Plain,
+    /// A URL's cache key.
+    Key(Vec<u8>),
+    /// A ban's expression.
+    Ban(regex::bytes::Regex),
+}
+
+/// A ban: a regular expression over cache keys (`http://host/path?query`,
+/// then any `\n`-joined extra parts), as Varnish's `ban req.url ~ ...`
+/// but applied at once. Bounded: it comes from the admin API or from
+/// another node over Redis.
+fn ban_regex(v: &str) -> Result<regex::bytes::Regex, String> {
+    if v.len() > 1024 {
+        return Err("ban: at most 1024 bytes".into());
+    }
+    regex::bytes::RegexBuilder::new(v)
+        .size_limit(1 << 20)
+        .dfa_size_limit(1 << 20)
+        .build()
+        .map_err(|e| format!("ban: {e}"))
 }
 
 /// Endpoints that change state (they answer only with credentials).

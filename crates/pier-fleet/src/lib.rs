@@ -28,7 +28,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// A purge as it travels: the zone (None: every zone) and what to purge,
-/// (`url` | `prefix` | `tag` | `key`, value) pairs, as the admin API takes.
+/// (`url` | `prefix` | `tag` | `key` | `ban`, value) pairs, as the admin
+/// API takes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Purge {
     pub zone: Option<String>,
@@ -230,7 +231,7 @@ impl Fleet {
         let valid = !m.purge.asks.is_empty()
             && m.purge.asks.len() <= MAX_ASKS
             && m.purge.asks.iter().all(|(what, v)| {
-                matches!(what.as_str(), "url" | "prefix" | "tag" | "key") && !v.is_empty()
+                matches!(what.as_str(), "url" | "prefix" | "tag" | "key" | "ban") && !v.is_empty()
             });
         if !valid {
             self.stats.malformed.fetch_add(1, Relaxed);
