@@ -10,8 +10,9 @@
 #      varnish      3 varnishd, no tiering (Varnish 7.1 from Debian; skipped if absent)
 #    The goal is 1.0 for the tiered fleet; each cache on its own fetches every object: 3.0.
 # 2. The cost per request of a global limit against a local one: user-space instructions
-#    per request under callgrind (bench/instructions.sh, proxies pier-limit-local and
-#    pier-limit-global; the global one exchanges with a redis-server it starts).
+#    per request under callgrind (bench/instructions.sh, proxies pier (no limit),
+#    pier-limit-local and pier-limit-global; the global one exchanges with a redis-server
+#    it starts).
 #
 #   bash bench/fleet.sh                      # both; OBJECTS=1000
 #   PARTS=tiers OBJECTS=5000 bash bench/fleet.sh
@@ -84,7 +85,9 @@ EOF
     local hs=()
     for p in "$@"; do
       sed "s|^|http://127.0.0.1:$p|" "$RUN/paths" >"$RUN/uris-$p"
-      h2load --h1 -n "$OBJECTS" -c 1 -t 1 -i "$RUN/uris-$p" >"$RUN/h2load-$p.log" 2>&1 &
+      # One site name for the whole fleet, as clients of a real one send (the cache key
+      # has the Host in it: each node's own address would make three keys of one object).
+      h2load --h1 -n "$OBJECTS" -c 1 -t 1 -H ":authority: fleet.test" -i "$RUN/uris-$p" >"$RUN/h2load-$p.log" 2>&1 &
       hs+=($!)
     done
     for h in "${hs[@]}"; do wait "$h"; done
@@ -137,5 +140,5 @@ fi
 
 if [[ ",$PARTS," == *",limits,"* ]]; then
   echo
-  PIER_BIN="$PIER_BIN" PROXIES="pier-limit-local pier-limit-global" bash "$BENCH/instructions.sh"
+  PIER_BIN="$PIER_BIN" PROXIES="pier pier-limit-local pier-limit-global" bash "$BENCH/instructions.sh"
 fi
