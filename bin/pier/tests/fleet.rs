@@ -23,6 +23,15 @@ fn node_with(
     redis: std::net::SocketAddr,
     extra: &str,
 ) -> PierProcess {
+    node_redis(
+        origin,
+        &format!("url = \"redis://{redis}\"\ntimeout = \"500ms\""),
+        extra,
+    )
+}
+
+/// A node whose `[redis]` table holds `redis` (its keys).
+fn node_redis(origin: std::net::SocketAddr, redis: &str, extra: &str) -> PierProcess {
     pier(&format!(
         r#"[server]
 workers = 1
@@ -35,8 +44,7 @@ token = "{TOKEN}"
 access = "off"
 
 [redis]
-url = "redis://{redis}"
-timeout = "500ms"
+{redis}
 
 [cache.main]
 memory = "8m"
@@ -382,4 +390,108 @@ fn a_global_rate_limit_holds_across_three_nodes() {
     let before = unavailable(&nodes[0], "closed");
     assert_eq!(status_with(&nodes[0], ("x-closed", "client-5")), 200);
     assert_eq!(unavailable(&nodes[0], "closed"), before);
+}
+
+/// `redis-cli -p PORT ARGS...`: its output, trimmed.
+fn redis_cli(port: u16, args: &[&str]) -> String {
+    let out = std::process::Command::new(server_bin("redis-cli"))
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[test]
+fn nodes_follow_the_primary_redis_sentinel_names() {
+    let primary = redis_server();
+    let replica = Server::start(&server_bin("redis-server"), |port| {
+        [
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--replicaof",
+            "127.0.0.1",
+            &primary.addr.port().to_string(),
+        ]
+        .map(String::from)
+        .to_vec()
+    });
+    let dir = std::env::temp_dir().join(format!("pier-sentinel-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = dir.join("sentinel.conf");
+    let sentinel = Server::start(&server_bin("redis-server"), |port| {
+        // Sentinel rewrites its file: written anew for each attempt.
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor fleet 127.0.0.1 {} 1\nsentinel down-after-milliseconds fleet 1000\nsentinel failover-timeout fleet 10000\n",
+                dir.display(),
+                primary.addr.port()
+            ),
+        )
+        .unwrap();
+        vec![conf.display().to_string(), "--sentinel".into()]
+    });
+    let sport = sentinel.addr.port();
+    let origin = Origin::start();
+    let redis = format!(
+        "sentinels = [\"{}\"]\nmaster_name = \"fleet\"\ntimeout = \"500ms\"",
+        sentinel.addr
+    );
+    let nodes: Vec<PierProcess> = (0..2)
+        .map(|_| node_redis(origin.addr(), &redis, ""))
+        .collect();
+    assert!(
+        wait_until(Duration::from_secs(20), || nodes.iter().all(subscribed)),
+        "every node finds the primary through the sentinel"
+    );
+    let path = "/cache/610";
+    let purged_everywhere = |from: &PierProcess| {
+        for n in &nodes {
+            cache_status(n, path);
+            assert!(is_hit(n, path));
+        }
+        let answer = purge(from, "?url=http://fleet.test/cache/610");
+        let other = if std::ptr::eq(from, &nodes[0]) {
+            &nodes[1]
+        } else {
+            &nodes[0]
+        };
+        answer["nodes"] == 2 && wait_until(Duration::from_secs(10), || !is_hit(other, path))
+    };
+    assert!(purged_everywhere(&nodes[0]));
+
+    // The primary dies; the sentinel promotes the replica (once it knows
+    // it), and the nodes' new connections go where the sentinel says.
+    assert!(
+        wait_until(Duration::from_secs(30), || redis_cli(
+            sport,
+            &["SENTINEL", "replicas", "fleet"]
+        )
+        .contains(&replica.addr.port().to_string())),
+        "the sentinel learns of the replica"
+    );
+    drop(primary);
+    let promoted = replica.addr.port().to_string();
+    assert!(
+        wait_until(Duration::from_secs(60), || redis_cli(
+            sport,
+            &["SENTINEL", "get-master-addr-by-name", "fleet"]
+        )
+        .contains(&promoted)),
+        "failover"
+    );
+    assert!(
+        wait_until(Duration::from_secs(30), || nodes.iter().all(subscribed)
+            && purged_everywhere(&nodes[1])),
+        "the nodes follow the new primary"
+    );
+    drop(replica);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -93,6 +93,10 @@ pub struct Redis {
     pub sync_interval: Duration,
     /// Prefix of the keys global limits count under (`PREFIX:rl:...`).
     pub key_prefix: String,
+    /// Redis Sentinel addresses ("HOST:PORT"): the primary is the one they
+    /// name `master_name`, asked at each new connection. Empty: `url`.
+    pub sentinels: Vec<String>,
+    pub master_name: String,
 }
 
 impl Redis {

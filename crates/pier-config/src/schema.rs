@@ -162,6 +162,8 @@ pub struct RedisSection {
     pub timeout: Option<Spanned<String>>,
     pub sync_interval: Option<Spanned<String>>,
     pub key_prefix: Option<Spanned<String>>,
+    pub sentinels: Option<Spanned<Vec<Spanned<String>>>>,
+    pub master_name: Option<Spanned<String>>,
 }
 
 /// `[route.tracing]`: the route's own root sampling ratio.

@@ -2474,6 +2474,10 @@ fn redis_section() {
         ("url = \"redis://x\"\nnodes = []", "unknown field"),
         ("url = \"redis://x\"\nsync_interval = \"1ms\"", "5ms to 10s"),
         ("url = \"redis://x\"\nkey_prefix = \"\"", "1 to 64 bytes"),
+        ("sentinels = [\"10.0.0.1:26379\"]", "need `master_name`"),
+        ("url = \"redis://x\"\nmaster_name = \"m\"", "goes with `sentinels`"),
+        ("sentinels = [\"10.0.0.1\"]\nmaster_name = \"m\"", "\"HOST:PORT\""),
+        ("sentinels = []\nmaster_name = \"m\"", "1 to 16"),
     ] {
         let e = errors(&format!("[redis]\n{t}\n{rest}"));
         assert!(e.len() == 1 && e[0].contains(why), "{t}: {e:?}");
@@ -2481,6 +2485,16 @@ fn redis_section() {
     assert_eq!(
         (r.sync_interval, r.key_prefix.as_str()),
         (Duration::from_millis(50), "pier")
+    );
+    assert!(r.sentinels.is_empty());
+    // Sentinels: the URL is optional (its password and database only).
+    let c = ok(&format!(
+        "[redis]\nsentinels = [\"10.0.0.1:26379\", \"sentinel.example:26379\"]\nmaster_name = \"fleet\"\n{rest}"
+    ));
+    let r = c.redis.unwrap();
+    assert_eq!(
+        (r.sentinels.len(), r.master_name.as_str()),
+        (2, "fleet")
     );
 }
 

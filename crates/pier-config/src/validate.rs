@@ -1328,10 +1328,44 @@ fn tracing_of(c: &mut Check, t: &TracingSection) -> Option<Tracing> {
 
 /// `[redis]`.
 fn redis_of(c: &mut Check, r: &RedisSection) -> Option<Redis> {
+    let mut sentinels = Vec::new();
+    if let Some(list) = &r.sentinels {
+        if list.get_ref().is_empty() || list.get_ref().len() > 16 {
+            c.err(sp(list), "[redis] `sentinels`: 1 to 16 \"HOST:PORT\"");
+            return None;
+        }
+        for s in list.get_ref() {
+            let ok = s
+                .get_ref()
+                .rsplit_once(':')
+                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+            if !ok {
+                c.err(sp(s), "[redis] sentinel: \"HOST:PORT\"");
+            }
+            sentinels.push(s.get_ref().clone());
+        }
+    }
+    let master_name = match (&r.master_name, sentinels.is_empty()) {
+        (Some(v), false) if !v.get_ref().is_empty() => v.get_ref().clone(),
+        (None, true) => String::new(),
+        (Some(v), true) => {
+            c.err(sp(v), "[redis] `master_name` goes with `sentinels`");
+            String::new()
+        }
+        (v, false) => {
+            c.err(
+                v.as_ref().and_then(sp),
+                "[redis] `sentinels` need `master_name` (the name they monitor the primary under)",
+            );
+            String::new()
+        }
+    };
     let url = match &r.url {
         // Plain TCP only: the fleet's Redis is on its private network
         // (docs/fleet.md); rediss:// (TLS) is not built in.
         Some(v) if v.get_ref().starts_with("redis://") => v.get_ref().clone(),
+        // With sentinels the URL gives only the password and database.
+        None if !sentinels.is_empty() => "redis://127.0.0.1:6379".to_string(),
         other => {
             c.err(
                 other.as_ref().and_then(sp),
@@ -1369,6 +1403,8 @@ fn redis_of(c: &mut Check, r: &RedisSection) -> Option<Redis> {
         timeout: c.duration(&r.timeout, "timeout", Duration::from_secs(1)),
         sync_interval,
         key_prefix,
+        sentinels,
+        master_name,
     })
 }
 

@@ -18,6 +18,7 @@
 //! absent, so a node that was disconnected is not counted.
 
 pub mod limits;
+mod target;
 pub use limits::start_limits;
 
 use parking_lot::Mutex;
@@ -57,7 +58,7 @@ pub type Apply = Box<dyn Fn(&Purge) -> usize + Send + Sync>;
 pub struct Fleet {
     cfg: Redis,
     node: String,
-    client: redis::Client,
+    target: target::Target,
     publisher: Mutex<Option<redis::Connection>>,
     stop: AtomicBool,
     stats: Stats,
@@ -88,12 +89,12 @@ pub fn start(cfg: &Redis, apply: Apply) -> Result<Arc<Fleet>, String> {
     if let Some(f) = FLEET.get() {
         return Ok(f.clone());
     }
-    let client = redis::Client::open(cfg.url.as_str()).map_err(|e| format!("[redis] url: {e}"))?;
+    let target = target::Target::new(cfg)?;
     let node = format!("{:016x}", rand::random::<u64>());
     let fleet = Arc::new(Fleet {
         cfg: cfg.clone(),
         node,
-        client,
+        target,
         publisher: Mutex::new(None),
         stop: AtomicBool::new(false),
         stats: Stats::default(),
@@ -154,14 +155,7 @@ impl Fleet {
     }
 
     fn connect(&self) -> Result<redis::Connection, String> {
-        let c = self
-            .client
-            .get_connection_with_timeout(self.cfg.timeout)
-            .map_err(|e| format!("redis: {e}"))?;
-        c.set_read_timeout(Some(self.cfg.timeout))
-            .and_then(|_| c.set_write_timeout(Some(self.cfg.timeout)))
-            .map_err(|e| format!("redis: {e}"))?;
-        Ok(c)
+        self.target.connect()
     }
 
     /// Ends the subscription thread (within a second).
@@ -281,9 +275,11 @@ mod tests {
             timeout: Duration::from_millis(200),
             sync_interval: Duration::from_millis(50),
             key_prefix: "pier".into(),
+            sentinels: Vec::new(),
+            master_name: String::new(),
         };
         Fleet {
-            client: redis::Client::open(cfg.url.as_str()).unwrap(),
+            target: target::Target::new(&cfg).unwrap(),
             cfg,
             node: "self".into(),
             publisher: Mutex::new(None),

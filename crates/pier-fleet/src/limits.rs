@@ -61,7 +61,7 @@ struct Link {
 pub struct LimitSync {
     cfg: Redis,
     node: String,
-    client: redis::Client,
+    target: crate::target::Target,
     link: Mutex<Option<Link>>,
     connected: AtomicBool,
     stop: AtomicBool,
@@ -80,13 +80,13 @@ pub fn start_limits(cfg: &Redis, node: &str) -> Result<Arc<LimitSync>, String> {
     if let Some(s) = SYNC.get() {
         return Ok(s.clone());
     }
-    let client = redis::Client::open(cfg.url.as_str()).map_err(|e| format!("[redis] url: {e}"))?;
+    let target = crate::target::Target::new(cfg)?;
     let s = SYNC
         .get_or_init(|| {
             Arc::new(LimitSync {
                 cfg: cfg.clone(),
                 node: node.to_string(),
-                client,
+                target,
                 link: Mutex::new(None),
                 connected: AtomicBool::new(false),
                 stop: AtomicBool::new(false),
@@ -241,13 +241,7 @@ impl LimitSync {
     }
 
     fn connect(&self) -> Result<Link, String> {
-        let mut con = self
-            .client
-            .get_connection_with_timeout(self.cfg.timeout)
-            .map_err(|e| format!("redis: {e}"))?;
-        con.set_read_timeout(Some(self.cfg.timeout))
-            .and_then(|_| con.set_write_timeout(Some(self.cfg.timeout)))
-            .map_err(|e| format!("redis: {e}"))?;
+        let mut con = self.target.connect()?;
         // Loaded on every new connection: a restarted Redis has forgotten it.
         let sha: String = redis::cmd("SCRIPT")
             .arg("LOAD")
