@@ -703,6 +703,22 @@ fn run(
     // A fleet's Redis (`[redis]`, read at start): purges other nodes publish
     // are applied to this node's cache, on the fleet's own thread; global
     // limits exchange their counts on another.
+    // Lua's `pier.cache.purge`: the running config's zones, then (with
+    // [redis]) the fleet's publish queue; a worker never waits on Redis.
+    {
+        let s = shared.clone();
+        pier_lua::set_purger(Box::new(move |zone, what, v| {
+            let asks = vec![(what.to_string(), v.to_string())];
+            let n = pier_proxy::purge::apply(&s.state.load(), zone, &asks).map_err(|(_, e)| e)?;
+            if let Some(f) = pier_fleet::get() {
+                f.publish_soon(pier_fleet::Purge {
+                    zone: zone.map(str::to_string),
+                    asks,
+                });
+            }
+            Ok(n)
+        }));
+    }
     let redis = shared.state.load().cfg.redis.clone();
     if let Some(redis) = redis {
         let s = shared.clone();

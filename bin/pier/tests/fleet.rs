@@ -52,7 +52,7 @@ memory = "8m"
 [[listener]]
 name = "main"
 listen = "127.0.0.1:0"
-
+{extra}
 [[route]]
 name = "site"
 upstream = "app"
@@ -61,7 +61,7 @@ zone = "main"
 
 [upstream.app]
 servers = ["{origin}"]
-{extra}"#
+"#
     ))
 }
 
@@ -494,4 +494,71 @@ fn nodes_follow_the_primary_redis_sentinel_names() {
     );
     drop(replica);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A route whose Lua purges what the request's `?kind=K&v=V` says, and
+/// answers the count or the reason.
+const LUA_PURGE: &str = r#"
+[[route]]
+name = "purge"
+host = "purge.test"
+upstream = "app"
+[route.lua]
+content = '''
+local args = pier.req.get_uri_args()
+local n, err = pier.cache.purge(args.kind, args.v)
+pier.say(n and ("purged " .. n) or ("refused " .. err))
+'''
+"#;
+
+#[test]
+fn a_purge_from_lua_reaches_every_node() {
+    let redis = redis_server();
+    let origin = Origin::start();
+    let nodes: Vec<PierProcess> = (0..2)
+        .map(|_| node_with(origin.addr(), redis.addr, LUA_PURGE))
+        .collect();
+    assert!(wait_until(Duration::from_secs(20), || nodes
+        .iter()
+        .all(subscribed)));
+    let paths = ["/cache/620", "/cache/621"];
+    for n in &nodes {
+        for p in paths {
+            cache_status(n, p);
+            assert!(is_hit(n, p));
+        }
+    }
+    let lua = |n: &PierProcess, q: &str| {
+        let r = RawConn::connect(n.listener("main"))
+            .request("GET", &format!("/?{q}"), &[("host", "purge.test")], b"")
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body_str());
+        r.body_str().trim().to_string()
+    };
+    assert_eq!(
+        lua(&nodes[0], "kind=url&v=http://fleet.test/cache/620"),
+        "purged 1"
+    );
+    assert!(!is_hit(&nodes[0], paths[0]));
+    assert!(
+        wait_until(Duration::from_secs(10), || !is_hit(&nodes[1], paths[0])),
+        "the other node purged it too"
+    );
+    assert!(is_hit(&nodes[1], paths[1]));
+    // Refusals are answers, not errors: a ban that does not compile, an
+    // unknown kind (a Lua error: 500).
+    assert!(lua(&nodes[0], "kind=ban&v=(").starts_with("refused ban:"));
+    let r = RawConn::connect(nodes[0].listener("main"))
+        .request(
+            "GET",
+            "/?kind=everything&v=x",
+            &[("host", "purge.test")],
+            b"",
+        )
+        .unwrap();
+    assert_eq!(r.status, 500);
+    assert_eq!(
+        metric(&nodes[0], "pier_fleet_purges_total{result=\"published\"}"),
+        Some(1.0)
+    );
 }

@@ -388,7 +388,7 @@ async fn purge(
 /// A purge published by another node of the fleet: the same as one made
 /// here through the API; the objects removed.
 pub fn apply_fleet_purge(state: &pier_proxy::State, p: &pier_fleet::Purge) -> usize {
-    apply_purge(state, p.zone.as_deref(), &p.asks).unwrap_or(0)
+    pier_proxy::purge::apply(state, p.zone.as_deref(), &p.asks).unwrap_or(0)
 }
 
 fn purge_here(
@@ -466,86 +466,10 @@ fn purge_here(
     if asks.len() > pier_fleet::MAX_ASKS {
         return Err(json_err("400 Bad Request", "at most 1000 purges a request"));
     }
-    match apply_purge(state, zone.as_deref(), &asks) {
+    match pier_proxy::purge::apply(state, zone.as_deref(), &asks) {
         Ok(n) => Ok((n, pier_fleet::Purge { zone, asks })),
         Err((status, e)) => Err(json_err(status, &e)),
     }
-}
-
-/// Purges `asks` from `zone` (or every zone): the objects removed, or the
-/// status and reason of a refusal (nothing is purged then).
-fn apply_purge(
-    state: &pier_proxy::State,
-    zone: Option<&str>,
-    asks: &[(String, String)],
-) -> Result<usize, (&'static str, String)> {
-    let zones: Vec<&std::sync::Arc<pier_cache::Zone>> = state
-        .cache_zones
-        .iter()
-        .filter(|z| zone.is_none_or(|n| z.name == n))
-        .collect();
-    if zones.is_empty() {
-        return Err(("404 Not Found", "no such cache zone".into()));
-    }
-    // Every ask is checked before any is applied.
-    let mut keys = Vec::with_capacity(asks.len());
-    for (what, v) in asks {
-        if v.is_empty() {
-            return Err(("400 Bad Request", format!("empty {what}")));
-        }
-        keys.push(match what.as_str() {
-            "url" => match pier_proxy::cache_key::url_keys(state, v) {
-                Ok(k) => Purging::Key(k),
-                Err(e) => return Err(("400 Bad Request", e.to_string())),
-            },
-            "ban" => match ban_regex(v) {
-                Ok(re) => Purging::Ban(re),
-                Err(e) => return Err(("400 Bad Request", e)),
-            },
-            _ => Purging::Plain,
-        });
-    }
-    let mut purged = 0usize;
-    for ((what, v), url_key) in asks.iter().zip(keys) {
-        for z in &zones {
-            purged += match (what.as_str(), &url_key) {
-                ("url", Purging::Key(k)) => {
-                    let mut ext = k.to_vec();
-                    ext.push(b'\n');
-                    usize::from(z.invalidate(k)) + z.purge_prefix(&ext)
-                }
-                ("ban", Purging::Ban(re)) => z.purge_where(|k| re.is_match(k)),
-                ("prefix", _) => z.purge_prefix(v.as_bytes()),
-                ("tag", _) => z.purge_tag(v.as_bytes()),
-                _ => usize::from(z.invalidate(v.as_bytes())),
-            };
-        }
-    }
-    Ok(purged)
-}
-
-/// What an ask needs beyond its text, checked before anything is purged.
-enum Purging {
-    Plain,
-    /// A URL's cache key.
-    Key(Vec<u8>),
-    /// A ban's expression.
-    Ban(regex::bytes::Regex),
-}
-
-/// A ban: a regular expression over cache keys (`http://host/path?query`,
-/// then any `\n`-joined extra parts), as Varnish's `ban req.url ~ ...`
-/// but applied at once. Bounded: it comes from the admin API or from
-/// another node over Redis.
-fn ban_regex(v: &str) -> Result<regex::bytes::Regex, String> {
-    if v.len() > 1024 {
-        return Err("ban: at most 1024 bytes".into());
-    }
-    regex::bytes::RegexBuilder::new(v)
-        .size_limit(1 << 20)
-        .dfa_size_limit(1 << 20)
-        .build()
-        .map_err(|e| format!("ban: {e}"))
 }
 
 /// Endpoints that change state (they answer only with credentials).

@@ -2475,8 +2475,14 @@ fn redis_section() {
         ("url = \"redis://x\"\nsync_interval = \"1ms\"", "5ms to 10s"),
         ("url = \"redis://x\"\nkey_prefix = \"\"", "1 to 64 bytes"),
         ("sentinels = [\"10.0.0.1:26379\"]", "need `master_name`"),
-        ("url = \"redis://x\"\nmaster_name = \"m\"", "goes with `sentinels`"),
-        ("sentinels = [\"10.0.0.1\"]\nmaster_name = \"m\"", "\"HOST:PORT\""),
+        (
+            "url = \"redis://x\"\nmaster_name = \"m\"",
+            "goes with `sentinels`",
+        ),
+        (
+            "sentinels = [\"10.0.0.1\"]\nmaster_name = \"m\"",
+            "\"HOST:PORT\"",
+        ),
         ("sentinels = []\nmaster_name = \"m\"", "1 to 16"),
     ] {
         let e = errors(&format!("[redis]\n{t}\n{rest}"));
@@ -2492,10 +2498,7 @@ fn redis_section() {
         "[redis]\nsentinels = [\"10.0.0.1:26379\", \"sentinel.example:26379\"]\nmaster_name = \"fleet\"\n{rest}"
     ));
     let r = c.redis.unwrap();
-    assert_eq!(
-        (r.sentinels.len(), r.master_name.as_str()),
-        (2, "fleet")
-    );
+    assert_eq!((r.sentinels.len(), r.master_name.as_str()), (2, "fleet"));
 }
 
 #[test]

@@ -49,6 +49,7 @@ struct Message {
 /// the API takes at most 1000 asks a request.
 const MAX_MESSAGE: usize = 1 << 20;
 pub const MAX_ASKS: usize = 1000;
+const SOON_QUEUE: usize = 1024;
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
@@ -60,6 +61,8 @@ pub struct Fleet {
     node: String,
     target: target::Target,
     publisher: Mutex<Option<redis::Connection>>,
+    /// Purges to publish from a thread that must not wait (Lua's).
+    soon: Mutex<Option<std::sync::mpsc::SyncSender<Purge>>>,
     stop: AtomicBool,
     stats: Stats,
 }
@@ -96,10 +99,26 @@ pub fn start(cfg: &Redis, apply: Apply) -> Result<Arc<Fleet>, String> {
         node,
         target,
         publisher: Mutex::new(None),
+        soon: Mutex::new(None),
         stop: AtomicBool::new(false),
         stats: Stats::default(),
     });
     let f = FLEET.get_or_init(|| fleet).clone();
+    // Purges queued by workers (Lua), published in order on a thread of
+    // their own; bounded: past SOON_QUEUE waiting, one is dropped (counted).
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Purge>(SOON_QUEUE);
+    *f.soon.lock() = Some(tx);
+    let publ = f.clone();
+    std::thread::Builder::new()
+        .name("pier-fleet-pub".into())
+        .spawn(move || {
+            for p in rx {
+                if let Err(e) = publ.publish(&p) {
+                    tracing::warn!("fleet: purge not published: {e}");
+                }
+            }
+        })
+        .map_err(|e| format!("fleet thread: {e}"))?;
     let sub = f.clone();
     std::thread::Builder::new()
         .name("pier-fleet".into())
@@ -156,6 +175,20 @@ impl Fleet {
 
     fn connect(&self) -> Result<redis::Connection, String> {
         self.target.connect()
+    }
+
+    /// Queues `p` for publishing without waiting (a worker's caller);
+    /// false when the queue is full (counted as a failed publish).
+    pub fn publish_soon(&self, p: Purge) -> bool {
+        let queued = self
+            .soon
+            .lock()
+            .as_ref()
+            .is_some_and(|tx| tx.try_send(p).is_ok());
+        if !queued {
+            self.stats.publish_failed.fetch_add(1, Relaxed);
+        }
+        queued
     }
 
     /// Ends the subscription thread (within a second).
@@ -283,6 +316,7 @@ mod tests {
             cfg,
             node: "self".into(),
             publisher: Mutex::new(None),
+            soon: Mutex::new(None),
             stop: AtomicBool::new(false),
             stats: Stats::default(),
         }

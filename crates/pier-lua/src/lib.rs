@@ -43,6 +43,7 @@ mod view;
 
 pub use engine::{LuaEngine, RequestCtx};
 pub use error::LuaError;
+pub use ffi::cache::{set_purger, Purger};
 pub use limits::{LuaLimits, MAX_DURATION_SECS};
 pub use phase::Phase;
 pub use setup::{LuaSetup, RouteHooks, Source};

@@ -19,6 +19,7 @@ pub mod local;
 pub mod mux;
 pub mod phases;
 pub mod proxy_protocol;
+pub mod purge;
 pub mod req_body;
 pub mod session;
 pub mod state;

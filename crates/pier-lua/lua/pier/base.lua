@@ -56,6 +56,7 @@ typedef struct {
   int (*analytics_field)(const char *, size_t, const char *, size_t);
   int (*cache_set)(int, const char *, size_t, double);
   int (*trace_add)(int, const char *, size_t, int, const char *, size_t, double);
+  double (*cache_purge)(int, const char *, size_t, const char *, size_t, const char **, size_t *);
 } pier_api_t;
 ]]
 

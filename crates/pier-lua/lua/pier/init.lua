@@ -143,6 +143,30 @@ do
       return done("set_cacheable", C_set(3, nil, 0, on and 1 or 0), "header_filter")
     end,
   }
+  -- pier.cache.purge(kind, value[, zone]): as the admin API's purge (kind
+  -- "url", "prefix", "tag", "key" or "ban"), applied here and, with
+  -- [redis], queued for every node of the fleet. Returns the objects
+  -- removed here, or nil and the reason. Any phase, timers too.
+  local C_purge = api.cache_purge
+  local kinds = { url = 0, prefix = 1, tag = 2, key = 3, ban = 4 }
+  pier.cache.purge = function(kind, value, zone)
+    local k = kinds[kind]
+    if k == nil then
+      error("bad argument #1 to pier.cache.purge (\"url\", \"prefix\", \"tag\", \"key\" or \"ban\" expected)", 2)
+    end
+    if type(value) ~= "string" then
+      error("bad argument #2 to pier.cache.purge (string expected)", 2)
+    end
+    if zone ~= nil and type(zone) ~= "string" then
+      error("bad argument #3 to pier.cache.purge (string expected)", 2)
+    end
+    zone = zone or ""
+    local n = C_purge(k, value, #value, zone, #zone, ptr, len)
+    if n < 0 then
+      return nil, ffi_string(ptr[0], len[0])
+    end
+    return n
+  end
 end
 
 -- pier.limit: sliding per-second counters on a count-min sketch shared by

@@ -24,7 +24,7 @@
 //!   [`E_INTERNAL`] if Rust panicked (caught: nothing unwinds into Lua);
 //! * structs only by pointer.
 
-mod cache;
+pub(crate) mod cache;
 mod ctx;
 mod limit;
 mod ngx;
@@ -171,7 +171,6 @@ pub(crate) struct PierApi {
     analytics_field: unsafe extern "C" fn(*const c_char, usize, *const c_char, usize) -> c_int,
     // pier.cache (access, header_filter)
     cache_set: unsafe extern "C" fn(c_int, *const c_char, usize, f64) -> c_int,
-    // pier.trace (request phases)
     trace_add: unsafe extern "C" fn(
         c_int,
         *const c_char,
@@ -181,6 +180,16 @@ pub(crate) struct PierApi {
         usize,
         f64,
     ) -> c_int,
+    // pier.cache.purge (any phase, timers)
+    cache_purge: unsafe extern "C" fn(
+        c_int,
+        *const c_char,
+        usize,
+        *const c_char,
+        usize,
+        OutPtr,
+        OutLen,
+    ) -> f64,
 }
 
 /// The one API table; its address is what Lua casts.
@@ -234,6 +243,7 @@ static API: PierApi = PierApi {
     analytics_field: ctx::analytics_field,
     cache_set: cache::set,
     trace_add: ctx::trace_add,
+    cache_purge: cache::purge,
 };
 
 /// The address Lua casts to `const pier_api_t*` (fits a double: user-space
