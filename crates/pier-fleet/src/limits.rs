@@ -23,6 +23,14 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 /// stays around a millisecond of its time.
 pub const BATCH: usize = 1000;
 
+/// Keys one limit sends in one exchange, at most (the rest wait for the
+/// next): bounds what a flood of distinct keys costs Redis per node.
+pub const MAX_KEYS_PER_EXCHANGE: usize = 10_000;
+
+/// Keys without admissions to send are read back every this many
+/// exchanges (to learn the other nodes' counts for them).
+const REFRESH_EVERY: u64 = 4;
+
 /// KEYS: one per limit key. ARGV: window, counter ttl ms, now (unix ms),
 /// node ttl ms, nodes key, node id, then (curr, prev) admissions per key.
 /// Returns the live node count, then (prev, curr) totals per key.
@@ -121,6 +129,7 @@ impl LimitSync {
 
     fn run(&self) {
         let mut next = Instant::now();
+        let mut round = 0u64;
         while !self.stop.load(Relaxed) {
             next += self.cfg.sync_interval;
             let now = Instant::now();
@@ -134,7 +143,8 @@ impl LimitSync {
             if limits.is_empty() {
                 continue;
             }
-            let ok = self.exchange_all(&limits);
+            round += 1;
+            let ok = self.exchange_all(&limits, round.is_multiple_of(REFRESH_EVERY));
             if self.connected.swap(ok, Relaxed) != ok {
                 if ok {
                     tracing::info!("global limits: exchanging counts with Redis");
@@ -147,7 +157,7 @@ impl LimitSync {
 
     /// One round: every limit's admissions out, totals in. False if Redis
     /// failed (the limits keep their admissions for the next round).
-    fn exchange_all(&self, limits: &[Arc<GlobalRate>]) -> bool {
+    fn exchange_all(&self, limits: &[Arc<GlobalRate>], refresh: bool) -> bool {
         let mut link = self.link.lock();
         if link.is_none() {
             match self.connect() {
@@ -168,7 +178,7 @@ impl LimitSync {
         for (n, g) in limits.iter().enumerate() {
             deltas.clear();
             let now = pier_limits::clock::now_ms();
-            let w = g.take(now, &mut deltas);
+            let w = g.take(now, refresh, MAX_KEYS_PER_EXCHANGE, &mut deltas);
             if let Err(e) = self.exchange(l, g, w, &deltas) {
                 tracing::debug!("global limits: {}: {e}", g.name());
                 g.failed(&deltas);

@@ -301,24 +301,39 @@ impl GlobalRate {
         }
     }
 
-    /// For the sync thread: the window the exchange is for, and every key
-    /// touched in it or the one before, with this node's admissions since
-    /// the last exchange (moved to "sent"); keys idle for two windows are
-    /// dropped. Returns the window.
-    pub fn take(&self, now_ms: u64, out: &mut Vec<Delta>) -> u64 {
+    /// For the sync thread: the window the exchange is for, and the keys to
+    /// send, with this node's admissions since the last exchange (moved to
+    /// "sent"). A key goes when it has admissions to send; a key without
+    /// any but asked for in this window or the last (refused here, say) goes
+    /// only when `refresh_idle`, to learn the others' counts. At most `max`
+    /// keys go; the rest keep their admissions for the next exchange. Keys
+    /// idle for two windows are dropped. Returns the window.
+    ///
+    /// Why not every key every time: a flood of distinct keys, each asked
+    /// once, would otherwise cost Redis one read per key per exchange for
+    /// two windows (40 reads each at 1 s windows and 50 ms exchanges).
+    pub fn take(&self, now_ms: u64, refresh_idle: bool, max: usize, out: &mut Vec<Delta>) -> u64 {
         let (w, _) = self.window(now_ms);
+        let prev = w.wrapping_sub(1);
         for s in &self.shards {
             let mut shard = lock(s);
             shard.retain(|key, e| {
-                if e.seen_w + 1 < w && e.mine(w) == 0 && e.mine(w.wrapping_sub(1)) == 0 {
+                let owes = e
+                    .own
+                    .iter()
+                    .any(|&(win, n)| n > 0 && (win == w || win == prev));
+                if e.seen_w + 1 < w && !owes && e.mine(w) == 0 && e.mine(prev) == 0 {
                     return false;
+                }
+                if out.len() >= max || !(owes || (refresh_idle && e.seen_w + 1 >= w)) {
+                    return true;
                 }
                 let mut d = Delta {
                     key: key.clone(),
                     curr: 0,
                     prev: 0,
                 };
-                for win in [w, w.wrapping_sub(1)] {
+                for win in [w, prev] {
                     let slot = (win & 1) as usize;
                     let n = if e.own[slot].0 == win {
                         e.own[slot].1
@@ -489,7 +504,7 @@ mod tests {
                 }
                 if pending[i].is_none() && (t + i as u64 * 7).is_multiple_of(sync_ms) {
                     let mut d = Vec::new();
-                    let w = g.take(t, &mut d);
+                    let w = g.take(t, (t / sync_ms).is_multiple_of(4), usize::MAX, &mut d);
                     let (live, tot) = store.exchange(i, t, w, &d);
                     pending[i] = Some((t + rtt_ms.max(1), w, d, tot, live));
                 }
@@ -531,7 +546,7 @@ mod tests {
             // An exchange brings it back: the admission made while cut
             // off is still sent, and the fleet's count decides again.
             let mut deltas = Vec::new();
-            let w = g.take(1_001, &mut deltas);
+            let w = g.take(1_001, true, usize::MAX, &mut deltas);
             assert_eq!(deltas.len(), 1);
             let sent: u64 = deltas.iter().map(|d| d.curr + d.prev).sum();
             assert_eq!(sent, 1 + u64::from(!closed));
@@ -547,7 +562,7 @@ mod tests {
             assert!(g.check(b"k", 5).is_allowed());
         }
         let mut d = Vec::new();
-        g.take(6, &mut d);
+        g.take(6, true, usize::MAX, &mut d);
         assert_eq!((d[0].curr, d[0].prev), (3, 0));
         // In flight: still counted.
         for _ in 0..7 {
@@ -556,7 +571,7 @@ mod tests {
         assert!(!g.check(b"k", 7).is_allowed());
         g.failed(&d);
         let mut d2 = Vec::new();
-        g.take(8, &mut d2);
+        g.take(8, true, usize::MAX, &mut d2);
         assert_eq!(d2[0].curr, 10);
         assert_eq!(g.stats().sync_errors.load(Relaxed), 1);
     }
@@ -575,12 +590,44 @@ mod tests {
         assert!(g.keys() <= SHARDS);
         assert!(g.stats().overflow.load(Relaxed) >= 100 - SHARDS as u64);
         let mut d = Vec::new();
-        g.take(20, &mut d);
+        g.take(20, true, usize::MAX, &mut d);
         g.apply(0, &d, &vec![Totals { prev: 0, curr: 1 }; d.len()], 1, 20);
         // Two windows later, untouched keys go.
         let mut d = Vec::new();
-        g.take(3_000, &mut d);
+        g.take(3_000, true, usize::MAX, &mut d);
         assert_eq!(g.keys(), 0, "{d:?}");
+    }
+
+    #[test]
+    fn idle_keys_are_read_only_on_refresh_rounds_and_rounds_are_bounded() {
+        let g = node(10, false);
+        for i in 0..10u32 {
+            assert!(g.check(&i.to_be_bytes(), 10).is_allowed());
+        }
+        let mut d = Vec::new();
+        // At most 4 a round; the others keep their admissions.
+        g.take(11, false, 4, &mut d);
+        assert_eq!(d.len(), 4);
+        let mut rest = Vec::new();
+        g.take(12, false, usize::MAX, &mut rest);
+        assert_eq!(rest.len(), 6);
+        assert!(rest.iter().all(|x| x.curr == 1));
+        // Nothing owed: an ordinary round sends nothing, a refresh round
+        // reads every key asked for lately.
+        g.apply(0, &d, &vec![Totals { prev: 0, curr: 1 }; d.len()], 1, 12);
+        g.apply(
+            0,
+            &rest,
+            &vec![Totals { prev: 0, curr: 1 }; rest.len()],
+            1,
+            12,
+        );
+        let mut none = Vec::new();
+        g.take(13, false, usize::MAX, &mut none);
+        assert!(none.is_empty());
+        g.take(14, true, usize::MAX, &mut none);
+        assert_eq!(none.len(), 10);
+        assert!(none.iter().all(|x| x.curr == 0 && x.prev == 0));
     }
 
     #[test]
