@@ -9,6 +9,7 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use common::*;
 
@@ -74,6 +75,13 @@ fn fetch_all(p: &PierProcess, objects: std::ops::Range<u32>) -> Vec<String> {
         .collect()
 }
 
+/// Objects `p` stored, once it has stored `want` (a store completes
+/// after the client has its answer): the count then, or after 10 s.
+fn stored_reaches(p: &PierProcess, want: f64) -> f64 {
+    wait_until(Duration::from_secs(10), || stored(p) >= want);
+    stored(p)
+}
+
 fn stored(p: &PierProcess) -> f64 {
     p.metric_value("pier_cache_stored_total{zone=\"main\"}")
         .unwrap_or(0.0)
@@ -94,11 +102,17 @@ fn three_lower_tiers_reach_the_origin_once_per_object() {
     });
     assert_eq!(origin.requests(), 1000, "each object from the origin once");
     // The ring spread the keys over both parents, each stored once.
+    assert!(
+        wait_until(Duration::from_secs(10), || stored(&parents[0])
+            + stored(&parents[1])
+            >= 1000.0),
+        "the parents stored every object"
+    );
     let (a, b) = (stored(&parents[0]), stored(&parents[1]));
     assert_eq!(a + b, 1000.0);
     assert!((300.0..=700.0).contains(&a), "parent 1 owns {a} of 1000");
     for c in &children {
-        assert_eq!(stored(c), 1000.0);
+        assert_eq!(stored_reaches(c, 1000.0), 1000.0);
     }
 
     // Parent 1 stopped, lower tiers started afresh (empty caches): the
@@ -130,12 +144,15 @@ fn tiers_that_name_each_other_do_not_loop() {
     let b = pier(&tier_config(origin.addr(), &[a_addr], Some(pb)));
     fetch_all(&a, 0..20);
     assert_eq!(origin.requests(), 20);
-    assert_eq!(stored(&b), 20.0, "A asked B for each");
+    assert_eq!(stored_reaches(&b, 20.0), 20.0, "A asked B for each");
     // B's own misses go to A, which fills them from the origin.
     fetch_all(&b, 100..110);
     assert_eq!(origin.requests(), 30);
     // (B stores its own clients' objects too.)
-    assert_eq!((stored(&a), stored(&b)), (30.0, 30.0));
+    assert_eq!(
+        (stored_reaches(&a, 30.0), stored_reaches(&b, 30.0)),
+        (30.0, 30.0)
+    );
 
     // The origin never sees the mark, and a client that sends it makes
     // only its own miss skip the parents.
@@ -163,7 +180,13 @@ fn tiers_that_name_each_other_do_not_loop() {
         )
         .unwrap();
     assert_eq!(r.status, 200);
-    assert_eq!(stored(&b), 30.0, "B was not asked");
+    // A marked miss is stored on A and never reaches B: B's count stays
+    // (a check that can only fail if B was asked).
+    assert_eq!(stored_reaches(&a, 31.0), 31.0);
+    assert!(
+        !wait_until(Duration::from_secs(2), || stored(&b) > 30.0),
+        "B was not asked"
+    );
     assert_eq!(origin.requests(), 32);
 }
 
