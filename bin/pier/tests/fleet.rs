@@ -222,19 +222,8 @@ fn a_purge_on_one_node_reaches_every_node() {
 
     // Redis back on its port: every node subscribes again, and purges
     // travel again.
-    let child = std::process::Command::new(server_bin("redis-server"))
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
     // Dropped (killed) at the end, as the first.
-    let _redis = Server { child, addr };
-    assert!(wait_until(Duration::from_secs(10), || {
-        std::net::TcpStream::connect(addr).is_ok()
-    }));
+    let _redis = redis_server_on(port);
     assert!(
         wait_until(Duration::from_secs(30), || nodes.iter().all(subscribed)),
         "resubscribed"
@@ -371,15 +360,7 @@ fn a_global_rate_limit_holds_across_three_nodes() {
     );
 
     // Redis back on its port: the limits decide on the fleet's count again.
-    let child = std::process::Command::new(server_bin("redis-server"))
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
-    let _redis = Server { child, addr };
+    let _redis = redis_server_on(port);
     assert!(
         wait_until(Duration::from_secs(30), || status_with(
             &nodes[0],
@@ -405,23 +386,8 @@ fn redis_cli(port: u16, args: &[&str]) -> String {
 #[test]
 fn nodes_follow_the_primary_redis_sentinel_names() {
     let primary = redis_server();
-    let replica = Server::start(&server_bin("redis-server"), |port| {
-        [
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--replicaof",
-            "127.0.0.1",
-            &primary.addr.port().to_string(),
-        ]
-        .map(String::from)
-        .to_vec()
-    });
+    let primary_port = primary.addr.port().to_string();
+    let replica = redis_server_with(&["--replicaof", "127.0.0.1", &primary_port]);
     let dir = std::env::temp_dir().join(format!("pier-sentinel-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let conf = dir.join("sentinel.conf");

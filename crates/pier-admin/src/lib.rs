@@ -937,45 +937,28 @@ fn global_limit_metrics(state: &pier_proxy::State, out: &mut String) {
     if globals.is_empty() {
         return;
     }
-    out.push_str("# HELP pier_limit_global_unavailable_total Requests of a global limit decided while Redis was out of reach (admitted on the node's own count with fail = \"open\", refused with \"closed\").\n# TYPE pier_limit_global_unavailable_total counter\n");
-    for g in &globals {
-        let _ = writeln!(
-            out,
-            "pier_limit_global_unavailable_total{{limit=\"{}\"}} {}",
-            g.name(),
-            g.stats().unavailable.load(Relaxed)
-        );
-    }
-    out.push_str("# HELP pier_limit_global_overflow_total Requests of new keys past the global limit's key table, decided on the node's own count.\n# TYPE pier_limit_global_overflow_total counter\n");
-    for g in &globals {
-        let _ = writeln!(
-            out,
-            "pier_limit_global_overflow_total{{limit=\"{}\"}} {}",
-            g.name(),
-            g.stats().overflow.load(Relaxed)
-        );
-    }
-    out.push_str("# HELP pier_limit_global_syncs_total Exchanges of counts with Redis.\n# TYPE pier_limit_global_syncs_total counter\n");
-    for g in &globals {
-        let s = g.stats();
-        let _ = writeln!(out, "pier_limit_global_syncs_total{{limit=\"{}\",result=\"ok\"}} {}\npier_limit_global_syncs_total{{limit=\"{}\",result=\"error\"}} {}", g.name(), s.syncs.load(Relaxed), g.name(), s.sync_errors.load(Relaxed));
-    }
-    out.push_str("# HELP pier_limit_global_nodes Nodes in the fleet as of the last exchange.\n# TYPE pier_limit_global_nodes gauge\n");
-    for g in &globals {
-        let _ = writeln!(
-            out,
-            "pier_limit_global_nodes{{limit=\"{}\"}} {}",
-            g.name(),
-            g.nodes()
-        );
-    }
-    out.push_str("# HELP pier_limit_global_keys Keys a global limit holds on this node.\n# TYPE pier_limit_global_keys gauge\n");
-    for g in &globals {
-        let _ = writeln!(
-            out,
-            "pier_limit_global_keys{{limit=\"{}\"}} {}",
-            g.name(),
-            g.keys()
-        );
+    // (family, type, help, labels after `limit`, value) per series.
+    type Value = fn(&pier_limits::GlobalRate) -> u64;
+    let series: [(&str, &str, &str, &str, Value); 6] = [
+        ("pier_limit_global_unavailable_total", "counter", "Requests of a global limit decided while Redis was out of reach (admitted on the node's own count with fail = \"open\", refused with \"closed\").", "", |g| g.stats().unavailable.load(Relaxed)),
+        ("pier_limit_global_overflow_total", "counter", "Requests of new keys past the global limit's key table, decided on the node's own count.", "", |g| g.stats().overflow.load(Relaxed)),
+        ("pier_limit_global_syncs_total", "counter", "Exchanges of counts with Redis.", ",result=\"ok\"", |g| g.stats().syncs.load(Relaxed)),
+        ("pier_limit_global_syncs_total", "counter", "", ",result=\"error\"", |g| g.stats().sync_errors.load(Relaxed)),
+        ("pier_limit_global_nodes", "gauge", "Nodes in the fleet as of the last exchange.", "", |g| g.nodes()),
+        ("pier_limit_global_keys", "gauge", "Keys a global limit holds on this node.", "", |g| g.keys() as u64),
+    ];
+    for (family, kind, help, labels, value) in series {
+        // A family's second series (another label value) shares its header.
+        if !help.is_empty() {
+            let _ = writeln!(out, "# HELP {family} {help}\n# TYPE {family} {kind}");
+        }
+        for g in &globals {
+            let _ = writeln!(
+                out,
+                "{family}{{limit=\"{}\"{labels}}} {}",
+                g.name(),
+                value(g)
+            );
+        }
     }
 }

@@ -188,24 +188,55 @@ impl Server {
     }
 }
 
+/// redis-server's arguments for a test's own instance on `port` (no
+/// persistence), then `extra`.
+fn redis_args(port: u16, extra: &[&str]) -> Vec<String> {
+    let port = port.to_string();
+    [
+        "--port",
+        port.as_str(),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--daemonize",
+        "no",
+        "--maxclients",
+        "1000",
+    ]
+    .iter()
+    .chain(extra)
+    .map(|s| s.to_string())
+    .collect()
+}
+
 /// A redis-server of the test's own (no persistence), on a free port.
 pub fn redis_server() -> Server {
-    Server::start(&server_bin("redis-server"), |port| {
-        [
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--daemonize",
-            "no",
-            "--maxclients",
-            "1000",
-        ]
-        .map(String::from)
-        .to_vec()
-    })
+    redis_server_with(&[])
+}
+
+/// [`redis_server`] with more arguments (`--replicaof HOST PORT`, ...).
+pub fn redis_server_with(extra: &[&str]) -> Server {
+    Server::start(&server_bin("redis-server"), |port| redis_args(port, extra))
+}
+
+/// A redis-server started again on `port` (one a test killed), once it
+/// accepts (10 s at most).
+pub fn redis_server_on(port: u16) -> Server {
+    let child = Command::new(server_bin("redis-server"))
+        .args(redis_args(port, &[]))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn redis-server: {e}"));
+    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    let server = Server { child, addr };
+    assert!(
+        wait_until(Duration::from_secs(10), || TcpStream::connect(addr).is_ok()),
+        "redis-server back on {port}"
+    );
+    server
 }
