@@ -14,12 +14,17 @@
 #   bash bench/uring.sh                                   # REPS=3 DURATION=8, 50 and 500 conns, /hello
 #   PROXIES=epoll,uring REPS=5 bash bench/uring.sh
 #   PIER_BIN=target/dist/pier bash bench/uring.sh
+#
+# uring-plain is the io_uring mode on a ring without SINGLE_ISSUER | DEFER_TASKRUN |
+# COOP_TASKRUN (tokio-uring's and monoio's kind of ring). With SYSCALLS=1 (default, needs
+# perf) every proxy then serves one more wrk run per connection count, untimed, while
+# `perf stat` counts its system calls by kind (tracepoints): the calls a request costs.
 set -euo pipefail
 
 BENCH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$BENCH/.." && pwd)"
 
-PROXIES="${PROXIES:-epoll,uring,nginx,pier}"   # epoll, uring (uring-proxy's modes), nginx, pier
+PROXIES="${PROXIES:-epoll,uring,uring-plain,nginx,pier}"   # uring-proxy's modes (epoll, uring, uring-plain), nginx, pier
 REPS="${REPS:-3}"
 DURATION="${DURATION:-8}"
 CONNS="${CONNS:-50,500}"
@@ -30,6 +35,7 @@ PIER_BIN="${PIER_BIN:-/work/bench-target/dist/pier}"
 URING_TARGET="${CARGO_TARGET_DIR:-$ROOT/target/uring}"
 OUT_DIR="${OUT_DIR:-$BENCH/out}"
 SKIP_BUILD="${SKIP_BUILD:-0}"
+SYSCALLS="${SYSCALLS:-1}"      # 1 = afterwards, system calls per request (perf stat, one more wrk run each)
 
 log() { printf '[uring %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -116,9 +122,12 @@ start_proxy() {   # start_proxy NAME: sets PROXY_PID and PROXY_PORT
     PROXY_PORT="$(python3 "$BENCH/tool.py" port)"
     rm -rf "$dir"; mkdir -p "$dir/logs/tmp"; chmod -R 755 "$dir"
     case "$name" in
-        epoll | uring)
-            "$URING_BIN" --mode "$name" --workers "$WORKERS" --listen "127.0.0.1:$PROXY_PORT" \
-                --origin "127.0.0.1:$ORIGIN_PORT" >"$dir/stdout.log" 2>&1 & ;;
+        epoll | uring | uring-plain)
+            local mode="${name%-plain}" ring=defer
+            [ "$name" = uring-plain ] && ring=plain
+            "$URING_BIN" --mode "$mode" --ring "$ring" --workers "$WORKERS" \
+                --listen "127.0.0.1:$PROXY_PORT" --origin "127.0.0.1:$ORIGIN_PORT" \
+                >"$dir/stdout.log" 2>&1 & ;;
         nginx)
             sed -e "s/@PORT@/$PROXY_PORT/g" -e "s/@ORIGIN@/$ORIGIN_PORT/g" \
                 -e "s/^worker_processes 2;/worker_processes $WORKERS;/" \
@@ -129,7 +138,7 @@ start_proxy() {   # start_proxy NAME: sets PROXY_PID and PROXY_PORT
                 -e "s/^workers = 2/workers = $WORKERS/" \
                 "$BENCH/peers/pier/pier.toml" >"$dir/pier.toml"
             "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 & ;;
-        *) die "unknown proxy $name (epoll, uring, nginx, pier)" ;;
+        *) die "unknown proxy $name (epoll, uring, uring-plain, nginx, pier)" ;;
     esac
     PROXY_PID=$!
     PIDS+=("$PROXY_PID")
@@ -176,6 +185,56 @@ for rep in $(seq 1 "$REPS"); do
         done
     done
 done
+
+# ---- system calls per request (outside the timed runs) ------------------------------------
+# perf counts syscall tracepoints of the proxy's processes during one more wrk run per
+# proxy and connection count: cheap enough not to change how the proxy batches its work
+# (strace would: it slows every call).
+SC_EVENTS=""
+if [ "$SYSCALLS" = 1 ] && command -v perf >/dev/null &&
+    perf stat -e raw_syscalls:sys_enter -- true >/dev/null 2>&1; then
+    SC_EVENTS="raw_syscalls:sys_enter"
+    for e in recvfrom sendto read write readv writev recvmsg sendmsg epoll_wait epoll_pwait \
+        epoll_ctl io_uring_enter accept4 connect close setsockopt getsockopt; do
+        for d in /sys/kernel/tracing /sys/kernel/debug/tracing; do
+            if [ -d "$d/events/syscalls/sys_enter_$e" ]; then SC_EVENTS+=",syscalls:sys_enter_$e"; break; fi
+        done
+    done
+elif [ "$SYSCALLS" = 1 ]; then
+    log "system calls: perf (with syscall tracepoints) is not available; skipped"
+fi
+if [ -n "$SC_EVENTS" ]; then
+    for c in "${CONN_LIST[@]}"; do
+        for proxy in "${PROXY_LIST[@]}"; do
+            log "system calls: $proxy, /hello, $c connections, ${DURATION}s under perf stat"
+            start_proxy "$proxy" || { FAILED=$((FAILED + 1)); continue; }
+            pids="$(python3 "$BENCH/tool.py" tree "$PROXY_PID" | tr ' ' ,)"
+            timeout $((DURATION + 30)) perf stat -x, -e "$SC_EVENTS" -p "$pids" \
+                -o "$RUN/$proxy/perf-$c.txt" -- sleep $((DURATION + 1)) &
+            perf_pid=$!
+            sleep 0.5
+            timeout $((DURATION + 30)) wrk -t"$THREADS" -c"$c" -d"${DURATION}s" \
+                -H 'User-Agent: pier-bench' "http://127.0.0.1:$PROXY_PORT/hello" \
+                >"$RUN/$proxy/wrk-$c.txt" 2>&1 || log "$proxy: wrk failed"
+            wait "$perf_pid" || log "$proxy: perf stat failed"
+            stop_proxy
+            python3 - "$BENCH" "$proxy" "$c" "$RUN/$proxy/perf-$c.txt" "$RUN/$proxy/wrk-$c.txt" \
+                >>"$RESULTS" <<'PY' || log "$proxy: no syscall counts"
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import tool
+calls = {}
+for line in open(sys.argv[4], errors="replace"):
+    f = line.strip().split(",")
+    if len(f) > 2 and f[0].isdigit():
+        calls[f[2].split(":")[-1].replace("sys_enter_", "")] = int(f[0])
+r = tool.parse_wrk(open(sys.argv[5], errors="replace").read())
+print(json.dumps({"kind": "syscalls", "proxy": sys.argv[2], "conns": int(sys.argv[3]),
+                  "requests": r["requests"], "calls": calls}))
+PY
+        done
+    done
+fi
 
 python3 "$BENCH/uring_report.py" "$RUN" | tee "$RUN/results.md"
 log "report: $RUN/results.md (raw: $RESULTS)"

@@ -24,16 +24,19 @@ enum Mode {
 
 struct Args {
     mode: Mode,
+    /// io_uring setup flags: SINGLE_ISSUER | DEFER_TASKRUN | COOP_TASKRUN (default), or none.
+    plain_ring: bool,
     workers: usize,
     listen: SocketAddr,
     origin: SocketAddr,
 }
 
-const USAGE: &str =
-    "usage: uring-proxy --mode epoll|uring [--workers N] --listen IP:PORT --origin IP:PORT";
+const USAGE: &str = "usage: uring-proxy --mode epoll|uring [--workers N] [--ring defer|plain] \
+                     --listen IP:PORT --origin IP:PORT";
 
 fn parse_args() -> Result<Args, String> {
     let mut mode = Mode::Epoll;
+    let mut plain_ring = false;
     let mut workers = 1;
     let (mut listen, mut origin) = (None, None);
     let mut it = std::env::args().skip(1);
@@ -50,6 +53,13 @@ fn parse_args() -> Result<Args, String> {
                     "epoll" => Mode::Epoll,
                     "uring" => Mode::Uring,
                     _ => return Err(format!("--mode is epoll or uring, not {value}")),
+                }
+            }
+            "--ring" => {
+                plain_ring = match value.as_str() {
+                    "defer" => false,
+                    "plain" => true,
+                    _ => return Err(format!("--ring is defer or plain, not {value}")),
                 }
             }
             "--workers" => {
@@ -79,6 +89,7 @@ fn parse_args() -> Result<Args, String> {
     }
     Ok(Args {
         mode,
+        plain_ring,
         workers,
         listen: listen.ok_or(USAGE)?,
         origin: origin.ok_or(USAGE)?,
@@ -99,15 +110,23 @@ fn listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
     Ok(s.into())
 }
 
-fn run_worker(mode: Mode, l: TcpListener, origin: SocketAddr) -> std::io::Result<()> {
+fn run_worker(
+    mode: Mode,
+    plain_ring: bool,
+    l: TcpListener,
+    origin: SocketAddr,
+) -> std::io::Result<()> {
     match mode {
         Mode::Epoll => epoll::run(l, origin),
         #[cfg(feature = "uring")]
-        Mode::Uring => uring::run(l, origin),
+        Mode::Uring => uring::run(l, origin, plain_ring),
         #[cfg(not(feature = "uring"))]
-        Mode::Uring => Err(std::io::Error::other(
-            "built without the `uring` feature (cargo build --features uring)",
-        )),
+        Mode::Uring => {
+            let _ = plain_ring;
+            Err(std::io::Error::other(
+                "built without the `uring` feature (cargo build --features uring)",
+            ))
+        }
     }
 }
 
@@ -133,14 +152,14 @@ fn main() -> ExitCode {
         "uring-proxy: mode {:?}, {} worker(s), listening on {}, origin {}",
         args.mode, args.workers, args.listen, args.origin
     );
-    let (mode, origin) = (args.mode, args.origin);
+    let (mode, plain, origin) = (args.mode, args.plain_ring, args.origin);
     let threads: Vec<_> = listeners
         .into_iter()
         .enumerate()
         .map(|(i, l)| {
             std::thread::Builder::new()
                 .name(format!("worker-{i}"))
-                .spawn(move || run_worker(mode, l, origin))
+                .spawn(move || run_worker(mode, plain, l, origin))
                 .expect("spawn a worker thread")
         })
         .collect();

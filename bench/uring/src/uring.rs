@@ -220,14 +220,21 @@ impl Conn {
     }
 }
 
-pub fn run(listener: TcpListener, origin: SocketAddr) -> io::Result<()> {
-    let ring = IoUring::builder()
-        .setup_single_issuer()
-        .setup_defer_taskrun()
-        .setup_coop_taskrun()
-        .setup_submit_all()
-        .build(RING_ENTRIES)
-        .or_else(|_| IoUring::new(RING_ENTRIES))?;
+/// `plain`: a ring without SINGLE_ISSUER | DEFER_TASKRUN | COOP_TASKRUN (completions
+/// are then run as task work whenever the kernel gets to it, as with tokio-uring's or
+/// monoio's default rings), for comparison.
+pub fn run(listener: TcpListener, origin: SocketAddr, plain: bool) -> io::Result<()> {
+    let ring = if plain {
+        IoUring::builder().setup_submit_all().build(RING_ENTRIES)?
+    } else {
+        IoUring::builder()
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .setup_coop_taskrun()
+            .setup_submit_all()
+            .build(RING_ENTRIES)
+            .or_else(|_| IoUring::new(RING_ENTRIES))?
+    };
     let bufs = BufRing::new(&ring)?;
     let mut w = Worker {
         ring,
