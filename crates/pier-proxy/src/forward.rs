@@ -252,7 +252,7 @@ pub(crate) fn real_client(state: &State, sess: &mut Session) {
     if let Some(ip) = found {
         let ip = pier_config::normalize(ip);
         sess.client = std::net::SocketAddr::new(ip, 0);
-        sess.client_ip = ip.to_string();
+        crate::session::ip_text_into(ip, &mut sess.client_ip);
     }
 }
 

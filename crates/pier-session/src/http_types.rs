@@ -135,11 +135,16 @@ pub fn http_fields(
     skip: impl Fn(Known, &[u8]) -> bool,
     out: &mut http::HeaderMap,
 ) -> bool {
-    let total: usize = headers
-        .iter_known()
-        .filter(|(k, n, _)| !skip(*k, n))
-        .map(|(_, _, v)| v.len())
-        .sum();
+    let (mut total, mut count) = (0, 0);
+    for (k, n, v) in headers.iter_known() {
+        if !skip(k, n) {
+            total += v.len();
+            count += 1;
+        }
+    }
+    // Sized once: grown field by field, the map reallocated its tables
+    // on the way.
+    out.reserve(count);
     let mut all = Vec::with_capacity(total);
     for (k, n, v) in headers.iter_known() {
         if !skip(k, n) {
@@ -155,10 +160,12 @@ pub fn http_fields(
         }
         let v = all.slice(at..at + value.len());
         at += value.len();
-        match (
-            http::HeaderName::from_bytes(name),
-            http::HeaderValue::from_maybe_shared(v),
-        ) {
+        // A well-known name is the `http` crate's own constant: no parse.
+        let n = match KNOWN_NAMES.get(k as usize) {
+            Some(n) => Ok(n.clone()),
+            None => http::HeaderName::from_bytes(name),
+        };
+        match (n, http::HeaderValue::from_maybe_shared(v)) {
             (Ok(n), Ok(v)) => {
                 out.append(n, v);
             }
@@ -166,6 +173,78 @@ pub fn http_fields(
         }
     }
     all_taken
+}
+
+/// The `http` crate's name for each of Pier's well-known slots, in
+/// `known::NAMES` order (a test holds the two together). A static, not a
+/// const: a const of a type with drop glue is built afresh at each use.
+static KNOWN_NAMES: [http::HeaderName; known::COUNT] = {
+    use http::header::*;
+    [
+        HOST,
+        CONTENT_LENGTH,
+        TRANSFER_ENCODING,
+        CONNECTION,
+        HeaderName::from_static("keep-alive"),
+        HeaderName::from_static("proxy-connection"),
+        TE,
+        TRAILER,
+        UPGRADE,
+        EXPECT,
+        DATE,
+        SERVER,
+        HeaderName::from_static("x-forwarded-for"),
+        HeaderName::from_static("x-forwarded-proto"),
+        HeaderName::from_static("x-forwarded-host"),
+        COOKIE,
+        USER_AGENT,
+        CONTENT_TYPE,
+        ACCEPT,
+        ACCEPT_ENCODING,
+        CACHE_CONTROL,
+        AUTHORIZATION,
+        PROXY_AUTHORIZATION,
+        PROXY_AUTHENTICATE,
+        SET_COOKIE,
+        LOCATION,
+        VIA,
+        ETAG,
+        LAST_MODIFIED,
+        IF_NONE_MATCH,
+        IF_MODIFIED_SINCE,
+        CONTENT_ENCODING,
+        VARY,
+        AGE,
+        RANGE,
+        RETRY_AFTER,
+        EXPIRES,
+        PRAGMA,
+        HeaderName::from_static("surrogate-control"),
+        HeaderName::from_static("surrogate-key"),
+        HeaderName::from_static("cache-tag"),
+        HeaderName::from_static("cache-status"),
+    ]
+};
+
+/// The Date field's value for the second of `now_ns`, made once a second
+/// per thread (then a reference count per response, not a copy and a
+/// check of its 29 bytes).
+fn date_value(now_ns: u64) -> Option<http::HeaderValue> {
+    thread_local! {
+        static DATE: std::cell::RefCell<(u64, Option<http::HeaderValue>)> =
+            const { std::cell::RefCell::new((u64::MAX, None)) };
+    }
+    let sec = now_ns / 1_000_000_000;
+    DATE.with(|d| {
+        let mut d = d.borrow_mut();
+        if d.0 != sec {
+            let v = pier_http::date::with_date(now_ns, |b| {
+                http::HeaderValue::from_maybe_shared(Bytes::copy_from_slice(b)).ok()
+            });
+            *d = (sec, v);
+        }
+        d.1.clone()
+    })
 }
 
 /// Trailer fields as an HTTP/2 trailers block, for either side (fields
@@ -217,11 +296,9 @@ pub fn response(head: &ResponseHead, size: BodySize, now_ns: u64) -> http::Respo
     let mut r = response_fields(head);
     let h = r.headers_mut();
     if !head.headers.has_known(known::DATE) {
-        pier_http::date::with_date(now_ns, |d| {
-            if let Ok(v) = http::HeaderValue::from_bytes(d) {
-                h.insert(http::header::DATE, v);
-            }
-        });
+        if let Some(v) = date_value(now_ns) {
+            h.insert(http::header::DATE, v);
+        }
     }
     if let BodySize::Length(n) = size {
         if !head.headers.has_known(known::CONTENT_LENGTH) {
@@ -234,6 +311,22 @@ pub fn response(head: &ResponseHead, size: BodySize, now_ns: u64) -> http::Respo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn known_names_match_the_slots() {
+        assert_eq!(KNOWN_NAMES.len(), known::NAMES.len());
+        for (n, name) in KNOWN_NAMES.iter().zip(known::NAMES) {
+            assert_eq!(n.as_str(), *name);
+        }
+    }
+
+    #[test]
+    fn the_date_is_the_seconds_own() {
+        let a = date_value(784_111_777 * 1_000_000_000).unwrap();
+        assert_eq!(a.as_bytes(), b"Sun, 06 Nov 1994 08:49:37 GMT");
+        let b = date_value(784_111_778 * 1_000_000_000 + 5).unwrap();
+        assert_eq!(b.as_bytes(), b"Sun, 06 Nov 1994 08:49:38 GMT");
+    }
 
     #[test]
     fn an_extended_connect_reads_as_an_http1_upgrade() {
