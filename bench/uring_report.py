@@ -52,7 +52,8 @@ def compare(keys, runs, mode):
     print("Saved: (epoll − io_uring) ÷ epoll's CPU µs a request, from the medians; in "
           "brackets the same from each repetition's pair (the modes run one after the other "
           "in each round). The sys and user columns are each part's saving as a share of "
-          "epoll's *total* CPU a request, so they add up to the total.\n")
+          "epoll's *total* CPU a request; each is a median of its own, so they add up to the total "
+          "only roughly.\n")
     print("| path | conns | req/CPU-s io_uring ÷ epoll | total CPU/req saved | of which sys "
           "| of which user | ≥ 10%? |")
     print("|---|---|---|---|---|---|---|")
