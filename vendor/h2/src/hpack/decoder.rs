@@ -19,7 +19,6 @@ pub struct Decoder {
     max_size_update: Option<usize>,
     last_max_update: usize,
     table: Table,
-    buffer: BytesMut,
 }
 
 /// Represents all errors that can be encountered while performing the decoding
@@ -158,7 +157,6 @@ impl Decoder {
             max_size_update: None,
             last_max_update: size,
             table: Table::new(size),
-            buffer: BytesMut::with_capacity(4096),
         }
     }
 
@@ -335,10 +333,10 @@ impl Decoder {
         if huff {
             let ret = {
                 let raw = &buf.chunk()[..len];
-                huffman::decode(raw, &mut self.buffer).map(|buf| StringMarker {
+                huffman::decode_to_bytes(raw).map(|string| StringMarker {
                     offset,
                     len,
-                    string: Some(BytesMut::freeze(buf)),
+                    string: Some(string),
                 })
             };
 

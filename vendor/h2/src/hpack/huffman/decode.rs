@@ -131,6 +131,32 @@ fn decode_code_slow(
 
 // Decodes a Huffman encoded string into the provided buffer.
 pub fn decode(src: &[u8], buf: &mut BytesMut) -> Result<BytesMut, DecoderError> {
+    decode_in(src, buf)?;
+    Ok(buf.split())
+}
+
+/// Pier: a Huffman encoded string decoded into a `Bytes` of its own, of
+/// exactly the decoded size, through a scratch buffer of the thread's. The
+/// decoder no longer keeps a 4 KiB buffer per connection (held for the
+/// connection's life, idle or not, and pinned by every string split off it).
+pub fn decode_to_bytes(src: &[u8]) -> Result<bytes::Bytes, DecoderError> {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<BytesMut> = std::cell::RefCell::new(BytesMut::new());
+    }
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        s.clear();
+        let r = decode_in(src, &mut s).map(|()| bytes::Bytes::copy_from_slice(&s[..]));
+        // A huge string's room is not kept for the thread's life.
+        if s.capacity() > 16 * 1024 {
+            *s = BytesMut::new();
+        }
+        r
+    })
+}
+
+// Decodes a Huffman encoded string after what `buf` holds.
+fn decode_in(src: &[u8], buf: &mut BytesMut) -> Result<(), DecoderError> {
     let len = src.len();
     let base_len = buf.len();
 
@@ -202,7 +228,7 @@ pub fn decode(src: &[u8], buf: &mut BytesMut) -> Result<BytesMut, DecoderError> 
     }
 
     buf.truncate(base_len + o);
-    Ok(buf.split())
+    Ok(())
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@ mod decode;
 mod encode;
 mod table;
 
-pub use self::decode::decode;
+pub use self::decode::{decode, decode_to_bytes};
 pub use self::encode::encode;
 
 #[cfg(test)]
