@@ -58,13 +58,17 @@ impl<P: Phases> Engine for Mux<P> {
 
 /// Serve one HTTP/2 connection (after TLS with ALPN `h2`, or cleartext with
 /// prior knowledge) until the client goes away, an error, or a drain.
-pub async fn serve_h2<P: Phases, S: pier_core::Stream>(
+///
+/// Not an `async fn`, as `pier_h2::server::serve` is not: an async fn's
+/// future keeps a slot for each argument, the stream's (a TLS stream is
+/// ~1.2 KiB) included, for the whole connection.
+pub fn serve_h2<P: Phases, S: pier_core::Stream>(
     w: Arc<Worker<P>>,
     stream: S,
     client: SocketAddr,
     local: SocketAddr,
     conn: ConnInfo,
-) {
+) -> impl std::future::Future<Output = ()> {
     let state = w.shared.state.load_full();
     let mux = Mux {
         w,
@@ -76,7 +80,7 @@ pub async fn serve_h2<P: Phases, S: pier_core::Stream>(
         local,
         slot: None,
     };
-    pier_h2::server::serve(mux, stream, client, &state.cfg.http2, &state.cfg.timeouts).await
+    pier_h2::server::serve(mux, stream, client, &state.cfg.http2, &state.cfg.timeouts)
 }
 
 /// Handshakes in progress on one worker's QUIC endpoint above which a new
