@@ -20,6 +20,8 @@
 #   PROXIES="pier pier-trace1 pier-trace100" bash bench/instructions.sh   # tracing off / 1% / 100%
 #   PROXIES=pier-h2c bash bench/instructions.sh   # HTTP/2 (cleartext, 10 streams a connection) to the HTTP/1.1 origin
 #   PROXIES="pier-limit-local pier-limit-global" bash bench/instructions.sh   # a [[limit]] per client, local or global (Redis)
+#   PROXIES=pier-grpc bash bench/instructions.sh   # gRPC unary through Pier (bench/h2.sh's grpc mode: h2c both
+#       legs, grpc-go's interop server; ghz with C connections and 10 calls in flight each)
 #   COUNT=syscalls PROXIES="pier-lua nginx-lua" bash bench/instructions.sh
 #       system calls per request by kind instead (strace -f -c, same harness). strace slows
 #       the proxy, so this counts kinds of calls, not time.
@@ -64,6 +66,17 @@ if [[ " $PROXIES " == *" pier-cache "* ]]; then
   nginx -p "$RUN/cache-origin/" -c nginx.conf -e "$RUN/cache-origin/logs/error.log" >/dev/null 2>&1 &
   PIDS+=($!)
   python3 "$BENCH/tool.py" wait-port "$CACHE_ORIGIN_PORT" 10
+fi
+
+# pier-grpc: grpc-go's interop server as the origin, ghz as the client (bench/h2.sh's).
+if [[ " $PROXIES " == *" pier-grpc "* ]]; then
+  GHZ="${GHZ:-$(command -v ghz || echo /root/go/bin/ghz)}"
+  GRPC_SERVER="${GRPC_SERVER:-$(command -v server || echo /root/go/bin/server)}"
+  [ -x "$GHZ" ] && [ -x "$GRPC_SERVER" ] || { echo "pier-grpc needs ghz and grpc-go's interop server (.ci/install, bench/h2.sh)" >&2; exit 1; }
+  GRPC_PORT="$(port)"
+  "$GRPC_SERVER" --port="$GRPC_PORT" >"$RUN/grpc-server.log" 2>&1 &
+  PIDS+=($!)
+  python3 "$BENCH/tool.py" wait-port "$GRPC_PORT" 10
 fi
 
 # pier-limit-global: the fleet's Redis (a redis-server of its own).
@@ -119,6 +132,10 @@ counted() {
         -e 's/^listen = "127.0.0.1:\([0-9]*\)"$/listen = "127.0.0.1:\1"\nh2c = true/' \
         "$BENCH/peers/pier/pier.toml" >"$dir/pier.toml"
       cmd=("$PIER_BIN" serve -c "$dir/pier.toml") ;;
+    pier-grpc)
+      sed -e "s/@PORT@/$p/g" -e "s/@ORIGIN@/$GRPC_PORT/g" -e 's/^workers = 2/workers = 1/' \
+        "$BENCH/peers/h2/pier-grpc.toml" >"$dir/pier.toml"
+      cmd=("$PIER_BIN" serve -c "$dir/pier.toml") ;;
     pier-cache)
       # bench/cache.sh's Pier (1 GiB zone) in front of its origin: every request but the
       # first is a cache hit.
@@ -146,12 +163,20 @@ counted() {
   fi
   local vp=$!
   python3 "$BENCH/tool.py" wait-port "$p" 120 --pid "$vp"
-  if [ "$proxy" = pier-h2c ]; then
-    h2load -n "$n" -c "$C" -m 10 -t 1 "http://127.0.0.1:$p$path" >"$dir/h2load.log" 2>&1
+  if [ "$proxy" = pier-grpc ]; then
+    "$GHZ" --insecure --proto "$BENCH/peers/h2/grpc_testing.proto" --import-paths "$BENCH/peers/h2" \
+      --call grpc.testing.TestService/UnaryCall \
+      -d '{"response_size": 16, "payload": {"body": "cGllci1iZW5jaC1wYXlsb2Fk"}}' \
+      --connections="$C" -c $((C * 10)) -n "$n" --timeout=30s "127.0.0.1:$p" >"$dir/h2load.log" 2>&1
+    grep -q "\[OK\] *$n responses" "$dir/h2load.log" || grep -A3 "Status code distribution" "$dir/h2load.log" >&2 || true
   else
-    h2load --h1 -n "$n" -c "$C" -t 1 "http://127.0.0.1:$p$path" >"$dir/h2load.log" 2>&1
+    if [ "$proxy" = pier-h2c ]; then
+      h2load -n "$n" -c "$C" -m 10 -t 1 "http://127.0.0.1:$p$path" >"$dir/h2load.log" 2>&1
+    else
+      h2load --h1 -n "$n" -c "$C" -t 1 "http://127.0.0.1:$p$path" >"$dir/h2load.log" 2>&1
+    fi
+    grep -q "succeeded, 0 failed" "$dir/h2load.log" || grep "requests:" "$dir/h2load.log" >&2
   fi
-  grep -q "succeeded, 0 failed" "$dir/h2load.log" || grep "requests:" "$dir/h2load.log" >&2
   if [ "$COUNT" = syscalls ]; then
     # The proxy is strace's child; strace writes its summary when it exits.
     pkill -TERM -P "$vp"; wait "$vp" || true

@@ -12,7 +12,6 @@ use pier_error::{Error, Kind};
 use pier_http::known;
 use pier_http::{Headers, ResponseHead};
 use pier_session::{BodySize, FieldWriter, RequestSink, ResponseSource, UpstreamRequest};
-use std::collections::HashMap;
 use std::future::poll_fn;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -27,6 +26,12 @@ struct Conn {
 }
 
 /// Every worker's HTTP/2 upstream connections, by peer.
+/// The pool's maps are looked up at every request (`room`): foldhash, not
+/// SipHash (~500 instructions a gRPC call), as pier-core's pool does, and
+/// for the same reason: keys are the configured origins, not chosen by
+/// clients.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+
 #[derive(Default)]
 pub struct H2Pool {
     conns: Mutex<HashMap<PeerKey, Vec<Arc<Conn>>>>,
@@ -516,7 +521,7 @@ struct MapFields<'m> {
 impl FieldWriter for MapFields<'_> {
     fn field(&mut self, name: &'static [u8], value: &[u8]) {
         match (
-            http::HeaderName::from_bytes(name),
+            pier_session::http_types::header_name(known::lookup(name), name),
             http::HeaderValue::from_bytes(value),
         ) {
             (Ok(n), Ok(v)) => {

@@ -268,6 +268,13 @@ impl Headers {
     }
 
     /// Append a header (keeps existing ones of the same name).
+    /// Room for `fields` more fields of `bytes` bytes of names and values
+    /// in all (one growth instead of one per doubling).
+    pub fn reserve(&mut self, fields: usize, bytes: usize) {
+        self.arena.reserve(bytes);
+        self.entries.reserve(fields);
+    }
+
     pub fn append(&mut self, name: &[u8], value: &[u8]) {
         let name_off = self.arena.len();
         self.arena.extend_from_slice(name);

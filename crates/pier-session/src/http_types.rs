@@ -121,6 +121,8 @@ impl RequestParts for HttpHead {
 
 /// An `http` map's fields appended to Pier's.
 pub fn to_headers(map: &http::HeaderMap, out: &mut Headers) {
+    let bytes = map.iter().map(|(k, v)| k.as_str().len() + v.len()).sum();
+    out.reserve(map.len(), bytes);
     for (k, v) in map {
         out.append(k.as_str().as_bytes(), v.as_bytes());
     }
@@ -160,12 +162,10 @@ pub fn http_fields(
         }
         let v = all.slice(at..at + value.len());
         at += value.len();
-        // A well-known name is the `http` crate's own constant: no parse.
-        let n = match KNOWN_NAMES.get(k as usize) {
-            Some(n) => Ok(n.clone()),
-            None => http::HeaderName::from_bytes(name),
-        };
-        match (n, http::HeaderValue::from_maybe_shared(v)) {
+        match (
+            header_name(k, name),
+            http::HeaderValue::from_maybe_shared(v),
+        ) {
             (Ok(n), Ok(v)) => {
                 out.append(n, v);
             }
@@ -174,6 +174,35 @@ pub fn http_fields(
     }
     all_taken
 }
+
+/// `name` (whose slot is `k`) as the `http` crate's: a well-known one, or
+/// one of gRPC's, is a constant (no parse, and no copy of a name the `http`
+/// crate does not know into a buffer of its own: eight a gRPC call).
+pub fn header_name(
+    k: Known,
+    name: &[u8],
+) -> Result<http::HeaderName, http::header::InvalidHeaderName> {
+    if let Some(n) = KNOWN_NAMES.get(k as usize) {
+        return Ok(n.clone());
+    }
+    for n in &GRPC_NAMES {
+        if n.as_str().as_bytes().eq_ignore_ascii_case(name) {
+            return Ok(n.clone());
+        }
+    }
+    http::HeaderName::from_bytes(name)
+}
+
+/// The fields of gRPC's protocol (gRPC over HTTP/2: its request, response
+/// and trailer fields).
+static GRPC_NAMES: [http::HeaderName; 6] = [
+    http::HeaderName::from_static("grpc-status"),
+    http::HeaderName::from_static("grpc-message"),
+    http::HeaderName::from_static("grpc-timeout"),
+    http::HeaderName::from_static("grpc-encoding"),
+    http::HeaderName::from_static("grpc-accept-encoding"),
+    http::HeaderName::from_static("grpc-status-details-bin"),
+];
 
 /// The `http` crate's name for each of Pier's well-known slots, in
 /// `known::NAMES` order (a test holds the two together). A static, not a
@@ -251,11 +280,8 @@ fn date_value(now_ns: u64) -> Option<http::HeaderValue> {
 /// the `http` crate refuses are left out).
 pub fn trailer_map(trailers: Option<&Headers>) -> http::HeaderMap {
     let mut map = http::HeaderMap::new();
-    for (k, v) in trailers.into_iter().flat_map(|t| t.iter()) {
-        if let (Ok(n), Ok(v)) = (
-            http::HeaderName::from_bytes(k),
-            http::HeaderValue::from_bytes(v),
-        ) {
+    for (k, n, v) in trailers.into_iter().flat_map(|t| t.iter_known()) {
+        if let (Ok(n), Ok(v)) = (header_name(k, n), http::HeaderValue::from_bytes(v)) {
             map.append(n, v);
         }
     }
@@ -318,6 +344,16 @@ mod tests {
         for (n, name) in KNOWN_NAMES.iter().zip(known::NAMES) {
             assert_eq!(n.as_str(), *name);
         }
+    }
+
+    #[test]
+    fn names_come_from_the_tables_or_are_parsed() {
+        let n = |name: &[u8]| header_name(known::lookup(name), name).unwrap();
+        assert_eq!(n(b"X-Forwarded-For").as_str(), "x-forwarded-for");
+        assert_eq!(n(b"grpc-status").as_str(), "grpc-status");
+        assert_eq!(n(b"Grpc-Message").as_str(), "grpc-message");
+        assert_eq!(n(b"x-custom").as_str(), "x-custom");
+        assert!(header_name(known::UNKNOWN, b"bad name").is_err());
     }
 
     #[test]
