@@ -542,6 +542,51 @@ mod tests {
     use super::*;
     use h2::Reason;
 
+    /// vendor/h2's `check_headers` (one pass over the names, patched)
+    /// refuses what the published one does: a connection-specific field in
+    /// a header block sent, TE other than "trailers".
+    #[test]
+    fn the_patched_h2_still_refuses_connection_specific_fields() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (a, b) = tokio::io::duplex(64 * 1024);
+            tokio::spawn(async move {
+                let mut c = h2::server::handshake(b).await.unwrap();
+                while let Some(Ok(_)) = c.accept().await {}
+            });
+            let (send, conn) = h2::client::handshake(a).await.unwrap();
+            tokio::spawn(conn);
+            let mut send = send.ready().await.unwrap();
+            let bad = [
+                ("connection", "close"),
+                ("keep-alive", "5"),
+                ("proxy-connection", "keep-alive"),
+                ("transfer-encoding", "chunked"),
+                ("upgrade", "websocket"),
+                ("te", "gzip"),
+            ];
+            for (n, v) in bad {
+                let req = http::Request::builder()
+                    .uri("http://x.test/")
+                    .header("x-before", "1")
+                    .header(n, v)
+                    .body(())
+                    .unwrap();
+                assert!(send.send_request(req, true).is_err(), "{n}: {v}");
+            }
+            let ok = http::Request::builder()
+                .uri("http://x.test/")
+                .header("te", "trailers")
+                .header("x-fine", "1")
+                .body(())
+                .unwrap();
+            assert!(send.send_request(ok, true).is_ok());
+        });
+    }
+
     #[test]
     fn a_cancel_at_the_deadline_is_a_timeout_and_any_other_reset_a_closed_origin() {
         let t0 = tokio::time::Instant::now();
