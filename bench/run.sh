@@ -115,33 +115,7 @@ ORIGIN_PID=""
 PROXY_PID=""
 PROXY_PORT=""
 
-kill_tree() {   # TERM a process tree, wait (bounded), then KILL what is left
-    local root="$1" pids p i
-    pids="$(python3 "$BENCH_DIR/tool.py" tree "$root" 2>/dev/null || echo "$root")"
-    kill -TERM "$root" 2>/dev/null || true
-    for i in $(seq 1 50); do
-        kill -0 "$root" 2>/dev/null || break
-        sleep 0.1
-    done
-    for p in $pids; do kill -KILL "$p" 2>/dev/null || true; done
-    wait "$root" 2>/dev/null || true
-}
-
-cleanup() {
-    local rc=$? p
-    for p in "${PIDS[@]:-}"; do
-        [ -n "$p" ] && kill_tree "$p"
-    done
-    exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-untrack() {
-    local p out=()
-    for p in "${PIDS[@]:-}"; do [ "$p" = "$1" ] || out+=("$p"); done
-    PIDS=("${out[@]:-}")
-}
+source "$BENCH_DIR/procs.sh"   # kill_tree, cleanup (at exit), untrack
 
 template() {   # template SRC DST PORT
     sed -e "s/@PORT@/$3/g" -e "s/@ORIGIN@/${ORIGIN_PORT:-0}/g" \

@@ -79,29 +79,7 @@ IFS=, read -ra PATH_LIST <<<"$PATHS"
 # ---- processes ----------------------------------------------------------------------------
 PIDS=()
 PROXY_PID=""
-kill_tree() {   # TERM a process tree, wait (bounded), then KILL what is left
-    local root="$1" pids p i
-    pids="$(python3 "$BENCH/tool.py" tree "$root" 2>/dev/null || echo "$root")"
-    kill -TERM "$root" 2>/dev/null || true
-    for i in $(seq 1 50); do
-        kill -0 "$root" 2>/dev/null || break
-        sleep 0.1
-    done
-    for p in $pids; do kill -KILL "$p" 2>/dev/null || true; done
-    wait "$root" 2>/dev/null || true
-}
-cleanup() {
-    local rc=$? p
-    for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill_tree "$p"; done
-    exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-untrack() {
-    local p out=()
-    for p in "${PIDS[@]:-}"; do [ "$p" = "$1" ] || out+=("$p"); done
-    PIDS=("${out[@]:-}")
-}
+source "$BENCH/procs.sh"   # kill_tree, cleanup (at exit), untrack
 ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
 # Origin: bench/run.sh's nginx (2 workers), shared by every proxy run.

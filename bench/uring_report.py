@@ -6,8 +6,9 @@
 
 import json
 import os
-import statistics
 import sys
+
+from report import cell, med  # bench/report.py's: 'median (min–max)', median
 
 LABEL = {
     "epoll": "uring-proxy, epoll (tokio current_thread)",
@@ -18,21 +19,6 @@ LABEL = {
 }
 ORDER = ["epoll", "uring", "uring-plain", "nginx", "pier"]
 THRESHOLD = 0.10  # issue 34: adopt io_uring only if it saves >= 10% CPU per request
-
-
-def med(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def cell(xs, fmt):
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return "—"
-    m = statistics.median(xs)
-    if len(xs) == 1:
-        return fmt.format(m)
-    return f"{fmt.format(m)} ({fmt.format(min(xs))}–{fmt.format(max(xs))})"
 
 
 def total_us(r):
