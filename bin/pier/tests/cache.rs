@@ -682,6 +682,44 @@ fn stale_while_revalidate_serves_stale_and_refreshes_once_in_the_background() {
     assert!(m.contains("result=\"updating\"} 1"), "{m}");
 }
 
+/// `X-Pier-Cache-Refresh` marks Pier's own background refresh. A client
+/// that sends it (in any case) gets what anyone would: a fresh object is a
+/// hit, a stale-while-revalidate one is served stale, and the origin never
+/// sees the mark.
+#[test]
+fn a_clients_refresh_mark_forces_nothing_and_never_reaches_the_origin() {
+    let s = cache_scenario("")
+        .origin(|r| {
+            let marked = r.header("x-pier-cache-refresh").is_some();
+            Reply::ok(if marked { "marked" } else { "v1" })
+                .header("cache-control", "max-age=1, stale-while-revalidate=60")
+        })
+        .start();
+    for name in [
+        "X-Pier-Cache-Refresh",
+        "x-pier-cache-refresh",
+        "X-PIER-CACHE-REFRESH",
+    ] {
+        s.request("GET", "/mark", &[(name, "1")], b"")
+            .expect_body("v1");
+    }
+    // The first stored it; the others were hits.
+    assert_eq!(s.origin_requests(), 1);
+    s.advance_clock(Duration::from_secs(2));
+    s.request("GET", "/mark", &[("X-Pier-Cache-Refresh", "1")], b"")
+        .expect_body("v1")
+        .expect_header_contains("cache-status", "stale-while-revalidate");
+    // Pier's own refresh reached the origin, without a client's mark: once
+    // it is stored (a fresh hit), it is what the unmarked origin sent.
+    assert!(wait_until(Duration::from_secs(10), || s.origin_requests() == 2));
+    assert!(wait_until(Duration::from_secs(10), || s
+        .get("/mark")
+        .header("cache-status")
+        .is_some_and(|v| v.starts_with("pier; hit; ttl="))));
+    s.get("/mark").expect_body("v1");
+    assert_eq!(s.origin_requests(), 2);
+}
+
 #[test]
 fn stale_if_error_and_grace_serve_stale_when_the_origin_fails() {
     // /sie: stale-if-error; /grace: none (the route's grace applies);

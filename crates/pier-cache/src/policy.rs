@@ -163,7 +163,9 @@ pub fn age_field(h: &Headers) -> u64 {
 /// The RFC 9213 targeted fields Pier obeys, most specific first: its own
 /// (`Pier-Cache-Control`, removed from what clients get) and the one for
 /// every CDN (`CDN-Cache-Control`, passed on for caches further down).
-pub const TARGETED: [&[u8]; 2] = [b"pier-cache-control", b"cdn-cache-control"];
+/// Both have slots (`pier_http::known`): a response is checked for them
+/// by index, not by a scan of its names.
+pub const TARGETED: [known::Known; 2] = [known::PIER_CACHE_CONTROL, known::CDN_CACHE_CONTROL];
 
 /// The caching policy of a response: the first valid, non-empty targeted
 /// field (RFC 9213 §2.2), with `targeted` set (Cache-Control, Expires and
@@ -178,15 +180,12 @@ pub fn response_cc(h: &Headers) -> CacheControl {
 /// §2.1); within one that does, a directive whose value has the wrong type
 /// is ignored.
 pub fn targeted(h: &Headers) -> Option<CacheControl> {
-    if !h.iter_known().any(|(k, _, _)| k == known::UNKNOWN) {
-        return None;
-    }
-    for name in TARGETED {
-        if field(h, name).is_none() {
+    for k in TARGETED {
+        if !h.has_known(k) {
             continue;
         }
         let mut joined = Vec::new();
-        for v in fields(h, name) {
+        for v in h.get_all_known(k) {
             if !joined.is_empty() {
                 joined.extend_from_slice(b", ");
             }
@@ -475,21 +474,6 @@ fn recase(s: &str) -> String {
     }
     flush(&mut word, &mut out);
     out
-}
-
-/// Every value of a field that is not one of `pier_http::known`'s (those
-/// are read by slot: `get_known`), found without the known-name lookup
-/// `Headers::get_all` makes first.
-pub fn fields<'a>(h: &'a Headers, name: &'a [u8]) -> impl Iterator<Item = &'a [u8]> + 'a {
-    debug_assert_eq!(known::lookup(name), known::UNKNOWN);
-    h.iter_known()
-        .filter(move |(k, n, _)| *k == known::UNKNOWN && n.eq_ignore_ascii_case(name))
-        .map(|(_, _, v)| v)
-}
-
-/// The first value of such a field.
-pub fn field<'a>(h: &'a Headers, name: &'a [u8]) -> Option<&'a [u8]> {
-    fields(h, name).next()
 }
 
 /// Statuses cacheable by default, heuristically (RFC 9110 §15.1).

@@ -276,11 +276,24 @@ impl Headers {
     }
 
     pub fn append(&mut self, name: &[u8], value: &[u8]) {
+        self.append_known(known::lookup(name), name, value);
+    }
+
+    /// `append` of a name whose slot the caller already knows (a constant
+    /// name: `known::CACHE_STATUS` for `Cache-Status`, `UNKNOWN` for one
+    /// without a slot), without the lookup: the cache adds such fields to
+    /// every hit and miss. `k` must be `known::lookup(name)`.
+    pub fn append_known(&mut self, k: Known, name: &[u8], value: &[u8]) {
+        debug_assert_eq!(
+            k,
+            known::lookup(name),
+            "{:?}",
+            String::from_utf8_lossy(name)
+        );
         let name_off = self.arena.len();
         self.arena.extend_from_slice(name);
         let val_off = self.arena.len();
         self.arena.extend_from_slice(value);
-        let k = known::lookup(name);
         self.push_entry(Entry {
             name_off: name_off as u32,
             name_len: name.len() as u16,

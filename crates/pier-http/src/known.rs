@@ -59,6 +59,12 @@ known_headers! {
     SURROGATE_KEY = 39, "surrogate-key";
     CACHE_TAG = 40, "cache-tag";
     CACHE_STATUS = 41, "cache-status";
+    // RFC 9213 targeted fields and Pier's refresh mark: looked for on every
+    // miss and every cached response, where a scan by name cost ~1k
+    // instructions a stored miss.
+    PIER_CACHE_CONTROL = 42, "pier-cache-control";
+    CDN_CACHE_CONTROL = 43, "cdn-cache-control";
+    X_PIER_CACHE_REFRESH = 44, "x-pier-cache-refresh";
 }
 
 /// Where `lookup` reads a name of `n` bytes (2..=24): three little-endian
@@ -138,9 +144,11 @@ pub fn lookup(name: &[u8]) -> Known {
             X_FORWARDED_PROTO,
             IF_MODIFIED_SINCE,
             SURROGATE_CONTROL,
+            CDN_CACHE_CONTROL,
         ],
-        18 => &[PROXY_AUTHENTICATE],
+        18 => &[PROXY_AUTHENTICATE, PIER_CACHE_CONTROL],
         19 => &[PROXY_AUTHORIZATION],
+        20 => &[X_PIER_CACHE_REFRESH],
         _ => return UNKNOWN,
     };
     let w = fold_fast(name);

@@ -27,6 +27,8 @@ pub struct CacheFill {
     /// served instead of an origin's 5xx when `stale-if-error`/`grace` allow.
     stale: Option<Arc<Object>>,
     request_time: u64,
+    /// When the origin's head came (`origin_head`); what `store` records.
+    response_time: u64,
     req_cc: CacheControl,
     authorization: bool,
     policy: StorePolicy,
@@ -132,7 +134,8 @@ fn req_cc(sess: &Session) -> CacheControl {
 /// The request header that marks Pier's own background refresh (set only
 /// on the request the refresh task builds; a client's is removed by
 /// `lookup`, so a client cannot force a revalidation through it).
-const REFRESH_MARK: &[u8] = b"x-pier-cache-refresh";
+/// It has a slot (`known::X_PIER_CACHE_REFRESH`): every lookup checks it.
+const REFRESH_MARK: known::Known = known::X_PIER_CACHE_REFRESH;
 
 /// The cache step of a request on a route with `[route.cache]`.
 pub async fn lookup(
@@ -161,11 +164,11 @@ pub async fn lookup(
     }
     // Pier's own refresh (stale-while-revalidate) goes to the origin even
     // though a stale object may serve: `refresh` tells it apart.
-    let marked = policy::field(&sess.req.headers, REFRESH_MARK).is_some();
+    let marked = sess.req.headers.has_known(REFRESH_MARK);
     let refresh = marked && sess.conn.listener.is_none();
     if marked {
-        sess.req.headers.remove(REFRESH_MARK);
-        sess.up_req.headers.remove(REFRESH_MARK);
+        sess.req.headers.remove_known(REFRESH_MARK);
+        sess.up_req.headers.remove_known(REFRESH_MARK);
     }
     let cc = req_cc(sess);
     let now = pier_cache::now();
@@ -302,16 +305,27 @@ pub async fn lookup(
         b"identity" => {
             up.remove_known(known::ACCEPT_ENCODING);
         }
-        b if ae != Some(b) => up.insert(b"Accept-Encoding", b),
+        b if ae != Some(b) => {
+            up.remove_known(known::ACCEPT_ENCODING);
+            up.append_known(known::ACCEPT_ENCODING, b"Accept-Encoding", b)
+        }
         _ => {}
     }
     // Origins may address Surrogate-Control directives to Pier.
-    up.append(b"Surrogate-Capability", b"pier=\"Surrogate/1.0\"");
+    up.append_known(
+        known::UNKNOWN,
+        b"Surrogate-Capability",
+        b"pier=\"Surrogate/1.0\"",
+    );
     if let Some(o) = &stale {
         if let Some(e) = o.etag() {
-            up.append(b"If-None-Match", e);
+            up.append_known(known::IF_NONE_MATCH, b"If-None-Match", e);
         } else if !o.last_modified().is_empty() {
-            up.append(b"If-Modified-Since", o.last_modified());
+            up.append_known(
+                known::IF_MODIFIED_SINCE,
+                b"If-Modified-Since",
+                o.last_modified(),
+            );
         }
     }
     let policy = StorePolicy {
@@ -327,6 +341,7 @@ pub async fn lookup(
         guard,
         stale,
         request_time: now,
+        response_time: now,
         req_cc: cc,
         authorization: sess.req.headers.has_known(known::AUTHORIZATION),
         policy,
@@ -392,7 +407,7 @@ pub fn refresh_request(
     req.headers.remove_known(known::IF_MODIFIED_SINCE);
     req.headers.remove(b"range");
     req.headers.remove(b"if-range");
-    req.headers.append(REFRESH_MARK, b"1");
+    req.headers.append(b"X-Pier-Cache-Refresh", b"1");
     Some((req, guard))
 }
 
@@ -620,8 +635,11 @@ fn stored_head(obj: &Object, status: u16, age: u64, detail: &str, head: &mut Res
         head.headers.remove_known(known::CONTENT_LENGTH);
     }
     head.headers.remove_known(known::AGE);
-    head.headers
-        .append(b"Age", itoa::Buffer::new().format(age).as_bytes());
+    head.headers.append_known(
+        known::AGE,
+        b"Age",
+        itoa::Buffer::new().format(age).as_bytes(),
+    );
     // Built on the stack: `detail` is one of this file's short constants.
     let mut buf = [0u8; 128];
     let mut w = &mut buf[..];
@@ -631,7 +649,8 @@ fn stored_head(obj: &Object, status: u16, age: u64, detail: &str, head: &mut Res
         let _ = write!(w, "; ttl={ttl}");
     }
     let n = 128 - w.len();
-    head.headers.append(b"Cache-Status", &buf[..n]);
+    head.headers
+        .append_known(known::CACHE_STATUS, b"Cache-Status", &buf[..n]);
 }
 
 impl ResponseSource for CacheSource {
@@ -688,9 +707,12 @@ impl Follow {
         head.set_status(self.head.status);
         head.version = 1;
         head.headers.remove_known(known::AGE);
-        head.headers.append(b"Age", b"0");
-        head.headers
-            .append(b"Cache-Status", b"pier; hit; detail=coalesced");
+        head.headers.append_known(known::AGE, b"Age", b"0");
+        head.headers.append_known(
+            known::CACHE_STATUS,
+            b"Cache-Status",
+            b"pier; hit; detail=coalesced",
+        );
     }
 
     fn body_size(&self) -> BodySize {
@@ -796,7 +818,7 @@ fn store(
     fill: &mut CacheFill,
     lifetime: u64,
 ) {
-    let now = pier_cache::now();
+    let now = fill.response_time;
     let mut headers = headers;
     let synthetic_lm = !headers.has_known(known::LAST_MODIFIED);
     if synthetic_lm {
@@ -805,7 +827,7 @@ fn store(
         // one of the stored fields (`stored_fields` left room for it), so
         // every hit sends it and revalidations with the origin use it.
         pier_http::date::with_date(now.saturating_mul(1_000_000_000), |d| {
-            headers.append(b"Last-Modified", d)
+            headers.append_known(known::LAST_MODIFIED, b"Last-Modified", d)
         });
     }
     let date = headers
@@ -964,11 +986,10 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
         if head.status < 200 {
             return Ok(());
         }
-        let now = pier_cache::now();
         let f = &self.fill;
         if matches!(head.status, 500 | 502 | 503 | 504) {
             if let Some(stale) = f.stale.clone() {
-                let age = stale.age(now);
+                let age = stale.age(pier_cache::now());
                 if policy::usable_on_error(stale.lifetime, age, &stale.cc, &f.req_cc, f.grace) {
                     // The origin failed: the stored response instead.
                     f.zone.stats.stale.add(1);
@@ -992,7 +1013,7 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
                 // Revalidated: the stored object, its fields updated.
                 f.zone.stats.revalidated.add(1);
                 self.result = Some(CacheResult::Revalidated);
-                let (obj, storable) = self.revalidated(&stale, head, now);
+                let (obj, storable) = self.revalidated(&stale, head, pier_cache::now());
                 if storable {
                     self.fill.zone.insert(self.fill.key.clone(), obj.clone());
                 }
@@ -1031,7 +1052,10 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
         if self.from_stale.is_some() || head.status < 200 {
             return;
         }
+        // The response's time (RFC 9111 §4.2.3 `response_time`): read once,
+        // here, and kept for `store` when the body ends.
         let now = pier_cache::now();
+        self.fill.response_time = now;
         let f = &self.fill;
         self.cc = policy::response_cc(&head.headers);
         match policy::storable_with(
@@ -1049,23 +1073,31 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
                 self.length = head
                     .headers
                     .get_known(known::CONTENT_LENGTH)
-                    .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse().ok());
+                    .and_then(|v| pier_http::head::parse_u64(v.trim_ascii()));
                 if self.length.is_some_and(|n| n > f.zone.max_object as u64) {
                     // Too big to store, known now: followers need not wait.
-                    head.headers.append(b"Cache-Status", b"pier; fwd=miss");
+                    head.headers.append_known(
+                        known::CACHE_STATUS,
+                        b"Cache-Status",
+                        b"pier; fwd=miss",
+                    );
                     return;
                 }
                 self.head = Some((head.status, stored_fields(&head.headers)));
                 self.body = Some(BytesMut::new());
-                head.headers
-                    .append(b"Cache-Status", b"pier; fwd=miss; stored");
+                head.headers.append_known(
+                    known::CACHE_STATUS,
+                    b"Cache-Status",
+                    b"pier; fwd=miss; stored",
+                );
             }
             Err(why) => {
                 // A partial answer says nothing about the full object.
                 if let (Some(g), false) = (&f.guard, why == policy::NotStored::Partial) {
                     g.uncacheable(now, f.hit_for_miss);
                 }
-                head.headers.append(b"Cache-Status", b"pier; fwd=miss");
+                head.headers
+                    .append_known(known::CACHE_STATUS, b"Cache-Status", b"pier; fwd=miss");
                 // Kept in case a phase stores it after all (`cache_override`).
                 self.spare = Some((head.status, stored_fields(&head.headers)));
             }
@@ -1265,9 +1297,7 @@ pub async fn stale_on_error(
 /// stored object keeps the latter: it is its policy).
 pub fn after_response(state: &State, sess: &Session, resp: &mut ResponseHead) {
     resp.headers.remove_known(known::SURROGATE_CONTROL);
-    if policy::field(&resp.headers, policy::TARGETED[0]).is_some() {
-        resp.headers.remove(policy::TARGETED[0]);
-    }
+    resp.headers.remove_known(known::PIER_CACHE_CONTROL);
     let method = sess.req.method_kind();
     if matches!(method, Method::Get | Method::Head | Method::Options)
         || !(200..400).contains(&resp.status)

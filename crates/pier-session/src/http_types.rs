@@ -252,6 +252,9 @@ static KNOWN_NAMES: [http::HeaderName; known::COUNT] = {
         HeaderName::from_static("surrogate-key"),
         HeaderName::from_static("cache-tag"),
         HeaderName::from_static("cache-status"),
+        HeaderName::from_static("pier-cache-control"),
+        HeaderName::from_static("cdn-cache-control"),
+        HeaderName::from_static("x-pier-cache-refresh"),
     ]
 };
 
