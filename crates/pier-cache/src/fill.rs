@@ -162,7 +162,8 @@ impl FillBuf {
             return false;
         }
         s.held += n;
-        s.chunks.push(Bytes::copy_from_slice(data));
+        // A spare buffer an eviction left, when one fits (`recycle`).
+        s.chunks.push(crate::recycle::body_copy(data));
         drop(s);
         self.changed();
         true

@@ -18,6 +18,7 @@ pub mod fill;
 pub mod mapped;
 mod memory;
 pub mod policy;
+pub mod recycle;
 pub mod tags;
 mod verdict;
 
@@ -443,6 +444,9 @@ impl Zone {
             },
         );
         self.stats.evicted.add(evicted.keys);
+        // Outside the zone's lock: what the evicted objects leave behind
+        // serves this thread's next stores.
+        recycle::recycle(evicted.entries);
         Some(obj)
     }
 
@@ -460,7 +464,7 @@ impl Zone {
             // A body grown by doubling may hold twice its length: keep an
             // exact copy so that the zone's bytes are what memory holds.
             obj.body = match std::mem::take(&mut obj.body).try_into_mut() {
-                Ok(b) if b.capacity() > b.len() + b.len() / 8 + 64 => Bytes::copy_from_slice(&b),
+                Ok(b) if !recycle::tight(b.capacity(), b.len()) => Bytes::copy_from_slice(&b),
                 Ok(b) => b.freeze(),
                 Err(shared) => shared,
             };
@@ -482,6 +486,9 @@ impl Zone {
             },
         );
         self.stats.evicted.add(evicted.keys);
+        // Outside the zone's lock: what the evicted objects leave behind
+        // serves this thread's next stores.
+        recycle::recycle(evicted.entries);
         self.stats.stored.add(1);
         self.record_tags(&key, &obj.headers);
         if write_now {

@@ -666,6 +666,11 @@ pub fn remove_hop_by_hop(h: &mut Headers) {
         for v in h.get_all_known(CONNECTION) {
             for t in v.split(|&b| b == b',') {
                 let t = trim(t);
+                // The usual token names a field removed below anyway: no
+                // lookup (~110 instructions a response).
+                if t.eq_ignore_ascii_case(b"keep-alive") {
+                    continue;
+                }
                 if !t.is_empty() && n < named.len() {
                     named[n] = ((t.as_ptr() as usize - arena_base) as u32, t.len() as u32);
                     n += 1;

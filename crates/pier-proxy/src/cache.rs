@@ -36,18 +36,9 @@ pub struct CacheFill {
     /// The route's `grace`, seconds.
     grace: u64,
     /// The request's fields (Vary values, answers from the stale object):
-    /// a copy into storage taken from `HEADER_POOL`, returned on drop.
+    /// a copy into a spare map (`pier_cache::recycle`), given back on drop.
     req_headers: Headers,
 }
-
-thread_local! {
-    /// Header maps reused by fills for their copy of the request's fields,
-    /// so that a miss allocates none once warm. Bounded: `POOL_MAX` maps
-    /// of at most `POOL_BYTES` each per worker thread.
-    static HEADER_POOL: std::cell::RefCell<Vec<Headers>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-const POOL_MAX: usize = 64;
-const POOL_BYTES: usize = 8 << 10;
 
 thread_local! {
     /// The buffer lookups build keys in: a hit allocates no key, a miss
@@ -74,12 +65,10 @@ impl Drop for KeyBuf {
     }
 }
 
+/// A copy of `h` in a spare map (`pier_cache::recycle`): a miss allocates
+/// none once warm.
 fn pooled_copy(h: &Headers) -> Headers {
-    let mut c = HEADER_POOL
-        .try_with(|p| p.borrow_mut().pop())
-        .ok()
-        .flatten()
-        .unwrap_or_default();
+    let mut c = pier_cache::recycle::headers();
     c.copy_from(h);
     c
 }
@@ -93,16 +82,7 @@ impl CacheFill {
 
 impl Drop for CacheFill {
     fn drop(&mut self) {
-        let h = std::mem::take(&mut self.req_headers);
-        if h.capacity_bytes() <= POOL_BYTES {
-            // `try_with`: a fill dropped while its thread ends just frees.
-            let _ = HEADER_POOL.try_with(|p| {
-                let mut p = p.borrow_mut();
-                if p.len() < POOL_MAX {
-                    p.push(h);
-                }
-            });
-        }
+        pier_cache::recycle::give_headers(std::mem::take(&mut self.req_headers));
     }
 }
 
@@ -857,7 +837,8 @@ fn store(
 /// Pier) and `Cache-Status`. One copy of the parsed head, no per-field
 /// appends: this runs on every stored miss.
 fn stored_fields(resp: &Headers) -> Headers {
-    let mut h = Headers::default();
+    // A map an eviction left, when there is one (`pier_cache::recycle`).
+    let mut h = pier_cache::recycle::headers();
     if resp.has_known(known::LAST_MODIFIED) {
         h.copy_from(resp);
     } else {
