@@ -29,28 +29,17 @@ const READ_BUFFER: usize = 8 * 1024;
 const SPARE_READ_BUFFERS: usize = 32;
 
 thread_local! {
-    static SPARE: std::cell::RefCell<Vec<BytesMut>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SPARE: super::spare::List = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 fn take_read_buffer() -> BytesMut {
-    let mut b = SPARE.with(|s| s.borrow_mut().pop()).unwrap_or_default();
+    let mut b = super::spare::take(&SPARE).unwrap_or_default();
     b.reserve(READ_BUFFER);
     b
 }
 
-fn give_back_read_buffer(mut b: BytesMut) {
-    // Kept only when no frame still holds a piece of it (then its whole
-    // room shows, and a larger one, grown for a large frame, is freed):
-    // a buffer whose size cannot be seen could pin up to a frame's worth.
-    if !b.try_reclaim(READ_BUFFER) || b.capacity() > 4 * READ_BUFFER {
-        return;
-    }
-    SPARE.with(|s| {
-        let mut s = s.borrow_mut();
-        if s.len() < SPARE_READ_BUFFERS {
-            s.push(b);
-        }
-    });
+fn give_back_read_buffer(b: BytesMut) {
+    super::spare::give(&SPARE, b, READ_BUFFER, SPARE_READ_BUFFERS);
 }
 
 // 16 MB "sane default" taken from golang http2

@@ -73,29 +73,16 @@ const DEFAULT_BUFFER_CAPACITY: usize = 16 * 1_024;
 const SPARE_WRITE_BUFFERS: usize = 16;
 
 thread_local! {
-    static SPARE: std::cell::RefCell<Vec<BytesMut>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SPARE: super::spare::List = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 fn take_write_buffer() -> BytesMut {
-    match SPARE.with(|s| s.borrow_mut().pop()) {
-        Some(b) => b,
-        None => BytesMut::with_capacity(DEFAULT_BUFFER_CAPACITY),
-    }
+    super::spare::take(&SPARE)
+        .unwrap_or_else(|| BytesMut::with_capacity(DEFAULT_BUFFER_CAPACITY))
 }
 
-fn give_back_write_buffer(mut b: BytesMut) {
-    // Kept only at its usual size and whole (nothing written from it still
-    // held; `try_reclaim` brings the room back to the front).
-    b.clear();
-    if !b.try_reclaim(DEFAULT_BUFFER_CAPACITY) || b.capacity() > DEFAULT_BUFFER_CAPACITY * 4 {
-        return;
-    }
-    SPARE.with(|s| {
-        let mut s = s.borrow_mut();
-        if s.len() < SPARE_WRITE_BUFFERS {
-            s.push(b);
-        }
-    });
+fn give_back_write_buffer(b: BytesMut) {
+    super::spare::give(&SPARE, b, DEFAULT_BUFFER_CAPACITY, SPARE_WRITE_BUFFERS);
 }
 
 /// Chain payloads bigger than this when vectored I/O is enabled. The remote
