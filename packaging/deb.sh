@@ -15,8 +15,17 @@ if ! command -v lintian >/dev/null; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q lintian >/dev/null
 fi
 
-echo "== cargo deb (profile dist)"
-cargo deb -p pier --profile dist ${PIER_DEB_ARGS:-}
+echo "== cargo deb (profile dist, guided by the committed profile: docs/pgo.md)"
+build_log="$(mktemp)"
+rc=0
+cargo deb -p pier --profile dist ${PIER_DEB_ARGS:-} >"$build_log" 2>&1 || rc=$?
+# LLVM's per-function staleness warnings are summed by pgo/check.sh below, not listed.
+grep -v 'hash mismatch' "$build_log" || true
+[ "$rc" = 0 ] || { echo "cargo deb failed ($rc)"; exit 1; }
+# The packaged binary is the profile-guided one only while the profile matches the code.
+echo "== pgo/check.sh (is the committed profile still the code's?)"
+bash pgo/check.sh "$build_log"
+rm -f "$build_log"
 deb=$(ls -t target/debian/pier_*.deb | head -1)
 echo "== $deb"
 dpkg-deb --info "$deb" | sed -n '1,40p'

@@ -9,4 +9,11 @@ fn main() {
         println!("cargo:rustc-link-arg-bins=-Wl,--export-dynamic-symbol={sym}");
     }
     println!("cargo:rerun-if-changed=build.rs");
+    // The optimised builds are profile-guided by pgo/rustc-wrapper: a new
+    // profile, or PIER_PGO=0, rebuilds the binary (whose fat LTO lays the
+    // whole program out). The dependencies keep the profile they were
+    // compiled with until `cargo clean` (docs/pgo.md).
+    println!("cargo:rerun-if-changed=../../pgo/pier.profdata.xz");
+    println!("cargo:rerun-if-changed=../../pgo/PROFILE");
+    println!("cargo:rerun-if-env-changed=PIER_PGO");
 }
