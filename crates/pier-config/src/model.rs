@@ -372,6 +372,10 @@ pub struct Http2 {
     pub max_pending_accept_reset_streams: usize,
     /// Streams Pier itself had to reset for protocol errors: past it, GOAWAY.
     pub max_local_error_reset_streams: usize,
+    /// Response header blocks encoded with HPACK's dynamic table (fewer
+    /// bytes for fields repeated across a connection's responses) instead
+    /// of the static table only (less CPU, as nginx and HAProxy encode).
+    pub hpack_dynamic_table: bool,
 }
 
 impl Default for Http2 {
@@ -385,6 +389,7 @@ impl Default for Http2 {
             max_concurrent_reset_streams: 50,
             max_pending_accept_reset_streams: 50,
             max_local_error_reset_streams: 64,
+            hpack_dynamic_table: false,
         }
     }
 }

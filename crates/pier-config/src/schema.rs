@@ -126,6 +126,7 @@ pub struct Http2Section {
     pub max_concurrent_reset_streams: Option<Spanned<i64>>,
     pub max_pending_accept_reset_streams: Option<Spanned<i64>>,
     pub max_local_error_reset_streams: Option<Spanned<i64>>,
+    pub hpack_dynamic_table: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]

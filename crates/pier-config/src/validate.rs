@@ -823,6 +823,7 @@ fn http2(c: &mut Check, h: Http2Section) -> Http2 {
             1,
             100_000,
         ) as usize,
+        hpack_dynamic_table: h.hpack_dynamic_table.unwrap_or(d.hpack_dynamic_table),
     }
 }
 

@@ -123,7 +123,13 @@ impl H2Pool {
                 ));
             }
         }
-        let (send, conn) = pier_clock::timeout(limit, h2::client::handshake(io))
+        // Request heads go with HPACK's static table only (no dynamic
+        // table kept per origin connection), as nginx's grpc_pass sends
+        // them: CPU over header bytes on the origin's link.
+        let handshake = h2::client::Builder::new()
+            .hpack_dynamic_table(false)
+            .handshake(io);
+        let (send, conn) = pier_clock::timeout(limit, handshake)
             .await
             .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;

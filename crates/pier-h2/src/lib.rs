@@ -13,3 +13,6 @@
 
 pub mod client;
 pub mod server;
+
+#[cfg(test)]
+mod hpack_tests;

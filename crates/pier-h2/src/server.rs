@@ -49,6 +49,7 @@ pub fn serve<E: Engine, S: Stream>(
         .max_concurrent_reset_streams(c.max_concurrent_reset_streams)
         .max_pending_accept_reset_streams(c.max_pending_accept_reset_streams)
         .max_local_error_reset_streams(Some(c.max_local_error_reset_streams))
+        .hpack_dynamic_table(c.hpack_dynamic_table)
         // WebSocket over HTTP/2 (RFC 8441): SETTINGS_ENABLE_CONNECT_PROTOCOL.
         .enable_connect_protocol();
     let handshake = Box::pin(b.handshake::<S, Bytes>(stream));

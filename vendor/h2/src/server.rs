@@ -253,6 +253,9 @@ pub struct Builder {
     /// Maximum amount of bytes to "buffer" for writing per stream.
     max_send_buffer_size: usize,
 
+    /// Pier: header blocks encoded with HPACK's dynamic table.
+    hpack_dynamic_table: bool,
+
     /// Maximum number of locally reset streams due to protocol error across
     /// the lifetime of the connection.
     ///
@@ -395,6 +398,8 @@ where
         if let Some(max) = builder.settings.max_header_list_size() {
             codec.set_max_recv_header_list_size(max as usize);
         }
+
+        codec.set_send_hpack_dynamic_table(builder.hpack_dynamic_table);
 
         // Send initial settings frame.
         codec
@@ -661,6 +666,7 @@ impl Builder {
             settings: Settings::default(),
             initial_target_connection_window_size: None,
             max_send_buffer_size: proto::DEFAULT_MAX_SEND_BUFFER_SIZE,
+            hpack_dynamic_table: true,
             local_max_error_reset_streams: Some(proto::DEFAULT_LOCAL_RESET_COUNT_MAX),
             data_frame_budget: proto::DataFrameBudget::Auto,
         }
@@ -970,6 +976,16 @@ impl Builder {
     /// ```
     pub fn max_pending_accept_reset_streams(&mut self, max: usize) -> &mut Self {
         self.pending_accept_reset_stream_max = max;
+        self
+    }
+
+    /// Pier: whether header blocks sent on this connection are encoded with
+    /// HPACK's dynamic table (`true`, the default: fields repeated across
+    /// requests go as one-byte indexes, at the CPU cost of keeping the
+    /// table) or with the static table only and raw strings (`false`: more
+    /// bytes on the wire, far less CPU, as nginx's and HAProxy's encoders).
+    pub fn hpack_dynamic_table(&mut self, on: bool) -> &mut Self {
+        self.hpack_dynamic_table = on;
         self
     }
 

@@ -380,6 +380,12 @@ impl<T, B> FramedWrite<T, B> {
         self.encoder.max_frame_size = val as FrameSize;
     }
 
+    /// Pier: header blocks with HPACK's dynamic table, or the static table
+    /// only.
+    pub fn set_hpack_dynamic_table(&mut self, on: bool) {
+        self.encoder.hpack.set_dynamic_table(on);
+    }
+
     /// Set the peer's header table size.
     pub fn set_header_table_size(&mut self, val: usize) {
         self.encoder.hpack.update_max_size(val);

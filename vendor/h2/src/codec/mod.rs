@@ -91,6 +91,12 @@ impl<T, B> Codec<T, B> {
         self.framed_write().set_max_frame_size(val)
     }
 
+    /// Pier: header blocks sent with HPACK's dynamic table, or the static
+    /// table only.
+    pub fn set_send_hpack_dynamic_table(&mut self, on: bool) {
+        self.framed_write().set_hpack_dynamic_table(on)
+    }
+
     /// Set the peer's header table size size.
     pub fn set_send_header_table_size(&mut self, val: usize) {
         self.framed_write().set_header_table_size(val)

@@ -669,7 +669,7 @@ fn hash_header(header: &Header) -> HashValue {
 
 /// Checks the static table for the header. If found, returns the index and a
 /// boolean representing if the value matched as well.
-fn index_static(header: &Header) -> Option<(usize, bool)> {
+pub(crate) fn index_static(header: &Header) -> Option<(usize, bool)> {
     match *header {
         Header::Field {
             ref name,
