@@ -283,10 +283,9 @@ fn date_value(now_ns: u64) -> Option<http::HeaderValue> {
 /// the `http` crate refuses are left out).
 pub fn trailer_map(trailers: Option<&Headers>) -> http::HeaderMap {
     let mut map = http::HeaderMap::new();
-    for (k, n, v) in trailers.into_iter().flat_map(|t| t.iter_known()) {
-        if let (Ok(n), Ok(v)) = (header_name(k, n), http::HeaderValue::from_bytes(v)) {
-            map.append(n, v);
-        }
+    if let Some(t) = trailers {
+        // Sized once, the values one shared buffer (three a gRPC call).
+        http_fields(t, |_, _| false, &mut map);
     }
     map
 }
@@ -357,6 +356,24 @@ mod tests {
         assert_eq!(n(b"Grpc-Message").as_str(), "grpc-message");
         assert_eq!(n(b"x-custom").as_str(), "x-custom");
         assert!(header_name(known::UNKNOWN, b"bad name").is_err());
+    }
+
+    #[test]
+    fn trailers_keep_every_value_in_order_and_leave_out_what_http_refuses() {
+        let mut t = Headers::new();
+        t.append(b"grpc-status", b"0");
+        t.append(b"Grpc-Message", b"fine");
+        t.append(b"x-t", b"1");
+        t.append(b"bad name", b"v");
+        t.append(b"x-t", b"2");
+        t.append(b"x-bad", b"a\x01b");
+        let m = trailer_map(Some(&t));
+        assert_eq!(m.len(), 4);
+        assert_eq!(m["grpc-status"], "0");
+        assert_eq!(m["grpc-message"], "fine");
+        let xt: Vec<_> = m.get_all("x-t").iter().collect();
+        assert_eq!(xt, ["1", "2"]);
+        assert!(trailer_map(None).is_empty());
     }
 
     #[test]
