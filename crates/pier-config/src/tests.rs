@@ -3018,3 +3018,12 @@ fn upgrade_socket_and_send_proxy_protocol() {
         "unknown send_proxy_protocol \"v3\"",
     );
 }
+
+#[test]
+fn http2_hpack_dynamic_table_is_off_unless_asked_for() {
+    assert!(!ok(BASE).http2.hpack_dynamic_table);
+    let on = format!("{BASE}\n[http2]\nhpack_dynamic_table = true\n");
+    assert!(ok(&on).http2.hpack_dynamic_table);
+    let bad = format!("{BASE}\n[http2]\nhpack_dynamic_table = \"yes\"\n");
+    assert!(!errors(&bad).is_empty());
+}
