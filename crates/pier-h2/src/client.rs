@@ -499,6 +499,10 @@ pub fn request(o: &impl UpstreamRequest, tls: bool) -> Result<http::Request<()>,
         .body(())
         .map_err(|_| Error::new(Kind::InvalidHost))?;
     let h = r.headers_mut();
+    // Room for the received fields and the ones added below (TE,
+    // Content-Length, the forwarding fields): one allocation, not a
+    // growth when the forwarding fields come.
+    h.reserve(req.headers.len() + 6);
     // A field the `http` crate refuses fails the request, as it did when
     // fields were converted one by one (pier-http's parser lets few by).
     if !pier_session::http_types::http_fields(&req.headers, |k, n| !o.keeps(k, n), h) {
