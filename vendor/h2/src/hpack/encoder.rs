@@ -245,8 +245,9 @@ impl Encoder {
 ///
 /// Why: the dynamic table's bookkeeping (hashing each field, probing,
 /// inserting, evicting and dropping the evicted fields) and the Huffman
-/// coding of every literal cost ~4,900 instructions a header block, a
-/// seventh of a proxied gRPC call (issue 34). What it saves is bytes of
+/// coding of every literal: dropping them took a proxied gRPC call (three
+/// header blocks) from 106,378 to 98,936 instructions, −7% (issue 34,
+/// BENCHMARKS.md `h2x34`). What the table saves is bytes of
 /// repeated fields on the wire. Nothing is inserted, so the peer's
 /// decoder table stays empty and no table size update is needed for it.
 fn encode_static<I>(headers: I, dst: &mut BytesMut)
