@@ -488,6 +488,34 @@ fn set_cookie_pass_and_store() {
     o.stop();
 }
 
+/// An origin's hop-by-hop fields (the fixed ones and those its Connection
+/// names) reach neither the client of the miss nor the stored object, so no
+/// hit either; the end-to-end fields around them stay. They are removed
+/// once, before the cache steps read the head.
+#[test]
+fn hop_by_hop_fields_are_neither_forwarded_nor_stored() {
+    let o = Script::start(|_r: &Request| {
+        Reply::wire(
+            "HTTP/1.1 200 OK\r\nCache-Control: max-age=60\r\nConnection: keep-alive, X-Hop\r\n\
+             X-Hop: secret\r\nKeep-Alive: timeout=5\r\nX-End: kept\r\nContent-Length: 2"
+                .to_string(),
+            vec![(Duration::ZERO, b"ok".to_vec())],
+        )
+    });
+    let p = pier(&cache_config(o.addr(), ""));
+    let mut c = RawConn::connect(p.listener("main"));
+    for want in ["stored", "hit"] {
+        let r = c.get("/hop").unwrap();
+        assert!(r.header("cache-status").unwrap().contains(want), "{r:?}");
+        assert_eq!(r.header("x-end"), Some("kept"), "{r:?}");
+        assert_eq!(r.header("x-hop"), None, "{r:?}");
+        assert_eq!(r.header("keep-alive"), None, "{r:?}");
+        assert_eq!(r.body, b"ok");
+    }
+    assert_eq!(o.requests(), 1);
+    o.stop();
+}
+
 fn ok(cc: &str, body: &str) -> Reply {
     Reply::wire(
         format!(

@@ -638,6 +638,12 @@ pub fn now() -> u64 {
     pier_clock::unix_secs()
 }
 
+/// [`now`] without a clock read, for a worker's request path
+/// (`pier_clock::recent_unix_secs`): a lookup and a fill's response time.
+pub fn recent() -> u64 {
+    pier_clock::recent_unix_secs()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -137,6 +137,16 @@ pub fn unix_secs() -> u64 {
     secs.saturating_add_signed(test_offset_secs())
 }
 
+/// [`unix_secs`] from [`recent`] and the wall-clock base of [`wall_ns`]: no
+/// clock read. For a worker's hot path (the cache's lookup and fill), whose
+/// runtime refreshes `recent` at every wake and every request's start, so
+/// the figure lags the system clock by at most one request's processing
+/// (`unix_secs` read twice a stored miss cost ~220 instructions). Not for
+/// threads that never call [`now`]: their `recent` is their first reading.
+pub fn recent_unix_secs() -> u64 {
+    (wall_ns(recent()) / 1_000_000_000).saturating_add_signed(test_offset_secs())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,6 +189,19 @@ mod tests {
         assert!(unix_secs() < sys);
         std::fs::remove_file(&file).unwrap();
         assert_eq!(test_offset_secs(), 0);
+    }
+
+    #[test]
+    fn recent_unix_secs_is_the_system_clock_without_a_read() {
+        now();
+        let sys = system_ns() / 1_000_000_000;
+        let t = recent_unix_secs();
+        // `the_test_clock_adds_its_file_s_seconds` may have its offset
+        // installed meanwhile (one clock per process): any of its values.
+        let ok = [0i64, 3600, -60]
+            .iter()
+            .any(|&o| t.abs_diff(sys.saturating_add_signed(o)) <= 1);
+        assert!(ok, "{t} vs {sys}");
     }
 
     #[test]

@@ -491,8 +491,8 @@ impl<'a, S> EncodeSource<'a, S> {
 
 impl<S: ResponseSource> ResponseSource for EncodeSource<'_, S> {
     const STORED: bool = S::STORED;
-    fn origin_head(&mut self, head: &mut ResponseHead) {
-        self.inner.origin_head(head)
+    fn origin_head(&mut self, head: &mut ResponseHead, req: &pier_http::Headers) {
+        self.inner.origin_head(head, req)
     }
     async fn read_head(&mut self, head: &mut ResponseHead) -> Result<(), Error> {
         self.inner.read_head(head).await?;

@@ -35,8 +35,9 @@ pub struct CacheFill {
     hit_for_miss: u64,
     /// The route's `grace`, seconds.
     grace: u64,
-    /// The request's fields (Vary values, answers from the stale object):
-    /// a copy into a spare map (`pier_cache::recycle`), given back on drop.
+    /// The request's fields, for answers from the stale object: a copy into
+    /// a spare map (`pier_cache::recycle`), given back on drop; empty (no
+    /// copy) when nothing is stored for the key.
     req_headers: Headers,
 }
 
@@ -151,7 +152,8 @@ pub async fn lookup(
         sess.up_req.headers.remove_known(REFRESH_MARK);
     }
     let cc = req_cc(sess);
-    let now = pier_cache::now();
+    // The request's start read the clock: no read of its own.
+    let now = pier_cache::recent();
     let plain = method == Method::Get
         && !sess.req.headers.has_known(known::IF_NONE_MATCH)
         && !sess.req.headers.has_known(known::IF_MODIFIED_SINCE)
@@ -315,6 +317,11 @@ pub async fn lookup(
         heuristic_max: 86_400,
         store_set_cookie: rc.store_set_cookie,
     };
+    // Only answers from a stale object read the request's fields later.
+    let req_headers = match stale {
+        Some(_) => pooled_copy(&sess.req.headers),
+        None => Headers::default(),
+    };
     Lookup::Miss(Some(Box::new(CacheFill {
         zone,
         key: shared.unwrap_or_else(|| Arc::from(key)),
@@ -327,7 +334,7 @@ pub async fn lookup(
         policy,
         hit_for_miss: rc.hit_for_miss.as_secs(),
         grace: rc.grace.as_secs(),
-        req_headers: pooled_copy(&sess.req.headers),
+        req_headers,
     })))
 }
 
@@ -762,6 +769,9 @@ pub struct TeeSource<S> {
     done: bool,
     /// The origin's Content-Length, for followers.
     length: Option<u64>,
+    /// The request's values of the fields the response's Vary names
+    /// (`origin_head`): which requests the stored object answers.
+    vary: pier_cache::VaryValues,
 }
 
 impl<S> TeeSource<S> {
@@ -784,6 +794,7 @@ impl<S> TeeSource<S> {
             published: false,
             done: false,
             length: None,
+            vary: Vec::new(),
         }
     }
 }
@@ -1029,13 +1040,17 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
     /// policy), decided on the head the origin's steps left, which is the
     /// head that is stored: never one `response_filter` edited for this
     /// client.
-    fn origin_head(&mut self, head: &mut ResponseHead) {
+    fn origin_head(&mut self, head: &mut ResponseHead, req: &Headers) {
         if self.from_stale.is_some() || head.status < 200 {
             return;
         }
-        // The response's time (RFC 9111 §4.2.3 `response_time`): read once,
-        // here, and kept for `store` when the body ends.
-        let now = pier_cache::now();
+        // Which requests this response answers: followers check theirs
+        // against it, and the stored object keeps it.
+        self.vary = pier_cache::vary_of(&head.headers, req);
+        // The response's time (RFC 9111 §4.2.3 `response_time`): taken once,
+        // here, and kept for `store` when the body ends. The worker read the
+        // clock when it woke for the response: no read of its own.
+        let now = pier_cache::recent();
         self.fill.response_time = now;
         let f = &self.fill;
         self.cc = policy::response_cc(&head.headers);
@@ -1103,17 +1118,12 @@ impl<S: ResponseSource> ResponseSource for TeeSource<S> {
             self.published = true;
             match (&mut self.head, &self.body) {
                 // The fields move to the followers; `finish` gives them back.
-                (Some((status, h)), Some(_)) => {
-                    // Which requests this response answers: followers check
-                    // theirs against it, and the stored object keeps it.
-                    let vary = pier_cache::vary_of(h, &self.fill.req_headers);
-                    self.buf.publish_head(FillHead {
-                        status: *status,
-                        headers: std::mem::take(h),
-                        length: self.length,
-                        vary,
-                    })
-                }
+                (Some((status, h)), Some(_)) => self.buf.publish_head(FillHead {
+                    status: *status,
+                    headers: std::mem::take(h),
+                    length: self.length,
+                    vary: std::mem::take(&mut self.vary),
+                }),
                 _ => self.buf.pass(),
             }
         }

@@ -1944,10 +1944,17 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         }
         if !upgrade {
             if !Src::STORED {
+                // The origin's hop-by-hop fields go before the cache steps:
+                // the stored copy and this client's head are cleaned once,
+                // here (the strip after `response_filter` below then finds
+                // only what a hook added).
+                if resp.headers.has_known(known::CONNECTION) {
+                    pier_http::remove_hop_by_hop(&mut resp.headers);
+                }
                 sess.step = Step::CacheStore;
                 w.phases.cache_store(state, sess, resp, ctx);
                 // What a fill stores: the head as the origin's steps left it.
-                src.origin_head(resp);
+                src.origin_head(resp, &sess.req.headers);
             }
             if sess
                 .route
@@ -1982,6 +1989,8 @@ async fn relay<P: Phases, Src: ResponseSource, Snk: ResponseSink>(
         src.cache_override(resp, ctl);
     }
     crate::cache_key::strip_tags(state, sess, resp);
+    // A Connection field here is a hook's (or, for a stored or generated
+    // answer, its source's): what it names goes too.
     if resp.headers.has_known(known::CONNECTION) {
         pier_http::remove_hop_by_hop(&mut resp.headers);
     }

@@ -141,8 +141,10 @@ pub trait ResponseSource {
     const STORED: bool = false;
     /// The origin's final head as `upstream_response_filter` and the
     /// cache-store step left it (before `response_filter`, which edits what
-    /// this client gets): what a cache fill stores. Other sources ignore it.
-    fn origin_head(&mut self, _head: &mut ResponseHead) {}
+    /// this client gets), with the request it answers (whose values of the
+    /// fields the response's Vary names select it): what a cache fill
+    /// stores. Other sources ignore it.
+    fn origin_head(&mut self, _head: &mut ResponseHead, _req: &pier_http::Headers) {}
     /// A phase's cache verdict on this response (after `response_filter`,
     /// before the head is written): a cache fill applies it to what it
     /// stores and to `head`'s Cache-Status. Other sources ignore it.
@@ -164,8 +166,8 @@ pub trait ResponseSource {
 impl<S: ResponseSource> ResponseSource for &mut S {
     const FROM_ORIGIN: bool = S::FROM_ORIGIN;
     const STORED: bool = S::STORED;
-    fn origin_head(&mut self, head: &mut ResponseHead) {
-        (**self).origin_head(head)
+    fn origin_head(&mut self, head: &mut ResponseHead, req: &pier_http::Headers) {
+        (**self).origin_head(head, req)
     }
     async fn read_head(&mut self, head: &mut ResponseHead) -> Result<(), Error> {
         (**self).read_head(head).await
