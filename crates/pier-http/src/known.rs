@@ -65,6 +65,9 @@ known_headers! {
     PIER_CACHE_CONTROL = 42, "pier-cache-control";
     CDN_CACHE_CONTROL = 43, "cdn-cache-control";
     X_PIER_CACHE_REFRESH = 44, "x-pier-cache-refresh";
+    // The tiered cache's mark (`pier_proxy::tier`), looked for on every
+    // stored miss: a scan by name cost ~180 instructions.
+    PIER_TIER = 45, "pier-tier";
 }
 
 /// Where `lookup` reads a name of `n` bytes (2..=24): three little-endian
@@ -125,7 +128,7 @@ pub fn lookup(name: &[u8]) -> Known {
         6 => &[SERVER, COOKIE, ACCEPT, EXPECT, PRAGMA],
         7 => &[TRAILER, UPGRADE, EXPIRES],
         8 => &[LOCATION],
-        9 => &[CACHE_TAG],
+        9 => &[CACHE_TAG, PIER_TIER],
         10 => &[CONNECTION, KEEP_ALIVE, USER_AGENT, SET_COOKIE],
         11 => &[RETRY_AFTER],
         12 => &[CONTENT_TYPE, CACHE_STATUS],

@@ -42,6 +42,8 @@ const LOAD_FLOOR: usize = 32;
 
 /// The loop-prevention mark on a request to a parent.
 pub const HOP: &[u8] = b"pier-tier";
+/// Its slot: every lookup that may fill looks for it.
+const HOP_KNOWN: pier_http::known::Known = pier_http::known::PIER_TIER;
 
 /// A miss on its way to the parents.
 pub(crate) struct Tier {
@@ -96,8 +98,8 @@ pub(crate) fn begin(
     route: usize,
     key: Option<&Arc<[u8]>>,
 ) -> Option<Tier> {
-    if sess.req.headers.get(HOP).is_some() {
-        sess.up_req.headers.remove(HOP);
+    if sess.req.headers.has_known(HOP_KNOWN) {
+        sess.up_req.headers.remove_known(HOP_KNOWN);
         return None;
     }
     let key = key?;

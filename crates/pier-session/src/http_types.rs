@@ -255,6 +255,7 @@ static KNOWN_NAMES: [http::HeaderName; known::COUNT] = {
         HeaderName::from_static("pier-cache-control"),
         HeaderName::from_static("cdn-cache-control"),
         HeaderName::from_static("x-pier-cache-refresh"),
+        HeaderName::from_static("pier-tier"),
     ]
 };
 
