@@ -2,13 +2,15 @@
 # HTTP/2 and gRPC side by side: Pier vs nginx and HAProxy, one proxy at a time, per proxy
 # CPU-second. See bench/README.md ("HTTP/2 and gRPC").
 #
-#   bench/h2.sh                                     # everything (~12 minutes on 2 cores)
+#   bench/h2.sh                                     # everything (~16 minutes on 2 cores)
 #   MODES=grpc PROXIES=pier,nginx REPS=1 bench/h2.sh
 #   PIER_BIN=after PIER_BIN_B=before PROXIES=pier,pier-b,haproxy SKIP_BUILD=1 bench/h2.sh  # two builds, one run
 #
 # Modes:
 #   h2    HTTP/2 over TLS (ALPN h2) downstream, HTTP/1.1 to an nginx origin; h2load with 10
 #         streams per connection (STREAMS total: 5 and 50 connections by default).
+#   h2c   the same over cleartext HTTP/2 with prior knowledge (h2load's default for http://;
+#         Pier `h2c = "only"`, nginx `listen … http2` without ssl, HAProxy `proto h2`).
 #   grpc  gRPC unary (grpc.testing.TestService/UnaryCall) with ghz, cleartext HTTP/2 with
 #         prior knowledge on both legs, to grpc-go's interop server; counts the upstream
 #         connections each proxy opened (sockets to the server's port, TIME-WAIT included).
@@ -20,9 +22,11 @@ BENCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$BENCH_DIR/.." && pwd)"
 
 PROXIES="${PROXIES:-pier,nginx,haproxy}"
-MODES="${MODES:-h2,grpc,idle}"
+MODES="${MODES:-h2,h2c,grpc,idle}"
 DURATION="${DURATION:-10}"
-STREAMS="${STREAMS:-50,500}"        # streams in flight in total; 10 per connection
+STREAMS="${STREAMS:-50,500}"        # streams in flight in total
+PER_CONN="${PER_CONN:-10}"          # h2, h2c: streams per connection (a list: 1,10,100)
+PATHS="${PATHS:-/hello}"            # h2, h2c: request paths (the origin has /hello and /4k.bin)
 REPS="${REPS:-3}"
 IDLE_CONNS="${IDLE_CONNS:-2000}"
 PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
@@ -86,6 +90,7 @@ CERT_FILE="$d/leaf.pem"; KEY_FILE="$d/leaf.key"; PEM_FILE="$d/combined.pem"
 ORIGIN_PORT="$(python3 "$BENCH_DIR/tool.py" port)"
 mkdir -p "$RUN/origin/logs/tmp" "$RUN/origin/html"
 printf 'hello world\n' >"$RUN/origin/html/hello.txt"
+head -c 4096 /dev/urandom >"$RUN/origin/html/4k.bin"
 chmod -R 755 "$RUN/origin"
 template "$BENCH_DIR/peers/origin/nginx.conf" "$RUN/origin/nginx.conf" "$ORIGIN_PORT" 0
 nginx -p "$RUN/origin/" -c nginx.conf -e "$RUN/origin/logs/error.log" >"$RUN/origin/stdout.log" 2>&1 &
@@ -101,6 +106,7 @@ fi
 
 cat >"$RUN/settings.json" <<EOF
 {"proxies": "$PROXIES", "modes": "$MODES", "duration": $DURATION, "streams": "$STREAMS", "reps": $REPS,
+ "per_conn": "$PER_CONN", "paths": "$PATHS",
  "idle_conns": $IDLE_CONNS, "date": "$(date -u +%Y-%m-%dT%H:%M:%SZ)", "nproc": $(nproc),
  "nginx": "$(nginx -v 2>&1 | sed 's/.*nginx\///')", "haproxy": "$(haproxy -v | head -1 | awk '{print $3}')",
  "h2load": "$(h2load --version | awk '{print $2}')", "ghz": "$("$GHZ" --version 2>&1 | head -1)",
@@ -111,7 +117,7 @@ PROXY_PID=""; PROXY_PORT=""
 start_proxy() {   # start_proxy NAME MODE
     local name="$1" mode="$2" dir="$RUN/$1-$2" up="$ORIGIN_PORT" cfg
     [ "$mode" = grpc ] && up="$GRPC_PORT"
-    local suffix=h2; [ "$mode" = grpc ] && suffix=grpc
+    local suffix="$mode"   # h2, h2c or grpc: bench/peers/h2/<proxy>-<suffix>.*
     PROXY_PORT="$(python3 "$BENCH_DIR/tool.py" port)"
     rm -rf "$dir"; mkdir -p "$dir/logs/tmp"; chmod -R 755 "$dir"
     case "$name" in
@@ -139,7 +145,8 @@ start_proxy() {   # start_proxy NAME MODE
         why="$("$GRPC_CLIENT" --server_port="$PROXY_PORT" --test_case=large_unary 2>&1)" || {
             log "$name: gRPC check failed: $why"; return 1; }
     else
-        why="$(python3 "$BENCH_DIR/h2tool.py" check-h2 "$PROXY_PORT")" || {
+        local clear=(); [ "$mode" = h2c ] && clear=(--cleartext)
+        why="$(python3 "$BENCH_DIR/h2tool.py" check-h2 "${clear[@]}" "$PROXY_PORT")" || {
             log "$name: HTTP/2 check failed: $why"; return 1; }
     fi
 }
@@ -148,25 +155,37 @@ GRPC_CLIENT="${GRPC_CLIENT:-$(command -v client || echo /root/go/bin/client)}"
 
 IFS=, read -ra PROXY_LIST <<<"$PROXIES"
 IFS=, read -ra STREAM_LIST <<<"$STREAMS"
+IFS=, read -ra PER_CONN_LIST <<<"$PER_CONN"
+IFS=, read -ra PATH_LIST <<<"$PATHS"
 for rep in $(seq 1 "$REPS"); do
-    for mode in h2 grpc; do
+    for mode in h2 h2c grpc; do
         has "$mode" "$MODES" || continue
+        # gRPC: one call, 10 streams a connection. h2 and h2c: every path and streams per
+        # connection; S streams in flight are S/P connections of P (at least one connection).
+        paths=("${PATH_LIST[@]}"); pers=("${PER_CONN_LIST[@]}")
+        [ "$mode" = grpc ] && { paths=(-); pers=(10); }
+        for path in "${paths[@]}"; do
+        for per in "${pers[@]}"; do
         for s in "${STREAM_LIST[@]}"; do
-            log "rep $rep/$REPS: $mode, $s streams (10 per connection), ${DURATION}s, load $(cut -d' ' -f1 /proc/loadavg)"
+            conns=$((s / per)); [ "$conns" -ge 1 ] || conns=1
+            log "rep $rep/$REPS: $mode $path, $((conns * per)) streams ($per per connection), ${DURATION}s, load $(cut -d' ' -f1 /proc/loadavg)"
             for proxy in "${PROXY_LIST[@]}"; do
                 start_proxy "$proxy" "$mode" || { stop_proxy; continue; }
-                if [ "$mode" = h2 ]; then
-                    python3 "$BENCH_DIR/h2tool.py" h2load --kind h2 --proxy "$proxy" --out "$RESULTS" \
-                        --pid "$PROXY_PID" --port "$PROXY_PORT" --conns $((s / 10)) --streams "$s" \
-                        --duration "$DURATION" --rep "$rep" --origin-port "$ORIGIN_PORT" || log "$proxy: h2load error"
+                if [ "$mode" != grpc ]; then
+                    python3 "$BENCH_DIR/h2tool.py" h2load --kind "$mode" --proxy "$proxy" --out "$RESULTS" \
+                        --pid "$PROXY_PID" --port "$PROXY_PORT" --conns "$conns" --streams $((conns * per)) \
+                        --path "$path" --duration "$DURATION" --rep "$rep" --origin-port "$ORIGIN_PORT" \
+                        || log "$proxy: h2load error"
                 else
                     python3 "$BENCH_DIR/h2tool.py" ghz --kind grpc --proxy "$proxy" --out "$RESULTS" \
-                        --pid "$PROXY_PID" --port "$PROXY_PORT" --conns $((s / 10)) --streams "$s" \
+                        --pid "$PROXY_PID" --port "$PROXY_PORT" --conns "$conns" --streams "$s" \
                         --duration "$DURATION" --rep "$rep" --upstream-port "$GRPC_PORT" \
                         --proto "$PROTO" --ghz "$GHZ" || log "$proxy: ghz error"
                 fi
                 stop_proxy
             done
+        done
+        done
         done
     done
     if has idle "$MODES" && [ "$IDLE_CONNS" -gt 0 ]; then

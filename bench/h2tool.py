@@ -2,12 +2,14 @@
 """Measurement helpers for bench/h2.sh (standard library only; /proc helpers from tool.py).
 
 Subcommands:
-  h2load ...   run h2load against a proxy (HTTP/2 over TLS), append one JSON result line
+  h2load ...   run h2load against a proxy (HTTP/2 over TLS, or h2c with --kind h2c), append one
+               JSON result line
   ghz ...      run ghz (gRPC unary) against a proxy, append one JSON result line, with the
                upstream connections the proxy opened to the gRPC server during the run
   idle ...     RSS of a proxy with N idle HTTP/2-over-TLS client connections (one request
                each, then held open)
-  check-h2 PORT   one HTTP/2-over-TLS GET /hello: exit 0 on 200 "hello world" over h2
+  check-h2 [--cleartext] PORT   one HTTP/2-over-TLS (or h2c) GET /hello: exit 0 on 200
+               "hello world" over h2
   report DIR   Markdown report of DIR/results.jsonl: medians and ranges per scenario
 """
 
@@ -61,7 +63,7 @@ def _run_load(a, cmd, parse):
     r = parse(p.stdout)
     r.update(
         kind=a.kind, proxy=a.proxy, conns=a.conns, streams=a.streams, rep=a.rep,
-        duration=a.duration, load1=la0, machine_busy=busy / wall / os.cpu_count(),
+        per_conn=a.streams // a.conns, path=a.path if a.kind != "grpc" else None, duration=a.duration, load1=la0, machine_busy=busy / wall / os.cpu_count(),
         user_s=after[0] - before[0], sys_s=after[1] - before[1], rss_kib=after[2],
         cmd=" ".join(cmd), rc=p.returncode,
     )
@@ -78,7 +80,8 @@ def _run_load(a, cmd, parse):
         r["stderr"] = p.stderr[-2000:]
     with open(a.out, "a") as f:
         f.write(json.dumps(r) + "\n")
-    print(f"{a.proxy:8} {a.kind} {a.streams:4} streams: {r.get('requests')} req, "
+    print(f"{a.proxy:8} {a.kind} {r['path'] or ''} {a.streams:4} streams ({r['per_conn']}/conn): "
+          f"{r.get('requests')} req, "
           f"{r.get('rps', 0):.0f} req/s, cpu {r['cpu_s']:.2f}s -> "
           f"{r.get('req_per_cpu_s', 0):.0f} req/CPU-s, upstream conns {r.get('upstream_conns')}, "
           f"load {la0:.2f}", file=sys.stderr)
@@ -124,7 +127,9 @@ def parse_ghz(text):
 
 
 def cmd_h2load(a):
-    url = f"https://127.0.0.1:{a.port}{a.path}"
+    # http:// is h2c with prior knowledge (h2load's default for cleartext).
+    scheme = "http" if a.kind == "h2c" else "https"
+    url = f"{scheme}://127.0.0.1:{a.port}{a.path}"
     cmd = ["h2load", f"-c{a.conns}", f"-m{a.streams // a.conns}", f"-t{min(2, a.conns)}",
            f"-D{a.duration}", "--warm-up-time=1", "-H", "User-Agent: pier-bench", url]
     return _run_load(a, cmd, parse_h2load)
@@ -148,9 +153,10 @@ def frame(typ, flags, stream, payload=b""):
     return len(payload).to_bytes(3, "big") + bytes([typ, flags]) + stream.to_bytes(4, "big") + payload
 
 
-def get_hello():
-    # HPACK: :method GET (2), :scheme https (7), :path (4) "/hello", :authority (1) literal.
-    block = bytes([0x82, 0x87, 0x04, 6]) + b"/hello" + bytes([0x01, 9]) + b"127.0.0.1"
+def get_hello(scheme="https"):
+    # HPACK: :method GET (2), :scheme https (7) or http (6), :path (4) "/hello", :authority (1)
+    # literal.
+    block = bytes([0x82, 0x87 if scheme == "https" else 0x86, 0x04, 6]) + b"/hello" + bytes([0x01, 9]) + b"127.0.0.1"
     return frame(1, 0x5, 1, block)  # END_STREAM | END_HEADERS
 
 
@@ -219,15 +225,17 @@ def cmd_idle(a):
 
 def cmd_check_h2(a):
     async def go():
-        ctx = ssl.create_default_context()
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-        ctx.set_alpn_protocols(["h2"])
+        ctx = None
+        if not a.cleartext:
+            ctx = ssl.create_default_context()
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+            ctx.set_alpn_protocols(["h2"])
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection("127.0.0.1", a.port, ssl=ctx), 10)
-        if writer.get_extra_info("ssl_object").selected_alpn_protocol() != "h2":
+        if ctx and writer.get_extra_info("ssl_object").selected_alpn_protocol() != "h2":
             return "ALPN did not pick h2"
-        writer.write(PREFACE + frame(4, 0, 0) + get_hello())
+        writer.write(PREFACE + frame(4, 0, 0) + get_hello("http" if a.cleartext else "https"))
         body = b""
         status = None
         while True:
@@ -273,31 +281,40 @@ def cmd_report(a):
     settings = os.path.join(a.dir, "settings.json")
     if os.path.exists(settings):
         out.append("Settings: `" + open(settings).read().strip().replace("\n", " ") + "`\n")
-    for kind, title in (("h2", "HTTP/2 over TLS, h2load, GET /hello (10 streams per connection)"),
+    for kind, title in (("h2", "HTTP/2 over TLS, h2load"),
+                        ("h2c", "HTTP/2 cleartext (prior knowledge), h2load"),
                         ("grpc", "gRPC unary, ghz, UnaryCall (10 streams per connection)")):
         sel = [r for r in rows if r.get("kind") == kind]
         if not sel:
             continue
+        # Results from before PATHS and PER_CONN: /hello, 10 streams a connection.
+        for r in sel:
+            r.setdefault("per_conn", 10)
+            r.setdefault("path", None if kind == "grpc" else "/hello")
         out.append(f"### {title}\n")
-        out.append("| proxy | streams | req/CPU-s median (min–max) | × nginx (or pier-b) | user µs/req | sys µs/req "
-                   "| req/s | upstream conns opened | failed | load1 | runs |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
-        for streams in sorted({r["streams"] for r in sel}):
-            # Against nginx, or (a before/after run without nginx) against pier-b.
-            ref = "nginx" if any(r["proxy"] == "nginx" for r in sel) else "pier-b"
-            base = _agg([r.get("req_per_cpu_s") for r in sel
-                         if r["streams"] == streams and r["proxy"] == ref])[0]
+        out.append("| proxy | path | streams (per conn) | req/CPU-s median (min–max) | × nginx (or pier-b) "
+                   "| × haproxy | user µs/req | sys µs/req | req/s | upstream conns opened | failed | load1 | runs |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        cells = sorted({(r["path"] or "", r["per_conn"], r["streams"]) for r in sel})
+        # Against nginx, or (a before/after run without nginx) against pier-b.
+        ref = "nginx" if any(r["proxy"] == "nginx" for r in sel) else "pier-b"
+        for path, per, streams in cells:
+            cell = [r for r in sel if (r["path"] or "", r["per_conn"], r["streams"]) == (path, per, streams)]
+            base = _agg([r.get("req_per_cpu_s") for r in cell if r["proxy"] == ref])[0]
+            hap = _agg([r.get("req_per_cpu_s") for r in cell if r["proxy"] == "haproxy"])[0]
             for proxy in ("pier", "pier-b", "nginx", "haproxy"):
-                rs = [r for r in sel if r["streams"] == streams and r["proxy"] == proxy]
+                rs = [r for r in cell if r["proxy"] == proxy]
                 if not rs:
                     continue
                 med, lo, hi = _agg([r.get("req_per_cpu_s") for r in rs])
                 ratio = f"{med / base:.2f}×" if med and base else "—"
+                hratio = f"{med / hap:.2f}×" if med and hap else "—"
                 up = _agg([r.get("upstream_conns") for r in rs])
                 reqs = _agg([r.get("requests") for r in rs])[0]
                 upshare = f" ({up[0] / reqs * 100:.3f}% of req)" if up[0] is not None and reqs else ""
                 out.append(
-                    f"| {proxy} | {streams} | {_fmt(med)} ({_fmt(lo)}–{_fmt(hi)}) | {ratio} "
+                    f"| {proxy} | {path or '—'} | {streams} ({per}) | {_fmt(med)} ({_fmt(lo)}–{_fmt(hi)}) "
+                    f"| {ratio} | {hratio} "
                     f"| {_fmt(_agg([r.get('user_us') for r in rs])[0], 1)} "
                     f"| {_fmt(_agg([r.get('sys_us') for r in rs])[0], 1)} "
                     f"| {_fmt(_agg([r.get('rps') for r in rs])[0])} "
@@ -344,6 +361,7 @@ def main():
         i.add_argument(f"--{k}", type=int, required=True)
     c = sp.add_parser("check-h2")
     c.add_argument("port", type=int)
+    c.add_argument("--cleartext", action="store_true", help="h2c with prior knowledge, no TLS")
     r = sp.add_parser("report")
     r.add_argument("dir")
     a = ap.parse_args()
