@@ -573,6 +573,12 @@ impl Downstream for H3Downstream {
     type Source<'a> = &'a mut H3Rx;
     type Sink<'a> = &'a mut H3Tx;
 
+    /// Boxed: each stream allocates its request's future, which should not
+    /// carry a rarer step's state (`Downstream::hold`).
+    fn hold<F: std::future::Future>(f: F) -> impl std::future::Future<Output = F::Output> {
+        Box::pin(f)
+    }
+
     async fn vet_body(&mut self, _: BodyLen, _: bool, _: Duration) -> Result<(), Kind> {
         // DATA frames are framed by h3.
         Ok(())

@@ -530,7 +530,7 @@ pub(crate) async fn run_guarded<P: Phases, D: Downstream>(
 /// logged, its buffers back to the worker's pool.
 pub(crate) async fn serve_stream<P: Phases, D: Downstream>(
     w: &Worker<P>,
-    mut down: D,
+    down: &mut D,
     parts: &impl pier_session::RequestParts,
     client: SocketAddr,
     local: SocketAddr,
@@ -563,12 +563,12 @@ pub(crate) async fn serve_stream<P: Phases, D: Downstream>(
     sess.begin(pier_http::date::now_ns());
     match made {
         Ok(()) => {
-            run_guarded(w, &state, &mut down, &mut b.work, sess).await;
+            run_guarded(w, &state, down, &mut b.work, sess).await;
             let route = sess.route;
             finish(w, &state, sess, route);
         }
         Err(kind) => {
-            answer_error(w, &state, &mut down, &mut b.work, sess, kind).await;
+            answer_error(w, &state, down, &mut b.work, sess, kind).await;
             finish(w, &state, sess, None);
         }
     }
@@ -1292,24 +1292,19 @@ async fn connect<P: Phases, D: Downstream>(
         head: &mut b.head,
     };
     crate::trace::begin_attempt(sess, addr, walk.attempt);
-    let res =
-        match crate::upstream::connect(w, state, sess, addr, walk.stale_retry_used, bufs).await {
-            Ok(up) => {
-                let attempt = Attempt {
-                    w,
-                    state,
-                    down,
-                    resp: &mut b.resp,
-                    cache: &mut b.cache,
-                    sess,
-                    ctx,
-                    addr,
-                    inflight: &mut inflight,
-                };
-                up.run(attempt).await
-            }
-            Err(e) => Err(e),
-        };
+    let up = crate::upstream::connect(w, state, sess, addr, walk.stale_retry_used, bufs).await;
+    let attempt = Attempt {
+        w,
+        state,
+        down,
+        resp: &mut b.resp,
+        cache: &mut b.cache,
+        sess,
+        ctx,
+        addr,
+        inflight: &mut inflight,
+    };
+    let res = crate::upstream::Upstream::run(up, attempt).await;
     drop(inflight);
     if sess.trace.is_some() {
         let failed = res.as_ref().err().map(|e| e.kind.reason());
@@ -1689,69 +1684,86 @@ struct Attempt<'x, P: Phases, D> {
 }
 
 impl<P: Phases, D: Downstream> crate::upstream::OnSession for Attempt<'_, P, D> {
-    type Out = Result<bool, Error>;
-    async fn run<U: UpstreamSession>(self, mut up: U) -> Result<bool, Error> {
-        let Attempt {
-            w,
-            state,
-            down,
-            resp,
-            cache,
-            sess,
-            ctx,
-            addr,
-            inflight,
-        } = self;
-        w.shared.metrics.pool(up.reused());
-        if sess.trace.is_some() {
-            crate::trace::attempt_reused(sess, up.reused());
-        }
-        sess.step = Step::Send;
-        let bodiless = crate::forward::body(sess) == BodyLen::None;
-        let (mut src, mut body_snk) = up.send(&Outgoing::new(state, sess, addr)).await?;
-        let relayed = if bodiless {
-            let none: Option<&mut U::Sink<'_>> = None;
-            match cache.take() {
-                None => exchange(w, state, down, &mut src, none, resp, sess, ctx, inflight).await,
-                // A cacheable miss: kept as it streams, stored when complete.
-                // In place, not boxed: the request's future is in its own box
-                // already (`serve_connection`), and a box per miss cost an
-                // allocation and a copy of the whole exchange's state.
-                Some(fill) => {
-                    async {
-                        // Compressed before it is stored (`[route.compress]`).
-                        let enc =
-                            pier_compress::EncodeSource::new(&mut src, route_compress(state, sess));
-                        let mut tee = crate::cache::TeeSource::new(enc, fill);
-                        let r = exchange(w, state, down, &mut tee, none, resp, sess, ctx, inflight)
-                            .await;
-                        // A client gone mid-body does not end the fill for others.
-                        tee.finish_detached().await;
-                        r
+    type Ok = bool;
+    // Not an `async fn`: its arguments would be stored twice in the future
+    // (as arguments and as the body's locals), `up` alone 168 bytes.
+    #[allow(clippy::manual_async_fn)]
+    fn run<U: UpstreamSession>(
+        self,
+        mut up: U,
+    ) -> impl std::future::Future<Output = Result<bool, Error>> {
+        async move {
+            let Attempt {
+                w,
+                state,
+                down,
+                resp,
+                cache,
+                sess,
+                ctx,
+                addr,
+                inflight,
+            } = self;
+            w.shared.metrics.pool(up.reused());
+            if sess.trace.is_some() {
+                crate::trace::attempt_reused(sess, up.reused());
+            }
+            sess.step = Step::Send;
+            let bodiless = crate::forward::body(sess) == BodyLen::None;
+            let (mut src, mut body_snk) = up.send(&Outgoing::new(state, sess, addr)).await?;
+            let relayed = if bodiless {
+                let none: Option<&mut U::Sink<'_>> = None;
+                match cache.take() {
+                    None => {
+                        exchange(w, state, down, &mut src, none, resp, sess, ctx, inflight).await
                     }
-                    .await
+                    // A cacheable miss: kept as it streams, stored when complete.
+                    // In place on HTTP/1, whose request future is in its
+                    // connection's box already (`serve_connection`; a box per miss
+                    // cost an allocation and a copy of the whole exchange's
+                    // state); boxed by a multiplexed downstream, whose every
+                    // stream would otherwise allocate and copy this variant, the
+                    // attempt's largest (`Downstream::hold`).
+                    Some(fill) => {
+                        D::hold(async {
+                            // Compressed before it is stored (`[route.compress]`).
+                            let enc = pier_compress::EncodeSource::new(
+                                &mut src,
+                                route_compress(state, sess),
+                            );
+                            let mut tee = crate::cache::TeeSource::new(enc, fill);
+                            let r =
+                                exchange(w, state, down, &mut tee, none, resp, sess, ctx, inflight)
+                                    .await;
+                            // A client gone mid-body does not end the fill for others.
+                            tee.finish_detached().await;
+                            r
+                        })
+                        .await
+                    }
                 }
-            }
-        } else {
-            *cache = None;
-            let snk = Some(&mut body_snk);
-            exchange(w, state, down, &mut src, snk, resp, sess, ctx, inflight).await
-        };
-        match relayed? {
-            Relayed::Done(upstream_reusable, client_keep) => {
-                drop((src, body_snk));
-                up.release(upstream_reusable);
-                Ok(client_keep)
-            }
-            Relayed::Upgrade => {
-                // A tunnel both ways until either side closes or both idle out
-                // (WebSocket etc.).
-                let m = &w.shared.metrics;
-                m.tunnels.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let _tunnel = GaugeGuard::enter(&m.active_tunnels);
-                let sent = U::tunnel(src, body_snk, down, resp, tunnel_idle(state)).await?;
-                sess.bytes_sent += sent;
-                Ok(false)
+            } else {
+                *cache = None;
+                let snk = Some(&mut body_snk);
+                exchange(w, state, down, &mut src, snk, resp, sess, ctx, inflight).await
+            };
+            match relayed? {
+                Relayed::Done(upstream_reusable, client_keep) => {
+                    drop((src, body_snk));
+                    up.release(upstream_reusable);
+                    Ok(client_keep)
+                }
+                Relayed::Upgrade => {
+                    // A tunnel both ways until either side closes or both idle out
+                    // (WebSocket etc.).
+                    let m = &w.shared.metrics;
+                    m.tunnels.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let _tunnel = GaugeGuard::enter(&m.active_tunnels);
+                    let idle = tunnel_idle(state);
+                    let sent = D::hold(U::tunnel(src, body_snk, down, resp, idle)).await?;
+                    sess.bytes_sent += sent;
+                    Ok(false)
+                }
             }
         }
     }
@@ -1786,12 +1798,14 @@ async fn exchange<P: Phases, D: Downstream, Src: ResponseSource, Bsnk: RequestSi
             )
             .await
         }
+        // gRPC-web's framing makes the larger future: held where the
+        // downstream keeps rarer steps (`Downstream::hold`).
         Some(form) => {
             let body_src = pier_grpc::web::WebSource::new(body_src, form);
             let snk = pier_grpc::web::WebSink::new(snk, form);
-            exchange_with(
+            D::hold(exchange_with(
                 w, state, body_src, snk, src, body_snk, resp, sess, ctx, inflight,
-            )
+            ))
             .await
         }
     }

@@ -47,12 +47,31 @@ impl<P: Phases> Engine for Mux<P> {
     fn goaway_timeout(&self) {
         self.w.shared.metrics.goaway_timeout();
     }
-    async fn serve_stream<D, H>(self, down: D, parts: H)
+    // Not an `async fn`: its future would keep its arguments twice (as
+    // arguments and as the body's locals; the stream's downstream and head
+    // are ~670 bytes), and this future is allocated and copied per stream.
+    // The driver borrows the downstream rather than taking it, for the same
+    // reason one layer down.
+    #[allow(clippy::manual_async_fn)]
+    fn serve_stream<D, H>(
+        self,
+        mut down: D,
+        parts: H,
+    ) -> impl std::future::Future<Output = ()> + 'static
     where
         D: Downstream + 'static,
         H: RequestParts + 'static,
     {
-        driver::serve_stream(&self.w, down, &parts, self.client, self.local, &self.conn).await
+        async move {
+            let Mux {
+                w,
+                conn,
+                client,
+                local,
+                ..
+            } = &self;
+            driver::serve_stream(w, &mut down, &parts, *client, *local, conn).await
+        }
     }
 }
 

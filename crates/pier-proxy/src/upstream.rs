@@ -25,19 +25,29 @@ pub enum Upstream<'b> {
 
 /// What runs on a session, whatever its protocol (the driver's attempt).
 pub trait OnSession {
-    type Out;
+    type Ok;
     #[allow(async_fn_in_trait)]
-    async fn run<U: UpstreamSession>(self, up: U) -> Self::Out;
+    async fn run<U: UpstreamSession>(self, up: U) -> Result<Self::Ok, Error>;
 }
 
-impl Upstream<'_> {
-    /// Run `f` on this session.
-    pub async fn run<F: OnSession>(self, f: F) -> F::Out {
-        match self {
-            Upstream::H1(u) => f.run(u).await,
+impl<'b> Upstream<'b> {
+    /// Run `f` on the session [`connect`] made, or give back its failure.
+    /// A plain function choosing a future rather than an `async fn`
+    /// awaiting one: that would be a layer of state of its own, keeping the
+    /// session twice (as its argument and as `f`'s) for the whole exchange;
+    /// taking the connector's result whole lets the caller's future drop it
+    /// (a match on it there kept it, 168 bytes, until the exchange ended).
+    pub fn run<F: OnSession>(
+        up: Result<Self, Error>,
+        f: F,
+    ) -> impl std::future::Future<Output = Result<F::Ok, Error>> + use<'b, F> {
+        use either::Either::{Left, Right};
+        match up {
+            Ok(Upstream::H1(u)) => Left(Left(f.run(u))),
             // Boxed: the HTTP/1 path's future (every request's) does not
             // carry the HTTP/2 exchange's state.
-            Upstream::H2(u) => crate::boxed_in_place(|| f.run(u)).await,
+            Ok(Upstream::H2(u)) => Left(Right(crate::boxed_in_place(|| f.run(u)))),
+            Err(e) => Right(std::future::ready(Err(e))),
         }
     }
 }
