@@ -522,11 +522,21 @@ impl H2Tx {
         };
         while !data.is_empty() {
             s.reserve_capacity(data.len());
-            let cap = tokio::time::timeout(self.o.idle, poll_fn(|cx| s.poll_capacity(cx))).await;
-            let n = match cap {
-                Ok(Some(Ok(n))) => n.min(data.len()),
-                _ => return Err(Error::answered(Kind::ClientClosed)),
-            };
+            // h2 assigns what the windows allow as the capacity is reserved:
+            // a timer (a clock read, a scheduler handle) only when it must
+            // be waited for.
+            let n = match s.capacity() {
+                0 => {
+                    let cap =
+                        tokio::time::timeout(self.o.idle, poll_fn(|cx| s.poll_capacity(cx))).await;
+                    match cap {
+                        Ok(Some(Ok(n))) => n,
+                        _ => return Err(Error::answered(Kind::ClientClosed)),
+                    }
+                }
+                n => n,
+            }
+            .min(data.len());
             if n == 0 {
                 continue;
             }
