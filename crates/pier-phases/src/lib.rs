@@ -858,6 +858,34 @@ mod size_tests {
         assert!(n <= 528, "serve_connection future grew to {n} bytes");
     }
 
+    /// Each HTTP/2 stream allocates and copies this future (its task's
+    /// box), so its size is on every stream's bill. 7,688 bytes in a release
+    /// build until no async layer kept its arguments twice and the rarer
+    /// steps (a cache fill, a tunnel, gRPC-web) were held outside it
+    /// (`Downstream::hold`): 4,216 (docs/phases.md; `bench/future-sizes.sh`
+    /// shows where the bytes are); 4,224 in this (dev) build.
+    #[test]
+    fn http2_stream_future_stays_small() {
+        fn size_of_stream_future<F, Fut>(_: F) -> usize
+        where
+            F: FnOnce(
+                pier_proxy::mux::Mux<ConfigPhases>,
+                pier_h2::server::H2Downstream,
+                pier_session::http_types::HttpHead,
+            ) -> Fut,
+        {
+            std::mem::size_of::<Fut>()
+        }
+        let n = size_of_stream_future(
+            <pier_proxy::mux::Mux<ConfigPhases> as pier_session::Engine>::serve_stream::<
+                pier_h2::server::H2Downstream,
+                pier_session::http_types::HttpHead,
+            >,
+        );
+        eprintln!("HTTP/2 stream future: {n} bytes");
+        assert!(n <= 4224, "the HTTP/2 stream future grew to {n} bytes");
+    }
+
     /// A request's session (the request as received and the upstream
     /// request), boxed with its buffers while the connection is busy and
     /// pooled per worker while it idles.
