@@ -9,10 +9,12 @@ import os
 import statistics
 import sys
 
-ORDER = ["pier", "pier-b", "nginx", "haproxy", "pier-lua", "nginx-lua", "pier-limit", "pier-noanalytics"]
+ORDER = ["pier", "pier-b", "pier-uring", "pier-epoll", "nginx", "haproxy", "pier-lua", "nginx-lua", "pier-limit", "pier-noanalytics"]
 LABEL = {
     "pier": "Pier",
     "pier-b": "Pier, build B (PIER_BIN_B)",
+    "pier-uring": "Pier, io_uring (PIER_IO_URING=1)",
+    "pier-epoll": "Pier, epoll (PIER_IO_URING=0)",
     "nginx": "nginx",
     "haproxy": "HAProxy",
     "pier-lua": "Pier + Lua hook",
@@ -21,7 +23,13 @@ LABEL = {
     "pier-noanalytics": "Pier, analytics off",
 }
 # (numerator, denominator, target) ratios of requests per proxy CPU-second.
-RATIOS = [("pier", "nginx", 1.2), ("pier", "haproxy", 1.0), ("pier-lua", "nginx-lua", 1.5)]
+RATIOS = [
+    ("pier", "nginx", 1.2),
+    ("pier", "haproxy", 1.0),
+    ("pier-lua", "nginx-lua", 1.5),
+    ("pier-uring", "pier-epoll", 1.1),
+    ("pier-epoll", "nginx", 1.0),
+]
 
 
 def med(xs):

@@ -188,6 +188,15 @@ start_proxy() {
             template "$(peer_conf pier pier.toml)" "$dir/pier.toml" "$port"
             "$PIER_BIN_B" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
             ;;
+        pier-uring|pier-epoll)
+            # The plain Pier config with its clients on each worker's
+            # io_uring ([server] io_uring, the default since issue 34) or on
+            # epoll, whatever the build's default: the pair measures the ring.
+            rm -rf "$dir"; mkdir -p "$dir"
+            template "$(peer_conf pier pier.toml)" "$dir/pier.toml" "$port"
+            PIER_IO_URING="$([ "$name" = pier-uring ] && echo 1 || echo 0)" \
+                "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
+            ;;
         pier-lua)
             rm -rf "$dir"; mkdir -p "$dir"
             python3 "$BENCH_DIR/tool.py" pier-config "$PIER_LUA_CONFIG" "$dir/pier.toml"
@@ -212,7 +221,7 @@ start_proxy() {
             printf '\n[analytics]\nenabled = false\n' >>"$dir/pier.toml"
             "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
             ;;
-        *) die "unknown proxy '$name' (known: pier, pier-b, nginx, haproxy, pier-lua, nginx-lua, pier-limit, pier-noanalytics)" ;;
+        *) die "unknown proxy '$name' (known: pier, pier-b, pier-uring, pier-epoll, nginx, haproxy, pier-lua, nginx-lua, pier-limit, pier-noanalytics)" ;;
     esac
     PROXY_PID=$!
     PIDS+=("$PROXY_PID")

@@ -878,8 +878,30 @@ fn ranges_from_a_stored_object_and_location_invalidation() {
 /// HTTP/1 hit splices its pages to the socket (`pier_splice_bytes_total`):
 /// whole, as a range, after a HEAD, pipelined behind another hit on one
 /// connection; an HTTP/2 hit of it (no splice there) gets the same bytes.
+/// On an h2c listener HTTP/1 clients are on epoll.
 #[test]
 fn large_hits_are_spliced_from_their_mapping() {
+    large_hits_spliced(true);
+}
+
+/// The same on a plain listener, whose clients are on the worker's
+/// io_uring (`[server] io_uring`, the default): the splice waits for the
+/// ring's queued bytes, then for room in the socket by POLL_ADD.
+#[test]
+fn large_hits_are_spliced_from_their_mapping_on_io_uring() {
+    large_hits_spliced(false);
+}
+
+/// The worker threads' io_uring instances (each an `anon_inode:[io_uring]`).
+fn rings(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| {
+        d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|l| l.to_string_lossy().contains("io_uring"))
+            .count()
+    })
+}
+
+fn large_hits_spliced(h2c: bool) {
     const LEN: usize = 300_000;
     let body: Vec<u8> = (0..LEN).map(|i| (i * 7 % 251) as u8).collect();
     let served = body.clone();
@@ -898,12 +920,23 @@ fn large_hits_are_spliced_from_their_mapping() {
     )
     .replace(
         "name = \"main\"\nlisten = \"127.0.0.1:0\"",
-        "name = \"main\"\nlisten = \"127.0.0.1:0\"\nh2c = true",
+        if h2c {
+            "name = \"main\"\nlisten = \"127.0.0.1:0\"\nh2c = true"
+        } else {
+            "name = \"main\"\nlisten = \"127.0.0.1:0\""
+        },
     );
     let pier = pier(&cfg);
     let mut c = RawConn::connect(pier.listener("main"));
     let r = c.get("/big").unwrap();
     assert_eq!((r.status, r.body.len()), (200, LEN));
+    // Where the kernel allows io_uring, the plain listener's connection is on
+    // a ring (set up by the worker's first such connection).
+    let uring_allowed = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
+        .is_ok_and(|v| v.trim() == "0");
+    if !h2c && uring_allowed && std::env::var("PIER_IO_URING").as_deref() != Ok("0") {
+        assert!(rings(pier.pid()) >= 1, "no io_uring in pier");
+    }
     assert!(r.body == body, "the miss relays the origin's bytes");
     // Stored once the client had the whole body.
     wait_metric_at_least(&pier, "pier_cache_stored_total{zone=\"main\"}", 1.0);
@@ -972,6 +1005,10 @@ fn large_hits_are_spliced_from_their_mapping() {
         now <= bound
     });
     assert!(now <= bound, "descriptors {fds0} -> {now}");
+    if !h2c {
+        assert_eq!(o.requests(), 1, "every hit from the one stored copy");
+        return;
+    }
     // HTTP/2 hands the mapping's bytes to its frames.
     let dir = pier_test_support::TempDir::new();
     let out_path = dir.path().join("body");

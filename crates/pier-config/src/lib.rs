@@ -300,6 +300,7 @@ impl Config {
             workers: validate::cores(),
             grace_period: validate::DEFAULT_GRACE_PERIOD,
             upgrade_socket: None,
+            io_uring: true,
             listeners: vec![Listener::plain("main", listen)],
             admin,
             admin_auth: AdminAuth::default(),

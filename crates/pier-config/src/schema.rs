@@ -28,6 +28,7 @@ pub struct ServerSection {
     pub workers: Option<Spanned<i64>>,
     pub grace_period: Option<Spanned<String>>,
     pub upgrade_socket: Option<Spanned<String>>,
+    pub io_uring: Option<Spanned<bool>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -70,6 +70,10 @@ fn defaults() {
     assert_eq!(c.workers, validate::cores());
     assert!(c.workers >= 1);
     assert_eq!(c.grace_period, Duration::from_secs(30));
+    assert!(
+        c.io_uring,
+        "cleartext HTTP/1 clients are on io_uring by default"
+    );
     assert_eq!(c.admin, None);
     assert_eq!(c.demo_origin, None);
     assert_eq!(c.access_log, AccessLog::Off);
@@ -133,6 +137,7 @@ fn every_key_set() {
 [server]
 workers = 3
 grace_period = "1m30s"
+io_uring = false
 [admin]
 listen = "localhost:9901"
 [log]
@@ -203,6 +208,7 @@ fall = 5
     let c = ok(text);
     assert_eq!(c.workers, 3);
     assert_eq!(c.grace_period, Duration::from_secs(90));
+    assert!(!c.io_uring);
     assert_eq!(c.admin, Some(addr("127.0.0.1:9901")));
     assert_eq!(c.access_log, AccessLog::File("/tmp/pier-access.log".into()));
     let l = &c.limits;
@@ -452,7 +458,7 @@ fn schema_errors() {
     one_error(
         &format!("[server]\nwokers = 2\n{BASE}"),
         "2:1",
-        "unknown field `wokers`, expected one of `workers`, `grace_period`, `upgrade_socket`",
+        "unknown field `wokers`, expected one of `workers`, `grace_period`, `upgrade_socket`, `io_uring`",
     );
     one_error(
         &format!("{BASE}[limits]\nmax_headers = \"x\"\n"),

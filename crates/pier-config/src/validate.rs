@@ -264,6 +264,7 @@ pub(crate) fn validate(
         .as_ref()
         .filter(|p| !p.get_ref().is_empty())
         .map(|p| path_of(base, p));
+    let io_uring = server.io_uring.as_ref().is_none_or(|b| *b.get_ref());
     // Every socket Pier binds, to catch two things on one port.
     let mut bound = Bound::default();
     let mut admin_auth = AdminAuth::default();
@@ -584,6 +585,7 @@ pub(crate) fn validate(
         workers,
         grace_period,
         upgrade_socket,
+        io_uring,
         listeners,
         admin,
         routes,

@@ -15,8 +15,10 @@ pub mod pool;
 pub mod server;
 pub mod stream;
 
+/// io_uring for cleartext TCP (`[server] io_uring`).
+pub use pier_uring as uring;
 pub use pool::{Pool, PoolConfig};
 pub use server::{
     bind_all, bind_reuseport, bind_udp_all, bind_udp_reuseport, spawn_workers, WorkerContext,
 };
-pub use stream::{Alpn, Conn, Connector, PeerKey, RawSocket, Stream};
+pub use stream::{Alpn, Conn, Connector, PeerKey, RawSocket, SpliceOut, Stream};

@@ -55,14 +55,56 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + 'static {
 /// in mappings of their own, `pier_cache::mapped`). Others say None and are
 /// written to as usual.
 pub trait RawSocket {
-    fn tcp(&self) -> Option<&TcpStream> {
+    fn raw_socket(&self) -> Option<SpliceOut<'_>> {
         None
     }
 }
 
+/// A TCP socket a writer may `send`/`splice` to itself.
+pub enum SpliceOut<'a> {
+    /// Registered with tokio's poller.
+    Tcp(&'a TcpStream),
+    /// On this worker's io_uring: its queue must be drained first.
+    Uring(&'a pier_uring::UringStream),
+}
+
+impl SpliceOut<'_> {
+    /// Wait until bytes written to the socket itself follow every byte
+    /// written before through the stream.
+    pub async fn ready(&self) -> io::Result<()> {
+        match self {
+            SpliceOut::Tcp(_) => Ok(()),
+            SpliceOut::Uring(u) => std::future::poll_fn(|cx| u.poll_drained(cx)).await,
+        }
+    }
+    /// The socket.
+    pub fn fd(&self) -> io::Result<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        match self {
+            SpliceOut::Tcp(t) => Ok(t.as_fd()),
+            SpliceOut::Uring(u) => u.fd().ok_or_else(|| io::ErrorKind::NotConnected.into()),
+        }
+    }
+    /// `f` (a non-blocking write to [`Self::fd`]), again each time the
+    /// socket has room, until it does not say WouldBlock.
+    pub async fn write_with<R>(&self, mut f: impl FnMut() -> io::Result<R>) -> io::Result<R> {
+        match self {
+            SpliceOut::Tcp(t) => t.async_io(tokio::io::Interest::WRITABLE, f).await,
+            SpliceOut::Uring(u) => loop {
+                match f() {
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        std::future::poll_fn(|cx| u.poll_writable(cx)).await?
+                    }
+                    r => return r,
+                }
+            },
+        }
+    }
+}
+
 impl RawSocket for tokio::net::tcp::WriteHalf<'_> {
-    fn tcp(&self) -> Option<&TcpStream> {
-        Some(self.as_ref())
+    fn raw_socket(&self) -> Option<SpliceOut<'_>> {
+        Some(SpliceOut::Tcp(self.as_ref()))
     }
 }
 
@@ -83,6 +125,29 @@ impl Stream for TcpStream {
     }
     fn poll_readable(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<io::Result<()>> {
         self.poll_read_ready(cx)
+    }
+}
+
+/// A TCP connection on this worker's io_uring (pier-uring): reads come
+/// from what its multishot recv copied in, writes are queued for one SEND.
+impl Stream for pier_uring::UringStream {
+    type Read<'a> = pier_uring::UringHalf<'a>;
+    type Write<'a> = pier_uring::UringHalf<'a>;
+    fn split(&mut self) -> (Self::Read<'_>, Self::Write<'_>) {
+        pier_uring::UringStream::split(self)
+    }
+    async fn readable(&self) -> io::Result<()> {
+        std::future::poll_fn(|cx| pier_uring::UringStream::poll_readable(self, cx)).await
+    }
+    fn poll_readable(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<io::Result<()>> {
+        pier_uring::UringStream::poll_readable(self, cx)
+    }
+}
+
+/// Cached bodies are spliced to the socket once the ring's queue is out.
+impl RawSocket for pier_uring::UringHalf<'_> {
+    fn raw_socket(&self) -> Option<SpliceOut<'_>> {
+        Some(SpliceOut::Uring(self.stream()))
     }
 }
 

@@ -152,7 +152,7 @@ impl Drop for PipeLease {
 /// (`splice`), which keeps references to them as `sendfile` does. Within
 /// `t`, waiting for the socket as any write does.
 async fn splice_timed(
-    tcp: &tokio::net::TcpStream,
+    out: pier_core::SpliceOut<'_>,
     mut head: &[u8],
     body: &SpliceBody,
     mut lease: PipeLease,
@@ -160,11 +160,12 @@ async fn splice_timed(
 ) -> std::io::Result<()> {
     use rustix::pipe::SpliceFlags;
     use std::os::fd::AsFd;
-    use tokio::io::Interest;
     let all = async {
+        out.ready().await?;
+        let tcp = out.fd()?;
         while !head.is_empty() {
-            let n = tcp
-                .async_io(Interest::WRITABLE, || {
+            let n = out
+                .write_with(|| {
                     rustix::net::send(
                         tcp,
                         head,
@@ -201,8 +202,8 @@ async fn splice_timed(
             } else {
                 SpliceFlags::empty()
             };
-            let n = tcp
-                .async_io(Interest::WRITABLE, || {
+            let n = out
+                .write_with(|| {
                     rustix::pipe::splice(&p.r, None, tcp, None, held, SpliceFlags::NONBLOCK | more)
                         .map_err(std::io::Error::from)
                 })
@@ -576,7 +577,7 @@ impl<W: AsyncWrite + Unpin + pier_core::RawSocket> ResponseSink for H1ResponseSi
         if self.head_only || body.bytes.is_empty() {
             return Ok(());
         }
-        let Some(tcp) = self.w.tcp().filter(|_| !self.chunked) else {
+        let Some(out) = self.w.raw_socket().filter(|_| !self.chunked) else {
             return self.write_body(&body.bytes).await;
         };
         let Some(pipe) = PipeLease::take() else {
@@ -586,7 +587,7 @@ impl<W: AsyncWrite + Unpin + pier_core::RawSocket> ResponseSink for H1ResponseSi
         let head_len = if self.pending { self.out.len() } else { 0 };
         self.pending = false;
         self.sent += (head_len + body.bytes.len()) as u64;
-        let r = splice_timed(tcp, &self.out[..head_len], body, pipe, self.timeout).await;
+        let r = splice_timed(out, &self.out[..head_len], body, pipe, self.timeout).await;
         self.out.clear();
         r.map_err(|_| Error::answered(Kind::ClientClosed))
     }

@@ -437,6 +437,21 @@ fn per_ip<P: Phases>(
     Ok(Some(g))
 }
 
+/// Cleartext HTTP/1 clients go through this worker's io_uring
+/// (`[server] io_uring`, or `PIER_IO_URING=1`/`0` overriding it), and the
+/// ring is there (set up on first use; a worker without one stays on epoll).
+fn io_uring(cfg: &pier_config::Config) -> bool {
+    static ENV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let on = ENV
+        .get_or_init(|| match std::env::var("PIER_IO_URING").as_deref() {
+            Ok("1") => Some(true),
+            Ok("0") => Some(false),
+            _ => None,
+        })
+        .unwrap_or(cfg.io_uring);
+    on && pier_core::uring::ready()
+}
+
 impl<P: Phases> Admit<P> {
     /// The listener reads a PROXY protocol header first.
     fn proxy_protocol(&self) -> bool {
@@ -483,6 +498,23 @@ impl<P: Phases> Admit<P> {
         // TLS and h2c paths (a rustls acceptor, an h2 connection: kilobytes
         // inline) are boxed, so they cost only the connections that use them.
         match tls {
+            None if !h2c && io_uring(&w.shared.state.load().cfg) => {
+                match pier_core::uring::UringStream::new(stream) {
+                    Ok(s) => {
+                        tokio::task::spawn_local(driver::serve_connection(
+                            w,
+                            s,
+                            peer,
+                            local,
+                            conn,
+                            Some(slot),
+                        ));
+                    }
+                    Err(e) => {
+                        tracing::debug!("io_uring: a connection could not move to the ring: {e}")
+                    }
+                }
+            }
             None if !h2c => {
                 tokio::task::spawn_local(driver::serve_connection(
                     w,
