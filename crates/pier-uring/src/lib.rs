@@ -446,7 +446,7 @@ impl Driver {
     /// (called by the caller, outside the driver's borrow).
     fn turn(&mut self, wake: &mut Vec<Waker>) {
         loop {
-            if self.queued > 0 || !self.ring.completion().is_empty() {
+            if self.queued > 0 {
                 match self.ring.submit() {
                     Ok(_) => self.queued = 0,
                     Err(e)
