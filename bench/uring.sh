@@ -24,7 +24,7 @@ set -euo pipefail
 BENCH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$BENCH/.." && pwd)"
 
-PROXIES="${PROXIES:-epoll,uring,uring-plain,nginx,pier}"   # uring-proxy's modes (epoll, uring, uring-plain), nginx, pier
+PROXIES="${PROXIES:-epoll,uring,uring-plain,nginx,pier}"   # uring-proxy's modes (epoll, uring, uring-plain), nginx, pier, pier-epoll (PIER_IO_URING=0)
 REPS="${REPS:-3}"
 DURATION="${DURATION:-8}"
 CONNS="${CONNS:-50,500}"
@@ -111,12 +111,15 @@ start_proxy() {   # start_proxy NAME: sets PROXY_PID and PROXY_PORT
                 -e "s/^worker_processes 2;/worker_processes $WORKERS;/" \
                 "$BENCH/peers/nginx-proxy/nginx.conf" >"$dir/nginx.conf"
             nginx -p "$dir/" -c nginx.conf -e "$dir/logs/error.log" >"$dir/stdout.log" 2>&1 & ;;
-        pier)
+        pier|pier-epoll)
+            # pier: its default (clients on io_uring since [server] io_uring);
+            # pier-epoll: the same binary and config with PIER_IO_URING=0.
             sed -e "s/@PORT@/$PROXY_PORT/g" -e "s/@ORIGIN@/$ORIGIN_PORT/g" \
                 -e "s/^workers = 2/workers = $WORKERS/" \
                 "$BENCH/peers/pier/pier.toml" >"$dir/pier.toml"
-            "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 & ;;
-        *) die "unknown proxy $name (epoll, uring, uring-plain, nginx, pier)" ;;
+            PIER_IO_URING="$([ "$name" = pier-epoll ] && echo 0 || echo "${PIER_IO_URING:-}")" \
+                "$PIER_BIN" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 & ;;
+        *) die "unknown proxy $name (epoll, uring, uring-plain, nginx, pier, pier-epoll)" ;;
     esac
     PROXY_PID=$!
     PIDS+=("$PROXY_PID")

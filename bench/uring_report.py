@@ -16,8 +16,9 @@ LABEL = {
     "uring-plain": "uring-proxy, io_uring, plain ring",
     "nginx": "nginx proxy_pass",
     "pier": "Pier",
+    "pier-epoll": "Pier, PIER_IO_URING=0",
 }
-ORDER = ["epoll", "uring", "uring-plain", "nginx", "pier"]
+ORDER = ["epoll", "uring", "uring-plain", "nginx", "pier", "pier-epoll"]
 THRESHOLD = 0.10  # issue 34: adopt io_uring only if it saves >= 10% CPU per request
 
 
@@ -34,7 +35,7 @@ def per_req(r, key):
     return r[key] * 1e6 / n if n and r.get(key) is not None else None
 
 
-def compare(keys, runs, mode):
+def compare(keys, runs, mode, base="epoll"):
     print("Saved: (epoll − io_uring) ÷ epoll's CPU µs a request, from the medians; in "
           "brackets the same from each repetition's pair (the modes run one after the other "
           "in each round). The sys and user columns are each part's saving as a share of "
@@ -44,7 +45,7 @@ def compare(keys, runs, mode):
           "| of which user | ≥ 10%? |")
     print("|---|---|---|---|---|---|---|")
     for path, c in keys:
-        e, u = runs("epoll", path, c), runs(mode, path, c)
+        e, u = runs(base, path, c), runs(mode, path, c)
         if not e or not u:
             continue
         et, ut = med([total_us(r) for r in e]), med([total_us(r) for r in u])
@@ -118,6 +119,9 @@ def main():
     if "epoll" in seen and "uring-plain" in seen:
         print("## io_uring on a plain ring (no DEFER_TASKRUN) ÷ epoll\n")
         compare(keys, runs, "uring-plain")
+    if "pier-epoll" in seen and "pier" in seen:
+        print("## Pier: io_uring (its default) ÷ epoll (PIER_IO_URING=0)\n")
+        compare(keys, runs, "pier", base="pier-epoll")
 
     if sysc:
         print("## System calls per request (perf stat, syscall tracepoints; /hello)\n")

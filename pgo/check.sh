@@ -28,7 +28,16 @@ if [ $# -ge 1 ]; then
 else
   log="$(mktemp)"
   trap 'rm -f "$log"' EXIT
-  (cd "$ROOT" && cargo build --profile dist -p pier --color never 2>&1) | tee "$log" | grep -v '^warning:.*hash mismatch' || true
+  # grep finding nothing to print is fine; a failed build is not (its log has no
+  # mismatches, so it would pass as fresh).
+  set +e
+  (cd "$ROOT" && cargo build --profile dist -p pier --color never 2>&1) | tee "$log" | grep -v '^warning:.*hash mismatch'
+  built="${PIPESTATUS[0]}"
+  set -e
+  if [ "$built" != 0 ]; then
+    echo "pgo/check: the dist build failed (exit $built)" >&2
+    exit 1
+  fi
 fi
 python3 - "$log" "$total" "$MAX" <<'EOF'
 import re, sys
