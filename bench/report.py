@@ -27,6 +27,7 @@ RATIOS = [
     ("pier", "nginx", 1.2),
     ("pier", "haproxy", 1.0),
     ("pier-lua", "nginx-lua", 1.5),
+    ("pier", "pier-epoll", 1.1),
     ("pier-uring", "pier-epoll", 1.1),
     ("pier-epoll", "nginx", 1.0),
 ]

@@ -297,6 +297,15 @@ pub fn init() -> io::Result<()> {
     if enabled() {
         return Ok(());
     }
+    // Provided-buffer rings came in 5.19 and multishot receives in 6.0: a
+    // 5.19 kernel would set the ring up and then fail every receive.
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    if !kernel_at_least(&release, (6, 0)) {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("kernel {} is older than 6.0", release.trim()),
+        ));
+    }
     let ring = IoUring::builder()
         .setup_coop_taskrun()
         .setup_submit_all()
@@ -346,6 +355,18 @@ impl Drop for Driver {
                 s.fd = -1;
             }
         }
+    }
+}
+
+/// `release` (`uname -r`: "6.18.44-fc-v1300") is `want` (major, minor) or later.
+fn kernel_at_least(release: &str, want: (u32, u32)) -> bool {
+    let mut parts = release
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|p| p.parse::<u32>().ok());
+    match (parts.next().flatten(), parts.next().flatten()) {
+        (Some(major), Some(minor)) => (major, minor) >= want,
+        _ => false,
     }
 }
 
@@ -1068,6 +1089,16 @@ mod tests {
                 false
             }
         }
+    }
+
+    #[test]
+    fn kernel_releases() {
+        assert!(kernel_at_least("6.18.44-fc-v1300\n", (6, 0)));
+        assert!(kernel_at_least("6.0.0", (6, 0)));
+        assert!(kernel_at_least("10.1", (6, 0)));
+        assert!(!kernel_at_least("5.19.17-generic", (6, 0)));
+        assert!(!kernel_at_least("", (6, 0)));
+        assert!(!kernel_at_least("garbage", (6, 0)));
     }
 
     #[test]
