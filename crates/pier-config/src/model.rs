@@ -19,10 +19,9 @@ pub struct Config {
     /// `[server] upgrade_socket`: where a running Pier hands its listening
     /// sockets to a new binary (`pier upgrade`, SIGUSR2); None: no upgrades.
     pub upgrade_socket: Option<std::path::PathBuf>,
-    /// `[server] io_uring` (default true): cleartext clients (HTTP/1, and
-    /// h2c listeners' connections) are served through each worker's
-    /// io_uring (pier-uring) instead of epoll; a worker whose ring cannot
-    /// be set up stays on epoll. `PIER_IO_URING=1` (or `0`) in the
+    /// `[server] io_uring` (default true): cleartext HTTP/1 clients are
+    /// served through each worker's io_uring (pier-uring) instead of epoll;
+    /// a worker whose ring cannot be set up stays on epoll. `PIER_IO_URING=1` (or `0`) in the
     /// environment overrides the file.
     pub io_uring: bool,
     pub listeners: Vec<Listener>,
