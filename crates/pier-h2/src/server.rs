@@ -233,40 +233,6 @@ impl Drop for StreamGuard {
 /// ("PRI * HTTP/2.0")? Peeked, so an HTTP/1 client loses nothing. Waits at
 /// most `client_header` for the first bytes, woken by the socket's
 /// readiness only (a preface arriving in pieces costs one wake-up a piece).
-/// A socket whose first bytes can be looked at without taking them.
-pub trait PeekPreface {
-    /// The connection opens with HTTP/2's preface (prior knowledge, h2c),
-    /// waiting at most `limit` for enough bytes to tell.
-    fn prior_knowledge(&self, limit: Duration) -> impl std::future::Future<Output = bool>;
-}
-
-impl PeekPreface for tokio::net::TcpStream {
-    fn prior_knowledge(&self, limit: Duration) -> impl std::future::Future<Output = bool> {
-        prior_knowledge(self, limit)
-    }
-}
-
-/// On the worker's io_uring the received bytes are already in the
-/// connection's buffer: looked at there.
-impl PeekPreface for pier_core::uring::UringStream {
-    async fn prior_knowledge(&self, limit: Duration) -> bool {
-        const PRI: &[u8] = b"PRI * HTTP/2.0";
-        let look = async {
-            let mut b = [0u8; 14];
-            let mut seen = 0;
-            loop {
-                match std::future::poll_fn(|cx| self.poll_peek(cx, &mut b, seen)).await {
-                    Ok(n) if n == PRI.len() => return b[..] == *PRI,
-                    // A prefix of the preface so far: wait for more.
-                    Ok(n) if n > seen && b[..n] == PRI[..n] => seen = n,
-                    _ => return false,
-                }
-            }
-        };
-        tokio::time::timeout(limit, look).await.unwrap_or(false)
-    }
-}
-
 pub async fn prior_knowledge(tcp: &tokio::net::TcpStream, limit: Duration) -> bool {
     use std::io::ErrorKind::WouldBlock;
     const PRI: &[u8] = b"PRI * HTTP/2.0";
@@ -306,7 +272,7 @@ pub async fn prior_knowledge(tcp: &tokio::net::TcpStream, limit: Duration) -> bo
 /// preface: closed with a FIN (write side first, then what the client sent
 /// is read and dropped, up to 64 KiB or a second), not a reset, so the
 /// client sees the close (RFC 9113 §3.4).
-pub async fn close_gently<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(mut tcp: S) {
+pub async fn close_gently(mut tcp: tokio::net::TcpStream) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let _ = tcp.shutdown().await;
     let drain = async {

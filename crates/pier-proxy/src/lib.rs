@@ -437,39 +437,6 @@ fn per_ip<P: Phases>(
     Ok(Some(g))
 }
 
-/// A connection on an h2c listener: HTTP/2 if it opens with the preface,
-/// else HTTP/1 (or closed, on an `h2c = "only"` listener).
-async fn serve_h2c<P: Phases, S: pier_core::Stream + pier_h2::server::PeekPreface>(
-    w: Arc<Worker<P>>,
-    stream: S,
-    peer: std::net::SocketAddr,
-    local: std::net::SocketAddr,
-    conn: session::ConnInfo,
-    slot: Slot,
-    h2c_only: bool,
-) {
-    let _slot = slot;
-    // Waiting for the first bytes is waiting for a head: evictable when
-    // the worker is full.
-    let h2 = {
-        let waiting = evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
-        let limit = w.shared.state.load().cfg.timeouts.client_header;
-        tokio::select! {
-            h2 = stream.prior_knowledge(limit) => Some(h2),
-            _ = waiting.evicted() => None,
-        }
-    };
-    let Some(h2) = h2 else { return };
-    if h2 {
-        mux::serve_h2(w, stream, peer, local, conn).await
-    } else if h2c_only {
-        // No HTTP/1 here: a connection without the preface is closed.
-        pier_h2::server::close_gently(stream).await
-    } else {
-        driver::serve_connection(w, stream, peer, local, conn, None).await
-    }
-}
-
 /// Cleartext HTTP/1 clients go through this worker's io_uring
 /// (`[server] io_uring`, or `PIER_IO_URING=1`/`0` overriding it), and the
 /// ring is there (set up on first use; a worker without one stays on epoll).
@@ -558,22 +525,29 @@ impl<P: Phases> Admit<P> {
                     Some(slot),
                 ));
             }
-            None if io_uring(&w.shared.state.load().cfg) => {
-                match pier_core::uring::UringStream::new(stream) {
-                    Ok(s) => {
-                        tokio::task::spawn_local(Box::pin(serve_h2c(
-                            w, s, peer, local, conn, slot, h2c_only,
-                        )));
-                    }
-                    Err(e) => {
-                        tracing::debug!("io_uring: a connection could not move to the ring: {e}")
-                    }
-                }
-            }
             None => {
-                tokio::task::spawn_local(Box::pin(serve_h2c(
-                    w, stream, peer, local, conn, slot, h2c_only,
-                )));
+                tokio::task::spawn_local(Box::pin(async move {
+                    let _slot = slot;
+                    // Waiting for the first bytes is waiting for a head:
+                    // evictable when the worker is full.
+                    let h2 = {
+                        let waiting = evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
+                        tokio::select! {
+                            h2 = pier_h2::server::prior_knowledge(&stream, w.shared.state.load().cfg.timeouts.client_header) => Some(h2),
+                            _ = waiting.evicted() => None,
+                        }
+                    };
+                    let Some(h2) = h2 else { return };
+                    if h2 {
+                        mux::serve_h2(w, stream, peer, local, conn).await
+                    } else if h2c_only {
+                        // No HTTP/1 here: a connection without the preface
+                        // is closed.
+                        pier_h2::server::close_gently(stream).await
+                    } else {
+                        driver::serve_connection(w, stream, peer, local, conn, None).await
+                    }
+                }));
             }
             Some(t) => {
                 tokio::task::spawn_local(async move {

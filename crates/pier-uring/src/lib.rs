@@ -32,9 +32,8 @@
 //! Receives are bounded too: past [`READ_MAX`] unread bytes the recv is
 //! cancelled until the reader catches up.
 //!
-//! Only cleartext TCP accepted on a listener uses it (HTTP/1, and h2c with
-//! prior knowledge); TLS, HTTP/3 and upstream connections run over tokio's
-//! sockets as before. A thread whose ring cannot be set up (old
+//! Only cleartext TCP accepted on a listener uses it; TLS and HTTP/2 run over
+//! tokio's sockets as before. A thread whose ring cannot be set up (old
 //! kernel, `io_uring_disabled`) says so once and stays on epoll.
 //!
 //! `unsafe` is allowed here, and only here in the engine: the ring is the
@@ -1049,36 +1048,6 @@ impl UringStream {
     pub fn poll_readable(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         self.poll_readable_priv(cx)
     }
-    /// The first bytes received, without consuming them: Ready with how
-    /// many were copied into `buf` once more than `seen` have arrived (or
-    /// the stream ended: then what there is, maybe 0).
-    pub fn poll_peek(
-        &self,
-        cx: &mut Context<'_>,
-        buf: &mut [u8],
-        seen: usize,
-    ) -> Poll<io::Result<usize>> {
-        self.slot(|d, i| {
-            let s = &mut d.slots[i];
-            if s.unread() > seen || s.eof {
-                let n = s.unread().min(buf.len());
-                buf[..n].copy_from_slice(&s.rbuf[s.rpos..s.rpos + n]);
-                return Poll::Ready(Ok(n));
-            }
-            if let Some(e) = s.err {
-                return Poll::Ready(Err(io::Error::from_raw_os_error(e)));
-            }
-            if !s.rwaker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-                s.rwaker = Some(cx.waker().clone());
-            }
-            if !s.recv_armed {
-                d.arm_recv(i);
-            }
-            Poll::Pending
-        })
-        .unwrap_or_else(|| Poll::Ready(Err(Self::gone())))
-    }
-
     /// Nothing has arrived on an idle connection, not even its end: it may
     /// carry another request (the upstream pool's check, without a call).
     pub fn looks_alive(&self) -> bool {
