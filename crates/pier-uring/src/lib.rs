@@ -1048,15 +1048,6 @@ impl UringStream {
     pub fn poll_readable(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         self.poll_readable_priv(cx)
     }
-    /// Nothing has arrived on an idle connection, not even its end: it may
-    /// carry another request (the upstream pool's check, without a call).
-    pub fn looks_alive(&self) -> bool {
-        self.slot(|d, i| {
-            let s = &d.slots[i];
-            s.unread() == 0 && !s.eof && s.err.is_none()
-        })
-        .unwrap_or(false)
-    }
 }
 
 #[cfg(test)]
