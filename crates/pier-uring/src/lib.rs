@@ -71,6 +71,10 @@ pub const WRITE_MAX: usize = 256 * 1024;
 pub const LINGER: Duration = Duration::from_secs(10);
 /// Buffer capacity an idle connection keeps (more is freed when drained).
 const KEEP_CAP: usize = 4096;
+/// Submits failed in a row (errors other than EINTR and EBUSY) after which
+/// the worker's new connections stay on epoll; those on the ring keep
+/// being retried, and their own timeouts end them if it never recovers.
+const SUBMIT_FAILURES_MAX: u32 = 16;
 
 const OP_RECV: u64 = 1;
 const OP_SEND: u64 = 2;
@@ -250,6 +254,12 @@ struct Driver {
     /// Dropped streams whose bytes are still going out: (slot, gen, deadline).
     lingering: VecDeque<(u32, u32, tokio::time::Instant)>,
     cqes: Vec<(u64, i32, u32)>,
+    /// Completions made here, for entries that could not be queued (the
+    /// submission queue full and its submit failing): their operations end
+    /// with the error instead of waiting for ever.
+    made: Vec<(u64, i32, u32)>,
+    /// Submits that failed in a row; 0 once one succeeds.
+    failures: u32,
 }
 
 thread_local! {
@@ -272,11 +282,22 @@ pub fn enabled() -> bool {
         .unwrap_or(false)
 }
 
+/// This thread has a ring whose submits are not failing.
+fn healthy() -> bool {
+    DRIVER
+        .try_with(|d| {
+            d.try_borrow()
+                .is_ok_and(|d| d.as_ref().is_some_and(|d| d.failures < SUBMIT_FAILURES_MAX))
+        })
+        .unwrap_or(false)
+}
+
 /// This thread's ring, set up on first use (see [`init`]); false when it
-/// cannot be (said once, in the log), and the caller stays on epoll.
+/// cannot be (said once, in the log), or its submits keep failing, and the
+/// caller stays on epoll.
 pub fn ready() -> bool {
     if enabled() {
-        return true;
+        return healthy();
     }
     if FAILED.with(|f| f.get()) {
         return false;
@@ -333,6 +354,8 @@ pub fn init() -> io::Result<()> {
             reaper: None,
             lingering: VecDeque::new(),
             cqes: Vec::with_capacity(RING_ENTRIES as usize * 2),
+            made: Vec::new(),
+            failures: 0,
         })
     });
     tokio::task::spawn_local(reaper(fd));
@@ -386,6 +409,10 @@ async fn reaper(fd: tokio::io::unix::AsyncFd<RingFd>) {
     let sleep = tokio::time::sleep(LINGER);
     tokio::pin!(sleep);
     let mut sleeping_until = None;
+    // The pause before a failed submit is tried again.
+    let retry = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(retry);
+    let mut retrying = false;
     std::future::poll_fn(|cx| loop {
         let next = with(|d| {
             if !d.reaper.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
@@ -422,11 +449,26 @@ async fn reaper(fd: tokio::io::unix::AsyncFd<RingFd>) {
                 return Poll::Ready(());
             }
             Poll::Pending => {
-                // Entries queued by the wakes above are for the next turn.
-                if with(|d| d.queued > 0).unwrap_or(false) {
-                    continue;
+                // Entries queued by the wakes above are for the next turn,
+                // at once; after a failed submit, after a pause that
+                // doubles (1 to 128 ms), the worker's other tasks running
+                // meanwhile: never a spin.
+                match with(|d| (d.queued > 0 || !d.made.is_empty(), d.failures)) {
+                    Some((true, 0)) => continue,
+                    Some((true, n)) => {
+                        if !retrying {
+                            let pause = Duration::from_millis(1 << n.min(8).saturating_sub(1));
+                            retry.as_mut().reset(tokio::time::Instant::now() + pause);
+                            retrying = true;
+                        }
+                        if retry.as_mut().poll(cx).is_ready() {
+                            retrying = false;
+                            continue;
+                        }
+                        return Poll::Pending;
+                    }
+                    _ => return Poll::Pending,
                 }
-                return Poll::Pending;
             }
         }
     })
@@ -441,19 +483,21 @@ impl Driver {
     /// Every buffer and fd the entry refers to must stay valid until its
     /// completion arrives.
     unsafe fn push(&mut self, e: &squeue::Entry) {
-        loop {
-            // SAFETY: the caller's contract, passed on.
-            if unsafe { self.ring.submission().push(e) }.is_ok() {
-                break;
-            }
-            if let Err(err) = self.ring.submit() {
-                if err.kind() != io::ErrorKind::Interrupted
-                    && err.raw_os_error() != Some(libc::EBUSY)
-                {
-                    tracing::error!("io_uring: submit: {err}");
+        // SAFETY: the caller's contract, passed on.
+        if unsafe { self.ring.submission().push(e) }.is_err() {
+            // The queue is full: submit it now, and queue the entry after.
+            // If that fails the entry's operation ends with the error (its
+            // completion made here), rather than waiting for room that a
+            // failing ring may never make.
+            let queued = self.submit();
+            // SAFETY: as above.
+            if !queued || unsafe { self.ring.submission().push(e) }.is_err() {
+                self.made.push((e.get_user_data(), -libc::EIO, 0));
+                if let Some(w) = &self.reaper {
+                    w.wake_by_ref();
                 }
+                return;
             }
-            self.queued = 0;
         }
         self.queued += 1;
         if self.queued == 1 {
@@ -463,20 +507,56 @@ impl Driver {
         }
     }
 
+    /// Submits what is queued; false if that failed (EINTR and EBUSY, which
+    /// the reaping that follows clears, are not counted as failures).
+    fn submit(&mut self) -> bool {
+        match self.enter() {
+            Ok(_) => {
+                self.queued = 0;
+                self.failures = 0;
+                true
+            }
+            Err(e)
+                if e.kind() == io::ErrorKind::Interrupted
+                    || e.raw_os_error() == Some(libc::EBUSY) =>
+            {
+                false
+            }
+            Err(e) => {
+                self.failures = self.failures.saturating_add(1);
+                if self.failures == 1 || self.failures == SUBMIT_FAILURES_MAX {
+                    tracing::error!(
+                        "io_uring: submit failed ({e}), {} time(s) in a row{}",
+                        self.failures,
+                        if self.failures >= SUBMIT_FAILURES_MAX {
+                            "; new connections stay on epoll"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+                false
+            }
+        }
+    }
+
+    fn enter(&mut self) -> io::Result<usize> {
+        #[cfg(test)]
+        if tests::FAIL_SUBMITS.with(|f| f.replace(f.get().saturating_sub(1))) > 0 {
+            return Err(io::Error::from_raw_os_error(libc::ENOMEM));
+        }
+        self.ring.submit()
+    }
+
     /// Submit, then take every completion; the wakers to call go to `wake`
     /// (called by the caller, outside the driver's borrow).
     fn turn(&mut self, wake: &mut Vec<Waker>) {
         loop {
             if self.queued > 0 {
-                match self.ring.submit() {
-                    Ok(_) => self.queued = 0,
-                    Err(e)
-                        if e.kind() == io::ErrorKind::Interrupted
-                            || e.raw_os_error() == Some(libc::EBUSY) => {}
-                    Err(e) => tracing::error!("io_uring: submit: {e}"),
-                }
+                self.submit();
             }
             let mut cqes = std::mem::take(&mut self.cqes);
+            cqes.append(&mut self.made);
             cqes.extend(
                 self.ring
                     .completion()
@@ -513,6 +593,9 @@ impl Driver {
                 let s = &mut self.slots[slot];
                 s.polling = false;
                 s.writable = true;
+                if res < 0 && res != -libc::ECANCELED {
+                    s.err.get_or_insert(-res);
+                }
                 s.inflight -= 1;
                 wake.extend(s.wwaker.take());
             }
@@ -949,6 +1032,16 @@ impl Drop for UringStream {
                 unsafe { d.push(&e) }
             }
             if sending {
+                // Entries whose streams are done (their slot freed or reused)
+                // go from the front, so the list holds about the streams
+                // still sending, not every close of the last LINGER.
+                while let Some(&(slot, gen, _)) = d.lingering.front() {
+                    let s = &d.slots[slot as usize];
+                    if s.gen == gen && !s.owned && s.fd >= 0 {
+                        break;
+                    }
+                    d.lingering.pop_front();
+                }
                 d.lingering
                     .push_back((i as u32, gen, tokio::time::Instant::now() + LINGER));
                 if d.lingering.len() == 1 {
@@ -1054,6 +1147,11 @@ impl UringStream {
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    thread_local! {
+        /// The next this many submits of this thread's ring fail (ENOMEM).
+        pub(super) static FAIL_SUBMITS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    }
 
     fn local<F: std::future::Future>(f: F) -> F::Output {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -1184,6 +1282,90 @@ mod tests {
                 .unwrap();
             let (s2, _c2) = pair().await;
             assert_eq!(s2.slot, 0);
+        });
+    }
+
+    /// Submits that fail (as a kernel out of memory makes them) are tried
+    /// again after a pause, never in a loop that holds the worker: other
+    /// tasks run meanwhile, the stream's bytes go through once submits
+    /// work again, and a ring that keeps failing takes no new connections.
+    #[test]
+    fn failing_submits_are_retried_without_spinning() {
+        local(async {
+            if !supported() {
+                return;
+            }
+            let (mut s, mut c) = pair().await;
+            // A few failures: the echo is only late.
+            FAIL_SUBMITS.with(|f| f.set(5));
+            s.write_all(b"late").await.unwrap();
+            let ticks = std::rc::Rc::new(std::cell::Cell::new(0u32));
+            let t = ticks.clone();
+            let ticker = tokio::task::spawn_local(async move {
+                loop {
+                    t.set(t.get() + 1);
+                    tokio::task::yield_now().await;
+                }
+            });
+            let mut got = [0u8; 4];
+            tokio::time::timeout(Duration::from_secs(20), c.read_exact(&mut got))
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(&got, b"late");
+            assert!(ticks.get() > 0, "the worker's other tasks ran");
+            assert!(ready(), "five failures leave the ring in use");
+            // Failing for good: new connections go to epoll, and the
+            // worker's other tasks go on running.
+            FAIL_SUBMITS.with(|f| f.set(u32::MAX));
+            s.write_all(b"never").await.unwrap();
+            let before = ticks.get();
+            let failing = async {
+                while ready() {
+                    tokio::task::yield_now().await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(60), failing)
+                .await
+                .unwrap();
+            assert!(ticks.get() > before);
+            // Each failed submit was followed by a pause: a spin would have
+            // tried thousands of times.
+            let tries = u32::MAX - FAIL_SUBMITS.with(|f| f.get());
+            assert!(tries <= 2 * SUBMIT_FAILURES_MAX, "{tries} submits tried");
+            // Recovered: the queued bytes go out, and new connections may
+            // use the ring again.
+            FAIL_SUBMITS.with(|f| f.set(0));
+            let mut got = [0u8; 5];
+            tokio::time::timeout(Duration::from_secs(20), c.read_exact(&mut got))
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(&got, b"never");
+            assert!(ready());
+            ticker.abort();
+        });
+    }
+
+    /// Each stream dropped while sending is in the linger list; those that
+    /// finished leave it as later ones come, so closing many connections
+    /// does not grow it by one entry each for LINGER.
+    #[test]
+    fn finished_lingerers_leave_the_list() {
+        local(async {
+            if !supported() {
+                return;
+            }
+            for _ in 0..50 {
+                let (mut s, mut c) = pair().await;
+                s.write_all(&[1u8; 100_000]).await.unwrap();
+                drop(s);
+                let mut got = Vec::new();
+                c.read_to_end(&mut got).await.unwrap();
+                assert_eq!(got.len(), 100_000);
+            }
+            let len = with(|d| d.lingering.len()).unwrap();
+            assert!(len <= 2, "{len} entries left");
         });
     }
 }
