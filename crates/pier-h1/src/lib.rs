@@ -28,19 +28,29 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 pub const READ_CHUNK: usize = 16 * 1024;
 
+/// `data`, all of it, within `t`, flushed: a writer that buffers sends now. TLS does (tokio-rustls takes
+/// the plaintext and keeps what the socket would not take as records of
+/// its own until the next write or flush); without the flush the end of a
+/// response to a slow reader would wait in rustls for the next request.
+/// For a socket it costs nothing.
 async fn write_timed<W: AsyncWrite + Unpin>(
     w: &mut W,
     data: &[u8],
     t: Duration,
 ) -> std::io::Result<()> {
-    match timeout(t, w.write_all(data)).await {
+    let all = async {
+        w.write_all(data).await?;
+        w.flush().await
+    };
+    match timeout(t, all).await {
         Ok(r) => r,
         Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
     }
 }
 
 /// `a` then `b` with vectored writes (a head and a large body piece go out
-/// together without copying the body behind the head), within `t`.
+/// together without copying the body behind the head), within `t`;
+/// flushed as [`write_timed`] is.
 async fn write2_timed<W: AsyncWrite + Unpin>(
     w: &mut W,
     mut a: &[u8],
@@ -61,7 +71,8 @@ async fn write2_timed<W: AsyncWrite + Unpin>(
                 a = &[];
             }
         }
-        w.write_all(b).await
+        w.write_all(b).await?;
+        w.flush().await
     };
     match timeout(t, all).await {
         Ok(r) => r,
@@ -641,11 +652,18 @@ impl<W: AsyncWrite + Unpin> RequestSink for H1RequestSink<W> {
             async {
                 self.w.write_all(&pre[..n]).await?;
                 self.w.write_all(data).await?;
-                self.w.write_all(b"\r\n").await
+                self.w.write_all(b"\r\n").await?;
+                self.w.flush().await
             }
             .await
         } else {
-            self.w.write_all(data).await
+            // Flushed as `write_timed` is: to a TLS origin the last piece
+            // would otherwise wait in rustls while the origin waits for it.
+            async {
+                self.w.write_all(data).await?;
+                self.w.flush().await
+            }
+            .await
         };
         r.map_err(|_| Error::new(Kind::UpstreamClosed).retryable(false))
     }
@@ -656,10 +674,12 @@ impl<W: AsyncWrite + Unpin> RequestSink for H1RequestSink<W> {
         }
         let mut out = Vec::with_capacity(8);
         write_trailers(&mut out, trailers);
-        self.w
-            .write_all(&out)
-            .await
-            .map_err(|_| Error::new(Kind::UpstreamClosed).retryable(false))
+        async {
+            self.w.write_all(&out).await?;
+            self.w.flush().await
+        }
+        .await
+        .map_err(|_| Error::new(Kind::UpstreamClosed).retryable(false))
     }
 }
 
@@ -924,7 +944,9 @@ impl<S: Stream> Downstream for H1Downstream<'_, S> {
         self.out.clear();
         // What the client sent after its request head is the tunnel's first.
         if !self.rbuf.is_empty() {
-            let _ = uw.write_all(self.rbuf).await;
+            if uw.write_all(self.rbuf).await.is_ok() {
+                let _ = uw.flush().await;
+            }
             self.rbuf.clear();
         }
         pier_session::tunnel(&mut cr, &mut cw, ur, uw, idle).await;
@@ -969,7 +991,9 @@ impl pier_session::UpstreamSession for H1Upstream<'_> {
         let body = out.body();
         let method = out.head().method_kind();
         let (ur, mut uw) = self.conn.split();
-        if uw.write_all(self.head).await.is_err() {
+        // Flushed (`write_timed` says why): a TLS origin that never gets
+        // the whole head would never answer.
+        if uw.write_all(self.head).await.is_err() || uw.flush().await.is_err() {
             return Err(Error {
                 stale: self.reused,
                 ..Error::upstream(Kind::UpstreamClosed)
@@ -1059,5 +1083,100 @@ impl pier_session::FieldWriter for HeadFields<'_> {
         self.0.extend_from_slice(b": ");
         value(self.0);
         self.0.extend_from_slice(b"\r\n");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    /// A writer that holds what it is given until it is flushed, as
+    /// tokio-rustls does with records the socket would not take.
+    #[derive(Default)]
+    struct Holding {
+        held: Vec<u8>,
+        sent: Vec<u8>,
+    }
+
+    impl AsyncWrite for Holding {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            self.held.extend_from_slice(buf);
+            Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            let held = std::mem::take(&mut self.held);
+            self.sent.extend_from_slice(&held);
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            self.poll_flush(cx)
+        }
+    }
+
+    impl pier_core::RawSocket for Holding {}
+
+    fn run<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    /// Every piece of a response is out of a buffering writer once its
+    /// write returns: the head with a small body, large pieces, chunked
+    /// pieces and the last chunk, and a 100 Continue (the client waits for
+    /// it before it sends the body).
+    #[test]
+    fn response_pieces_are_flushed() {
+        run(async {
+            let t = Duration::from_secs(5);
+            for (size, body_len) in [(BodySize::Length(70_000), 70_000), (BodySize::Stream, 0)] {
+                let mut out = Vec::new();
+                let mut sink =
+                    H1ResponseSink::new(Holding::default(), &mut out, 1, Method::Get, true, t, 0);
+                sink.write_interim(&ResponseHead::local(100)).await.unwrap();
+                assert!(sink.w.held.is_empty() && sink.w.sent.starts_with(b"HTTP/1.1 100"));
+                sink.write_head(&ResponseHead::local(200), size)
+                    .await
+                    .unwrap();
+                sink.write_body(b"small").await.unwrap();
+                assert!(sink.w.held.is_empty());
+                sink.write_body(&vec![b'x'; 60_000]).await.unwrap();
+                assert!(sink.w.held.is_empty());
+                if body_len == 0 {
+                    sink.write_body(&vec![b'y'; 9_995]).await.unwrap();
+                }
+                sink.finish(None).await.unwrap();
+                assert!(sink.w.held.is_empty(), "{} bytes held", sink.w.held.len());
+                let sent = String::from_utf8_lossy(&sink.w.sent).into_owned();
+                assert!(sent.contains("HTTP/1.1 200"));
+                if body_len == 0 {
+                    assert!(sent.ends_with("0\r\n\r\n"), "the last chunk went out");
+                }
+            }
+        });
+    }
+
+    /// The request head and body to an origin are out of a buffering
+    /// writer (TLS to the origin) once written.
+    #[test]
+    fn request_pieces_are_flushed() {
+        run(async {
+            for framing in [BodyLen::Length(100_005), BodyLen::Chunked] {
+                let mut sink = H1RequestSink::new(Holding::default(), framing);
+                sink.write_body(&vec![b'x'; 100_000]).await.unwrap();
+                assert!(sink.w.held.is_empty());
+                sink.write_body(b"tail!").await.unwrap();
+                sink.finish(None).await.unwrap();
+                assert!(sink.w.held.is_empty());
+            }
+        });
     }
 }
