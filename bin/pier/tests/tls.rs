@@ -1036,3 +1036,103 @@ fn shared_ticket_keys_resume_a_session_on_another_process() {
         String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success() && text.contains("bad.key"), "{text}");
 }
+
+/// The worker threads' io_uring instances (each an `anon_inode:[io_uring]`).
+fn rings(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| {
+        d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|l| l.to_string_lossy().contains("io_uring"))
+            .count()
+    })
+}
+
+/// TLS clients are on the worker's io_uring (`[server] io_uring`, the
+/// default) where the kernel allows one: HTTP/1.1 and HTTP/2 (by ALPN), a
+/// body of several megabytes each way (the ring's read pause and write
+/// wait engage under rustls), keep-alive, plain HTTP refused with its 400
+/// (the first byte peeked from the ring), and close_notify at the end.
+#[test]
+fn tls_clients_on_io_uring() {
+    let Site {
+        dir: _dir,
+        ca,
+        cert,
+    } = Site::new();
+    let o = Origin::start();
+    let tls = tls_lines(&cert, "alpn = [\"h2\", \"http/1.1\"]");
+    let pier = pier(&tls_config(o.addr(), &tls, ""));
+    let addr = pier.listener("main");
+    let resolve = format!("site.test:{}:127.0.0.1", addr.port());
+    const LEN: u64 = 3 << 20;
+    let upload = std::env::temp_dir().join(format!("pier-tls-uring-{}", std::process::id()));
+    std::fs::write(&upload, vec![b'u'; LEN as usize]).unwrap();
+    for http in ["--http1.1", "--http2"] {
+        let out = curl(&[
+            http,
+            "--cacert",
+            &p(&ca.cert),
+            "--resolve",
+            &resolve,
+            "-w",
+            "%{http_code} %{size_download} %{http_version}\n",
+            "-o",
+            "/dev/null",
+            &format!("https://site.test:{}/bytes/{LEN}", addr.port()),
+            "--next",
+            http,
+            "--cacert",
+            &p(&ca.cert),
+            "--resolve",
+            &resolve,
+            "-w",
+            "%{http_code} %{size_download} %{http_version}\n",
+            "-o",
+            "/dev/null",
+            "--data-binary",
+            &format!("@{}", upload.display()),
+            &format!("https://site.test:{}/echo", addr.port()),
+            "--next",
+            http,
+            "--cacert",
+            &p(&ca.cert),
+            "--resolve",
+            &resolve,
+            "-w",
+            "%{http_code} %{size_download} %{http_version}\n",
+            "-o",
+            "/dev/null",
+            &format!("https://site.test:{}/hello", addr.port()),
+        ]);
+        let want_version = if http == "--http2" { "2" } else { "1.1" };
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            format!("200 {LEN} {want_version}\n200 {LEN} {want_version}\n200 12 {want_version}\n"),
+            "{http}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    std::fs::remove_file(&upload).ok();
+    // A rustls client reads the bytes themselves (a pattern, so a lost or
+    // reordered record would show).
+    let mut c = TlsClient::connect(addr, "site.test", &client(&ca.cert)).unwrap();
+    for _ in 0..2 {
+        let r = c.get("site.test", "/bytes/1000000").unwrap();
+        assert_eq!(r.status, 200);
+        assert_eq!(r.body.len(), 1_000_000);
+        assert!(r
+            .body
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b == pattern_byte(i as u64)));
+    }
+    drop(c);
+    let mut raw = RawConn::connect(addr);
+    let r = raw.get("/hello").unwrap();
+    assert_eq!(r.status, 400);
+    let uring_allowed = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
+        .is_ok_and(|v| v.trim() == "0");
+    if uring_allowed && std::env::var("PIER_IO_URING").as_deref() != Ok("0") {
+        // Only TLS connections were made, so a ring means they were on it.
+        assert!(rings(pier.pid()) >= 1, "no io_uring in pier");
+    }
+}

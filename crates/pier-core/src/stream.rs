@@ -199,6 +199,31 @@ impl Stream for tokio_rustls::server::TlsStream<TcpStream> {
     }
 }
 
+/// A server-side TLS connection over this worker's io_uring: as over tokio's
+/// TCP, except that the ring's readiness is exact (bytes, end or error
+/// received), so no peek is needed to tell a stale one.
+impl Stream for tokio_rustls::server::TlsStream<pier_uring::UringStream> {
+    type Read<'a> = tokio::io::ReadHalf<&'a mut Self>;
+    type Write<'a> = tokio::io::WriteHalf<&'a mut Self>;
+    fn split(&mut self) -> (Self::Read<'_>, Self::Write<'_>) {
+        tokio::io::split(self)
+    }
+    async fn readable(&self) -> io::Result<()> {
+        std::future::poll_fn(|cx| Stream::poll_readable(self, cx)).await
+    }
+    async fn close(&mut self) {
+        let _ = tokio::io::AsyncWriteExt::shutdown(self).await;
+    }
+    fn poll_readable(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<io::Result<()>> {
+        let (tcp, conn) = self.get_ref();
+        if conn.wants_read() {
+            tcp.poll_readable(cx)
+        } else {
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+}
+
 /// What the application protocol to a peer is (negotiated by ALPN over TLS).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Alpn {

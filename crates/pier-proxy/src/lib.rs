@@ -549,53 +549,82 @@ impl<P: Phases> Admit<P> {
                     }
                 }));
             }
+            Some(t) if io_uring(&w.shared.state.load().cfg) => {
+                match pier_core::uring::UringStream::new(stream) {
+                    Ok(s) => {
+                        tokio::task::spawn_local(serve_tls(
+                            w, t, s, listener, peer, local, conn, slot,
+                        ));
+                    }
+                    Err(e) => {
+                        tracing::debug!("io_uring: a connection could not move to the ring: {e}")
+                    }
+                }
+            }
             Some(t) => {
-                tokio::task::spawn_local(async move {
-                    let _slot = slot;
-                    // Until its handshake is done a TLS connection is as
-                    // evictable as one waiting for a head: a silent socket
-                    // holds a connection slot (the oldest such goes first
-                    // when the worker is full), never a handshake slot.
-                    // Its listener's ClientHello waits are bounded too, by
-                    // evicting the oldest of them here.
-                    let tag = listener.map_or(u32::MAX, |i| i as u32 + 1);
-                    if t.hellos_full() {
-                        let now = pier_lb::recent_ms();
-                        let room =
-                            w.waiting
-                                .borrow_mut()
-                                .evict_oldest_tagged(tag, now, evict::MIN_AGE_MS);
-                        if room {
-                            w.shared.metrics.evicted_connection();
-                        } else {
-                            w.shared.metrics.refused_connection();
-                            pier_tls::stats::stats().failure(pier_tls::stats::Failure::Overload);
-                            return;
-                        }
-                    }
-                    let waiting =
-                        evict::Waiting::enter_tagged(&w.waiting, pier_lb::recent_ms(), tag);
-                    // Bounded in time and in number, counted (pier-tls).
-                    let accepted = Box::pin(t.accept(stream, waiting.evicted())).await;
-                    drop(waiting);
-                    let Some((stream, info)) = accepted else {
-                        return;
-                    };
-                    drop(t);
-                    let is_h2 = info.alpn.as_deref() == Some("h2");
-                    let conn = session::ConnInfo {
-                        tls: Some(Arc::new(info)),
-                        ..conn
-                    };
-                    if is_h2 {
-                        Box::pin(mux::serve_h2(w, stream, peer, local, conn)).await
-                    } else {
-                        // The TLS stream lives in this box (rustls state).
-                        Box::pin(driver::serve_connection(w, stream, peer, local, conn, None)).await
-                    }
-                });
+                tokio::task::spawn_local(serve_tls(
+                    w, t, stream, listener, peer, local, conn, slot,
+                ));
             }
         }
+    }
+}
+
+/// A TLS connection: the bounded handshake, then HTTP/2 or HTTP/1 as ALPN
+/// says, over TCP on tokio's poller or on the worker's io_uring.
+#[allow(clippy::too_many_arguments)]
+async fn serve_tls<P: Phases, T>(
+    w: Arc<Worker<P>>,
+    t: Arc<pier_tls::ServerTls>,
+    stream: T,
+    listener: Option<usize>,
+    peer: std::net::SocketAddr,
+    local: std::net::SocketAddr,
+    conn: session::ConnInfo,
+    slot: Slot,
+) where
+    T: pier_tls::Transport + 'static,
+    pier_tls::ServerStream<T>: pier_core::Stream,
+{
+    let _slot = slot;
+    // Until its handshake is done a TLS connection is as evictable as one
+    // waiting for a head: a silent socket holds a connection slot (the
+    // oldest such goes first when the worker is full), never a handshake
+    // slot. Its listener's ClientHello waits are bounded too, by evicting
+    // the oldest of them here.
+    let tag = listener.map_or(u32::MAX, |i| i as u32 + 1);
+    if t.hellos_full() {
+        let now = pier_lb::recent_ms();
+        let room = w
+            .waiting
+            .borrow_mut()
+            .evict_oldest_tagged(tag, now, evict::MIN_AGE_MS);
+        if room {
+            w.shared.metrics.evicted_connection();
+        } else {
+            w.shared.metrics.refused_connection();
+            pier_tls::stats::stats().failure(pier_tls::stats::Failure::Overload);
+            return;
+        }
+    }
+    let waiting = evict::Waiting::enter_tagged(&w.waiting, pier_lb::recent_ms(), tag);
+    // Bounded in time and in number, counted (pier-tls).
+    let accepted = Box::pin(t.accept(stream, waiting.evicted())).await;
+    drop(waiting);
+    let Some((stream, info)) = accepted else {
+        return;
+    };
+    drop(t);
+    let is_h2 = info.alpn.as_deref() == Some("h2");
+    let conn = session::ConnInfo {
+        tls: Some(Arc::new(info)),
+        ..conn
+    };
+    if is_h2 {
+        Box::pin(mux::serve_h2(w, stream, peer, local, conn)).await
+    } else {
+        // The TLS stream lives in this box (rustls state).
+        Box::pin(driver::serve_connection(w, stream, peer, local, conn, None)).await
     }
 }
 

@@ -30,7 +30,9 @@ pub mod tickets;
 pub use certs::{certified_key_from_pem, load_certified_key, subject_of, CertSummary};
 pub use client::{ClientTls, NoVerify};
 pub use managed::Managed;
-pub use server::{Accepted, ServerTls};
+pub use server::{Accepted, ServerTls, Transport};
+/// A server-side TLS connection over transport `T`.
+pub use tokio_rustls::server::TlsStream as ServerStream;
 
 use std::sync::Arc;
 

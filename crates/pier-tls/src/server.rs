@@ -19,7 +19,27 @@ use tokio_rustls::server::TlsStream;
 use tokio_rustls::LazyConfigAcceptor;
 
 /// A finished server handshake.
-pub type Accepted = (TlsStream<TcpStream>, TlsInfo);
+pub type Accepted<T = TcpStream> = (TlsStream<T>, TlsInfo);
+
+/// The TCP connection a handshake runs over: on tokio's poller, or on the
+/// worker's io_uring (`pier_uring`, `[server] io_uring`).
+pub trait Transport: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin {
+    /// The first byte the client sent, left unread; None if it closed.
+    fn peek_first(&mut self) -> impl std::future::Future<Output = std::io::Result<Option<u8>>>;
+}
+
+impl Transport for TcpStream {
+    async fn peek_first(&mut self) -> std::io::Result<Option<u8>> {
+        let mut first = [0u8; 1];
+        Ok((self.peek(&mut first).await? > 0).then_some(first[0]))
+    }
+}
+
+impl Transport for pier_uring::UringStream {
+    async fn peek_first(&mut self) -> std::io::Result<Option<u8>> {
+        pier_uring::UringStream::peek_first(self).await
+    }
+}
 
 /// Certificates by name. Each name maps to every certificate that covers it,
 /// in config order: the first whose key can sign with a scheme the client
@@ -313,11 +333,11 @@ impl ServerTls {
     /// `max_pending_hellos` waiting): it is then closed, counted as
     /// `evicted`. `None`: the connection is done (refused, failed, or plain
     /// HTTP, which got a 400 as nginx gives).
-    pub async fn accept(
+    pub async fn accept<T: Transport>(
         &self,
-        tcp: TcpStream,
+        tcp: T,
         evicted: impl std::future::Future<Output = ()>,
-    ) -> Option<Accepted> {
+    ) -> Option<Accepted<T>> {
         let r = tokio::select! {
             r = tokio::time::timeout(self.handshake_timeout, self.handshake(tcp)) => r,
             _ = evicted => Ok(Err(Failure::Evicted)),
@@ -338,7 +358,7 @@ impl ServerTls {
         }
     }
 
-    async fn handshake(&self, tcp: TcpStream) -> Result<Accepted, Failure> {
+    async fn handshake<T: Transport>(&self, tcp: T) -> Result<Accepted<T>, Failure> {
         let start = {
             let _pending = Count::enter(&self.pending_hellos);
             self.client_hello(tcp).await?
@@ -389,11 +409,11 @@ impl ServerTls {
 
     /// A CA's TLS-ALPN-01 validation (RFC 8737): the handshake with the
     /// challenge certificate and `acme-tls/1`, then close; no HTTP.
-    async fn answer_challenge(
+    async fn answer_challenge<T: Transport>(
         &self,
-        start: tokio_rustls::StartHandshake<TcpStream>,
+        start: tokio_rustls::StartHandshake<T>,
         ck: Arc<CertifiedKey>,
-    ) -> Result<Accepted, Failure> {
+    ) -> Result<Accepted<T>, Failure> {
         let mut config = ServerConfig::builder_with_provider(crate::provider())
             .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
             .map_err(|_| Failure::Other)?
@@ -410,18 +430,17 @@ impl ServerTls {
 
     /// Read up to the end of the ClientHello (rustls's `Acceptor` buffers
     /// it, however many records it spans, and does nothing else).
-    async fn client_hello(
+    async fn client_hello<T: Transport>(
         &self,
-        mut tcp: TcpStream,
-    ) -> Result<tokio_rustls::StartHandshake<TcpStream>, Failure> {
-        let mut first = [0u8; 1];
-        match tcp.peek(&mut first).await {
-            Ok(0) | Err(_) => return Err(Failure::Closed),
-            Ok(_) => {}
-        }
+        mut tcp: T,
+    ) -> Result<tokio_rustls::StartHandshake<T>, Failure> {
+        let first = match tcp.peek_first().await {
+            Ok(Some(b)) => b,
+            Ok(None) | Err(_) => return Err(Failure::Closed),
+        };
         // A TLS connection starts with a handshake record (type 22).
-        if first[0] != 0x16 {
-            if first[0].is_ascii_uppercase() {
+        if first != 0x16 {
+            if first.is_ascii_uppercase() {
                 // Plain HTTP on the TLS port: say so, as nginx does. Read
                 // what arrived first, so closing does not reset the answer.
                 let mut sink = [0u8; 2048];

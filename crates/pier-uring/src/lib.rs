@@ -1141,6 +1141,21 @@ impl UringStream {
     pub fn poll_readable(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         self.poll_readable_priv(cx)
     }
+    /// The next byte a read would return, left unread; None at the end of
+    /// the stream (what a one-byte `MSG_PEEK` tells: a TLS listener looks
+    /// at it to tell a handshake from plain HTTP).
+    pub async fn peek_first(&self) -> io::Result<Option<u8>> {
+        std::future::poll_fn(|cx| self.poll_readable_priv(cx)).await?;
+        self.slot(|d, i| {
+            let s = &d.slots[i];
+            match s.err {
+                _ if s.unread() > 0 => Ok(Some(s.rbuf[s.rpos])),
+                Some(e) => Err(io::Error::from_raw_os_error(e)),
+                None => Ok(None),
+            }
+        })
+        .unwrap_or_else(|| Err(Self::gone()))
+    }
 }
 
 #[cfg(test)]
@@ -1366,6 +1381,24 @@ mod tests {
             }
             let len = with(|d| d.lingering.len()).unwrap();
             assert!(len <= 2, "{len} entries left");
+        });
+    }
+
+    #[test]
+    fn peek_first_leaves_the_byte() {
+        local(async {
+            if !supported() {
+                return;
+            }
+            let (mut s, mut c) = pair().await;
+            c.write_all(b"\x16abc").await.unwrap();
+            assert_eq!(s.peek_first().await.unwrap(), Some(0x16));
+            assert_eq!(s.peek_first().await.unwrap(), Some(0x16));
+            let mut buf = [0u8; 4];
+            s.read_exact(&mut buf).await.unwrap();
+            assert_eq!(&buf, b"\x16abc");
+            drop(c);
+            assert_eq!(s.peek_first().await.unwrap(), None);
         });
     }
 }
