@@ -437,7 +437,7 @@ fn per_ip<P: Phases>(
     Ok(Some(g))
 }
 
-/// Cleartext HTTP/1 clients go through this worker's io_uring
+/// Cleartext HTTP/1 and TLS clients go through this worker's io_uring
 /// (`[server] io_uring`, or `PIER_IO_URING=1`/`0` overriding it), and the
 /// ring is there (set up on first use; a worker without one stays on epoll).
 fn io_uring(cfg: &pier_config::Config) -> bool {

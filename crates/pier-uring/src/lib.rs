@@ -32,9 +32,13 @@
 //! Receives are bounded too: past [`READ_MAX`] unread bytes the recv is
 //! cancelled until the reader catches up.
 //!
-//! Only cleartext TCP accepted on a listener uses it; TLS and HTTP/2 run over
-//! tokio's sockets as before. A thread whose ring cannot be set up (old
-//! kernel, `io_uring_disabled`) says so once and stays on epoll.
+//! Client connections of cleartext HTTP/1 and TLS listeners use it (rustls
+//! runs over a [`UringStream`] as over a socket); h2c listeners, HTTP/3 and
+//! upstream connections run over tokio's sockets. A thread whose ring
+//! cannot be set up (old kernel, `io_uring_disabled`) says so once and
+//! stays on epoll; so do new connections of a ring whose submits keep
+//! failing ([`SUBMIT_FAILURES_MAX`]), while its own are retried after a
+//! pause that doubles, never in a loop that would hold the worker.
 //!
 //! `unsafe` is allowed here, and only here in the engine: the ring is the
 //! kernel's interface, shared memory and raw descriptors (each block says
@@ -74,7 +78,7 @@ const KEEP_CAP: usize = 4096;
 /// Submits failed in a row (errors other than EINTR and EBUSY) after which
 /// the worker's new connections stay on epoll; those on the ring keep
 /// being retried, and their own timeouts end them if it never recovers.
-const SUBMIT_FAILURES_MAX: u32 = 16;
+pub const SUBMIT_FAILURES_MAX: u32 = 16;
 
 const OP_RECV: u64 = 1;
 const OP_SEND: u64 = 2;
