@@ -892,15 +892,6 @@ fn large_hits_are_spliced_from_their_mapping_on_io_uring() {
     large_hits_spliced(false);
 }
 
-/// The worker threads' io_uring instances (each an `anon_inode:[io_uring]`).
-fn rings(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| {
-        d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-            .filter(|l| l.to_string_lossy().contains("io_uring"))
-            .count()
-    })
-}
-
 fn large_hits_spliced(h2c: bool) {
     const LEN: usize = 300_000;
     let body: Vec<u8> = (0..LEN).map(|i| (i * 7 % 251) as u8).collect();
@@ -932,9 +923,7 @@ fn large_hits_spliced(h2c: bool) {
     assert_eq!((r.status, r.body.len()), (200, LEN));
     // Where the kernel allows io_uring, the plain listener's connection is on
     // a ring (set up by the worker's first such connection).
-    let uring_allowed = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
-        .is_ok_and(|v| v.trim() == "0");
-    if !h2c && uring_allowed && std::env::var("PIER_IO_URING").as_deref() != Ok("0") {
+    if !h2c && io_uring_expected() {
         assert!(rings(pier.pid()) >= 1, "no io_uring in pier");
     }
     assert!(r.body == body, "the miss relays the origin's bytes");

@@ -1037,15 +1037,6 @@ fn shared_ticket_keys_resume_a_session_on_another_process() {
     assert!(!out.status.success() && text.contains("bad.key"), "{text}");
 }
 
-/// The worker threads' io_uring instances (each an `anon_inode:[io_uring]`).
-fn rings(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| {
-        d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-            .filter(|l| l.to_string_lossy().contains("io_uring"))
-            .count()
-    })
-}
-
 /// TLS clients are on the worker's io_uring (`[server] io_uring`, the
 /// default) where the kernel allows one: HTTP/1.1 and HTTP/2 (by ALPN), a
 /// body of several megabytes each way (the ring's read pause and write
@@ -1066,43 +1057,38 @@ fn tls_clients_on_io_uring() {
     const LEN: u64 = 3 << 20;
     let upload = std::env::temp_dir().join(format!("pier-tls-uring-{}", std::process::id()));
     std::fs::write(&upload, vec![b'u'; LEN as usize]).unwrap();
+    let echo_body = format!("@{}", upload.display());
     for http in ["--http1.1", "--http2"] {
-        let out = curl(&[
-            http,
-            "--cacert",
-            &p(&ca.cert),
-            "--resolve",
-            &resolve,
-            "-w",
-            "%{http_code} %{size_download} %{http_version}\n",
-            "-o",
-            "/dev/null",
-            &format!("https://site.test:{}/bytes/{LEN}", addr.port()),
-            "--next",
-            http,
-            "--cacert",
-            &p(&ca.cert),
-            "--resolve",
-            &resolve,
-            "-w",
-            "%{http_code} %{size_download} %{http_version}\n",
-            "-o",
-            "/dev/null",
-            "--data-binary",
-            &format!("@{}", upload.display()),
-            &format!("https://site.test:{}/echo", addr.port()),
-            "--next",
-            http,
-            "--cacert",
-            &p(&ca.cert),
-            "--resolve",
-            &resolve,
-            "-w",
-            "%{http_code} %{size_download} %{http_version}\n",
-            "-o",
-            "/dev/null",
-            &format!("https://site.test:{}/hello", addr.port()),
-        ]);
+        // Three transfers on one connection (`--next`), each with the same
+        // options: 3 MiB down, 3 MiB up and echoed back, then /hello.
+        let mut args: Vec<String> = Vec::new();
+        for (i, (path, extra)) in [
+            (format!("/bytes/{LEN}"), None),
+            ("/echo".to_string(), Some(&echo_body)),
+            ("/hello".to_string(), None),
+        ]
+        .iter()
+        .enumerate()
+        {
+            if i > 0 {
+                args.push("--next".into());
+            }
+            args.extend([http, "--cacert", &p(&ca.cert), "--resolve", &resolve].map(String::from));
+            args.extend(
+                [
+                    "-w",
+                    "%{http_code} %{size_download} %{http_version}\n",
+                    "-o",
+                    "/dev/null",
+                ]
+                .map(String::from),
+            );
+            if let Some(body) = extra {
+                args.extend(["--data-binary".to_string(), body.to_string()]);
+            }
+            args.push(format!("https://site.test:{}{path}", addr.port()));
+        }
+        let out = curl(&args.iter().map(String::as_str).collect::<Vec<_>>());
         let want_version = if http == "--http2" { "2" } else { "1.1" };
         assert_eq!(
             String::from_utf8_lossy(&out.stdout),
@@ -1129,9 +1115,7 @@ fn tls_clients_on_io_uring() {
     let mut raw = RawConn::connect(addr);
     let r = raw.get("/hello").unwrap();
     assert_eq!(r.status, 400);
-    let uring_allowed = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
-        .is_ok_and(|v| v.trim() == "0");
-    if uring_allowed && std::env::var("PIER_IO_URING").as_deref() != Ok("0") {
+    if io_uring_expected() {
         // Only TLS connections were made, so a ring means they were on it.
         assert!(rings(pier.pid()) >= 1, "no io_uring in pier");
     }

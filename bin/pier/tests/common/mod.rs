@@ -25,6 +25,23 @@ pub fn pier(config: &str) -> PierProcess {
     PierProcess::start(bin(), config)
 }
 
+/// The io_uring instances a process holds (each an `anon_inode:[io_uring]`
+/// fd; a Pier worker sets one up for its first client on the ring).
+pub fn rings(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| {
+        d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|l| l.to_string_lossy().contains("io_uring"))
+            .count()
+    })
+}
+
+/// Pier's clients should be on io_uring here: the kernel allows it and the
+/// environment does not turn it off (`PIER_IO_URING=0`).
+pub fn io_uring_expected() -> bool {
+    std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled").is_ok_and(|v| v.trim() == "0")
+        && std::env::var("PIER_IO_URING").as_deref() != Ok("0")
+}
+
 /// An address on which nothing listens, held for the test process's life: a socket
 /// bound to it without listening, so connects are refused and the kernel gives the port
 /// to nothing else. (A port bound and then closed went to the next `bind` on port 0:
