@@ -108,3 +108,30 @@ fn active_connections_gauge_follows_clients() {
     drop(conns);
     assert_eq!(wait_metric(&p, "pier_active_connections", 0.0), Some(0.0));
 }
+
+/// Cleartext upstream connections are on the worker's io_uring (`[server]
+/// io_uring`, the default): pooled and reused there, bodies both ways. The
+/// listener is h2c's, whose clients stay on epoll, so the ring Pier holds is
+/// the upstream leg's.
+#[test]
+fn upstream_connections_on_io_uring_are_pooled_and_reused() {
+    let o = Origin::start();
+    let cfg = simple_config(&[o.addr()], "", "").replace(
+        "name = \"main\"\nlisten = \"127.0.0.1:0\"",
+        "name = \"main\"\nlisten = \"127.0.0.1:0\"\nh2c = true",
+    );
+    let p = pier(&cfg);
+    let mut c = RawConn::connect(p.listener("main"));
+    for i in 0..20 {
+        assert_eq!(c.get("/hello").unwrap().status, 200, "request {i}");
+    }
+    // 1 MiB up and back down through the same pooled connection.
+    let body: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 251) as u8).collect();
+    let r = c.request("POST", "/echo", &[], &body).unwrap();
+    assert_eq!(r.status, 200);
+    assert!(r.body == body, "the echo came back changed");
+    assert_eq!(o.connections(), 1, "the pooled connection was not reused");
+    if io_uring_expected() {
+        assert!(rings(p.pid()) >= 1, "no io_uring in pier");
+    }
+}

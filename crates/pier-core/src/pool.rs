@@ -11,6 +11,11 @@
 //! together: each server has one shared counter, so the bound costs one
 //! atomic add per put, like the total count beside it.
 //!
+//! Connections on a worker's io_uring are never taken by another worker (a
+//! ring's stream works only on its thread), nor are TLS ones (their
+//! reactor registration cannot move): with rings on, each worker reuses
+//! its own, and `max_idle_per_server` still bounds them all together.
+//!
 //! Idle connections are checked without a syscall before reuse: an idle
 //! HTTP/1.1 connection has nothing to read, so any read readiness (data or
 //! EOF) the reactor recorded means the origin closed or misbehaved.
@@ -123,6 +128,10 @@ impl Pool {
                     let Some(stack) = map.get_mut(key) else {
                         break;
                     };
+                    // Another worker's ring connections stay with it.
+                    if w != me && stack.idle.last().is_some_and(|i| !i.stream.movable()) {
+                        break;
+                    }
                     let idle = match stack.idle.pop() {
                         Some(i) => {
                             stack.count.fetch_sub(1, Relaxed);

@@ -263,6 +263,10 @@ pub enum Conn {
     Mem(DuplexStream),
     /// Boxed: a TLS client connection is ~1 KiB of state.
     Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+    /// Cleartext TCP on the worker's io_uring (`[server] io_uring`): it
+    /// works only on the worker that opened it, so the pool never hands it
+    /// to another.
+    Uring(pier_uring::UringStream),
 }
 
 /// An upstream's TLS: the rustls config and the name to send as SNI and
@@ -276,6 +280,8 @@ pub type MemoryDialer = dyn Fn(&PeerKey) -> io::Result<DuplexStream> + Send + Sy
 #[derive(Clone, Default)]
 pub struct Connector {
     memory: Option<Arc<MemoryDialer>>,
+    /// Cleartext connections go on the worker's io_uring when it has one.
+    ring: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Connector {
@@ -286,7 +292,17 @@ impl Connector {
     /// Every connection is an in-memory pipe made by `dial` (in-process
     /// origins; tests that prove the engine needs no socket).
     pub fn memory(dial: Arc<MemoryDialer>) -> Self {
-        Connector { memory: Some(dial) }
+        Connector {
+            memory: Some(dial),
+            ..Connector::default()
+        }
+    }
+
+    /// Put new cleartext connections on the calling worker's io_uring
+    /// (set up on first use; a worker without one stays on epoll). Called
+    /// from the workers' runtimes only: setting a ring up spawns its task.
+    pub fn set_io_uring(&self, on: bool) {
+        self.ring.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// A new connection, within `limit`. A timeout is an error of kind
@@ -320,6 +336,11 @@ impl Connector {
                         .await?;
                     Ok(Conn::Tls(Box::new(t)))
                 }
+                _ if self.ring.load(std::sync::atomic::Ordering::Relaxed)
+                    && pier_uring::ready() =>
+                {
+                    pier_uring::UringStream::new(s).map(Conn::Uring)
+                }
                 _ => Ok(Conn::Tcp(s)),
             }
         };
@@ -339,8 +360,14 @@ impl Conn {
             // Anything readable on an idle TLS connection (a close_notify,
             // a late session ticket) is taken as a sign to not reuse it.
             Conn::Tls(s) => crate::pool::tcp_looks_alive(s.get_ref().0),
+            Conn::Uring(s) => s.looks_alive(),
             Conn::Mem(_) => true,
         }
+    }
+    /// Another worker may take it from the pool: a ring's connection works
+    /// only on its worker, and a TLS one stays with its reactor.
+    pub(crate) fn movable(&self) -> bool {
+        !matches!(self, Conn::Uring(_) | Conn::Tls(_))
     }
     /// Move to the calling thread's reactor (taken from another worker).
     pub(crate) fn adopt(self) -> Option<Conn> {
@@ -349,6 +376,7 @@ impl Conn {
             // tokio-rustls cannot rebuild a stream around a re-registered
             // socket; the pool does not move TLS connections between workers.
             Conn::Tls(_) => None,
+            Conn::Uring(s) => s.is_here().then_some(Conn::Uring(s)),
             m => Some(m),
         }
     }
@@ -360,11 +388,13 @@ pub enum ConnRead<'a> {
     Tcp(tokio::net::tcp::ReadHalf<'a>),
     Mem(tokio::io::ReadHalf<&'a mut DuplexStream>),
     Tls(tokio::io::ReadHalf<&'a mut TlsClient>),
+    Uring(pier_uring::UringHalf<'a>),
 }
 pub enum ConnWrite<'a> {
     Tcp(tokio::net::tcp::WriteHalf<'a>),
     Mem(tokio::io::WriteHalf<&'a mut DuplexStream>),
     Tls(tokio::io::WriteHalf<&'a mut TlsClient>),
+    Uring(pier_uring::UringHalf<'a>),
 }
 
 impl Stream for Conn {
@@ -384,6 +414,10 @@ impl Stream for Conn {
                 let (r, w) = tokio::io::split(&mut **s);
                 (ConnRead::Tls(r), ConnWrite::Tls(w))
             }
+            Conn::Uring(s) => {
+                let (r, w) = s.split();
+                (ConnRead::Uring(r), ConnWrite::Uring(w))
+            }
         }
     }
 }
@@ -401,6 +435,7 @@ macro_rules! delegate_read {
                     Self::Tcp(s) => Pin::new(s).poll_read(cx, buf),
                     Self::Mem(s) => Pin::new(s).poll_read(cx, buf),
                     Self::Tls(s) => Pin::new(s).poll_read(cx, buf),
+                    Self::Uring(s) => Pin::new(s).poll_read(cx, buf),
                 }
             }
         }
@@ -418,6 +453,7 @@ macro_rules! delegate_write {
                     Self::Tcp(s) => Pin::new(s).poll_write(cx, buf),
                     Self::Mem(s) => Pin::new(s).poll_write(cx, buf),
                     Self::Tls(s) => Pin::new(s).poll_write(cx, buf),
+                    Self::Uring(s) => Pin::new(s).poll_write(cx, buf),
                 }
             }
             fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -425,6 +461,7 @@ macro_rules! delegate_write {
                     Self::Tcp(s) => Pin::new(s).poll_flush(cx),
                     Self::Mem(s) => Pin::new(s).poll_flush(cx),
                     Self::Tls(s) => Pin::new(s).poll_flush(cx),
+                    Self::Uring(s) => Pin::new(s).poll_flush(cx),
                 }
             }
             fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -432,6 +469,7 @@ macro_rules! delegate_write {
                     Self::Tcp(s) => Pin::new(s).poll_shutdown(cx),
                     Self::Mem(s) => Pin::new(s).poll_shutdown(cx),
                     Self::Tls(s) => Pin::new(s).poll_shutdown(cx),
+                    Self::Uring(s) => Pin::new(s).poll_shutdown(cx),
                 }
             }
         }

@@ -74,11 +74,13 @@ impl Shared {
         let lifecycle = Lifecycle::new(state.generation);
         let mut state = state;
         state.epoch = 1;
+        let connector = Connector::tcp();
+        connector.set_io_uring(io_uring_wanted(&state.cfg));
         Shared {
             state: ArcSwap::from_pointee(state),
             epoch: std::sync::atomic::AtomicU64::new(1),
             pool,
-            connector: Connector::tcp(),
+            connector,
             h2pool: Default::default(),
             metrics,
             access,
@@ -103,6 +105,7 @@ impl Shared {
         // Installs come from the control thread only, one at a time.
         let epoch = self.epoch.load(Relaxed) + 1;
         state.epoch = epoch;
+        self.connector.set_io_uring(io_uring_wanted(&state.cfg));
         self.state.store(Arc::new(state));
         self.epoch.store(epoch, Relaxed);
     }
@@ -437,19 +440,23 @@ fn per_ip<P: Phases>(
     Ok(Some(g))
 }
 
-/// Cleartext HTTP/1 and TLS clients go through this worker's io_uring
-/// (`[server] io_uring`, or `PIER_IO_URING=1`/`0` overriding it), and the
-/// ring is there (set up on first use; a worker without one stays on epoll).
-fn io_uring(cfg: &pier_config::Config) -> bool {
+/// Cleartext HTTP/1 and TLS clients, and cleartext upstream connections,
+/// go through the worker's io_uring: `[server] io_uring`, or
+/// `PIER_IO_URING=1`/`0` overriding it.
+fn io_uring_wanted(cfg: &pier_config::Config) -> bool {
     static ENV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let on = ENV
-        .get_or_init(|| match std::env::var("PIER_IO_URING").as_deref() {
-            Ok("1") => Some(true),
-            Ok("0") => Some(false),
-            _ => None,
-        })
-        .unwrap_or(cfg.io_uring);
-    on && pier_core::uring::ready()
+    ENV.get_or_init(|| match std::env::var("PIER_IO_URING").as_deref() {
+        Ok("1") => Some(true),
+        Ok("0") => Some(false),
+        _ => None,
+    })
+    .unwrap_or(cfg.io_uring)
+}
+
+/// [`io_uring_wanted`], and this worker's ring is there (set up on first
+/// use; a worker without one stays on epoll).
+fn io_uring(cfg: &pier_config::Config) -> bool {
+    io_uring_wanted(cfg) && pier_core::uring::ready()
 }
 
 impl<P: Phases> Admit<P> {

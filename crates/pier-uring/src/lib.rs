@@ -33,8 +33,11 @@
 //! cancelled until the reader catches up.
 //!
 //! Client connections of cleartext HTTP/1 and TLS listeners use it (rustls
-//! runs over a [`UringStream`] as over a socket); h2c listeners, HTTP/3 and
-//! upstream connections run over tokio's sockets. A thread whose ring
+//! runs over a [`UringStream`] as over a socket), and so do cleartext
+//! upstream connections (the pool keeps them with their worker: a stream
+//! works only on its ring's thread, and one dropped elsewhere is handed
+//! back to it); h2c listeners, HTTP/3 and TLS upstream connections run over
+//! tokio's sockets. A thread whose ring
 //! cannot be set up (old kernel, `io_uring_disabled`) says so once and
 //! stays on epoll; so do new connections of a ring whose submits keep
 //! failing ([`SUBMIT_FAILURES_MAX`]), while its own are retried after a
@@ -51,7 +54,8 @@ use std::future::Future;
 use std::io;
 use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -264,7 +268,32 @@ struct Driver {
     made: Vec<(u64, i32, u32)>,
     /// Submits that failed in a row; 0 once one succeeds.
     failures: u32,
+    /// This ring's number: a stream works only on the ring it names.
+    id: u32,
+    /// Streams of this ring dropped on other threads.
+    inbox: Arc<Inbox>,
 }
+
+/// Where a stream dropped on another thread (an idle upstream connection
+/// in the shared pool, swept or dropped with it) is handed to the thread
+/// whose ring it is on, whose reaper releases it as a local drop would.
+#[derive(Default)]
+struct Inbox {
+    drops: Mutex<Vec<(u32, u32)>>,
+    pending: AtomicBool,
+    /// The ring thread's reaper (set once: a task's waker does not change).
+    reaper: OnceLock<Waker>,
+}
+
+/// The inboxes of the rings that are up, by ring number.
+type Inboxes = Mutex<Vec<(u32, Arc<Inbox>)>>;
+
+fn inboxes() -> &'static Inboxes {
+    static INBOXES: OnceLock<Inboxes> = OnceLock::new();
+    INBOXES.get_or_init(Default::default)
+}
+
+static NEXT_RING: AtomicU32 = AtomicU32::new(1);
 
 thread_local! {
     static DRIVER: RefCell<Option<Driver>> = const { RefCell::new(None) };
@@ -348,6 +377,8 @@ pub fn init() -> io::Result<()> {
         )
     }
     .map_err(io::Error::from)?;
+    let id = NEXT_RING.fetch_add(1, Ordering::Relaxed);
+    let inbox = Arc::new(Inbox::default());
     DRIVER.with(|d| {
         *d.borrow_mut() = Some(Driver {
             ring,
@@ -360,8 +391,14 @@ pub fn init() -> io::Result<()> {
             cqes: Vec::with_capacity(RING_ENTRIES as usize * 2),
             made: Vec::new(),
             failures: 0,
+            id,
+            inbox: inbox.clone(),
         })
     });
+    inboxes()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((id, inbox));
     tokio::task::spawn_local(reaper(fd));
     Ok(())
 }
@@ -373,6 +410,10 @@ pub fn init() -> io::Result<()> {
 /// open are closed; their operations hold their own references.
 impl Drop for Driver {
     fn drop(&mut self) {
+        inboxes()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(id, _)| *id != self.id);
         for s in self.slots.iter_mut() {
             if s.fd >= 0 {
                 // SAFETY: the slot's fd, handed to the driver and closed
@@ -421,6 +462,10 @@ async fn reaper(fd: tokio::io::unix::AsyncFd<RingFd>) {
         let next = with(|d| {
             if !d.reaper.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
                 d.reaper = Some(cx.waker().clone());
+            }
+            let _ = d.inbox.reaper.get_or_init(|| cx.waker().clone());
+            if d.inbox.pending.swap(false, Ordering::Acquire) {
+                d.release_foreign();
             }
             d.turn(&mut wake);
             d.lingering.front().map(|l| l.2)
@@ -644,6 +689,14 @@ impl Driver {
         }
         if let Some(bid) = cqueue::buffer_select(flags) {
             if res > 0 && s.owned {
+                // What the reader took goes once it is at least what is
+                // left (so each byte is moved at most once on average): a
+                // reader that never quite catches up must not keep every
+                // byte it ever read.
+                if s.rpos > 0 && s.rpos >= s.unread() {
+                    s.rbuf.drain(..s.rpos);
+                    s.rpos = 0;
+                }
                 s.rbuf.extend_from_slice(self.bufs.bytes(bid, res as usize));
             }
             self.bufs.give_back(bid);
@@ -766,13 +819,17 @@ impl Driver {
     }
 }
 
-/// A TCP connection served by this thread's ring.
+/// A TCP connection served by one thread's ring.
 ///
-/// Not `Send`: its state is in this thread's ring.
+/// It holds only numbers (its state is in the ring's slot), so it may be
+/// kept where other threads see it (an idle upstream connection in the
+/// shared pool), but it works only on its ring's thread: elsewhere every
+/// operation fails as if the connection were gone, and a drop is handed to
+/// its ring's thread (see [`Inbox`]).
 pub struct UringStream {
+    ring: u32,
     slot: u32,
     gen: u32,
-    _here: std::marker::PhantomData<*const ()>,
 }
 
 impl UringStream {
@@ -801,9 +858,9 @@ impl UringStream {
             };
             d.arm_recv(slot);
             UringStream {
+                ring: d.id,
                 slot: slot as u32,
                 gen,
-                _here: std::marker::PhantomData,
             }
         })
         .ok_or_else(|| {
@@ -817,9 +874,26 @@ impl UringStream {
     fn slot<R>(&self, f: impl FnOnce(&mut Driver, usize) -> R) -> Option<R> {
         with(|d| {
             let i = self.slot as usize;
-            (d.slots.get(i).is_some_and(|s| s.gen == self.gen && s.owned)).then(|| f(d, i))
+            (d.id == self.ring && d.slots.get(i).is_some_and(|s| s.gen == self.gen && s.owned))
+                .then(|| f(d, i))
         })
         .flatten()
+    }
+
+    /// The stream is on this thread's ring (it works here).
+    pub fn is_here(&self) -> bool {
+        self.slot(|_, _| ()).is_some()
+    }
+
+    /// Nothing has arrived on an idle connection, not even its end, and it
+    /// is on this thread's ring: it may carry another request (the upstream
+    /// pool's check, without a call).
+    pub fn looks_alive(&self) -> bool {
+        self.slot(|d, i| {
+            let s = &d.slots[i];
+            s.unread() == 0 && !s.eof && s.err.is_none()
+        })
+        .unwrap_or(false)
     }
 
     fn gone() -> io::Error {
@@ -1019,43 +1093,94 @@ impl UringHalf<'_> {
 
 impl Drop for UringStream {
     fn drop(&mut self) {
-        let _ = self.slot(|d, i| {
-            let s = &mut d.slots[i];
-            s.owned = false;
-            s.rwaker = None;
-            s.wwaker = None;
-            s.rbuf = Vec::new();
-            s.rpos = 0;
-            let (gen, sending) = (s.gen, s.unsent() > 0 && s.err.is_none());
-            d.cancel_recv(i);
-            if d.slots[i].polling {
-                let e = opcode::AsyncCancel::new(user_data(i as u32, gen, OP_POLL))
-                    .build()
-                    .user_data(user_data(i as u32, gen, OP_CANCEL));
-                // SAFETY: refers to no memory; the target is found by its user data.
-                unsafe { d.push(&e) }
+        let here = with(|d| {
+            if d.id != self.ring {
+                return false;
             }
-            if sending {
-                // Entries whose streams are done (their slot freed or reused)
-                // go from the front, so the list holds about the streams
-                // still sending, not every close of the last LINGER.
-                while let Some(&(slot, gen, _)) = d.lingering.front() {
-                    let s = &d.slots[slot as usize];
-                    if s.gen == gen && !s.owned && s.fd >= 0 {
-                        break;
-                    }
-                    d.lingering.pop_front();
-                }
-                d.lingering
-                    .push_back((i as u32, gen, tokio::time::Instant::now() + LINGER));
-                if d.lingering.len() == 1 {
-                    if let Some(w) = &d.reaper {
-                        w.wake_by_ref();
-                    }
-                }
-            }
-            d.maybe_free(i);
+            d.release(self.slot, self.gen);
+            true
         });
+        if here != Some(true) {
+            forward_drop(self.ring, self.slot, self.gen);
+        }
+    }
+}
+
+/// A stream dropped away from its ring's thread: its ring's reaper
+/// releases it. A ring that is gone (its thread ended) closed it already.
+fn forward_drop(ring: u32, slot: u32, gen: u32) {
+    let inbox = inboxes()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .find(|(id, _)| *id == ring)
+        .map(|(_, i)| i.clone());
+    if let Some(inbox) = inbox {
+        inbox
+            .drops
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((slot, gen));
+        inbox.pending.store(true, Ordering::Release);
+        if let Some(w) = inbox.reaper.get() {
+            w.wake_by_ref();
+        }
+    }
+}
+
+impl Driver {
+    /// The streams of this ring dropped on other threads.
+    fn release_foreign(&mut self) {
+        let drops =
+            std::mem::take(&mut *self.inbox.drops.lock().unwrap_or_else(|e| e.into_inner()));
+        for (slot, gen) in drops {
+            self.release(slot, gen);
+        }
+    }
+
+    /// A stream of slot `slot` (generation `gen`) is dropped: its recv is
+    /// cancelled, and its queued bytes go out (for at most [`LINGER`])
+    /// before the slot is freed.
+    fn release(&mut self, slot: u32, gen: u32) {
+        let i = slot as usize;
+        if !self.slots.get(i).is_some_and(|s| s.gen == gen && s.owned) {
+            return;
+        }
+        let s = &mut self.slots[i];
+        s.owned = false;
+        s.rwaker = None;
+        s.wwaker = None;
+        s.rbuf = Vec::new();
+        s.rpos = 0;
+        let (gen, sending) = (s.gen, s.unsent() > 0 && s.err.is_none());
+        self.cancel_recv(i);
+        if self.slots[i].polling {
+            let e = opcode::AsyncCancel::new(user_data(i as u32, gen, OP_POLL))
+                .build()
+                .user_data(user_data(i as u32, gen, OP_CANCEL));
+            // SAFETY: refers to no memory; the target is found by its user data.
+            unsafe { self.push(&e) }
+        }
+        if sending {
+            // Entries whose streams are done (their slot freed or reused)
+            // go from the front, so the list holds about the streams
+            // still sending, not every close of the last LINGER.
+            while let Some(&(slot, gen, _)) = self.lingering.front() {
+                let s = &self.slots[slot as usize];
+                if s.gen == gen && !s.owned && s.fd >= 0 {
+                    break;
+                }
+                self.lingering.pop_front();
+            }
+            self.lingering
+                .push_back((i as u32, gen, tokio::time::Instant::now() + LINGER));
+            if self.lingering.len() == 1 {
+                if let Some(w) = &self.reaper {
+                    w.wake_by_ref();
+                }
+            }
+        }
+        self.maybe_free(i);
     }
 }
 
@@ -1403,6 +1528,96 @@ mod tests {
             assert_eq!(&buf, b"\x16abc");
             drop(c);
             assert_eq!(s.peek_first().await.unwrap(), None);
+        });
+    }
+
+    /// A stream taken to another thread fails there as a gone connection,
+    /// and its drop there is carried out by its own ring: the bytes it had
+    /// queued arrive, then the peer sees the end, and the slot is free.
+    #[test]
+    fn a_stream_dropped_on_another_thread_is_released_by_its_ring() {
+        local(async {
+            if !supported() {
+                return;
+            }
+            let (mut s, mut c) = pair().await;
+            assert!(s.is_here() && s.looks_alive());
+            s.write_all(b"before").await.unwrap();
+            let slot = s.slot as usize;
+            let elsewhere = std::thread::spawn(move || {
+                let failed = local(async {
+                    assert!(!s.is_here() && !s.looks_alive());
+                    let mut buf = [0u8; 4];
+                    let e = s.read(&mut buf).await.unwrap_err();
+                    assert_eq!(e.kind(), io::ErrorKind::NotConnected);
+                    s.write_all(b"x").await.is_err()
+                });
+                drop(s);
+                failed
+            });
+            assert!(
+                elsewhere.join().unwrap(),
+                "a write on another thread must fail"
+            );
+            let mut got = Vec::new();
+            pier_test_timeout(c.read_to_end(&mut got)).await.unwrap();
+            assert_eq!(got, b"before");
+            // The end came with the close, which frees the slot.
+            assert!(with(|d| d.free.contains(&(slot as u32))).unwrap());
+        });
+    }
+
+    async fn pier_test_timeout<F: std::future::Future>(f: F) -> F::Output {
+        tokio::time::timeout(Duration::from_secs(30), f)
+            .await
+            .expect("timed out")
+    }
+
+    /// A reader that never quite catches up (it always leaves a few bytes
+    /// unread while more arrive) holds about what is unread, not every
+    /// byte that came.
+    #[test]
+    fn a_reader_behind_does_not_keep_what_it_read() {
+        local(async {
+            if !supported() {
+                return;
+            }
+            let (mut s, mut c) = pair().await;
+            const TOTAL: usize = 32 << 20;
+            let writer = tokio::task::spawn_local(async move {
+                let chunk = vec![7u8; 64 * 1024];
+                for _ in 0..TOTAL / chunk.len() {
+                    c.write_all(&chunk).await.unwrap();
+                }
+                c
+            });
+            let (mut got, mut most) = (0, 0);
+            let mut buf = vec![0u8; 1000];
+            while got < TOTAL {
+                // Read all but the last few bytes that are in, then let
+                // more arrive: the buffer is never drained.
+                let unread = s.slot(|d, i| d.slots[i].unread()).unwrap();
+                if unread <= 50 && got + unread < TOTAL {
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                let want = if got + unread == TOTAL {
+                    unread
+                } else {
+                    unread - 50
+                };
+                let want = want.min(buf.len());
+                let n = pier_test_timeout(s.read(&mut buf[..want])).await.unwrap();
+                assert!(n > 0, "early end after {got} bytes");
+                got += n;
+                let cap = s.slot(|d, i| d.slots[i].rbuf.capacity()).unwrap();
+                most = most.max(cap);
+            }
+            let _c = writer.await.unwrap();
+            // Unread bytes pass READ_MAX by at most one turn's completions
+            // (every provided buffer, 2 MiB) before the recv pauses; the
+            // buffer doubles past that. Without the compaction it is all 32.
+            assert!(most <= 8 << 20, "the read buffer grew to {most} bytes");
         });
     }
 }
