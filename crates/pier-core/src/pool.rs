@@ -170,6 +170,7 @@ impl Pool {
         if max == 0 {
             return;
         }
+        let mut homeless = None;
         let evicted = {
             let mut map = self.workers[worker % self.workers.len()].map.lock();
             if !map.contains_key(key) {
@@ -236,9 +237,15 @@ impl Pool {
                 None
             } else {
                 // Full over all workers: keep the hot one in place of our
-                // oldest; with none of ours to give up, close it.
+                // oldest; with none of ours to give up, close it, unless
+                // it is one no other worker could take (on our ring, or
+                // TLS): then another worker's oldest gives way, or a worker
+                // whose stack stays empty would open one a request.
                 stack.count.fetch_sub(1, Relaxed);
-                if stack.idle.is_empty() {
+                if stack.idle.is_empty() && !stream.movable() && key.proxy.is_none() {
+                    homeless = Some(stream);
+                    None
+                } else if stack.idle.is_empty() {
                     Some(stream)
                 } else {
                     let oldest = stack.idle.remove(0);
@@ -251,6 +258,29 @@ impl Pool {
             }
         };
         drop(evicted); // closed outside the lock
+        if let Some(stream) = homeless {
+            let me = worker % self.workers.len();
+            let oldest = (0..self.workers.len()).filter(|&w| w != me).find_map(|w| {
+                let mut map = self.workers[w].map.lock();
+                let stack = map.get_mut(key).filter(|s| !s.idle.is_empty())?;
+                Some((stack.idle.remove(0), stack.count.clone()))
+            });
+            // Its place in the count is ours now.
+            let Some((oldest, count)) = oldest else {
+                return; // closed
+            };
+            let mut map = self.workers[me].map.lock();
+            let stack = map.entry(key.clone()).or_insert_with(|| Stack {
+                idle: Vec::new(),
+                count,
+            });
+            stack.idle.push(Idle {
+                stream,
+                since: pier_clock::recent(),
+            });
+            drop(map);
+            drop(oldest); // closed outside the locks (by its own worker)
+        }
     }
 
     /// Drop expired idle connections (called periodically).
@@ -341,6 +371,55 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(50)).await;
             assert!(pool.take(&key, 0).is_none());
             assert_eq!(pool.idle_count(), 0);
+        });
+    }
+
+    /// Connections on a worker's io_uring stay with it: another worker
+    /// with none idle does not take them, and when the bound is full its
+    /// own hot connection takes the place of another worker's oldest.
+    #[test]
+    fn ring_connections_stay_with_their_worker() {
+        let rt = rt();
+        tokio::task::LocalSet::new().block_on(&rt, async {
+            if let Err(e) = pier_uring::init() {
+                eprintln!("io_uring unavailable here ({e}); skipped");
+                return;
+            }
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            let key = PeerKey::plain(addr);
+            let pool = Pool::new(PoolConfig {
+                workers: 2,
+                max_idle_per_server: 1,
+                idle_timeout: Duration::from_secs(5),
+            });
+            let mut origin = Vec::new();
+            let mut ring_conn = async || {
+                let c = TcpStream::connect(addr).await.unwrap();
+                origin.push(l.accept().await.unwrap().0);
+                Conn::Uring(pier_uring::UringStream::new(c).unwrap())
+            };
+            let c0 = ring_conn().await;
+            pool.put(&key, 0, c0);
+            // Worker 1 has none idle and does not take worker 0's.
+            assert!(pool.take(&key, 1).is_none());
+            assert_eq!(pool.idle_count(), 1, "worker 0's connection was dropped");
+            // Full: worker 1's connection takes the place of worker 0's.
+            let c1 = ring_conn().await;
+            pool.put(&key, 1, c1);
+            assert_eq!(pool.idle_count(), 1);
+            assert!(pool.take(&key, 0).is_none(), "worker 0's gave way");
+            assert!(pool.take(&key, 1).is_some(), "worker 1's is kept");
+            // The one that gave way was closed.
+            let mut b = [0u8; 1];
+            let n = tokio::time::timeout(
+                Duration::from_secs(30),
+                tokio::io::AsyncReadExt::read(&mut origin[0], &mut b),
+            )
+            .await
+            .unwrap()
+            .unwrap();
+            assert_eq!(n, 0);
         });
     }
 

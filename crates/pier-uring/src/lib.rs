@@ -315,22 +315,20 @@ pub fn enabled() -> bool {
         .unwrap_or(false)
 }
 
-/// This thread has a ring whose submits are not failing.
-fn healthy() -> bool {
-    DRIVER
-        .try_with(|d| {
-            d.try_borrow()
-                .is_ok_and(|d| d.as_ref().is_some_and(|d| d.failures < SUBMIT_FAILURES_MAX))
-        })
-        .unwrap_or(false)
-}
-
 /// This thread's ring, set up on first use (see [`init`]); false when it
 /// cannot be (said once, in the log), or its submits keep failing, and the
 /// caller stays on epoll.
 pub fn ready() -> bool {
-    if enabled() {
-        return healthy();
+    // One look at the thread-local: None when there is no ring yet.
+    // (In use, or the thread ending: not now.)
+    let up = DRIVER
+        .try_with(|d| match d.try_borrow() {
+            Ok(d) => d.as_ref().map(|d| d.failures < SUBMIT_FAILURES_MAX),
+            Err(_) => Some(false),
+        })
+        .unwrap_or(Some(false));
+    if let Some(healthy) = up {
+        return healthy;
     }
     if FAILED.with(|f| f.get()) {
         return false;
