@@ -75,7 +75,7 @@ impl Shared {
         let mut state = state;
         state.epoch = 1;
         let connector = Connector::tcp();
-        connector.set_io_uring(io_uring_wanted(&state.cfg));
+        connector.set_io_uring(io_uring_upstream(&state.cfg));
         Shared {
             state: ArcSwap::from_pointee(state),
             epoch: std::sync::atomic::AtomicU64::new(1),
@@ -105,7 +105,7 @@ impl Shared {
         // Installs come from the control thread only, one at a time.
         let epoch = self.epoch.load(Relaxed) + 1;
         state.epoch = epoch;
-        self.connector.set_io_uring(io_uring_wanted(&state.cfg));
+        self.connector.set_io_uring(io_uring_upstream(&state.cfg));
         self.state.store(Arc::new(state));
         self.epoch.store(epoch, Relaxed);
     }
@@ -451,6 +451,18 @@ fn io_uring_wanted(cfg: &pier_config::Config) -> bool {
         _ => None,
     })
     .unwrap_or(cfg.io_uring)
+}
+
+/// [`io_uring_wanted`] for connections to origins: `PIER_IO_URING_UPSTREAM`
+/// (`0` or `1`) overrides it for them alone (to measure one leg's ring).
+fn io_uring_upstream(cfg: &pier_config::Config) -> bool {
+    static ENV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    ENV.get_or_init(|| match std::env::var("PIER_IO_URING_UPSTREAM").as_deref() {
+        Ok("1") => Some(true),
+        Ok("0") => Some(false),
+        _ => None,
+    })
+    .unwrap_or_else(|| io_uring_wanted(cfg))
 }
 
 /// [`io_uring_wanted`], and this worker's ring is there (set up on first
