@@ -457,11 +457,13 @@ fn io_uring_wanted(cfg: &pier_config::Config) -> bool {
 /// (`0` or `1`) overrides it for them alone (to measure one leg's ring).
 fn io_uring_upstream(cfg: &pier_config::Config) -> bool {
     static ENV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    ENV.get_or_init(|| match std::env::var("PIER_IO_URING_UPSTREAM").as_deref() {
-        Ok("1") => Some(true),
-        Ok("0") => Some(false),
-        _ => None,
-    })
+    ENV.get_or_init(
+        || match std::env::var("PIER_IO_URING_UPSTREAM").as_deref() {
+            Ok("1") => Some(true),
+            Ok("0") => Some(false),
+            _ => None,
+        },
+    )
     .unwrap_or_else(|| io_uring_wanted(cfg))
 }
 
