@@ -40,7 +40,8 @@ ZIPF_KEYS="${ZIPF_KEYS:-200000}"
 ZIPF_S="${ZIPF_S:-0.9}"
 PIER_BIN="${PIER_BIN:-$ROOT/target/dist/pier}"
 # A second build to compare in the same interleaved run: proxy "pier-b" (cache on), e.g.
-# PIER_BIN_B=<before> PARTS=miss MISS_PROXIES=pier,pier-b,pier-plain.
+# PIER_BIN_B=<before> PARTS=miss MISS_PROXIES=pier,pier-b,pier-plain (and "pier-plain-b", that build
+# without its cache).
 PIER_BIN_B="${PIER_BIN_B:-}"
 SKIP_INSTALL="${SKIP_INSTALL:-0}"
 SKIP_BUILD="${SKIP_BUILD:-0}"
@@ -85,9 +86,9 @@ start_proxy() {
     ADMIN_PORT=""
     rm -rf "$dir"; mkdir -p "$dir/logs/tmp"; chmod -R 755 "$dir"
     case "$name" in
-        pier|pier-plain|pier-disk|pier-b)
+        pier|pier-plain|pier-disk|pier-b|pier-plain-b)
             template "$PEERS/pier.toml" "$dir/pier.toml" "$port"
-            if [ "$name" = pier-plain ]; then
+            if [ "$name" = pier-plain ] || [ "$name" = pier-plain-b ]; then
                 sed -i -e '/^\[route.cache\]/d' -e '/^zone = "main"/d' "$dir/pier.toml"
             fi
             [ -n "${MEMORY:-}" ] && sed -i -e "s/^memory = .*/memory = \"$MEMORY\"/" "$dir/pier.toml"
@@ -96,7 +97,7 @@ start_proxy() {
             ADMIN_PORT="$(python3 "$BENCH_DIR/tool.py" port)"
             printf '\n[admin]\nlisten = "127.0.0.1:%s"\n' "$ADMIN_PORT" >>"$dir/pier.toml"
             local bin="$PIER_BIN"
-            [ "$name" = pier-b ] && bin="${PIER_BIN_B:?pier-b needs PIER_BIN_B}"
+            case "$name" in pier-b|pier-plain-b) bin="${PIER_BIN_B:?$name needs PIER_BIN_B}" ;; esac
             "$bin" serve -c "$dir/pier.toml" >"$dir/stdout.log" 2>&1 &
             ;;
         varnish|varnish-plain)

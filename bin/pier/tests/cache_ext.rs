@@ -292,10 +292,7 @@ name = "r"
 upstream = "app"
 {COMPRESS}"#
     );
-    let cfg = config(o.addr, "", &route).replace(
-        "name = \"main\"\nlisten = \"127.0.0.1:0\"",
-        "name = \"main\"\nlisten = \"127.0.0.1:0\"\nh2c = true",
-    );
+    let cfg = common::h2c_main(&config(o.addr, "", &route));
     let pier = pier(&cfg);
     let addr = pier.listener("main");
     let want = "made by pier ".repeat(400) + "\n";

@@ -76,10 +76,11 @@ fn h2_get(path: &str) -> http::Request<()> {
 #[test]
 fn http2_resets_and_closed_connections_cancel_their_requests() {
     let o = Origin::start();
-    let cfg = simple_config(&[o.addr()], "[http2]\nmax_concurrent_streams = 4", "").replace(
-        "name = \"main\"\nlisten = \"127.0.0.1:0\"\n",
-        "name = \"main\"\nlisten = \"127.0.0.1:0\"\nh2c = true\n",
-    );
+    let cfg = h2c_main(&simple_config(
+        &[o.addr()],
+        "[http2]\nmax_concurrent_streams = 4",
+        "",
+    ));
     let p = pier(&cfg);
     let addr = p.listener("main");
     let rt = h2_runtime();

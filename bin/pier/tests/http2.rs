@@ -260,6 +260,59 @@ fn h2spec_conformance() {
     assert_eq!(only.metric_value("pier_panics_total"), Some(0.0));
 }
 
+/// An h2c listener's clients are on the worker's io_uring (`[server]
+/// io_uring`, the default; origins kept on epoll here, so the ring is the
+/// clients'): HTTP/2 with prior knowledge, its preface arriving a byte at a
+/// time, and HTTP/1.1 beside it, whose first bytes ("P", "PR") could have
+/// been a preface's.
+#[test]
+fn h2c_clients_on_io_uring() {
+    use std::io::{Read, Write};
+    let o = Origin::start();
+    let pier = common::pier_env(
+        &h2_config(o.addr(), None, ""),
+        &[("PIER_IO_URING_UPSTREAM", "0")],
+    );
+    let base = format!("http://{}", pier.listener("clear"));
+    for _ in 0..3 {
+        let (out, err) = curl_out(&["--http2-prior-knowledge", "-sS", &format!("{base}/hello")]);
+        assert_eq!(out, "hello world\n", "{err}");
+    }
+    // The preface a byte at a time, then a SETTINGS frame: the server's
+    // SETTINGS come back (an HTTP/1 answer would start "HTTP/1").
+    let mut s = std::net::TcpStream::connect(pier.listener("clear")).unwrap();
+    s.set_nodelay(true).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    for b in b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" {
+        s.write_all(&[*b]).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    s.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).unwrap();
+    let mut head = [0u8; 9];
+    s.read_exact(&mut head).unwrap();
+    assert_eq!(head[3], 4, "a SETTINGS frame first: {head:?}");
+    // HTTP/1.1 whose method starts like the preface.
+    let mut s = std::net::TcpStream::connect(pier.listener("clear")).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"P").unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    s.write_all(
+        b"UT /hello HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi",
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    assert!(
+        got.starts_with(b"HTTP/1.1 "),
+        "{:?}",
+        String::from_utf8_lossy(&got)
+    );
+    if common::io_uring_expected() {
+        assert!(common::rings(pier.pid()) >= 1, "no io_uring in pier");
+    }
+    assert_eq!(pier.metric_value("pier_panics_total"), Some(0.0));
+}
+
 /// `h2c = "only"`: HTTP/2 with prior knowledge is served; an HTTP/1.1
 /// request gets no HTTP/1 answer (the connection is closed after GOAWAY).
 #[test]

@@ -111,16 +111,16 @@ fn active_connections_gauge_follows_clients() {
 
 /// Cleartext upstream connections are on the worker's io_uring (`[server]
 /// io_uring`, the default): pooled and reused there, bodies both ways. The
-/// listener is h2c's, whose clients stay on epoll, so the ring Pier holds is
-/// the upstream leg's.
+/// clients are kept on epoll (`PIER_IO_URING=0`, the origin leg turned back
+/// on alone), so the ring Pier holds is the upstream leg's.
 #[test]
 fn upstream_connections_on_io_uring_are_pooled_and_reused() {
     let o = Origin::start();
-    let cfg = simple_config(&[o.addr()], "", "").replace(
-        "name = \"main\"\nlisten = \"127.0.0.1:0\"",
-        "name = \"main\"\nlisten = \"127.0.0.1:0\"\nh2c = true",
+    let cfg = simple_config(&[o.addr()], "", "");
+    let p = pier_env(
+        &cfg,
+        &[("PIER_IO_URING", "0"), ("PIER_IO_URING_UPSTREAM", "1")],
     );
-    let p = pier(&cfg);
     let mut c = RawConn::connect(p.listener("main"));
     for i in 0..20 {
         assert_eq!(c.get("/hello").unwrap().status, 200, "request {i}");

@@ -345,17 +345,27 @@ mod tests {
             .unwrap()
     }
 
+    /// A listener on port 0 standing for the origin, and a pool.
+    async fn setup(
+        workers: usize,
+        max_idle_per_server: usize,
+        idle_timeout: Duration,
+    ) -> (tokio::net::TcpListener, std::net::SocketAddr, Pool) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let pool = Pool::new(PoolConfig {
+            workers,
+            max_idle_per_server,
+            idle_timeout,
+        });
+        (l, addr, pool)
+    }
+
     #[test]
     fn reuse_and_staleness() {
         rt().block_on(async {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = l.local_addr().unwrap();
+            let (l, addr, pool) = setup(2, 2, Duration::from_secs(5)).await;
             let key = PeerKey::plain(addr);
-            let pool = Pool::new(PoolConfig {
-                workers: 2,
-                max_idle_per_server: 2,
-                idle_timeout: Duration::from_secs(5),
-            });
             let c1 = TcpStream::connect(addr).await.unwrap();
             let (mut s1, _) = l.accept().await.unwrap();
             pool.put(&key, 0, Conn::Tcp(c1));
@@ -385,14 +395,8 @@ mod tests {
                 eprintln!("io_uring unavailable here ({e}); skipped");
                 return;
             }
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = l.local_addr().unwrap();
+            let (l, addr, pool) = setup(2, 1, Duration::from_secs(5)).await;
             let key = PeerKey::plain(addr);
-            let pool = Pool::new(PoolConfig {
-                workers: 2,
-                max_idle_per_server: 1,
-                idle_timeout: Duration::from_secs(5),
-            });
             let mut origin = Vec::new();
             let mut ring_conn = async || {
                 let c = TcpStream::connect(addr).await.unwrap();
@@ -426,14 +430,8 @@ mod tests {
     #[test]
     fn bound_is_per_server_over_all_workers() {
         rt().block_on(async {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = l.local_addr().unwrap();
+            let (l, addr, pool) = setup(2, 1, Duration::from_secs(5)).await;
             let key = PeerKey::plain(addr);
-            let pool = Pool::new(PoolConfig {
-                workers: 2,
-                max_idle_per_server: 1,
-                idle_timeout: Duration::from_secs(5),
-            });
             let mut keep = Vec::new();
             for w in 0..2 {
                 let c = TcpStream::connect(addr).await.unwrap();
@@ -451,17 +449,11 @@ mod tests {
     #[test]
     fn private_connections_share_their_servers_bound() {
         rt().block_on(async {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = l.local_addr().unwrap();
+            let (l, addr, pool) = setup(1, 2, Duration::from_secs(5)).await;
             let private = |client: u8| PeerKey {
                 proxy: Some(Arc::from(vec![client; 16])),
                 ..PeerKey::plain(addr)
             };
-            let pool = Pool::new(PoolConfig {
-                workers: 1,
-                max_idle_per_server: 2,
-                idle_timeout: Duration::from_secs(5),
-            });
             let mut keep = Vec::new();
             // Ten clients, one connection each: two kept, the newest.
             for client in 0..10u8 {
@@ -497,14 +489,8 @@ mod tests {
     #[test]
     fn bounded_and_expiring() {
         rt().block_on(async {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = l.local_addr().unwrap();
+            let (l, addr, pool) = setup(1, 2, Duration::from_millis(30)).await;
             let key = PeerKey::plain(addr);
-            let pool = Pool::new(PoolConfig {
-                workers: 1,
-                max_idle_per_server: 2,
-                idle_timeout: Duration::from_millis(30),
-            });
             let mut keep = Vec::new();
             for _ in 0..3 {
                 let c = TcpStream::connect(addr).await.unwrap();

@@ -299,8 +299,9 @@ impl Connector {
     }
 
     /// Put new cleartext connections on the calling worker's io_uring
-    /// (set up on first use; a worker without one stays on epoll). Called
-    /// from the workers' runtimes only: setting a ring up spawns its task.
+    /// (set up on first use; a worker without one stays on epoll). Any
+    /// thread may set the flag; `connect` must then run on a worker's
+    /// runtime, since setting a ring up spawns its task there.
     pub fn set_io_uring(&self, on: bool) {
         self.ring.store(on, std::sync::atomic::Ordering::Relaxed);
     }

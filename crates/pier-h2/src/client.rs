@@ -1,10 +1,13 @@
-//! HTTP/2 to origins: multiplexed connections shared by every worker thread
-//! (a new one only when each open one carries `h2_max_streams`), and the
-//! upstream halves of the session interfaces over an h2 stream.
+//! HTTP/2 to origins: multiplexed connections, each worker's own (a new one
+//! only when each of the worker's open ones carries `h2_max_streams`), and
+//! the upstream halves of the session interfaces over an h2 stream.
 //!
-//! A connection's I/O task runs on the worker that opened it; other workers
-//! send on it through the h2 handle (`SendRequest` is `Send`), so one
-//! connection serves the whole process — the sharing an HTTP/2 origin wants.
+//! A connection's I/O task runs on the worker that opened it, and only that
+//! worker's requests use it, as nginx's and HAProxy's do: a stream and its
+//! connection's task wake each other on one thread, and h2's lock on the
+//! connection's state stays in one core's cache. Shared by every worker, a
+//! gRPC call woke the other worker twice (its frames out, the answer back)
+//! and the lock went between the cores for every frame.
 
 use bytes::Bytes;
 use pier_core::{Connector, PeerKey};
@@ -32,16 +35,38 @@ struct Conn {
 /// clients.
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
-#[derive(Default)]
 pub struct H2Pool {
-    conns: Mutex<HashMap<PeerKey, Vec<Arc<Conn>>>>,
+    /// By worker (modulo [`SHARDS`]), then by peer.
+    conns: [Shard; SHARDS],
     /// `protocol = "auto"`: what each peer (keyed with `Alpn::H2`) chose by
     /// ALPN the last time a connection was opened to it (`true` = h2).
     chosen: Mutex<HashMap<PeerKey, bool>>,
     /// One connect at a time per peer: requests that find every connection
     /// full while one is being opened wait for it instead of each opening
     /// their own (a burst of streams at start-up would open one apiece).
-    dialing: Mutex<HashMap<PeerKey, Arc<tokio::sync::Mutex<()>>>>,
+    dialing: Mutex<HashMap<(usize, PeerKey), Gate>>,
+}
+
+/// A (shard, peer)'s turn to open a connection.
+type Gate = Arc<tokio::sync::Mutex<()>>;
+
+/// Workers past this many share the shards (each still finds room on a
+/// connection of its shard; only the thread the I/O runs on may differ).
+const SHARDS: usize = 64;
+
+/// One worker's connections, on a cache line of its own.
+#[derive(Default)]
+#[repr(align(128))]
+struct Shard(Mutex<HashMap<PeerKey, Vec<Arc<Conn>>>>);
+
+impl Default for H2Pool {
+    fn default() -> Self {
+        H2Pool {
+            conns: std::array::from_fn(|_| Shard::default()),
+            chosen: Default::default(),
+            dialing: Default::default(),
+        }
+    }
 }
 
 /// Peers whose ALPN choice is remembered; past it the memory starts over
@@ -72,8 +97,10 @@ impl H2Pool {
     /// new one. With `auto`, a new TLS connection on which the server did
     /// not choose h2 is handed back for HTTP/1.1, and the choice is
     /// remembered (see [`H2Pool::chose_h2`]).
+    #[allow(clippy::too_many_arguments)]
     pub async fn lease(
         &self,
+        worker: usize,
         key: &PeerKey,
         connector: &Connector,
         limit: Duration,
@@ -81,7 +108,8 @@ impl H2Pool {
         max_streams: usize,
         auto: bool,
     ) -> Result<Leased, std::io::Error> {
-        if let Some(l) = self.room(key, max_streams) {
+        let shard = &self.conns[worker % SHARDS].0;
+        if let Some(l) = room(shard, key, max_streams) {
             return Ok(Leased::H2(l, true));
         }
         // A peer known (or about to be found) to speak HTTP/1.1 gets its
@@ -89,10 +117,11 @@ impl H2Pool {
         let serial = !auto || self.chose_h2(key) == Some(true);
         let gate = serial.then(|| {
             let mut map = self.dialing.lock().unwrap_or_else(|e| e.into_inner());
-            if map.len() >= MAX_REMEMBERED && !map.contains_key(key) {
+            let k = (worker % SHARDS, key.clone());
+            if map.len() >= MAX_REMEMBERED && !map.contains_key(&k) {
                 map.retain(|_, g| Arc::strong_count(g) > 1);
             }
-            map.entry(key.clone()).or_default().clone()
+            map.entry(k).or_default().clone()
         });
         let _turn = match &gate {
             Some(g) => Some(
@@ -104,7 +133,7 @@ impl H2Pool {
         };
         if gate.is_some() {
             // Opened while this one waited?
-            if let Some(l) = self.room(key, max_streams) {
+            if let Some(l) = room(shard, key, max_streams) {
                 return Ok(Leased::H2(l, true));
             }
         }
@@ -144,19 +173,9 @@ impl H2Pool {
             open: AtomicUsize::new(1),
             closed,
         });
-        let mut map = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
         map.entry(key.clone()).or_default().push(c.clone());
         Ok(Leased::H2(Lease { conn: c }, false))
-    }
-
-    /// A stream slot on an open connection with room.
-    fn room(&self, key: &PeerKey, max_streams: usize) -> Option<Lease> {
-        let mut map = self.conns.lock().unwrap_or_else(|e| e.into_inner());
-        let list = map.get_mut(key)?;
-        list.retain(|c| !c.closed.load(Relaxed));
-        let c = list.iter().find(|c| c.open.load(Relaxed) < max_streams)?;
-        c.open.fetch_add(1, Relaxed);
-        Some(Lease { conn: c.clone() })
     }
 
     /// `protocol = "auto"`: whether `key`'s server chose h2 the last time
@@ -176,12 +195,31 @@ impl H2Pool {
 
     /// Open HTTP/2 connections (metrics).
     pub fn connections(&self) -> usize {
-        let map = self.conns.lock().unwrap_or_else(|e| e.into_inner());
-        map.values()
-            .flatten()
-            .filter(|c| !c.closed.load(Relaxed))
-            .count()
+        self.conns
+            .iter()
+            .map(|s| {
+                let map = s.0.lock().unwrap_or_else(|e| e.into_inner());
+                map.values()
+                    .flatten()
+                    .filter(|c| !c.closed.load(Relaxed))
+                    .count()
+            })
+            .sum()
     }
+}
+
+/// A stream slot on an open connection of the shard with room.
+fn room(
+    shard: &Mutex<HashMap<PeerKey, Vec<Arc<Conn>>>>,
+    key: &PeerKey,
+    max_streams: usize,
+) -> Option<Lease> {
+    let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
+    let list = map.get_mut(key)?;
+    list.retain(|c| !c.closed.load(Relaxed));
+    let c = list.iter().find(|c| c.open.load(Relaxed) < max_streams)?;
+    c.open.fetch_add(1, Relaxed);
+    Some(Lease { conn: c.clone() })
 }
 
 /// Send the request head on a leased connection: the response to come and
@@ -551,6 +589,59 @@ impl FieldWriter for MapFields<'_> {
 mod tests {
     use super::*;
     use h2::Reason;
+
+    /// A worker's requests go on its own connections: reused by it, never
+    /// by another worker, which opens its own (and a new one when its are
+    /// full, though another worker's has room).
+    #[test]
+    fn each_worker_has_its_own_connections() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        tokio::task::LocalSet::new().block_on(&rt, async {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            tokio::spawn(async move {
+                while let Ok((s, _)) = l.accept().await {
+                    tokio::spawn(async move {
+                        if let Ok(mut c) = h2::server::handshake(s).await {
+                            while let Some(Ok(_)) = c.accept().await {}
+                        }
+                    });
+                }
+            });
+            let pool = H2Pool::default();
+            let key = PeerKey::plain(addr);
+            let connector = Connector::tcp();
+            let limit = Duration::from_secs(30);
+            let lease = async |worker, max| match pool
+                .lease(worker, &key, &connector, limit, None, max, false)
+                .await
+                .unwrap()
+            {
+                Leased::H2(l, reused) => (l, reused),
+                Leased::Http1(_) => panic!("h2c is not asked"),
+            };
+            let (a, reused) = lease(0, 2).await;
+            assert!(!reused);
+            let (b, reused) = lease(0, 2).await;
+            assert!(
+                reused && Arc::ptr_eq(&a.conn, &b.conn),
+                "worker 0 reuses its own"
+            );
+            drop(b);
+            let (c, reused) = lease(1, 2).await;
+            assert!(!reused, "worker 1 took worker 0's connection");
+            assert!(!Arc::ptr_eq(&a.conn, &c.conn));
+            // Worker 1's is full (two streams): it opens another, although
+            // worker 0's has room.
+            let (_d, _) = lease(1, 2).await;
+            let (e, reused) = lease(1, 2).await;
+            assert!(!reused && !Arc::ptr_eq(&e.conn, &a.conn));
+            assert_eq!(pool.connections(), 3);
+        });
+    }
 
     /// vendor/h2's `check_headers` (one pass over the names, patched)
     /// refuses what the published one does: a connection-specific field in

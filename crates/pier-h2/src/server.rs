@@ -268,11 +268,19 @@ pub async fn prior_knowledge(tcp: &tokio::net::TcpStream, limit: Duration) -> bo
     tokio::time::timeout(limit, look).await.unwrap_or(false)
 }
 
+/// [`prior_knowledge`] for a connection on the worker's io_uring.
+pub async fn prior_knowledge_uring(s: &pier_core::uring::UringStream, limit: Duration) -> bool {
+    matches!(
+        tokio::time::timeout(limit, s.starts_with(b"PRI * HTTP/2.0")).await,
+        Ok(Ok(true))
+    )
+}
+
 /// On an `h2c = "only"` listener, a connection that does not open with the
 /// preface: closed with a FIN (write side first, then what the client sent
 /// is read and dropped, up to 64 KiB or a second), not a reset, so the
 /// client sees the close (RFC 9113 §3.4).
-pub async fn close_gently(mut tcp: tokio::net::TcpStream) {
+pub async fn close_gently<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(mut tcp: S) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let _ = tcp.shutdown().await;
     let drain = async {

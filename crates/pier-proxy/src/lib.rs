@@ -54,7 +54,7 @@ pub struct Shared {
     pub pool: Pool,
     /// Opens upstream connections (TCP; an in-memory dialer in tests).
     pub connector: Connector,
-    /// HTTP/2 upstream connections, multiplexed, shared by every worker.
+    /// HTTP/2 upstream connections, multiplexed, each worker's own.
     pub h2pool: pier_h2::client::H2Pool,
     pub metrics: Metrics,
     pub access: AccessLog,
@@ -440,8 +440,8 @@ fn per_ip<P: Phases>(
     Ok(Some(g))
 }
 
-/// Cleartext HTTP/1 and TLS clients, and cleartext upstream connections,
-/// go through the worker's io_uring: `[server] io_uring`, or
+/// Clients (cleartext HTTP/1 and h2c, and TLS) and cleartext upstream
+/// connections go through the worker's io_uring: `[server] io_uring`, or
 /// `PIER_IO_URING=1`/`0` overriding it.
 fn io_uring_wanted(cfg: &pier_config::Config) -> bool {
     static ENV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
@@ -546,29 +546,22 @@ impl<P: Phases> Admit<P> {
                     Some(slot),
                 ));
             }
-            None => {
-                tokio::task::spawn_local(Box::pin(async move {
-                    let _slot = slot;
-                    // Waiting for the first bytes is waiting for a head:
-                    // evictable when the worker is full.
-                    let h2 = {
-                        let waiting = evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
-                        tokio::select! {
-                            h2 = pier_h2::server::prior_knowledge(&stream, w.shared.state.load().cfg.timeouts.client_header) => Some(h2),
-                            _ = waiting.evicted() => None,
-                        }
-                    };
-                    let Some(h2) = h2 else { return };
-                    if h2 {
-                        mux::serve_h2(w, stream, peer, local, conn).await
-                    } else if h2c_only {
-                        // No HTTP/1 here: a connection without the preface
-                        // is closed.
-                        pier_h2::server::close_gently(stream).await
-                    } else {
-                        driver::serve_connection(w, stream, peer, local, conn, None).await
+            None if io_uring(&w.shared.state.load().cfg) => {
+                match pier_core::uring::UringStream::new(stream) {
+                    Ok(s) => {
+                        tokio::task::spawn_local(Box::pin(serve_h2c(
+                            w, s, peer, local, conn, slot, h2c_only,
+                        )));
                     }
-                }));
+                    Err(e) => {
+                        tracing::debug!("io_uring: a connection could not move to the ring: {e}")
+                    }
+                }
+            }
+            None => {
+                tokio::task::spawn_local(Box::pin(serve_h2c(
+                    w, stream, peer, local, conn, slot, h2c_only,
+                )));
             }
             Some(t) if io_uring(&w.shared.state.load().cfg) => {
                 match pier_core::uring::UringStream::new(stream) {
@@ -588,6 +581,57 @@ impl<P: Phases> Admit<P> {
                 ));
             }
         }
+    }
+}
+
+/// A client of an h2c listener, which tells whether it opens with HTTP/2's
+/// preface without consuming it: on tokio's poller or the worker's ring.
+trait H2cClient: pier_core::Stream {
+    fn preface(&self, limit: std::time::Duration) -> impl std::future::Future<Output = bool> + '_;
+}
+
+impl H2cClient for tokio::net::TcpStream {
+    fn preface(&self, limit: std::time::Duration) -> impl std::future::Future<Output = bool> + '_ {
+        pier_h2::server::prior_knowledge(self, limit)
+    }
+}
+
+impl H2cClient for pier_core::uring::UringStream {
+    fn preface(&self, limit: std::time::Duration) -> impl std::future::Future<Output = bool> + '_ {
+        pier_h2::server::prior_knowledge_uring(self, limit)
+    }
+}
+
+/// A connection of an h2c listener: HTTP/2 with prior knowledge, or (not
+/// `h2c = "only"`) HTTP/1.1, which may ask to upgrade.
+async fn serve_h2c<P: Phases, S: H2cClient>(
+    w: Arc<Worker<P>>,
+    stream: S,
+    peer: std::net::SocketAddr,
+    local: std::net::SocketAddr,
+    conn: session::ConnInfo,
+    slot: Slot,
+    h2c_only: bool,
+) {
+    let _slot = slot;
+    // Waiting for the first bytes is waiting for a head: evictable when the
+    // worker is full.
+    let h2 = {
+        let waiting = evict::Waiting::enter(&w.waiting, pier_lb::recent_ms());
+        let limit = w.shared.state.load().cfg.timeouts.client_header;
+        tokio::select! {
+            h2 = stream.preface(limit) => Some(h2),
+            _ = waiting.evicted() => None,
+        }
+    };
+    let Some(h2) = h2 else { return };
+    if h2 {
+        mux::serve_h2(w, stream, peer, local, conn).await
+    } else if h2c_only {
+        // No HTTP/1 here: a connection without the preface is closed.
+        pier_h2::server::close_gently(stream).await
+    } else {
+        driver::serve_connection(w, stream, peer, local, conn, None).await
     }
 }
 

@@ -132,6 +132,7 @@ pub async fn connect<'b, P: crate::Phases>(
             // Boxed: the HTTP/1 path's future (every request's) does not
             // carry its state.
             let leased = Box::pin(w.shared.h2pool.lease(
+                w.id,
                 &key,
                 &w.shared.connector,
                 t.upstream_connect,

@@ -64,12 +64,16 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 const RING_ENTRIES: u32 = 1024;
 const BUF_GROUP: u16 = 0;
-/// Provided buffers (a power of two): 512 × 4 KiB, 2 MiB a worker (the
-/// ring cycles through all of them, so all are touched). Bytes are copied
-/// out as soon as they arrive, so only one batch's worth is ever held; a
-/// batch that needs more ends some multishot receives (ENOBUFS), which are
-/// armed again at once.
+/// Provided buffers at most (a power of two): 512 × 4 KiB, 2 MiB a worker.
+/// Bytes are copied out as soon as they arrive, so only one batch's worth
+/// is ever held; a batch that needs more ends some multishot receives
+/// (ENOBUFS), which are armed again at once.
 const BUF_COUNT: u16 = 512;
+/// Provided buffers a ring starts with, and adds each time a batch ran out
+/// (ENOBUFS) until BUF_COUNT. The ring cycles through all it was given,
+/// so each is touched: a lightly loaded worker (idle keep-alive and HTTP/2
+/// connections) keeps 256 KiB of them resident rather than 2 MiB.
+const BUF_STEP: u16 = 64;
 const BUF_SIZE: usize = 4096;
 /// Unread bytes past which a connection's recv is paused.
 pub const READ_MAX: usize = 256 * 1024;
@@ -84,6 +88,11 @@ const KEEP_CAP: usize = 4096;
 /// none, as on epoll, where a waiting connection holds no buffer of ours.
 /// The price is a small allocation for the next message (tcache's).
 const IDLE_CAP: usize = 0;
+/// Spare buffers a ring keeps for its connections' next messages, and the
+/// largest it keeps: a 4 KiB answer took a fresh glibc allocation (and a
+/// reallocation) a leg per response once its buffer was given back.
+const SPARE_MAX: usize = 32;
+const SPARE_CAP: usize = 16 * 1024;
 /// Submits failed in a row (errors other than EINTR and EBUSY) after which
 /// the worker's new connections stay on epoll; those on the ring keep
 /// being retried, and their own timeouts end them if it never recovers.
@@ -148,6 +157,8 @@ struct BufRing {
     ring: Mapping,
     bufs: Mapping,
     tail: u16,
+    /// Buffers handed to the kernel so far: ids 0..provided.
+    provided: u16,
 }
 
 impl BufRing {
@@ -169,11 +180,20 @@ impl BufRing {
             ring,
             bufs,
             tail: 0,
+            provided: 0,
         };
-        for bid in 0..BUF_COUNT {
-            br.give_back(bid);
-        }
+        br.grow();
         Ok(br)
+    }
+
+    /// Hands BUF_STEP more buffers to the kernel (a batch ran out), up to
+    /// BUF_COUNT. Each id is in the ring at most once: new ids only.
+    fn grow(&mut self) {
+        let to = self.provided.saturating_add(BUF_STEP).min(BUF_COUNT);
+        for bid in self.provided..to {
+            self.give_back(bid);
+        }
+        self.provided = to;
     }
 
     /// Hands buffer `bid` (back) to the kernel.
@@ -211,6 +231,25 @@ impl BufRing {
         // before posting the completion and writes nothing more there until
         // `give_back(bid)`.
         unsafe { std::slice::from_raw_parts(self.bufs.ptr.add(bid as usize * BUF_SIZE), len) }
+    }
+}
+
+/// A ring's spare buffers (LIFO: the last given back is still in cache).
+#[derive(Default)]
+struct Spares(Vec<Vec<u8>>);
+
+impl Spares {
+    /// A buffer for a connection that has none.
+    fn take(&mut self) -> Vec<u8> {
+        self.0.pop().unwrap_or_default()
+    }
+    /// A connection is done with `v`: kept if there is room and it is not
+    /// too large (nor too small to matter), freed otherwise.
+    fn keep(&mut self, mut v: Vec<u8>) {
+        if (1024..=SPARE_CAP).contains(&v.capacity()) && self.0.len() < SPARE_MAX {
+            v.clear();
+            self.0.push(v);
+        }
     }
 }
 
@@ -254,19 +293,19 @@ impl Slot {
     /// left to send, its buffers past [`IDLE_CAP`] go back, so a waiting
     /// connection holds its slot and little more (an idle HTTP/2 client
     /// on TLS kept ~3.5 KiB more on the ring than on epoll).
-    fn trim_idle(&mut self) {
+    fn trim_idle(&mut self, spares: &mut Spares) {
         if self.unread() == 0 && self.rbuf.capacity() > IDLE_CAP {
-            self.rbuf = Vec::new();
+            spares.keep(std::mem::take(&mut self.rbuf));
             self.rpos = 0;
         }
         // Never the buffer of a SEND in flight: the kernel reads it.
         if !self.in_send && self.unsent() == 0 {
             if self.sending.capacity() > IDLE_CAP {
-                self.sending = Vec::new();
+                spares.keep(std::mem::take(&mut self.sending));
                 self.spos = 0;
             }
             if self.queue.capacity() > IDLE_CAP {
-                self.queue = Vec::new();
+                spares.keep(std::mem::take(&mut self.queue));
             }
         }
     }
@@ -297,6 +336,7 @@ struct Driver {
     id: u32,
     /// Streams of this ring dropped on other threads.
     inbox: Arc<Inbox>,
+    spares: Spares,
 }
 
 /// Where a stream dropped on another thread (an idle upstream connection
@@ -416,6 +456,7 @@ pub fn init() -> io::Result<()> {
             failures: 0,
             id,
             inbox: inbox.clone(),
+            spares: Spares::default(),
         })
     });
     inboxes()
@@ -720,6 +761,9 @@ impl Driver {
                     s.rbuf.drain(..s.rpos);
                     s.rpos = 0;
                 }
+                if s.rbuf.capacity() == 0 {
+                    s.rbuf = self.spares.take();
+                }
                 s.rbuf.extend_from_slice(self.bufs.bytes(bid, res as usize));
             }
             self.bufs.give_back(bid);
@@ -734,7 +778,10 @@ impl Driver {
             if let Some(w) = s.rwaker.take() {
                 wake.push(w);
             }
-        } else if res != -libc::ENOBUFS && res != -libc::ECANCELED {
+        } else if res == -libc::ENOBUFS {
+            // The batch wanted more buffers than the ring has: give it more.
+            self.bufs.grow();
+        } else if res != -libc::ECANCELED {
             s.err.get_or_insert(-res);
             wake.extend(s.rwaker.take());
             wake.extend(s.wwaker.take());
@@ -798,7 +845,7 @@ impl Driver {
                 s.sending.clear();
                 s.spos = 0;
                 if s.sending.capacity() > KEEP_CAP {
-                    s.sending = Vec::new();
+                    self.spares.keep(std::mem::take(&mut s.sending));
                 }
             }
         }
@@ -817,9 +864,9 @@ impl Driver {
         // no operation refers to it any more.
         unsafe { libc::close(s.fd) };
         s.fd = -1;
-        s.rbuf = Vec::new();
-        s.sending = Vec::new();
-        s.queue = Vec::new();
+        self.spares.keep(std::mem::take(&mut s.rbuf));
+        self.spares.keep(std::mem::take(&mut s.sending));
+        self.spares.keep(std::mem::take(&mut s.queue));
         s.rwaker = None;
         s.wwaker = None;
         self.free.push(slot as u32);
@@ -934,7 +981,7 @@ impl UringStream {
                     s.rbuf.clear();
                     s.rpos = 0;
                     if s.rbuf.capacity() > KEEP_CAP {
-                        s.rbuf = Vec::new();
+                        d.spares.keep(std::mem::take(&mut s.rbuf));
                     }
                 }
                 // A paused recv resumes once the reader has caught up.
@@ -952,7 +999,7 @@ impl UringStream {
             if !s.rwaker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
                 s.rwaker = Some(cx.waker().clone());
             }
-            s.trim_idle();
+            s.trim_idle(&mut d.spares);
             if !s.recv_armed {
                 d.arm_recv(i);
             }
@@ -970,7 +1017,7 @@ impl UringStream {
             if !s.rwaker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
                 s.rwaker = Some(cx.waker().clone());
             }
-            s.trim_idle();
+            s.trim_idle(&mut d.spares);
             if !s.recv_armed {
                 d.arm_recv(i);
             }
@@ -996,6 +1043,9 @@ impl UringStream {
                 return Poll::Pending;
             }
             let room = WRITE_MAX - s.unsent();
+            if s.queue.capacity() == 0 {
+                s.queue = d.spares.take();
+            }
             let mut n = 0;
             for b in bufs {
                 let take = b.len().min(room - n);
@@ -1298,6 +1348,41 @@ impl UringStream {
     /// The next byte a read would return, left unread; None at the end of
     /// the stream (what a one-byte `MSG_PEEK` tells: a TLS listener looks
     /// at it to tell a handshake from plain HTTP).
+    /// Whether the connection opens with `want` (an h2c listener's test
+    /// for HTTP/2's preface): waits for as many bytes as it takes to tell,
+    /// consumes none. False when they differ or the stream ends first.
+    pub async fn starts_with(&self, want: &[u8]) -> io::Result<bool> {
+        std::future::poll_fn(|cx| {
+            self.slot(|d, i| {
+                let s = &mut d.slots[i];
+                let have = &s.rbuf[s.rpos..];
+                let n = have.len().min(want.len());
+                if have[..n] != want[..n] {
+                    return Poll::Ready(Ok(false));
+                }
+                if n == want.len() {
+                    return Poll::Ready(Ok(true));
+                }
+                if let Some(e) = s.err {
+                    return Poll::Ready(Err(io::Error::from_raw_os_error(e)));
+                }
+                if s.eof {
+                    return Poll::Ready(Ok(false));
+                }
+                // A prefix so far: wait for the next bytes.
+                if !s.rwaker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                    s.rwaker = Some(cx.waker().clone());
+                }
+                if !s.recv_armed {
+                    d.arm_recv(i);
+                }
+                Poll::Pending
+            })
+            .unwrap_or_else(|| Poll::Ready(Err(Self::gone())))
+        })
+        .await
+    }
+
     pub async fn peek_first(&self) -> io::Result<Option<u8>> {
         std::future::poll_fn(|cx| self.poll_readable_priv(cx)).await?;
         self.slot(|d, i| {
@@ -1643,6 +1728,137 @@ mod tests {
             // (every provided buffer, 2 MiB) before the recv pauses; the
             // buffer doubles past that. Without the compaction it is all 32.
             assert!(most <= 8 << 20, "the read buffer grew to {most} bytes");
+        });
+    }
+
+    /// `starts_with` waits for a prefix to become the whole, tells a
+    /// mismatch at its first byte, consumes nothing, and says false at an
+    /// end before the whole.
+    #[test]
+    fn starts_with_waits_for_enough_bytes_and_consumes_none() {
+        local(async {
+            if !supported() {
+                return;
+            }
+            const PRI: &[u8] = b"PRI * HTTP/2.0";
+            let (mut s, mut c) = pair().await;
+            c.write_all(b"PRI * H").await.unwrap();
+            {
+                let mut waiting = std::pin::pin!(s.starts_with(PRI));
+                // Give the ring a few turns: a prefix alone does not decide.
+                for _ in 0..20 {
+                    let mut cx = Context::from_waker(std::task::Waker::noop());
+                    assert!(waiting.as_mut().poll(&mut cx).is_pending());
+                    tokio::task::yield_now().await;
+                }
+                c.write_all(b"TTP/2.0\r\n").await.unwrap();
+                assert!(waiting.await.unwrap());
+            }
+            let mut b = [0u8; 16];
+            s.read_exact(&mut b).await.unwrap();
+            assert_eq!(&b, b"PRI * HTTP/2.0\r\n");
+
+            let (s, mut c) = pair().await;
+            c.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
+            assert!(!s.starts_with(PRI).await.unwrap());
+            let (s, mut c) = pair().await;
+            c.write_all(b"PRI").await.unwrap();
+            drop(c);
+            assert!(!s.starts_with(PRI).await.unwrap());
+        });
+    }
+
+    fn provided() -> u16 {
+        with(|d| d.bufs.provided).unwrap()
+    }
+
+    /// The ring starts with BUF_STEP provided buffers and adds more only
+    /// when a batch of receives runs out of them; no byte is lost when one
+    /// does (the receive is armed again).
+    #[test]
+    fn the_buffer_ring_grows_only_when_a_batch_runs_out() {
+        local(async {
+            if !supported() {
+                return;
+            }
+            // Light use: request and answer, one connection at a time.
+            for _ in 0..(BUF_STEP as usize * 3) {
+                let (mut s, mut c) = pair().await;
+                c.write_all(b"ping").await.unwrap();
+                let mut b = [0u8; 4];
+                s.read_exact(&mut b).await.unwrap();
+                assert_eq!(&b, b"ping");
+            }
+            assert_eq!(provided(), BUF_STEP, "light use needed no more");
+            // 200 connections with 8 KiB each, all arriving before the
+            // ring's reaper runs: 400 buffers wanted at once.
+            let mut pairs = Vec::new();
+            for _ in 0..200 {
+                pairs.push(pair().await);
+            }
+            for (i, (_, c)) in pairs.iter_mut().enumerate() {
+                c.write_all(&[i as u8; 8192]).await.unwrap();
+            }
+            for (i, (s, _)) in pairs.iter_mut().enumerate() {
+                let mut got = vec![0u8; 8192];
+                s.read_exact(&mut got).await.unwrap();
+                assert!(got.iter().all(|&b| b == i as u8), "connection {i}");
+            }
+            let n = provided();
+            assert!(n > BUF_STEP && n <= BUF_COUNT, "{n} buffers provided");
+        });
+    }
+
+    /// Buffers a connection gives back go to the ring's spares (bounded),
+    /// and its next messages, both ways, land in them rather than in fresh
+    /// allocations.
+    #[test]
+    fn given_back_buffers_are_reused() {
+        local(async {
+            if !supported() {
+                return;
+            }
+            let (mut s, mut c) = pair().await;
+            let spares = || with(|d| d.spares.0.iter().map(|v| v.as_ptr()).collect::<Vec<_>>());
+            let mut got = vec![0u8; 6000];
+            for round in 0..3 {
+                let before = spares().unwrap();
+                // An answer larger than KEEP_CAP, each way.
+                c.write_all(&[7u8; 6000]).await.unwrap();
+                std::future::poll_fn(|cx| s.poll_readable(cx))
+                    .await
+                    .unwrap();
+                let rbuf = s.slot(|d, i| d.slots[i].rbuf.as_ptr()).unwrap();
+                s.read_exact(&mut got).await.unwrap();
+                assert!(got.iter().all(|&b| b == 7));
+                s.write_all(&[8u8; 6000]).await.unwrap();
+                let wbuf = s
+                    .slot(|d, i| (d.slots[i].sending.as_ptr(), d.slots[i].queue.as_ptr()))
+                    .unwrap();
+                c.read_exact(&mut got).await.unwrap();
+                std::future::poll_fn(|cx| s.poll_drained(cx)).await.unwrap();
+                let mut cx = Context::from_waker(std::task::Waker::noop());
+                assert!(s.poll_readable(&mut cx).is_pending());
+                let after = spares().unwrap();
+                assert!((1..=SPARE_MAX).contains(&after.len()), "{after:?}");
+                if round > 0 {
+                    assert!(before.contains(&rbuf), "round {round}: a fresh read buffer");
+                    assert!(
+                        before.contains(&wbuf.0) || before.contains(&wbuf.1),
+                        "round {round}: a fresh write buffer"
+                    );
+                    assert_eq!(after.len(), before.len(), "round {round}: spares piled up");
+                }
+            }
+            // Never more than SPARE_MAX, nor one past SPARE_CAP.
+            with(|d| {
+                for _ in 0..SPARE_MAX * 2 {
+                    d.spares.keep(Vec::with_capacity(4096));
+                }
+                d.spares.keep(Vec::with_capacity(SPARE_CAP * 2));
+                assert_eq!(d.spares.0.len(), SPARE_MAX);
+                assert!(d.spares.0.iter().all(|v| v.capacity() <= SPARE_CAP));
+            });
         });
     }
 

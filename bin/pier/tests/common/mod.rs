@@ -25,6 +25,24 @@ pub fn pier(config: &str) -> PierProcess {
     PierProcess::start(bin(), config)
 }
 
+/// The config with its `main` listener (the test configs' first, on port 0)
+/// made an h2c one (prior knowledge or upgrade; its clients stay on epoll).
+pub fn h2c_main(config: &str) -> String {
+    const MAIN: &str = "name = \"main\"\nlisten = \"127.0.0.1:0\"\n";
+    assert!(config.contains(MAIN), "no main listener on port 0");
+    config.replacen(
+        MAIN,
+        "name = \"main\"\nlisten = \"127.0.0.1:0\"\nh2c = true\n",
+        1,
+    )
+}
+
+/// Starts Pier on a config with extra environment variables.
+pub fn pier_env(config: &str, env: &[(&str, &str)]) -> PierProcess {
+    PierProcess::launch_env(bin(), Some(config), &["serve", "-c", "{config}"], env)
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
 /// The io_uring instances a process holds (each an `anon_inode:[io_uring]`
 /// fd; a Pier worker sets one up for its first client on the ring).
 pub fn rings(pid: u32) -> usize {
