@@ -32,12 +32,12 @@
 //! Receives are bounded too: past [`READ_MAX`] unread bytes the recv is
 //! cancelled until the reader catches up.
 //!
-//! Client connections of cleartext HTTP/1 and TLS listeners use it (rustls
-//! runs over a [`UringStream`] as over a socket), and so do cleartext
-//! upstream connections (the pool keeps them with their worker: a stream
-//! works only on its ring's thread, and one dropped elsewhere is handed
-//! back to it); h2c listeners, HTTP/3 and TLS upstream connections run over
-//! tokio's sockets. A thread whose ring
+//! Client connections of cleartext (HTTP/1 and h2c) and TLS listeners use
+//! it (rustls runs over a [`UringStream`] as over a socket), and so do
+//! cleartext upstream connections (the pool keeps them with their worker: a
+//! stream works only on its ring's thread, and one dropped elsewhere is
+//! handed back to it); HTTP/3 and TLS upstream connections run over tokio's
+//! sockets. A thread whose ring
 //! cannot be set up (old kernel, `io_uring_disabled`) says so once and
 //! stays on epoll; so do new connections of a ring whose submits keep
 //! failing ([`SUBMIT_FAILURES_MAX`]), while its own are retried after a
@@ -91,7 +91,7 @@ const IDLE_CAP: usize = 0;
 /// Spare buffers a ring keeps for its connections' next messages, and the
 /// largest it keeps: a 4 KiB answer took a fresh glibc allocation (and a
 /// reallocation) a leg per response once its buffer was given back.
-const SPARE_MAX: usize = 32;
+const SPARE_MAX: usize = 8;
 const SPARE_CAP: usize = 16 * 1024;
 /// Submits failed in a row (errors other than EINTR and EBUSY) after which
 /// the worker's new connections stay on epoll; those on the ring keep
