@@ -1345,9 +1345,6 @@ impl UringStream {
     pub fn poll_readable(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         self.poll_readable_priv(cx)
     }
-    /// The next byte a read would return, left unread; None at the end of
-    /// the stream (what a one-byte `MSG_PEEK` tells: a TLS listener looks
-    /// at it to tell a handshake from plain HTTP).
     /// Whether the connection opens with `want` (an h2c listener's test
     /// for HTTP/2's preface): waits for as many bytes as it takes to tell,
     /// consumes none. False when they differ or the stream ends first.
@@ -1383,6 +1380,9 @@ impl UringStream {
         .await
     }
 
+    /// The next byte a read would return, left unread; None at the end of
+    /// the stream (what a one-byte `MSG_PEEK` tells: a TLS listener looks
+    /// at it to tell a handshake from plain HTTP).
     pub async fn peek_first(&self) -> io::Result<Option<u8>> {
         std::future::poll_fn(|cx| self.poll_readable_priv(cx)).await?;
         self.slot(|d, i| {
