@@ -263,8 +263,8 @@ fn h2spec_conformance() {
 /// An h2c listener's clients are on the worker's io_uring (`[server]
 /// io_uring`, the default; origins kept on epoll here, so the ring is the
 /// clients'): HTTP/2 with prior knowledge, its preface arriving a byte at a
-/// time, and HTTP/1.1 beside it, whose first bytes ("P", "PR") could have
-/// been a preface's.
+/// time, and HTTP/1.1 beside it, whose first byte ("P", sent alone) could
+/// have been a preface's.
 #[test]
 fn h2c_clients_on_io_uring() {
     use std::io::{Read, Write};

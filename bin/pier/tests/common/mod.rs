@@ -26,7 +26,7 @@ pub fn pier(config: &str) -> PierProcess {
 }
 
 /// The config with its `main` listener (the test configs' first, on port 0)
-/// made an h2c one (prior knowledge or upgrade; its clients stay on epoll).
+/// made an h2c one (HTTP/2 with prior knowledge, or HTTP/1.1 beside it).
 pub fn h2c_main(config: &str) -> String {
     const MAIN: &str = "name = \"main\"\nlisten = \"127.0.0.1:0\"\n";
     assert!(config.contains(MAIN), "no main listener on port 0");
