@@ -520,20 +520,15 @@ impl<P: Phases> Admit<P> {
         // inline) are boxed, so they cost only the connections that use them.
         match tls {
             None if !h2c && io_uring(&w.shared.state.load().cfg) => {
-                match pier_core::uring::UringStream::new(stream) {
-                    Ok(s) => {
-                        tokio::task::spawn_local(driver::serve_connection(
-                            w,
-                            s,
-                            peer,
-                            local,
-                            conn,
-                            Some(slot),
-                        ));
-                    }
-                    Err(e) => {
-                        tracing::debug!("io_uring: a connection could not move to the ring: {e}")
-                    }
+                if let Some(s) = on_ring(stream) {
+                    tokio::task::spawn_local(driver::serve_connection(
+                        w,
+                        s,
+                        peer,
+                        local,
+                        conn,
+                        Some(slot),
+                    ));
                 }
             }
             None if !h2c => {
@@ -547,15 +542,10 @@ impl<P: Phases> Admit<P> {
                 ));
             }
             None if io_uring(&w.shared.state.load().cfg) => {
-                match pier_core::uring::UringStream::new(stream) {
-                    Ok(s) => {
-                        tokio::task::spawn_local(Box::pin(serve_h2c(
-                            w, s, peer, local, conn, slot, h2c_only,
-                        )));
-                    }
-                    Err(e) => {
-                        tracing::debug!("io_uring: a connection could not move to the ring: {e}")
-                    }
+                if let Some(s) = on_ring(stream) {
+                    tokio::task::spawn_local(Box::pin(serve_h2c(
+                        w, s, peer, local, conn, slot, h2c_only,
+                    )));
                 }
             }
             None => {
@@ -564,15 +554,8 @@ impl<P: Phases> Admit<P> {
                 )));
             }
             Some(t) if io_uring(&w.shared.state.load().cfg) => {
-                match pier_core::uring::UringStream::new(stream) {
-                    Ok(s) => {
-                        tokio::task::spawn_local(serve_tls(
-                            w, t, s, listener, peer, local, conn, slot,
-                        ));
-                    }
-                    Err(e) => {
-                        tracing::debug!("io_uring: a connection could not move to the ring: {e}")
-                    }
+                if let Some(s) = on_ring(stream) {
+                    tokio::task::spawn_local(serve_tls(w, t, s, listener, peer, local, conn, slot));
                 }
             }
             Some(t) => {
@@ -582,6 +565,14 @@ impl<P: Phases> Admit<P> {
             }
         }
     }
+}
+
+/// A client connection moved onto the worker's ring; None (logged) when it
+/// could not be, and the connection is then gone.
+fn on_ring(stream: tokio::net::TcpStream) -> Option<pier_core::uring::UringStream> {
+    pier_core::uring::UringStream::new(stream)
+        .map_err(|e| tracing::debug!("io_uring: a connection could not move to the ring: {e}"))
+        .ok()
 }
 
 /// A client of an h2c listener, which tells whether it opens with HTTP/2's
